@@ -1,0 +1,48 @@
+"""Loading a diffusers pipeline and resolving the device it runs on."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from fleetgen.errors import ConfigError, FleetgenError
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"`--device` is `{device}` but this machine has no CUDA device. Use `--device cpu`.")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.float16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ConfigError(f"`--dtype` must be one of auto, {', '.join(_DTYPES)}; got `{dtype}`.")
+    return _DTYPES[dtype]
+
+
+def describe_device(device: torch.device) -> dict:
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return {"type": "cuda", "name": torch.cuda.get_device_name(device), "total_bytes": total, "free_bytes": free}
+    return {"type": "cpu", "name": f"cpu ({os.cpu_count()} cores)", "total_bytes": None, "free_bytes": None}
+
+
+def load_pipeline(model: str, dtype: torch.dtype, trust_remote_code: bool = False):
+    """`DiffusionPipeline.from_pretrained` for a local directory or a hub id; progress bars off."""
+    from diffusers import DiffusionPipeline
+    from diffusers.utils import logging as diffusers_logging
+
+    diffusers_logging.disable_progress_bar()
+    try:
+        pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=dtype, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, EnvironmentError) as err:
+        raise FleetgenError(f"Could not load the pipeline `{model}`: {err}") from err
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

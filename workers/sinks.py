@@ -1,0 +1,128 @@
+"""Where a shard's images go, per `--output-format`; written as they are made.
+
+files       one object per image:             OUT/images/<shard>/<id>.<ext>
+webdataset  one tar per shard, <id>.<ext> + <id>.json members:  OUT/data/<shard>.tar
+parquet     one Parquet file per shard, a row group per batch:  OUT/data/<shard>.parquet
+
+Keys are deterministic, so a retried shard overwrites its own objects. The shard manifest (the
+commit) is written by the worker after `close()`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from typing import Protocol
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from workers.layout import IMAGE_FORMATS, data_key, image_key
+from workers.storage import Output
+
+# For `datasets.load_dataset("parquet", ...)`: the `image` struct decodes as an Image feature.
+_HF_FEATURES = {
+    "id": {"dtype": "string", "_type": "Value"},
+    "prompt": {"dtype": "string", "_type": "Value"},
+    "negative_prompt": {"dtype": "string", "_type": "Value"},
+    "seed": {"dtype": "int64", "_type": "Value"},
+    "image": {"_type": "Image"},
+    "width": {"dtype": "int32", "_type": "Value"},
+    "height": {"dtype": "int32", "_type": "Value"},
+    "steps": {"dtype": "int32", "_type": "Value"},
+    "guidance": {"dtype": "float32", "_type": "Value"},
+    "sha256": {"dtype": "string", "_type": "Value"},
+}
+PARQUET_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("prompt", pa.string()),
+        ("negative_prompt", pa.string()),
+        ("seed", pa.int64()),
+        ("image", pa.struct([("bytes", pa.binary()), ("path", pa.string())])),
+        ("width", pa.int32()),
+        ("height", pa.int32()),
+        ("steps", pa.int32()),
+        ("guidance", pa.float32()),
+        ("sha256", pa.string()),
+    ],
+    metadata={"huggingface": json.dumps({"info": {"features": _HF_FEATURES}})},
+)
+
+
+class Sink(Protocol):
+    def add(self, batch: list[tuple[str, bytes, dict]]) -> list[tuple[str, str | None]]:
+        """Store `(id, image bytes, metadata)` items; return `(object key, member)` for each."""
+
+    def close(self) -> None:
+        """Finish the shard's objects (after the last batch)."""
+
+
+class FilesSink:
+    def __init__(self, output: Output, shard_id: str, image_format: str):
+        self.output, self.shard_id, self.image_format = output, shard_id, image_format
+
+    def add(self, batch):
+        keys = []
+        for row_id, data, _meta in batch:
+            key = image_key(self.shard_id, row_id, self.image_format)
+            self.output.put(key, data)
+            keys.append((key, None))
+        return keys
+
+    def close(self) -> None:
+        pass
+
+
+class WebDatasetSink:
+    def __init__(self, output: Output, shard_id: str, image_format: str):
+        self.key = data_key(shard_id, "webdataset")
+        self.ext = IMAGE_FORMATS[image_format]
+        self.stream = output.open_write(self.key)
+        self.tar = tarfile.open(fileobj=self.stream, mode="w|", format=tarfile.PAX_FORMAT)
+
+    def _member(self, name: str, data: bytes) -> None:
+        info = tarfile.TarInfo(name)
+        info.size, info.mtime, info.mode = len(data), 0, 0o644  # mtime 0: same bytes on a retry
+        self.tar.addfile(info, io.BytesIO(data))
+
+    def add(self, batch):
+        keys = []
+        for row_id, data, meta in batch:
+            self._member(f"{row_id}.{self.ext}", data)
+            self._member(f"{row_id}.json", json.dumps(meta, sort_keys=True).encode())
+            keys.append((self.key, f"{row_id}.{self.ext}"))
+        return keys
+
+    def close(self) -> None:
+        self.tar.close()
+        self.stream.close()
+
+
+class ParquetSink:
+    def __init__(self, output: Output, shard_id: str, image_format: str):
+        self.key = data_key(shard_id, "parquet")
+        self.ext = IMAGE_FORMATS[image_format]
+        self.stream = output.open_write(self.key)
+        self.writer = pq.ParquetWriter(self.stream, PARQUET_SCHEMA)
+
+    def add(self, batch):
+        rows = [
+            {**{k: meta[k] for k in PARQUET_SCHEMA.names if k in meta},
+             "image": {"bytes": data, "path": f"{row_id}.{self.ext}"}}
+            for row_id, data, meta in batch
+        ]
+        self.writer.write_table(pa.Table.from_pylist(rows, schema=PARQUET_SCHEMA))
+        return [(self.key, None)] * len(batch)
+
+    def close(self) -> None:
+        self.writer.close()
+        self.stream.close()
+
+
+SINKS = {"files": FilesSink, "webdataset": WebDatasetSink, "parquet": ParquetSink}
+
+
+def open_sink(output: Output, shard_id: str, output_format: str, image_format: str) -> Sink:
+    return SINKS[output_format](output, shard_id, image_format)

@@ -1,0 +1,231 @@
+"""One device's work: load the pipeline once, then generate shards. No Ray here: `cluster/` wraps
+this plain class in an actor, and a benchmark or a test can use it directly."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import platform
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from fleetgen import __version__
+from fleetgen.errors import ShardError
+from offload import apply, resident_plan
+from workers.layout import MANIFEST_SCHEMA, manifest_key, worker_key
+from workers.pipeline import describe_device, load_pipeline, resolve_device, resolve_dtype
+from workers.seeds import generators
+from workers.shard import Columns, Row, Shard, read_shard, shard_rows
+from workers.sinks import open_sink
+from workers.storage import Output
+
+_ENCODE_ARGS = {"png": {"format": "PNG"}, "jpeg": {"format": "JPEG", "quality": 95}, "webp": {"format": "WEBP", "quality": 95}}
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """What every image of a job shares. Part of the job fingerprint."""
+
+    steps: int = 30  # denoising steps per image
+    guidance: float = 7.5  # classifier-free guidance scale
+    width: int = 512  # pixels; must suit the model (a multiple of its VAE scale factor)
+    height: int = 512
+    seed: int = 0  # job seed: rows without a `seed` column derive theirs from it
+    image_format: str = "png"  # png | jpeg | webp
+    output_format: str = "files"  # files | webdataset | parquet
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs to start; picklable, so Ray can ship it to an actor."""
+
+    name: str  # worker name in stats and manifests, e.g. "w0"
+    model: str  # local directory or hub id, loaded with DiffusionPipeline.from_pretrained
+    output: str  # the job's output URL
+    settings: GenerationSettings
+    columns: Columns
+    max_batch: int = 4  # images per pipeline call
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (float16 on CUDA, float32 on CPU) | float32 | float16 | bfloat16
+    threads: int | None = None  # torch CPU threads; None leaves torch's default
+    trust_remote_code: bool = False  # never run a model repo's own code unless asked
+
+
+@dataclass(frozen=True)
+class BatchDone:
+    """Progress: one pipeline call finished."""
+
+    shard_id: str
+    worker: str
+    images: int
+    errors: int
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    shard_id: str
+    worker: str
+    ok: int
+    errors: int
+    seconds: float  # wall time of the whole shard, reading to commit
+
+
+def encode(image, image_format: str) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, **_ENCODE_ARGS[image_format])
+    return buf.getvalue()
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec):
+        started = time.perf_counter()
+        self.spec = spec
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        self.device = resolve_device(spec.device)
+        self.dtype = resolve_dtype(spec.dtype, self.device)
+        self.output = Output(spec.output)
+        self.pipe = load_pipeline(spec.model, self.dtype, spec.trust_remote_code)
+        self.plan = resident_plan(
+            self.pipe, spec.max_batch, reason=f"resident: no offload planning yet; batch = --max-batch {spec.max_batch}"
+        )
+        apply(self.pipe, self.plan, self.device)
+        self.stats = {"shards": 0, "images": 0, "errors": 0, "generate_seconds": 0.0}
+        self.info = {
+            "worker": spec.name,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "device": describe_device(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "torch_threads": torch.get_num_threads(),
+            "plan": self.plan.to_dict(),
+            "load_seconds": round(time.perf_counter() - started, 3),
+            "versions": {"fleetgen": __version__, "torch": torch.__version__, "python": platform.python_version()},
+        }
+        self._write_info()
+
+    def describe(self) -> dict:
+        return {**self.info, "stats": dict(self.stats)}
+
+    def _write_info(self) -> None:
+        stats = dict(self.stats)
+        secs = stats["generate_seconds"]
+        stats["images_per_second"] = round(stats["images"] / secs, 4) if secs else None
+        self.output.put(worker_key(self.spec.name), json.dumps({**self.info, "stats": stats}, indent=2).encode())
+
+    def run_shard(self, shard: Shard) -> ShardResult:
+        """Generate a whole shard and commit it; returns its result."""
+        *_, result = self.iter_shard(shard)
+        return result
+
+    def iter_shard(self, shard: Shard) -> Iterator[BatchDone | ShardResult]:
+        """Generate `shard`, yielding a `BatchDone` per pipeline call, then the `ShardResult`.
+
+        Images are written as they are made; the manifest is written last and is the commit.
+        """
+        started = time.perf_counter()
+        s, name = self.spec.settings, self.spec.name
+        rows = shard_rows(shard, read_shard(shard, self.spec.columns), self.spec.columns, s.seed)
+        records = {r.id: self._record(r) for r in rows}
+        todo = [r for r in rows if r.error is None]
+        sink = open_sink(self.output, shard.id, s.output_format, s.image_format)
+        failures = 0
+        for i in range(0, len(todo), self.plan.batch_size):
+            batch = todo[i : i + self.plan.batch_size]
+            made, failed = self._generate(batch)
+            stored = sink.add([(m.id, m.data, m.meta) for m in made]) if made else []
+            for m, (key, member) in zip(made, stored, strict=True):
+                records[m.id].update(m.record, image=key, member=member)
+            for row_id, error in failed.items():
+                records[row_id].update(status="error", error=error)
+            failures += len(failed)
+            yield BatchDone(shard.id, name, len(made), len(failed))
+        if todo and failures == len(todo):
+            raise ShardError(f"Shard {shard.id}: every row failed in the pipeline; first error: "
+                             f"{records[todo[0].id]['error']}")
+        sink.close()
+        self._commit(shard, list(records.values()))
+        ok = sum(r["status"] == "ok" for r in records.values())
+        self.stats["shards"] += 1
+        self.stats["images"] += ok
+        self.stats["errors"] += len(rows) - ok
+        self._write_info()
+        yield ShardResult(shard.id, name, ok, len(rows) - ok, time.perf_counter() - started)
+
+    def _record(self, row: Row) -> dict:
+        s = self.spec.settings
+        return {
+            "id": row.id, "prompt": row.prompt, "negative_prompt": row.negative_prompt, "seed": row.seed,
+            "status": "error" if row.error else "ok", "error": row.error, "image": None, "member": None,
+            "sha256": None, "width": s.width, "height": s.height, "steps": s.steps, "guidance": s.guidance,
+            "batch": None, "worker": self.spec.name, "device": self.info["device"]["name"], "seconds": None,
+        }
+
+    def _generate(self, batch: list[Row]) -> tuple[list["_Made"], dict[str, str]]:
+        """Run one pipeline call; if it raises, run its rows one at a time so that one bad row
+        costs only itself. Returns what was made and `{row id: error message}`."""
+        try:
+            return self._call(batch), {}
+        except Exception as err:  # noqa: BLE001 - any pipeline failure is retried row by row
+            if len(batch) == 1:
+                return [], {batch[0].id: f"{type(err).__name__}: {err}"}
+        made, failed = [], {}
+        for row in batch:
+            m, f = self._generate([row])
+            made += m
+            failed.update(f)
+        return made, failed
+
+    def _call(self, batch: list[Row]) -> list[_Made]:
+        s = self.spec.settings
+        kwargs = {}
+        if any(r.negative_prompt for r in batch):
+            kwargs["negative_prompt"] = [r.negative_prompt or "" for r in batch]
+        started = time.perf_counter()
+        images = self.pipe(
+            prompt=[r.prompt for r in batch],
+            num_inference_steps=s.steps,
+            guidance_scale=s.guidance,
+            width=s.width,
+            height=s.height,
+            generator=generators([r.seed for r in batch]),
+            output_type="pil",
+            **kwargs,
+        ).images
+        made = []
+        for row, image in zip(batch, images, strict=True):
+            data = encode(image, s.image_format)
+            digest = hashlib.sha256(data).hexdigest()
+            meta = {"id": row.id, "prompt": row.prompt, "negative_prompt": row.negative_prompt, "seed": row.seed,
+                    "width": s.width, "height": s.height, "steps": s.steps, "guidance": s.guidance,
+                    "sha256": digest, "model": self.spec.model}
+            made.append(_Made(row.id, data, meta, {"sha256": digest, "batch": len(batch)}))
+        seconds = time.perf_counter() - started
+        self.stats["generate_seconds"] += seconds
+        for m in made:
+            m.record["seconds"] = seconds / len(batch)
+        return made
+
+    def _commit(self, shard: Shard, records: list[dict]) -> None:
+        buf = io.BytesIO()
+        pq.write_table(pa.Table.from_pylist(records, schema=MANIFEST_SCHEMA), buf)
+        self.output.put(manifest_key(shard.id), buf.getvalue())
+
+    def close(self) -> None:
+        self.pipe = None
+
+
+@dataclass
+class _Made:
+    id: str
+    data: bytes  # the encoded image
+    meta: dict  # what webdataset/parquet output stores beside it
+    record: dict
