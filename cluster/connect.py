@@ -1,0 +1,57 @@
+"""Connecting to the Ray cluster a job runs under, or starting a local one."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+# A local Ray started by fleetgen binds to loopback: nothing else needs to reach it. Ray reads this
+# switch at import time; it only matters when no address is given (a laptop run or a test).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import ray  # noqa: E402
+
+from fleetgen.errors import ClusterError  # noqa: E402
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    cpus: int
+    gpus: int
+    started_here: bool  # we started a local Ray and must shut it down
+
+
+_started_here = False
+
+
+def connect(address: str | None = None, num_cpus: int | None = None) -> ClusterShape:
+    """Join `address`, else `RAY_ADDRESS` (set by `ray job submit`), else start a local Ray.
+
+    Reuses an existing connection (a test session's, or an embedding application's).
+    """
+    global _started_here
+    if not ray.is_initialized():
+        address = address or os.environ.get("RAY_ADDRESS")
+        try:
+            if address:
+                ray.init(address=address, log_to_driver=True)
+            else:
+                ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+                _started_here = True
+        except (ConnectionError, RuntimeError, ValueError) as err:
+            where = f"the Ray cluster at `{address}`" if address else "a local Ray"
+            raise ClusterError(f"Could not start or join {where}: {err}") from err
+    return cluster_shape()
+
+
+def cluster_shape() -> ClusterShape:
+    res = ray.cluster_resources()
+    return ClusterShape(cpus=int(res.get("CPU", 0)), gpus=int(res.get("GPU", 0)), started_here=_started_here)
+
+
+def disconnect() -> None:
+    """Shut Ray down only if `connect` started it."""
+    global _started_here
+    if _started_here and ray.is_initialized():
+        ray.shutdown()
+        _started_here = False

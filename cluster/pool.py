@@ -1,0 +1,121 @@
+"""A pull-based pool of Ray actors, one `workers.Worker` each.
+
+An idle actor takes the next shard, so a faster device takes more. A shard whose attempt fails
+(the worker raised, or its process died) goes back on the queue until `max_attempts`; an actor
+that died is restarted by Ray up to `max_restarts` times, then dropped from the pool.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from fleetgen.errors import ClusterError
+from workers.shard import Shard
+from workers.worker import BatchDone, ShardResult, Worker, WorkerSpec
+
+RemoteWorker = ray.remote(Worker)
+
+
+@dataclass(frozen=True)
+class ShardFailed:
+    """A shard that failed `attempts` times; it is not committed."""
+
+    shard_id: str
+    error: str
+    attempts: int
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    """An actor finished loading; `info` is its `Worker.describe()`."""
+
+    worker: str
+    info: dict
+
+
+PoolEvent = WorkerReady | BatchDone | ShardResult | ShardFailed
+
+
+def _message(err: Exception) -> str:
+    if isinstance(err, RayTaskError) and err.cause is not None:
+        return f"{type(err.cause).__name__}: {err.cause}"
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+
+class WorkerPool:
+    def __init__(self, specs: list[WorkerSpec], actor_options: dict, max_attempts: int = 3, max_restarts: int = 2):
+        self.max_attempts = max_attempts
+        self.max_restarts = max_restarts
+        self.actors = {
+            spec.name: RemoteWorker.options(**actor_options, max_restarts=max_restarts, max_task_retries=0).remote(spec)
+            for spec in specs
+        }
+
+    def run(self, shards: list[Shard]) -> Iterator[PoolEvent]:
+        """Generate every shard; yields progress as it happens. Returns when each shard has
+        committed or failed, or raises `ClusterError` when no worker can start."""
+        queue = deque(shards)
+        attempts: dict[str, int] = {}
+        deaths: dict[str, int] = {}
+        pending = {self.actors[name].describe.remote(): name for name in self.actors}
+        running: dict[ray.ObjectRefGenerator, tuple[str, Shard]] = {}
+        idle: list[str] = []
+        start_errors: list[str] = []
+        while queue or running:
+            while idle and queue:
+                name, shard = idle.pop(0), queue.popleft()
+                attempts[shard.id] = attempts.get(shard.id, 0) + 1
+                running[self.actors[name].iter_shard.remote(shard)] = (name, shard)
+            if not running and not pending:
+                if queue:
+                    raise ClusterError(f"No worker could start: {'; '.join(start_errors) or 'all workers died'}.")
+                break
+            ready, _ = ray.wait([*pending, *running], num_returns=1, timeout=1.0)
+            for ref in ready:
+                if ref in pending:
+                    name = pending.pop(ref)
+                    try:
+                        info = ray.get(ref)
+                    except (RayActorError, RayTaskError) as err:
+                        start_errors.append(f"{name}: {_message(err)}")
+                        continue
+                    idle.append(name)
+                    yield WorkerReady(name, info)
+                    continue
+                name, shard = running[ref]
+                try:
+                    event = ray.get(next(ref))
+                except StopIteration:
+                    del running[ref]
+                    idle.append(name)
+                    continue
+                except (RayActorError, RayTaskError) as err:
+                    del running[ref]
+                    if isinstance(err, RayActorError):
+                        deaths[name] = deaths.get(name, 0) + 1
+                    if deaths.get(name, 0) <= self.max_restarts:
+                        idle.append(name)
+                    if attempts[shard.id] < self.max_attempts:
+                        queue.append(shard)
+                    else:
+                        yield ShardFailed(shard.id, _message(err), attempts[shard.id])
+                    continue
+                yield event
+
+    def close(self) -> None:
+        for actor in self.actors.values():
+            ray.kill(actor, no_restart=True)
+        self.actors = {}
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+

@@ -1,0 +1,116 @@
+"""`fleetgen` (also `python -m jobs`): run, demo, tiny-model, status."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from fleetgen import __version__
+from fleetgen.errors import FleetgenError
+
+EXIT_INCOMPLETE = 1  # the job ran but not every shard committed
+EXIT_ERROR = 2  # bad input, config or environment: nothing (more) was generated
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    # Every default is None: unset options fall through to `--config`, then to JobConfig's defaults.
+    g = p.add_argument_group("job")
+    g.add_argument("--input", help="Parquet file, directory or glob (any fsspec URL)")
+    g.add_argument("--output", help="output location (any fsspec URL)")
+    g.add_argument("--model", help="pipeline directory or hub id")
+    g.add_argument("--config", help="TOML file with the same settings (command line wins)")
+    g = p.add_argument_group("generation (part of the job fingerprint)")
+    g.add_argument("--steps", type=int, help="denoising steps (default 30)")
+    g.add_argument("--guidance", type=float, help="guidance scale (default 7.5)")
+    g.add_argument("--width", type=int, help="pixels, multiple of 8 (default 512)")
+    g.add_argument("--height", type=int, help="pixels, multiple of 8 (default 512)")
+    g.add_argument("--seed", type=int, help="job seed (default 0)")
+    g.add_argument("--image-format", choices=["png", "jpeg", "webp"], help="default png")
+    g.add_argument("--output-format", choices=["files", "webdataset", "parquet"], help="default files")
+    g.add_argument("--prompt-column", help="default prompt")
+    g.add_argument("--id-column", help="default id (used when present)")
+    g.add_argument("--seed-column", help="default seed (used when present)")
+    g.add_argument("--negative-prompt-column", help="default negative_prompt (used when present)")
+    g.add_argument("--rows-per-shard", type=int, help="rows per shard (default 256)")
+    g = p.add_argument_group("execution")
+    g.add_argument("--workers", type=int, help="actors (default: one per GPU, else 1)")
+    g.add_argument("--max-batch", type=int, help="images per pipeline call (default 4)")
+    g.add_argument("--max-attempts", type=int, help="tries per shard (default 3)")
+    g.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
+    g.add_argument("--dtype", help="auto | float32 | float16 | bfloat16 (default auto)")
+    g.add_argument("--ray-address", help="Ray cluster to join (default RAY_ADDRESS, else start a local one)")
+    g.add_argument("--overwrite", action="store_true", default=None, help="replace a different job at --output")
+    g.add_argument("--trust-remote-code", action="store_true", default=None,
+                   help="allow the model repo to run its own code (off by default)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fleetgen", description="Bulk image generation on Ray with diffusers.")
+    p.add_argument("--version", action="version", version=f"fleetgen {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    _add_run_options(sub.add_parser("run", help="generate images for a Parquet prompt set"))
+    d = sub.add_parser("demo", help="tiny model + sample prompts + local Ray, on CPU")
+    d.add_argument("--output", default="demo-output", help="directory for model, prompts and images")
+    t = sub.add_parser("tiny-model", help="write a small random-weight pipeline to DIR")
+    t.add_argument("dir")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--size", choices=["tiny", "small"], default="tiny", help="tiny ≈ 1.7 M params, small ≈ 80 M")
+    s = sub.add_parser("status", help="what a job's output location holds")
+    s.add_argument("output")
+    return p
+
+
+def _run(config) -> int:
+    from jobs.driver import run_job
+
+    summary = run_job(config)
+    print(f"{summary.images_ok} images ({summary.images_error} row errors) in {summary.output} "
+          f"— {summary.shards_committed}/{summary.shards_total} shards committed in {summary.seconds:.1f} s")
+    for f in summary.failures:
+        print(f"FAILED {f['shard']} after {f['attempts']} attempt(s): {f['error']}", file=sys.stderr)
+    return 0 if summary.complete else EXIT_INCOMPLETE
+
+
+def _status(url: str) -> int:
+    from jobs.state import committed_shards
+    from workers.layout import JOB, SUCCESS
+    from workers.storage import Output
+
+    out = Output(url)
+    if not out.exists(JOB):
+        raise FleetgenError(f"{url} holds no fleetgen job (no {JOB}).")
+    job = json.loads(out.get(JOB))
+    rows = sum(f["rows"] for f in job["fingerprint"]["input"])
+    per_shard = job["fingerprint"]["generation"]["rows_per_shard"]
+    print(f"job at {url}: model {job['fingerprint']['model']}, {rows} input rows, {per_shard} rows per shard")
+    print(f"committed shards: {len(committed_shards(out))}; complete: {out.exists(SUCCESS)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            from jobs.config import make_config
+
+            options = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+            return _run(make_config(options, args.config))
+        if args.command == "demo":
+            from jobs.demo import prepare
+
+            config = prepare(args.output)
+            code = _run(config)
+            print(f"demo images: {config.output}/images/  (manifests: {config.output}/shards/)")
+            return code
+        if args.command == "tiny-model":
+            from workers.tiny_model import write_tiny_model
+
+            print(f"wrote {write_tiny_model(args.dir, seed=args.seed, size=args.size)}")
+            return 0
+        if args.command == "status":
+            return _status(args.output)
+    except FleetgenError as err:
+        print(f"fleetgen: error: {err}", file=sys.stderr)
+        return EXIT_ERROR
+    raise AssertionError(args.command)

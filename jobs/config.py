@@ -1,0 +1,133 @@
+"""What a job is: one frozen `JobConfig`, from command-line options and/or a TOML file, validated
+before anything starts."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+from fleetgen.errors import ConfigError
+from workers.layout import IMAGE_FORMATS, OUTPUT_FORMATS
+from workers.shard import Columns
+from workers.worker import GenerationSettings
+
+DEVICES = re.compile(r"auto|cpu|cuda(:\d+)?")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    input: str  # Parquet file, directory or glob; any fsspec URL
+    output: str  # output location; any fsspec URL
+    model: str  # local pipeline directory or hub id
+    # generation: part of the job's fingerprint
+    steps: int = 30  # denoising steps per image
+    guidance: float = 7.5  # classifier-free guidance scale
+    width: int = 512  # pixels, a multiple of 8
+    height: int = 512  # pixels, a multiple of 8
+    seed: int = 0  # job seed; rows without a seed derive theirs from it and their id
+    image_format: str = "png"  # png | jpeg | webp
+    output_format: str = "files"  # files | webdataset | parquet
+    prompt_column: str = "prompt"
+    id_column: str = "id"  # used when present; else ids come from row positions
+    seed_column: str = "seed"  # used when present
+    negative_prompt_column: str = "negative_prompt"  # used when present
+    rows_per_shard: int = 256  # rows per unit of work and of commit; a row group is split into such ranges
+    # execution: may change between a run and its resume
+    workers: int | None = None  # actors; default one per GPU, or 1 on a CPU-only cluster
+    max_batch: int = 4  # images per pipeline call
+    max_attempts: int = 3  # tries per shard before it is marked failed
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (float16 on CUDA, float32 on CPU) | float32 | float16 | bfloat16
+    ray_address: str | None = None  # default: RAY_ADDRESS, else a local Ray
+    overwrite: bool = False  # replace a different job found at `output`
+    trust_remote_code: bool = False  # let the model repo run its own code (off: never)
+
+    def settings(self) -> GenerationSettings:
+        return GenerationSettings(
+            steps=self.steps, guidance=self.guidance, width=self.width, height=self.height, seed=self.seed,
+            image_format=self.image_format, output_format=self.output_format,
+        )
+
+    def columns(self) -> Columns:
+        return Columns(self.prompt_column, self.id_column, self.seed_column, self.negative_prompt_column)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+FIELDS = {f.name: f for f in fields(JobConfig)}
+_REQUIRED = ("input", "output", "model")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _option(name: str) -> str:
+    return f"`--{name.replace('_', '-')}`"
+
+
+def validate(config: JobConfig) -> JobConfig:
+    """Raise `ConfigError` naming the first invalid setting; return the config unchanged."""
+    c = config
+    for name in _REQUIRED:
+        _check(bool(getattr(c, name)), f"{_option(name)} is required.")
+    _check(c.steps >= 1, f"`--steps` must be a positive integer, got `{c.steps}`.")
+    _check(c.guidance >= 0, f"`--guidance` must be 0 or more, got `{c.guidance}`.")
+    for name in ("width", "height"):
+        v = getattr(c, name)
+        _check(v >= 8 and v % 8 == 0, f"{_option(name)} must be a positive multiple of 8, got `{v}`.")
+    _check(c.seed >= 0, f"`--seed` must be 0 or more, got `{c.seed}`.")
+    _check(c.image_format in IMAGE_FORMATS,
+           f"`--image-format` must be one of {', '.join(IMAGE_FORMATS)}; got `{c.image_format}`.")
+    _check(c.output_format in OUTPUT_FORMATS,
+           f"`--output-format` must be one of {', '.join(OUTPUT_FORMATS)}; got `{c.output_format}`.")
+    _check(c.workers is None or c.workers >= 1, f"`--workers` must be 1 or more, got `{c.workers}`.")
+    for name in ("max_batch", "rows_per_shard", "max_attempts"):
+        v = getattr(c, name)
+        _check(v >= 1, f"{_option(name)} must be 1 or more, got `{v}`.")
+    _check(DEVICES.fullmatch(c.device) is not None, f"`--device` must be auto, cpu, cuda or cuda:N; got `{c.device}`.")
+    _check(c.dtype in DTYPES, f"`--dtype` must be one of {', '.join(DTYPES)}; got `{c.dtype}`.")
+    names = [c.prompt_column, c.id_column, c.seed_column, c.negative_prompt_column]
+    _check(len(set(names)) == len(names), f"Column options must name different columns, got {names}.")
+    return c
+
+
+def _coerce(name: str, value: object, source: str) -> object:
+    """Type-check one setting from a TOML file (CLI values are typed by argparse)."""
+    kind = FIELDS[name].type
+    wanted = {"int": int, "float": (int, float), "str": str, "bool": bool, "int | None": int, "str | None": str}[kind]
+    if isinstance(value, bool) and kind != "bool" or not isinstance(value, wanted):
+        raise ConfigError(f"`{name}` in {source} must be {kind.replace(' | None', '')}, got `{value!r}`.")
+    return float(value) if kind == "float" else value
+
+
+def load_toml(path: str) -> dict:
+    """Settings from a TOML file: top-level keys named like the options (`max_batch` or `max-batch`)."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError as err:
+        raise ConfigError(f"`--config` file `{path}` does not exist.") from err
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"`--config` file `{path}` is not valid TOML: {err}") from err
+    out = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in FIELDS:
+            raise ConfigError(f"Unknown setting `{key}` in {path}. Known settings: {', '.join(FIELDS)}.")
+        out[name] = _coerce(name, value, path)
+    return out
+
+
+def make_config(options: dict, config_file: str | None = None) -> JobConfig:
+    """Options given on the command line override the file; absent ones (None) fall through."""
+    values = load_toml(config_file) if config_file else {}
+    values.update({k: v for k, v in options.items() if v is not None})
+    missing = [n for n in _REQUIRED if not values.get(n)]
+    if missing:
+        raise ConfigError(f"{', '.join(_option(n) for n in missing)} required (on the command line or in `--config`).")
+    return validate(replace(JobConfig(input="", output="", model=""), **values))

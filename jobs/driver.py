@@ -1,0 +1,135 @@
+"""The job, end to end: read config → shard → claim the output → dispatch → collect → summarise.
+
+    files = footers of the input            (no rows read here)
+    shards = row ranges of row groups       (stable ids)
+    OUT/job.json                            (or: same job → resume; other job → refuse)
+    skip shards whose manifest exists       (committed earlier)
+    pool of actors pulls shards             (cluster/)
+    OUT/summary.json, OUT/_SUCCESS          (the latter only when every shard committed)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+from fleetgen.errors import InputError
+from jobs.config import JobConfig
+from jobs.progress import Progress
+from jobs.sharding import list_input_files, plan_shards, read_footer, resolve_columns
+from jobs.state import claim_output, committed_shards, fingerprint, read_manifests
+from workers.layout import SUCCESS, SUMMARY
+from workers.shard import Shard
+from workers.storage import Output
+from workers.worker import BatchDone, ShardResult, WorkerSpec
+
+
+@dataclass
+class JobSummary:
+    output: str
+    shards_total: int
+    shards_committed: int
+    shards_skipped: int  # already committed when this run started
+    images_ok: int
+    images_error: int
+    seconds: float
+    failures: list[dict] = field(default_factory=list)
+    workers: list[dict] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return self.shards_committed == self.shards_total
+
+    def to_dict(self) -> dict:
+        return {"complete": self.complete, **self.__dict__}
+
+
+def run_job(config: JobConfig, progress_stream=None, progress_interval: float = 5.0) -> JobSummary:
+    started = time.monotonic()
+    output = Output(config.output)
+    files = [read_footer(url) for url in list_input_files(config.input)]
+    if sum(f.num_rows for f in files) == 0:
+        raise InputError(f"`--input` {config.input} has no rows ({len(files)} file(s), all empty).")
+    columns = resolve_columns(files, config.columns())
+    shards = plan_shards(files, config.rows_per_shard)
+    claim_output(output, config, fingerprint(config, files, columns))
+
+    done = committed_shards(output)
+    todo = [s for s in shards if s.id not in done]
+    progress = Progress(len(shards), sum(s.length for s in shards), shards_done=len(shards) - len(todo),
+                        rows_done=sum(s.length for s in shards if s.id in done),
+                        stream=progress_stream, interval=progress_interval)
+    if len(todo) < len(shards):
+        progress.log(f"resuming: {len(shards) - len(todo)} of {len(shards)} shards already committed")
+    failures, workers = _dispatch(config, columns, todo, progress) if todo else ([], [])
+    progress.close()
+
+    committed = committed_shards(output) & {s.id for s in shards}
+    counts = read_manifests(output, sorted(committed), ["status"])
+    statuses = [row["status"] for rows in counts.values() for row in rows]
+    summary = JobSummary(
+        output=output.url, shards_total=len(shards), shards_committed=len(committed),
+        shards_skipped=len(shards) - len(todo), images_ok=statuses.count("ok"),
+        images_error=len(statuses) - statuses.count("ok"), seconds=round(time.monotonic() - started, 3),
+        failures=failures, workers=workers,
+    )
+    output.put(SUMMARY, json.dumps(summary.to_dict(), indent=2).encode())
+    if summary.complete:
+        output.put(SUCCESS, b"")
+    return summary
+
+
+def _dispatch(config: JobConfig, columns, todo: list[Shard], progress: Progress) -> tuple[list[dict], list[dict]]:
+    """Run `todo` on a pool of actors; returns (failed shards, per-worker table)."""
+    from cluster import ShardFailed, WorkerPool, WorkerReady, connect, disconnect
+
+    shape = connect(config.ray_address)
+    try:
+        if shape.gpus:
+            count, options, threads = config.workers or shape.gpus, {"num_gpus": 1}, None
+        else:
+            count = config.workers or 1
+            threads = max(1, shape.cpus // count)  # split the CPUs; torch would oversubscribe them
+            options = {"num_cpus": threads}
+        specs = [
+            WorkerSpec(
+                name=f"w{i}", model=config.model, output=config.output, settings=config.settings(),
+                columns=columns, max_batch=config.max_batch, device=config.device, dtype=config.dtype,
+                threads=threads, trust_remote_code=config.trust_remote_code,
+            )
+            for i in range(count)
+        ]
+        progress.log(f"{count} worker(s) on {'GPU' if shape.gpus else 'CPU'}, {len(todo)} shard(s) to generate")
+        lengths = {s.id: s.length for s in todo}
+        counted = dict.fromkeys(lengths, 0)
+        table: dict[str, dict] = {}
+        failures = []
+        with WorkerPool(specs, options, max_attempts=config.max_attempts) as pool:
+            for event in pool.run(todo):
+                if isinstance(event, WorkerReady):
+                    progress.start_clock()
+                    table[event.worker] = {"worker": event.worker, "device": event.info["device"]["name"],
+                                           "plan": event.info["plan"], "images": 0, "seconds": 0.0}
+                    progress.log(f"{event.worker} ready on {event.info['device']['name']} "
+                                 f"(loaded in {event.info['load_seconds']:.1f} s)")
+                elif isinstance(event, BatchDone):
+                    rows = min(event.images + event.errors, lengths[event.shard_id] - counted[event.shard_id])
+                    counted[event.shard_id] += rows
+                    progress.update(images=event.images, errors=event.errors, rows=rows)
+                elif isinstance(event, ShardResult):
+                    table[event.worker]["images"] += event.ok
+                    table[event.worker]["seconds"] += event.seconds
+                    progress.update(shards=1, rows=lengths[event.shard_id] - counted[event.shard_id])
+                    counted[event.shard_id] = lengths[event.shard_id]
+                elif isinstance(event, ShardFailed):
+                    failures.append({"shard": event.shard_id, "error": event.error, "attempts": event.attempts})
+                    progress.update(failed=1)
+                    progress.log(f"shard {event.shard_id} failed after {event.attempts} attempt(s): {event.error}")
+    finally:
+        disconnect()
+    total = sum(w["images"] for w in table.values()) or 1
+    for w in table.values():
+        w["images_per_second"] = round(w["images"] / w["seconds"], 3) if w["seconds"] else None
+        w["share"] = round(w["images"] / total, 3)
+    return failures, sorted(table.values(), key=lambda w: w["worker"])

@@ -1,0 +1,110 @@
+"""Resume and commit bookkeeping: the job record, what is committed, and the summary.
+
+`OUT/job.json` is written first and holds the job's fingerprint (input, model, generation
+settings). A rerun with the same fingerprint resumes: shards whose manifest exists are skipped.
+A rerun with a different one refuses, unless `--overwrite`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from fleetgen import __version__
+from fleetgen.errors import StorageError
+from jobs.config import JobConfig
+from jobs.sharding import InputFile
+from workers.layout import JOB, SHARDS, SUCCESS, SUMMARY, WORKERS, manifest_key
+from workers.shard import Columns
+from workers.storage import Output
+
+# What --overwrite removes: everything fleetgen writes, nothing else under OUT.
+_JOB_OBJECTS = (JOB, SUMMARY, SUCCESS, SHARDS, WORKERS, "images", "data")
+
+
+def model_identity(model: str) -> str:
+    """A local directory by its absolute path (so `./m` and `/abs/m` agree), a hub id as given."""
+    path = Path(model).expanduser()
+    return str(path.resolve()) if path.exists() else model
+
+
+def fingerprint(config: JobConfig, files: list[InputFile], columns: Columns) -> dict:
+    """Everything that changes which images a job makes. Execution settings (workers, batch,
+    device) are left out: a job may resume on other hardware."""
+    settings = config.settings().__dict__
+    return {
+        "input": [{"url": f.url, "bytes": f.size, "rows": f.num_rows} for f in files],
+        "model": model_identity(config.model),
+        "generation": {**settings, "rows_per_shard": config.rows_per_shard},
+        "columns": columns.__dict__,
+    }
+
+
+def _differences(old: dict, new: dict) -> list[str]:
+    out = []
+    for part in ("input", "model", "generation", "columns"):
+        a, b = old.get(part), new.get(part)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+            out += [f"{part}.{k} differs: {a.get(k)} vs {b.get(k)}" for k in keys]
+        elif part == "input":
+            out.append("input differs (files, sizes or row counts)")
+        else:
+            out.append(f"{part} differs: {a} vs {b}")
+    return out
+
+
+def claim_output(output: Output, config: JobConfig, job_fingerprint: dict) -> dict:
+    """Write `OUT/job.json`, or check that the job already there is this one."""
+    if output.exists(JOB):
+        try:
+            existing = json.loads(output.get(JOB))
+        except (json.JSONDecodeError, FileNotFoundError) as err:
+            raise StorageError(f"{output.key_url(JOB)} is not a fleetgen job record: {err}") from err
+        diffs = _differences(existing.get("fingerprint", {}), job_fingerprint)
+        if not diffs:
+            return existing
+        if not config.overwrite:
+            raise StorageError(
+                f"{output.url} already holds a different job ({'; '.join(diffs[:3])}). "
+                "Use a new `--output` or pass `--overwrite`."
+            )
+        for key in _JOB_OBJECTS:
+            output.remove(key)
+    record = {
+        "fingerprint": job_fingerprint,
+        "config": config.to_dict(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "versions": versions(),
+    }
+    output.put(JOB, json.dumps(record, indent=2).encode())
+    return record
+
+
+def versions() -> dict:
+    import diffusers
+    import torch
+
+    return {"fleetgen": __version__, "python": platform.python_version(), "torch": torch.__version__,
+            "diffusers": diffusers.__version__, "host": platform.node(), "pid": os.getpid()}
+
+
+def committed_shards(output: Output) -> set[str]:
+    return {name.removesuffix(".parquet") for name in output.list(SHARDS, ".parquet")}
+
+
+def read_manifests(output: Output, shard_ids: list[str], columns: list[str]) -> dict[str, list[dict]]:
+    """Rows of committed manifests, fetched together (concurrently on object stores)."""
+    paths = {output.path(manifest_key(s)): s for s in shard_ids}
+    if not paths:
+        return {}
+    blobs = output.fs.cat(list(paths))
+    return {paths[p]: pq.read_table(io.BytesIO(b), columns=columns).to_pylist() for p, b in blobs.items()}
