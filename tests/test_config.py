@@ -1,0 +1,61 @@
+import pytest
+
+from fleetgen.errors import ConfigError
+from jobs.config import make_config
+
+BASE = {"input": "in.parquet", "output": "out", "model": "m"}
+
+
+def test_defaults_and_cli_over_file(tmp_path):
+    f = tmp_path / "job.toml"
+    f.write_text('input = "file.parquet"\nmodel = "from-file"\nsteps = 12\nmax-batch = 2\nguidance = 3\n')
+    c = make_config({"output": "o", "model": "from-cli"}, str(f))
+    assert (c.input, c.model, c.steps, c.max_batch, c.guidance) == ("file.parquet", "from-cli", 12, 2, 3.0)
+    assert c.width == 512 and c.output_format == "files"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"steps": 0}, "`--steps` must be a positive integer, got `0`."),
+        ({"width": 100}, "`--width` must be a positive multiple of 8, got `100`."),
+        ({"height": -8}, "`--height` must be a positive multiple of 8, got `-8`."),
+        ({"guidance": -1.0}, "`--guidance` must be 0 or more, got `-1.0`."),
+        ({"seed": -1}, "`--seed` must be 0 or more, got `-1`."),
+        ({"image_format": "gif"}, "`--image-format` must be one of png, jpeg, webp; got `gif`."),
+        ({"output_format": "zip"}, "`--output-format` must be one of files, webdataset, parquet; got `zip`."),
+        ({"workers": 0}, "`--workers` must be 1 or more, got `0`."),
+        ({"max_batch": 0}, "`--max-batch` must be 1 or more, got `0`."),
+        ({"rows_per_shard": 0}, "`--rows-per-shard` must be 1 or more, got `0`."),
+        ({"device": "tpu"}, "`--device` must be auto, cpu, cuda or cuda:N; got `tpu`."),
+        ({"dtype": "int8"}, "`--dtype` must be one of auto, float32, float16, bfloat16; got `int8`."),
+        ({"id_column": "prompt"}, "Column options must name different columns"),
+    ],
+)
+def test_invalid_settings_are_named(override, message):
+    with pytest.raises(ConfigError) as err:
+        make_config({**BASE, **override})
+    assert message in str(err.value)
+
+
+def test_required_options():
+    with pytest.raises(ConfigError, match=r"`--input`, `--model` required"):
+        make_config({"output": "o"})
+
+
+def test_config_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        make_config(BASE, str(tmp_path / "nope.toml"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("steps = = 3")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        make_config(BASE, str(bad))
+    bad.write_text("stepz = 3")
+    with pytest.raises(ConfigError, match="Unknown setting `stepz`"):
+        make_config(BASE, str(bad))
+    bad.write_text('steps = "many"')
+    with pytest.raises(ConfigError, match="`steps` in .* must be int, got `'many'`"):
+        make_config(BASE, str(bad))
+    bad.write_text("width = true")
+    with pytest.raises(ConfigError, match="`width` in .* must be int"):
+        make_config(BASE, str(bad))

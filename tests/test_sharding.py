@@ -1,0 +1,106 @@
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from fleetgen.errors import InputError
+from jobs.sharding import list_input_files, plan_shards, read_footer, resolve_columns
+from tests.conftest import write_prompts
+from workers.shard import Columns, read_shard, shard_rows
+
+
+def footers(url):
+    return [read_footer(u) for u in list_input_files(url)]
+
+
+def test_shards_follow_row_groups(tmp_path):
+    write_prompts(tmp_path / "p.parquet", [f"p{i}" for i in range(10)], row_group_size=4)
+    shards = plan_shards(footers(str(tmp_path / "p.parquet")), rows_per_shard=100)
+    assert [(s.row_group, s.offset, s.length) for s in shards] == [(0, 0, 4), (1, 0, 4), (2, 0, 2)]
+    assert [s.row_group_start for s in shards] == [0, 4, 8]
+    assert [s.id for s in shards] == ["shard-00000", "shard-00001", "shard-00002"]
+
+
+def test_big_row_group_splits_into_row_ranges(tmp_path):
+    write_prompts(tmp_path / "p.parquet", [f"p{i}" for i in range(1000)])  # one row group
+    files = footers(str(tmp_path / "p.parquet"))
+    assert files[0].row_groups == (1000,)
+    shards = plan_shards(files, rows_per_shard=300)
+    assert [(s.offset, s.length) for s in shards] == [(0, 300), (300, 300), (600, 300), (900, 100)]
+    # a worker reads exactly its rows
+    rows = shard_rows(shards[3], read_shard(shards[3], Columns(id=None, seed=None, negative_prompt=None)),
+                      Columns(id=None, seed=None, negative_prompt=None), job_seed=0)
+    assert [r.prompt for r in rows] == [f"p{i}" for i in range(900, 1000)]
+    assert rows[0].id == "00000-000000900"
+
+
+def test_shard_ids_are_stable_across_plans(tmp_path):
+    write_prompts(tmp_path / "a.parquet", [f"a{i}" for i in range(7)], row_group_size=3)
+    write_prompts(tmp_path / "b.parquet", [f"b{i}" for i in range(5)])
+    one = plan_shards(footers(str(tmp_path)), 2)
+    two = plan_shards(footers(str(tmp_path)), 2)
+    assert one == two
+    assert len({s.id for s in one}) == len(one) == 2 + 2 + 1 + 3
+
+
+def test_several_files_directory_and_glob(tmp_path):
+    for name in ("b", "a", "c"):
+        write_prompts(tmp_path / f"{name}.parquet", [name])
+    (tmp_path / "notes.txt").write_text("not parquet")
+    by_dir = list_input_files(str(tmp_path))
+    assert [u.rsplit("/", 1)[1] for u in by_dir] == ["a.parquet", "b.parquet", "c.parquet"]
+    by_glob = list_input_files(str(tmp_path / "[ab].parquet"))
+    assert [u.rsplit("/", 1)[1] for u in by_glob] == ["a.parquet", "b.parquet"]
+    shards = plan_shards(footers(str(tmp_path)), 10)
+    assert [s.file_index for s in shards] == [0, 1, 2]
+
+
+def test_empty_file_gives_no_shards(tmp_path):
+    write_prompts(tmp_path / "a.parquet", [])
+    write_prompts(tmp_path / "b.parquet", ["x", "y"])
+    files = footers(str(tmp_path))
+    assert files[0].num_rows == 0
+    assert [s.path.rsplit("/", 1)[1] for s in plan_shards(files, 10)] == ["b.parquet"]
+
+
+def test_nulls_become_error_rows_and_seeds_are_used(tmp_path):
+    write_prompts(tmp_path / "p.parquet", ["ok", None, "  ", "fine"], seed=pa.array([5, 6, None, None], pa.int64()),
+                  id=["r0", "r1", "r2", "../r3"])
+    files = footers(str(tmp_path / "p.parquet"))
+    cols = resolve_columns(files, Columns())
+    assert cols == Columns("prompt", "id", "seed", None)
+    shard = plan_shards(files, 10)[0]
+    rows = shard_rows(shard, read_shard(shard, cols), cols, job_seed=3)
+    assert [r.error is None for r in rows] == [True, False, False, False]
+    assert rows[1].error == "prompt is null or empty"
+    assert "not safe as an object key" in rows[3].error
+    assert rows[0].seed == 5
+
+
+def test_missing_input_and_not_parquet(tmp_path):
+    with pytest.raises(InputError, match="does not exist"):
+        list_input_files(str(tmp_path / "nope.parquet"))
+    with pytest.raises(InputError, match="no `\\*.parquet` files"):
+        list_input_files(str(tmp_path))
+    (tmp_path / "bad.parquet").write_text("hello")
+    with pytest.raises(InputError, match="not a readable Parquet file"):
+        read_footer(str(tmp_path / "bad.parquet"))
+
+
+def test_missing_prompt_column_lists_columns(tmp_path):
+    pq.write_table(pa.table({"text": ["a"], "seed": [1]}), tmp_path / "p.parquet")
+    with pytest.raises(InputError) as err:
+        resolve_columns(footers(str(tmp_path / "p.parquet")), Columns())
+    assert "Input column `prompt` not found" in str(err.value)
+    assert "(columns: text, seed)" in str(err.value)
+    assert "--prompt-column" in str(err.value)
+
+
+def test_wrong_types_and_schema_drift(tmp_path):
+    pq.write_table(pa.table({"prompt": [1, 2]}), tmp_path / "p.parquet")
+    with pytest.raises(InputError, match="must be a string"):
+        resolve_columns(footers(str(tmp_path / "p.parquet")), Columns())
+    (tmp_path / "d").mkdir()
+    write_prompts(tmp_path / "d" / "a.parquet", ["x"], seed=pa.array([1], pa.int64()))
+    write_prompts(tmp_path / "d" / "b.parquet", ["y"])
+    with pytest.raises(InputError, match="all input files must have the same columns"):
+        resolve_columns(footers(str(tmp_path / "d")), Columns())
