@@ -34,7 +34,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--negative-prompt-column", help="default negative_prompt (used when present)")
     g.add_argument("--rows-per-shard", type=int, help="rows per shard (default 256)")
     g = p.add_argument_group("execution")
-    g.add_argument("--workers", type=int, help="actors (default: one per GPU, else 1)")
+    g.add_argument("--workers", type=int, help="actors (default: one per GPU, else CPUs / --cpu-threads)")
+    g.add_argument("--cpu-threads", type=int, help="torch threads per CPU worker (default 1)")
     g.add_argument("--max-batch", type=int, help="images per pipeline call (default 4)")
     g.add_argument("--max-attempts", type=int, help="tries per shard (default 3)")
     g.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
@@ -55,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tiny-model", help="write a small random-weight pipeline to DIR")
     t.add_argument("dir")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--size", choices=["tiny", "small"], default="tiny", help="tiny ≈ 1.7 M params, small ≈ 80 M")
+    t.add_argument("--size", choices=["tiny", "small"], default="tiny", help="tiny ≈ 1.7 M params, small ≈ 85 M")
     s = sub.add_parser("status", help="what a job's output location holds")
     s.add_argument("output")
     return p

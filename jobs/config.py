@@ -36,7 +36,9 @@ class JobConfig:
     negative_prompt_column: str = "negative_prompt"  # used when present
     rows_per_shard: int = 256  # rows per unit of work and of commit; a row group is split into such ranges
     # execution: may change between a run and its resume
-    workers: int | None = None  # actors; default one per GPU, or 1 on a CPU-only cluster
+    workers: int | None = None  # actors; default one per GPU, else one per `cpu_threads` CPUs
+    cpu_threads: int = 1  # torch threads per CPU worker; CPU kernels round differently per thread count,
+    #                       so a fixed number keeps images independent of how many workers run
     max_batch: int = 4  # images per pipeline call
     max_attempts: int = 3  # tries per shard before it is marked failed
     device: str = "auto"  # auto | cpu | cuda | cuda:N
@@ -87,7 +89,7 @@ def validate(config: JobConfig) -> JobConfig:
     _check(c.output_format in OUTPUT_FORMATS,
            f"`--output-format` must be one of {', '.join(OUTPUT_FORMATS)}; got `{c.output_format}`.")
     _check(c.workers is None or c.workers >= 1, f"`--workers` must be 1 or more, got `{c.workers}`.")
-    for name in ("max_batch", "rows_per_shard", "max_attempts"):
+    for name in ("max_batch", "rows_per_shard", "max_attempts", "cpu_threads"):
         v = getattr(c, name)
         _check(v >= 1, f"{_option(name)} must be 1 or more, got `{v}`.")
     _check(DEVICES.fullmatch(c.device) is not None, f"`--device` must be auto, cpu, cuda or cuda:N; got `{c.device}`.")

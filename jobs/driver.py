@@ -89,8 +89,8 @@ def _dispatch(config: JobConfig, columns, todo: list[Shard], progress: Progress)
         if shape.gpus:
             count, options, threads = config.workers or shape.gpus, {"num_gpus": 1}, None
         else:
-            count = config.workers or 1
-            threads = max(1, shape.cpus // count)  # split the CPUs; torch would oversubscribe them
+            threads = config.cpu_threads
+            count = config.workers or max(1, shape.cpus // threads)
             options = {"num_cpus": threads}
         specs = [
             WorkerSpec(

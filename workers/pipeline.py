@@ -38,14 +38,13 @@ def load_pipeline(model: str, dtype: torch.dtype, trust_remote_code: bool = Fals
     """`DiffusionPipeline.from_pretrained` for a local directory or a hub id; progress bars off."""
     from diffusers import DiffusionPipeline
     from diffusers.utils import logging as diffusers_logging
-
     from transformers.utils import logging as transformers_logging
 
     diffusers_logging.disable_progress_bar()
     transformers_logging.disable_progress_bar()
     try:
         pipe = DiffusionPipeline.from_pretrained(model, dtype=dtype, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, EnvironmentError) as err:
+    except (OSError, ValueError) as err:
         raise FleetgenError(f"Could not load the pipeline `{model}`: {err}") from err
     pipe.set_progress_bar_config(disable=True)
     return pipe

@@ -26,7 +26,7 @@ _WORDS = (
 
 @dataclass(frozen=True)
 class TinySize:
-    """Widths of the tiny architectures. `tiny` ≈ 1.5 M params; `small` ≈ 80 M params."""
+    """Widths of the tiny architectures. `tiny` ≈ 1.7 M params; `small` ≈ 85 M params."""
 
     unet_channels: tuple[int, ...]
     layers_per_block: int
@@ -38,7 +38,7 @@ class TinySize:
 
 SIZES = {
     "tiny": TinySize((32, 64), 1, 32, 2, (32, 64), 8),
-    "small": TinySize((128, 256, 512), 2, 256, 4, (64, 128), 8),
+    "small": TinySize((128, 256, 448), 2, 256, 4, (64, 128), 8),
 }
 
 

@@ -11,7 +11,7 @@ import platform
 import socket
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -169,7 +169,7 @@ class Worker:
             "batch": None, "worker": self.spec.name, "device": self.info["device"]["name"], "seconds": None,
         }
 
-    def _generate(self, batch: list[Row]) -> tuple[list["_Made"], dict[str, str]]:
+    def _generate(self, batch: list[Row]) -> tuple[list[_Made], dict[str, str]]:
         """Run one pipeline call; if it raises, run its rows one at a time so that one bad row
         costs only itself. Returns what was made and `{row id: error message}`."""
         try:

@@ -1,0 +1,137 @@
+"""Whole jobs on a real local Ray (one per test run): dispatch, determinism, resume, refusal, S3."""
+
+import hashlib
+import io
+import json
+import os
+
+import pyarrow.parquet as pq
+import pytest
+
+from fleetgen.errors import StorageError
+from jobs.cli import main
+from jobs.config import JobConfig, validate
+from jobs.driver import run_job
+from tests.conftest import FAST, write_prompts
+
+pytestmark = pytest.mark.ray
+
+N = 12
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "p.parquet"
+    return str(write_prompts(path, [f"prompt number {i}" for i in range(N)], row_group_size=6))
+
+
+def job(prompts, model, out, **kw) -> JobConfig:
+    return validate(JobConfig(input=prompts, output=str(out), model=model, rows_per_shard=3, max_batch=3,
+                              **{**FAST, **kw}))
+
+
+def shas(out) -> dict:
+    rows = pq.read_table(os.path.join(out, "shards")).to_pylist()
+    return {r["id"]: r["sha256"] for r in rows}
+
+
+def test_two_workers_one_worker_same_images(ray_cluster, tiny_model, prompts, tmp_path):
+    log = io.StringIO()
+    two = run_job(job(prompts, tiny_model, tmp_path / "two", workers=2), progress_stream=log, progress_interval=0)
+    assert two.complete and (two.images_ok, two.images_error, two.shards_total) == (N, 0, 4)
+    assert {w["worker"] for w in two.workers} == {"w0", "w1"}
+    assert sum(w["images"] for w in two.workers) == N
+    assert (tmp_path / "two" / "_SUCCESS").exists()
+    assert json.loads((tmp_path / "two" / "summary.json").read_text())["complete"] is True
+    job_json = json.loads((tmp_path / "two" / "job.json").read_text())
+    assert job_json["fingerprint"]["input"][0]["rows"] == N
+    lines = log.getvalue().splitlines()
+    assert any("shards 4/4  rows 12/12" in line for line in lines), lines  # plain lines when not a TTY
+    assert all(line.startswith("[fleetgen] ") for line in lines)
+
+    one = run_job(job(prompts, tiny_model, tmp_path / "one", workers=1), progress_stream=io.StringIO())
+    assert one.complete
+    assert shas(tmp_path / "one") == shas(tmp_path / "two")
+    assert len(set(shas(tmp_path / "one").values())) == N  # and the images differ from each other
+
+
+def test_resume_redoes_only_missing_shards(ray_cluster, tiny_model, prompts, tmp_path):
+    out = tmp_path / "out"
+    run_job(job(prompts, tiny_model, out, workers=2), progress_stream=io.StringIO())
+    before = shas(out)
+    kept = out / "images" / "shard-00000" / "00000-000000000.png"
+    kept_mtime = kept.stat().st_mtime_ns
+    redone = out / "images" / "shard-00002" / "00000-000000006.png"
+    redone_mtime = redone.stat().st_mtime_ns
+    for shard in ("shard-00001", "shard-00002"):
+        (out / "shards" / f"{shard}.parquet").unlink()
+    (out / "_SUCCESS").unlink()
+
+    again = run_job(job(prompts, tiny_model, out, workers=2), progress_stream=io.StringIO())
+    assert again.complete and again.shards_skipped == 2 and again.images_ok == N
+    assert sum(w["images"] for w in again.workers) == 6  # only the two deleted shards' rows
+    assert shas(out) == before
+    assert kept.stat().st_mtime_ns == kept_mtime  # committed shard untouched
+    assert redone.stat().st_mtime_ns != redone_mtime  # uncommitted shard overwritten, not duplicated
+    assert sorted(p.name for p in (out / "images" / "shard-00002").iterdir()) == [
+        "00000-000000006.png", "00000-000000007.png", "00000-000000008.png"]
+
+    # all committed: no workers start, nothing is generated
+    done = run_job(job(prompts, tiny_model, out, workers=2), progress_stream=io.StringIO())
+    assert done.complete and done.shards_skipped == 4 and done.workers == []
+
+
+def test_other_job_refuses_unless_overwrite(ray_cluster, tiny_model, prompts, tmp_path):
+    out = tmp_path / "out"
+    run_job(job(prompts, tiny_model, out, workers=1), progress_stream=io.StringIO())
+    with pytest.raises(StorageError) as err:
+        run_job(job(prompts, tiny_model, out, workers=1, steps=3), progress_stream=io.StringIO())
+    assert "already holds a different job (generation.steps differs: 2 vs 3)" in str(err.value)
+    assert "--overwrite" in str(err.value)
+    replaced = run_job(job(prompts, tiny_model, out, workers=1, steps=3, overwrite=True), progress_stream=io.StringIO())
+    assert replaced.complete and replaced.shards_skipped == 0
+    assert json.loads((out / "job.json").read_text())["fingerprint"]["generation"]["steps"] == 3
+
+
+def test_cli_run_with_config_file_and_webdataset(ray_cluster, tiny_model, prompts, tmp_path, capsys):
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(f'model = "{tiny_model}"\nsteps = 2\nwidth = 64\nheight = 64\nrows-per-shard = 6\n'
+                   'output_format = "webdataset"\ndevice = "cpu"\n')
+    code = main(["run", "--input", prompts, "--output", str(tmp_path / "out"), "--config", str(cfg),
+                 "--workers", "2", "--max-batch", "2"])
+    assert code == 0
+    assert "12 images (0 row errors)" in capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "out" / "data").iterdir()) == ["shard-00000.tar", "shard-00001.tar"]
+
+
+def test_cli_errors_exit_2_with_message(tmp_path, tiny_model, capsys):
+    code = main(["run", "--input", str(tmp_path / "none.parquet"), "--output", str(tmp_path / "o"),
+                 "--model", tiny_model])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fleetgen: error: `--input`") and "does not exist" in err
+    assert not (tmp_path / "o").exists()  # refused before anything was written
+    code = main(["run", "--input", "x", "--output", "o", "--model", "m", "--steps", "0"])
+    assert code == 2
+    assert "`--steps` must be a positive integer, got `0`." in capsys.readouterr().err
+
+
+def test_s3_input_and_output(ray_cluster, s3_server, tiny_model, tmp_path):
+    import s3fs
+
+    fs = s3fs.S3FileSystem()
+    fs.mkdir("fleetgen-test")
+    local = write_prompts(tmp_path / "p.parquet", [f"s3 prompt {i}" for i in range(6)])
+    fs.put(str(local), "fleetgen-test/in/p.parquet")
+    cfg = validate(JobConfig(input="s3://fleetgen-test/in/", output="s3://fleetgen-test/out", model=tiny_model,
+                             rows_per_shard=3, max_batch=3, workers=2, **FAST))
+    summary = run_job(cfg, progress_stream=io.StringIO())
+    assert summary.complete and summary.images_ok == 6
+    fs.invalidate_cache()
+    assert fs.exists("fleetgen-test/out/_SUCCESS")
+    assert len(fs.find("fleetgen-test/out/images")) == 6
+    rows = pq.read_table("fleetgen-test/out/shards", filesystem=fs).to_pylist()
+    for r in rows:
+        assert hashlib.sha256(fs.cat(f"fleetgen-test/out/{r['image']}")).hexdigest() == r["sha256"]
+    # resume on S3: everything committed, nothing to do
+    assert run_job(cfg, progress_stream=io.StringIO()).shards_skipped == 2

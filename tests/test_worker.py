@@ -1,0 +1,134 @@
+"""The worker on CPU with the tiny model, no Ray: what a shard writes, in every output format."""
+
+import hashlib
+import io
+import json
+import tarfile
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from jobs.sharding import plan_shards, read_footer, resolve_columns
+from tests.conftest import FAST, write_prompts
+from workers.layout import MANIFEST_SCHEMA
+from workers.shard import Columns
+from workers.worker import GenerationSettings, ShardResult, Worker, WorkerSpec
+
+PROMPTS = ["a red fox", None, "a blue owl in the forest", "sunset over the sea", "a small robot"]
+IDS = ["fox", "null", "owl", "sea", "../escape"]
+
+
+@pytest.fixture(scope="module")
+def shard_input(tmp_path_factory):
+    path = write_prompts(tmp_path_factory.mktemp("in") / "p.parquet", PROMPTS, id=IDS)
+    files = [read_footer(str(path))]
+    return plan_shards(files, 100)[0], resolve_columns(files, Columns())
+
+
+def make_worker(model, out, output_format="files", max_batch=2, image_format="png"):
+    settings = GenerationSettings(steps=FAST["steps"], guidance=FAST["guidance"], width=64, height=64, seed=0,
+                                  image_format=image_format, output_format=output_format)
+    cols = Columns("prompt", "id", None, None)
+    return Worker(WorkerSpec("w0", model, str(out), settings, cols, max_batch=max_batch, device="cpu", threads=2))
+
+
+def manifest(out, shard_id="shard-00000"):
+    return pq.read_table(out / "shards" / f"{shard_id}.parquet")
+
+
+def test_files_output_and_manifest(tiny_model, shard_input, tmp_path):
+    shard, _ = shard_input
+    worker = make_worker(tiny_model, tmp_path)
+    events = list(worker.iter_shard(shard))
+    result = events[-1]
+    assert isinstance(result, ShardResult) and (result.ok, result.errors) == (3, 2)
+    assert [e.images for e in events[:-1]] == [2, 1]  # batches of max_batch=2 over the 3 good rows
+
+    table = manifest(tmp_path)
+    assert table.schema.equals(MANIFEST_SCHEMA)
+    rows = table.to_pylist()
+    assert [r["id"] for r in rows] == IDS  # one row per input row, in input order
+    assert [r["status"] for r in rows] == ["ok", "error", "ok", "ok", "error"]
+    assert rows[1]["error"] == "prompt is null or empty"
+    assert "not safe as an object key" in rows[4]["error"]
+    for r in rows:
+        if r["status"] == "ok":
+            data = (tmp_path / r["image"]).read_bytes()
+            assert r["image"] == f"images/shard-00000/{r['id']}.png"
+            assert hashlib.sha256(data).hexdigest() == r["sha256"]
+            assert Image.open(io.BytesIO(data)).size == (64, 64)
+            assert r["seed"] is not None and r["worker"] == "w0" and r["seconds"] > 0
+    # nothing outside the shard's prefix, nothing for the bad rows
+    written = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
+    assert written == ["images/shard-00000/fox.png", "images/shard-00000/owl.png", "images/shard-00000/sea.png",
+                       "shards/shard-00000.parquet", "workers/w0.json"]
+    stats = json.loads((tmp_path / "workers" / "w0.json").read_text())
+    assert stats["stats"]["images"] == 3 and stats["plan"]["batch_size"] == 2
+
+
+def test_same_shard_twice_gives_same_bytes(tiny_model, shard_input, tmp_path):
+    shard, _ = shard_input
+    worker = make_worker(tiny_model, tmp_path / "a")
+    worker.run_shard(shard)
+    first = manifest(tmp_path / "a").column("sha256").to_pylist()
+    worker.run_shard(shard)  # a retry overwrites the same keys
+    assert manifest(tmp_path / "a").column("sha256").to_pylist() == first
+    assert len(list((tmp_path / "a" / "images" / "shard-00000").iterdir())) == 3
+
+
+def test_batch_size_changes_low_bits_only(tiny_model, shard_input, tmp_path):
+    """Batched kernels on CPU may round differently per batch shape: images agree to a few levels."""
+    shard, _ = shard_input
+    arrays = []
+    for batch in (1, 3):
+        make_worker(tiny_model, tmp_path / f"b{batch}", max_batch=batch).run_shard(shard)
+        arrays.append([np.asarray(Image.open(tmp_path / f"b{batch}" / "images" / "shard-00000" / f"{i}.png"),
+                                  dtype=np.int16) for i in ("fox", "owl", "sea")])
+    for a, b in zip(*arrays, strict=True):
+        assert np.abs(a - b).max() <= 2
+
+
+def test_webdataset_output(tiny_model, shard_input, tmp_path):
+    shard, _ = shard_input
+    make_worker(tiny_model, tmp_path, output_format="webdataset", image_format="jpeg").run_shard(shard)
+    rows = {r["id"]: r for r in manifest(tmp_path).to_pylist()}
+    with tarfile.open(tmp_path / "data" / "shard-00000.tar") as tar:
+        names = tar.getnames()
+        assert names == ["fox.jpg", "fox.json", "owl.jpg", "owl.json", "sea.jpg", "sea.json"]
+        meta = json.loads(tar.extractfile("owl.json").read())
+        data = tar.extractfile("owl.jpg").read()
+    assert meta["prompt"] == "a blue owl in the forest" and meta["seed"] == rows["owl"]["seed"]
+    assert hashlib.sha256(data).hexdigest() == rows["owl"]["sha256"] == meta["sha256"]
+    assert (rows["owl"]["image"], rows["owl"]["member"]) == ("data/shard-00000.tar", "owl.jpg")
+    assert Image.open(io.BytesIO(data)).format == "JPEG"
+
+
+def test_parquet_output_reads_with_pyarrow_and_datasets(tiny_model, shard_input, tmp_path):
+    shard, _ = shard_input
+    make_worker(tiny_model, tmp_path, output_format="parquet", image_format="webp").run_shard(shard)
+    path = tmp_path / "data" / "shard-00000.parquet"
+    table = pq.read_table(path)
+    assert table.column("id").to_pylist() == ["fox", "owl", "sea"]
+    data = table.column("image").to_pylist()[0]["bytes"]
+    assert hashlib.sha256(data).hexdigest() == manifest(tmp_path).column("sha256").to_pylist()[0]
+    assert Image.open(io.BytesIO(data)).format == "WEBP"
+
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.load_dataset("parquet", data_files=str(path), split="train")
+    assert ds[1]["id"] == "owl" and ds[1]["image"].size == (64, 64)  # decoded as an Image feature
+
+
+def test_seed_column_is_used(tiny_model, tmp_path):
+    """Two rows with the same prompt and the same seed make the same image; another seed does not."""
+    path = write_prompts(tmp_path / "p.parquet", ["a cat"] * 3, id=["a", "b", "c"], seed=pa.array([9, 9, 10]))
+    files = [read_footer(str(path))]
+    shard = plan_shards(files, 10)[0]
+    settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64)
+    cols = resolve_columns(files, Columns())
+    Worker(WorkerSpec("w0", tiny_model, str(tmp_path / "o"), settings, cols, max_batch=1, device="cpu")).run_shard(shard)
+    rows = manifest(tmp_path / "o").to_pylist()
+    assert [r["seed"] for r in rows] == [9, 9, 10]
+    assert rows[0]["sha256"] == rows[1]["sha256"] != rows[2]["sha256"]
