@@ -43,7 +43,7 @@ def plain(model: str, prompts: str, out: str, batch: int, steps: int) -> None:
         gens = [torch.Generator().manual_seed(j) for j in range(i, i + len(chunk))]
         images = pipe(prompt=[r["prompt"] for r in chunk], num_inference_steps=steps, guidance_scale=5.0,
                       width=64, height=64, generator=gens).images
-        for r, image in zip(chunk, images):
+        for r, image in zip(chunk, images, strict=True):
             image.save(f"{out}/{r['id']}.png")
 
 
