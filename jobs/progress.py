@@ -27,7 +27,7 @@ class Progress:
         self.shards_done, self.rows_done = shards_done, rows_done
         self.failed = self.errors = self.made = 0  # made: images made by this run
         self.started = time.monotonic()
-        self._last = 0.0
+        self._last = float("-inf")  # the first update draws
 
     def start_clock(self) -> None:
         """Rates count from here (the first worker ready), not from model loading."""
