@@ -1,0 +1,159 @@
+"""Bytes per component and per offload group, as diffusers' group offloading would cut them.
+
+Works on real weights and on the `meta` device (architectures planned without their weights).
+The grouping rules mirror `diffusers/hooks/group_offloading.py` (0.42): block level groups the
+direct `ModuleList`/`Sequential` children of a module, recursing into `block_modules` by name;
+everything else of that module is one "unmatched" group that stays on the device for the whole
+forward. Leaf level makes one group per Conv/Linear/Embedding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# The denoiser runs once per step; everything else once per pipeline call.
+PER_STEP = ("unet", "transformer", "transformer_2", "prior", "decoder")
+_LEAF_TYPES = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.ConvTranspose1d,
+               torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d, torch.nn.Linear, torch.nn.Embedding)
+_BLOCK_TYPES = (torch.nn.ModuleList, torch.nn.Sequential)
+
+
+@dataclass(frozen=True)
+class ComponentProfile:
+    name: str
+    cls: str
+    params: int  # parameter count
+    bytes: int  # parameters + buffers at the run dtype
+    per_step: bool  # runs every denoising step (the denoiser) or once per pipeline call
+    blocks: tuple[int, ...]  # bytes of each offloadable block at block level (1 block per group)
+    unmatched: int  # bytes resident for the whole forward at block level
+    largest_leaf: int  # bytes of the largest leaf layer
+    leaves: int  # leaf layers: the number of groups (and transfers per forward) at leaf level
+    non_leaf: int  # bytes outside leaf layers (norms, bare parameters): resident during the forward at leaf level
+    block_modules: tuple[str, ...]  # passed to apply_group_offloading so text encoders split by layer
+    tied: bool  # shares a weight between modules (refused with leaf level + disk)
+    hidden: int  # width of the main activations (for activation estimates)
+
+    def block_floor(self, k: int) -> int:
+        """Device bytes while running at block level with `k` blocks per group."""
+        groups = [sum(self.blocks[i : i + k]) for i in range(0, len(self.blocks), k)] or [0]
+        return self.unmatched + max(groups)
+
+
+@dataclass(frozen=True)
+class PipelineProfile:
+    model: str
+    dtype_bytes: int
+    components: dict[str, ComponentProfile]
+    latent_channels: int
+    vae_scale: int  # pixels per latent pixel
+    vae_channels: int  # channels of the VAE decoder's full-resolution feature maps
+    patch: int  # latent pixels per token (transformers); 1 for UNets
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(c.bytes for c in self.components.values())
+
+
+def _tensor_bytes(t: torch.Tensor, dtype_bytes: int) -> int:
+    size = dtype_bytes if t.is_floating_point() else t.element_size()
+    return t.numel() * size
+
+
+def _bytes(module: torch.nn.Module, dtype_bytes: int, seen: set[int] | None = None) -> int:
+    total = 0
+    for t in [*module.parameters(recurse=True), *module.buffers(recurse=True)]:
+        if seen is not None:
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+        total += _tensor_bytes(t, dtype_bytes)
+    return total
+
+
+def text_encoder_block_modules(module: torch.nn.Module) -> tuple[str, ...]:
+    """Names leading to the largest block list when it is not a direct child (CLIP:
+    text_model.encoder.layers -> ("text_model", "encoder"); T5: encoder.block -> ("encoder",))."""
+    best, best_size = None, 0
+    for name, sub in module.named_modules():
+        if isinstance(sub, _BLOCK_TYPES) and name:
+            size = sum(p.numel() for p in sub.parameters())
+            if size > best_size:
+                best, best_size = name, size
+    if best is None or "." not in best:
+        return ()
+    return tuple(best.split(".")[:-1])
+
+
+def _blocks(module: torch.nn.Module, block_modules: set[str], dtype_bytes: int, seen: set[int]) -> list[int]:
+    """Block sizes as diffusers' block level cuts them; marks their tensors as seen."""
+    out = []
+    for name, child in module.named_children():
+        if name in block_modules:
+            out += _blocks(child, block_modules, dtype_bytes, seen)
+        elif isinstance(child, _BLOCK_TYPES):
+            out += [_bytes(block, dtype_bytes, seen) for block in child]
+    return out
+
+
+def _width(module: torch.nn.Module) -> int:
+    """Channels of the main activations: the first UNet level, a transformer's inner dimension, a
+    text encoder's hidden size; else the widest Linear output."""
+    cfg = getattr(module, "config", None)
+    get = (lambda k: cfg.get(k) if isinstance(cfg, dict) else getattr(cfg, k, None)) if cfg is not None else (lambda k: None)
+    if get("block_out_channels"):
+        return int(get("block_out_channels")[0])
+    if isinstance(get("num_attention_heads"), int) and isinstance(get("attention_head_dim"), int):
+        return get("num_attention_heads") * get("attention_head_dim")
+    for key in ("hidden_size", "d_model"):
+        if isinstance(get(key), int):
+            return get(key)
+    return max((m.out_features for m in module.modules() if isinstance(m, torch.nn.Linear)), default=0)
+
+
+def profile_component(name: str, module: torch.nn.Module, dtype_bytes: int) -> ComponentProfile:
+    explicit = getattr(module, "_group_offload_block_modules", None)
+    block_modules = tuple(explicit) if explicit is not None else text_encoder_block_modules(module)
+    seen: set[int] = set()
+    blocks = _blocks(module, set(block_modules), dtype_bytes, seen)
+    total = _bytes(module, dtype_bytes)
+    leaves = [m for m in module.modules() if isinstance(m, _LEAF_TYPES)]
+    leaf_seen: set[int] = set()
+    leaf_sizes = [_bytes(m, dtype_bytes, leaf_seen) for m in leaves]
+    ids = [id(p) for _, p in module.named_parameters(remove_duplicate=False)]
+    hidden = _width(module)
+    return ComponentProfile(
+        name=name, cls=type(module).__name__, params=sum(p.numel() for p in module.parameters()), bytes=total,
+        per_step=name in PER_STEP, blocks=tuple(blocks), unmatched=total - sum(blocks),
+        largest_leaf=max(leaf_sizes, default=0), leaves=len(leaves), non_leaf=max(0, total - sum(leaf_sizes)),
+        block_modules=block_modules, tied=len(ids) != len(set(ids)), hidden=hidden,
+    )
+
+
+def _config_value(module: torch.nn.Module | None, key: str, default: int) -> int:
+    cfg = getattr(module, "config", None)
+    value = getattr(cfg, key, None) if cfg is not None else None
+    return value if isinstance(value, int) else default
+
+
+def profile_modules(model: str, modules: dict[str, torch.nn.Module], dtype: torch.dtype) -> PipelineProfile:
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    vae = modules.get("vae")
+    denoiser = next((modules[n] for n in PER_STEP if n in modules), None)
+    vae_blocks = getattr(getattr(vae, "config", None), "block_out_channels", None) or [0, 0, 0, 0]
+    return PipelineProfile(
+        model=model, dtype_bytes=dtype_bytes,
+        components={n: profile_component(n, m, dtype_bytes) for n, m in modules.items()},
+        latent_channels=_config_value(vae, "latent_channels", 4),
+        vae_scale=2 ** (len(vae_blocks) - 1),
+        vae_channels=vae_blocks[0] or 128,
+        patch=_config_value(denoiser, "patch_size", 1) if type(denoiser).__name__ != "FluxTransformer2DModel" else 2,
+    )
+
+
+def profile_pipeline(pipe, model: str = "") -> PipelineProfile:
+    modules = {n: c for n, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
+    dtype = next((p.dtype for m in modules.values() for p in m.parameters() if p.is_floating_point()), torch.float32)
+    return profile_modules(model or getattr(pipe, "name_or_path", ""), modules, dtype)
