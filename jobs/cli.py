@@ -38,6 +38,11 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-threads", type=int, help="torch threads per CPU worker (default 1)")
     g.add_argument("--max-batch", type=int, help="images per pipeline call (default 4)")
     g.add_argument("--max-attempts", type=int, help="tries per shard (default 3)")
+    g.add_argument("--offload", choices=["auto", "none", "block", "leaf", "disk"],
+                   help="how workers place the pipeline (default auto: planned per device)")
+    g.add_argument("--gpu-memory", help="device budget per worker, e.g. 24GiB (default: free memory; "
+                   "on CPU workers, plan as if the device had this much)")
+    g.add_argument("--host-memory", help="host RAM per worker for offloaded copies (default 80%% of available)")
     g.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
     g.add_argument("--dtype", help="auto | float32 | float16 | bfloat16 (default auto)")
     g.add_argument("--ray-address", help="Ray cluster to join (default RAY_ADDRESS, else start a local one)")
@@ -57,6 +62,20 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("dir")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--size", choices=["tiny", "small"], default="tiny", help="tiny ≈ 1.7 M params, small ≈ 85 M")
+    pl = sub.add_parser("plan", help="dry run: the offload plan and batch each GPU size would get")
+    pl.add_argument("--model", required=True,
+                    help="shipped architecture (sd-1.5, sdxl, sd3-medium, flux.1-dev) or a pipeline directory")
+    pl.add_argument("--gpu-memory", action="append", required=True, help="a budget, e.g. 24GiB; repeat for more")
+    pl.add_argument("--host-memory", help="host RAM per worker for offloaded copies (default 80%% of this machine's)")
+    pl.add_argument("--width", type=int, default=1024)
+    pl.add_argument("--height", type=int, default=1024)
+    pl.add_argument("--steps", type=int, default=30)
+    pl.add_argument("--guidance", type=float, default=7.5)
+    pl.add_argument("--max-batch", type=int, default=8)
+    pl.add_argument("--offload", choices=["auto", "none", "block", "leaf", "disk"], default="auto")
+    pl.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    pl.add_argument("--bandwidth", type=float, default=20.0, help="host→device GB/s to assume (default 20)")
+    pl.add_argument("--json", action="store_true", help="machine-readable output")
     s = sub.add_parser("status", help="what a job's output location holds")
     s.add_argument("output")
     return p
@@ -109,6 +128,15 @@ def main(argv: list[str] | None = None) -> int:
 
             print(f"wrote {write_tiny_model(args.dir, seed=args.seed, size=args.size)}")
             return 0
+        if args.command == "plan":
+            from jobs.planning import Workload, plan_rows, print_plans
+
+            work = Workload(width=args.width, height=args.height, steps=args.steps, guidance=args.guidance > 1,
+                            max_batch=args.max_batch, offload=args.offload)
+            summary, rows = plan_rows(args.model, args.gpu_memory, args.host_memory, args.dtype, work,
+                                      bandwidth=args.bandwidth * 1e9)
+            print_plans(summary, rows, args.json)
+            return 0 if all("error" not in r for r in rows) else EXIT_INCOMPLETE
         if args.command == "status":
             return _status(args.output)
     except FleetgenError as err:

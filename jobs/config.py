@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from fleetgen.errors import ConfigError
+from fleetgen.units import parse_size
+from offload.planner import OFFLOAD_CHOICES
 from workers.layout import IMAGE_FORMATS, OUTPUT_FORMATS
 from workers.shard import Columns
 from workers.worker import GenerationSettings
@@ -41,6 +43,9 @@ class JobConfig:
     #                       so a fixed number keeps images independent of how many workers run
     max_batch: int = 4  # images per pipeline call
     max_attempts: int = 3  # tries per shard before it is marked failed
+    offload: str = "auto"  # auto | none | block | leaf | disk: how workers may place the pipeline
+    gpu_memory: str | None = None  # device budget per worker, e.g. "24GiB"; default: free device memory
+    host_memory: str | None = None  # host RAM per worker for offloaded copies; default: 80% of available
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (float16 on CUDA, float32 on CPU) | float32 | float16 | bfloat16
     ray_address: str | None = None  # default: RAY_ADDRESS, else a local Ray
@@ -52,6 +57,11 @@ class JobConfig:
             steps=self.steps, guidance=self.guidance, width=self.width, height=self.height, seed=self.seed,
             image_format=self.image_format, output_format=self.output_format,
         )
+
+    def budgets(self) -> tuple[int | None, int | None]:
+        """`gpu_memory`, `host_memory` in bytes (None: the worker measures)."""
+        return tuple(None if v is None else parse_size(v, f"--{n.replace('_', '-')}")
+                     for n, v in (("gpu_memory", self.gpu_memory), ("host_memory", self.host_memory)))
 
     def columns(self) -> Columns:
         return Columns(self.prompt_column, self.id_column, self.seed_column, self.negative_prompt_column)
@@ -94,6 +104,10 @@ def validate(config: JobConfig) -> JobConfig:
         _check(v >= 1, f"{_option(name)} must be 1 or more, got `{v}`.")
     _check(DEVICES.fullmatch(c.device) is not None, f"`--device` must be auto, cpu, cuda or cuda:N; got `{c.device}`.")
     _check(c.dtype in DTYPES, f"`--dtype` must be one of {', '.join(DTYPES)}; got `{c.dtype}`.")
+    _check(c.offload in OFFLOAD_CHOICES, f"`--offload` must be one of {', '.join(OFFLOAD_CHOICES)}; got `{c.offload}`.")
+    for name in ("gpu_memory", "host_memory"):
+        if getattr(c, name) is not None:
+            parse_size(getattr(c, name), f"--{name.replace('_', '-')}")
     names = [c.prompt_column, c.id_column, c.seed_column, c.negative_prompt_column]
     _check(len(set(names)) == len(names), f"Column options must name different columns, got {names}.")
     return c

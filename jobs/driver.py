@@ -92,11 +92,13 @@ def _dispatch(config: JobConfig, columns, todo: list[Shard], progress: Progress)
             threads = config.cpu_threads
             count = config.workers or max(1, shape.cpus // threads)
             options = {"num_cpus": threads}
+        gpu_memory, host_memory = config.budgets()
         specs = [
             WorkerSpec(
                 name=f"w{i}", model=config.model, output=config.output, settings=config.settings(),
                 columns=columns, max_batch=config.max_batch, device=config.device, dtype=config.dtype,
-                threads=threads, trust_remote_code=config.trust_remote_code,
+                threads=threads, trust_remote_code=config.trust_remote_code, offload=config.offload,
+                gpu_memory=gpu_memory, host_memory=host_memory,
             )
             for i in range(count)
         ]
@@ -109,10 +111,12 @@ def _dispatch(config: JobConfig, columns, todo: list[Shard], progress: Progress)
             for event in pool.run(todo):
                 if isinstance(event, WorkerReady):
                     progress.start_clock()
+                    plan = event.info["plan"]
                     table[event.worker] = {"worker": event.worker, "device": event.info["device"]["name"],
-                                           "plan": event.info["plan"], "images": 0, "seconds": 0.0}
+                                           "modes": plan["modes"], "batch": plan["batch_size"],
+                                           "reason": plan["reason"], "images": 0, "seconds": 0.0}
                     progress.log(f"{event.worker} ready on {event.info['device']['name']} "
-                                 f"(loaded in {event.info['load_seconds']:.1f} s)")
+                                 f"(loaded in {event.info['load_seconds']:.1f} s): {plan['reason']}")
                 elif isinstance(event, BatchDone):
                     rows = min(event.images + event.errors, lengths[event.shard_id] - counted[event.shard_id])
                     counted[event.shard_id] += rows

@@ -1,9 +1,17 @@
 """Fitting a pipeline to one device. No Ray, no fsspec: runs on a bare GPU box.
 
-`OffloadPlan` says where each component lives and the batch size, with the reason; `apply` is the
-only code that moves a pipeline's components.
+    profile_pipeline / profile_modules   bytes per component and group (real or meta weights)
+    plan(profile, DeviceSpec, Workload)  pure: the fastest predicted placement that fits, with a reason
+    apply(pipe, plan, profile, device)   the only caller of diffusers' group offloading API
+    OffloadStats                         what actually moved
 """
 
-from offload.plan import OffloadPlan, apply, resident_plan
+from offload.apply import AppliedOffload, apply, pipeline_modules
+from offload.planner import DeviceSpec, OffloadPlan, Placement, Workload, plan, resident_plan
+from offload.profile import PipelineProfile, profile_modules, profile_pipeline
+from offload.stats import OffloadStats
 
-__all__ = ["OffloadPlan", "apply", "resident_plan"]
+__all__ = [
+    "AppliedOffload", "DeviceSpec", "OffloadPlan", "OffloadStats", "PipelineProfile", "Placement", "Workload",
+    "apply", "pipeline_modules", "plan", "profile_modules", "profile_pipeline", "resident_plan",
+]

@@ -59,18 +59,20 @@ class Workload:
 
 @dataclass(frozen=True)
 class Placement:
-    mode: str  # resident | block | leaf | disk
-    blocks_per_group: int = 1
-    stream: bool = False
+    """Where one component lives. The planner offers disk only at block level: leaf level + disk
+    corrupts tied weights (see notes/diffusers-group-offload.md)."""
+
+    mode: str  # resident | block | leaf
+    blocks_per_group: int = 1  # block level only
+    stream: bool = False  # prefetch the next group on a CUDA side stream (pins a host copy)
+    disk: bool = False  # offloaded groups live in files, not host RAM
 
     @property
     def label(self) -> str:
         if self.mode == "resident":
             return "resident"
-        if self.mode == "disk":
-            return "disk(block_level)"
         base = f"block_level({self.blocks_per_group})" if self.mode == "block" else "leaf_level"
-        return base + ("+stream" if self.stream else "")
+        return base + ("+stream" if self.stream else "") + ("+disk" if self.disk else "")
 
 
 @dataclass(frozen=True)
@@ -107,20 +109,21 @@ def gib(n: float) -> str:
 
 
 def _candidates(c: ComponentProfile, device: DeviceSpec, offload: str) -> list[Placement]:
+    """`auto` chooses per component among all placements; `none` keeps everything resident;
+    `block`, `leaf` and `disk` put every component in that mode (as diffusers' pipeline-level
+    `enable_group_offload` would), leaving the planner the variant and the batch size."""
     if offload == "none":
         return [Placement("resident")]
-    out = [Placement("resident")]
-    if offload in ("auto", "block"):
-        out += [Placement("block", k) for k in (1, 2, 4) if c.blocks and k <= len(c.blocks)]
-        if device.streams and c.blocks:
-            out.append(Placement("block", 1, stream=True))
-    if offload in ("auto", "leaf"):
-        out.append(Placement("leaf"))
-        if device.streams:
-            out.append(Placement("leaf", stream=True))
-    if offload in ("auto", "disk") and c.blocks:
-        out.append(Placement("disk"))
-    return out
+    block = [Placement("block", k) for k in (1, 2, 4) if k == 1 or k <= len(c.blocks)]
+    leaf = [Placement("leaf")]
+    if device.streams:
+        block.append(Placement("block", 1, stream=True))
+        leaf.append(Placement("leaf", stream=True))
+    disk = [Placement("block", 1, disk=True)]
+    forced = {"block": block, "leaf": leaf, "disk": disk}
+    if offload in forced:
+        return forced[offload]
+    return [Placement("resident"), *(block + disk if c.blocks else []), *leaf]
 
 
 def _floor(c: ComponentProfile, p: Placement) -> int:
@@ -157,7 +160,7 @@ def _call_seconds(c: ComponentProfile, p: Placement, prof: PipelineProfile, w: W
     compute = 2 * c.params * _tokens(c, prof, w) * cfg * batch / d.flops + FORWARD_SECONDS
     if p.mode == "resident":
         return forwards * compute
-    if p.mode == "disk":
+    if p.disk:
         transfer = c.bytes / min(d.disk_bandwidth, d.bandwidth) + (len(c.blocks) + 1) * SYNC_SECONDS
         return forwards * (compute + transfer)
     groups = c.leaves if p.mode == "leaf" else -(-len(c.blocks) // p.blocks_per_group) + 1
@@ -167,16 +170,37 @@ def _call_seconds(c: ComponentProfile, p: Placement, prof: PipelineProfile, w: W
     return forwards * (compute + transfer + groups * SYNC_SECONDS)
 
 
-def _evaluate(prof, device, w, names, combo, batch):
-    comps = [prof.components[n] for n in names]
-    resident = sum(c.bytes for c, p in zip(comps, combo, strict=True) if p.mode == "resident")
-    phase = max(_floor(c, p) + _activations(c, prof, w) * batch for c, p in zip(comps, combo, strict=True))
-    host = sum(c.bytes for c, p in zip(comps, combo, strict=True) if p.mode in ("block", "leaf"))
-    pinned = sum(c.bytes for c, p in zip(comps, combo, strict=True) if p.stream)
-    seconds = sum(_call_seconds(c, p, prof, w, device, batch) for c, p in zip(comps, combo, strict=True)) / batch
-    moved = sum(c.bytes * (w.steps if c.per_step else 1) for c, p in zip(comps, combo, strict=True)
-                if p.mode != "resident") / batch
-    return resident + phase, host, pinned, seconds, int(moved)
+@dataclass(frozen=True)
+class _Option:
+    """One component in one placement at one batch size: what it adds to the plan."""
+
+    placement: Placement
+    resident: int  # device bytes held all the time
+    phase: int  # device bytes while it runs (live groups + activations)
+    host: int
+    pinned: int
+    seconds: float  # per pipeline call
+    moved: int  # bytes per pipeline call
+
+    def dominates(self, other: _Option) -> bool:
+        mine = (self.resident, self.phase, self.host, self.pinned, self.seconds)
+        theirs = (other.resident, other.phase, other.host, other.pinned, other.seconds)
+        return all(a <= b for a, b in zip(mine, theirs, strict=True)) and mine != theirs
+
+
+def _options(c: ComponentProfile, prof: PipelineProfile, device: DeviceSpec, w: Workload, batch: int) -> list[_Option]:
+    """The component's candidate placements at `batch`, without those another beats on every count."""
+    acts = _activations(c, prof, w) * batch
+    forwards = w.steps if c.per_step else 1
+    out = []
+    for p in _candidates(c, device, w.offload):
+        off = p.mode != "resident"
+        out.append(_Option(
+            placement=p, resident=0 if off else c.bytes, phase=_floor(c, p) + acts,
+            host=c.bytes if off and not p.disk else 0, pinned=c.bytes if p.stream else 0,
+            seconds=_call_seconds(c, p, prof, w, device, batch), moved=c.bytes * forwards if off else 0,
+        ))
+    return [o for o in out if not any(x.dominates(o) for x in out)]
 
 
 def plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> OffloadPlan:
@@ -184,52 +208,69 @@ def plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> OffloadPlan:
     if w.offload not in OFFLOAD_CHOICES:
         raise OffloadError(f"`--offload` must be one of {', '.join(OFFLOAD_CHOICES)}; got `{w.offload}`.")
     names = list(prof.components)
-    choices = [_candidates(prof.components[n], device, w.offload) for n in names]
     limit = device.budget * (1 - MARGIN)
     resident_ref = sum(_call_seconds(prof.components[n], Placement("resident"), prof, w, device, 1) for n in names)
+    resident_peak = prof.total_bytes + max(_activations(c, prof, w) for c in prof.components.values())
     best, best_key, leanest = None, None, None
     for batch in range(1, w.max_batch + 1):
-        for combo in itertools.product(*choices):
-            peak, host, pinned, seconds, moved = _evaluate(prof, device, w, names, combo, batch)
-            if leanest is None or peak < leanest[0]:
-                leanest = (peak, combo, batch)
-            if peak > limit or host > device.host_budget:
+        tables = [_options(prof.components[n], prof, device, w, batch) for n in names]
+        for combo in itertools.product(*tables):
+            peak = sum(o.resident for o in combo) + max(o.phase for o in combo)
+            host = sum(o.host for o in combo)
+            if host > device.host_budget:
                 continue
-            key = (seconds, moved, sum(p.mode != "resident" for p in combo), -batch)
+            if leanest is None or peak < leanest[0]:
+                leanest = (peak, combo)
+            if peak > limit:
+                continue
+            seconds = sum(o.seconds for o in combo) / batch
+            moved = sum(o.moved for o in combo) // batch
+            key = (seconds, moved, sum(o.placement.mode != "resident" for o in combo), -batch)
             if best_key is None or key < best_key:
-                best_key, best = key, (combo, batch, peak, host, pinned, seconds, moved)
+                best_key, best = key, (combo, batch, peak, host, seconds, moved)
+    if leanest is None:
+        raise OffloadError(
+            f"Nothing fits the host: every plan with `--offload {w.offload}` keeps more than "
+            f"{gib(device.host_budget)} of offloaded weights in host RAM. Raise `--host-memory` or use "
+            "`--offload disk`."
+        )
     if best is None:
-        peak, combo, batch = leanest
-        modes = ", ".join(f"{n} {p.label}" for n, p in zip(names, combo, strict=True))
+        peak, combo = leanest
+        modes = ", ".join(f"{n} {o.placement.label}" for n, o in zip(names, combo, strict=True))
         raise OffloadError(
             f"Nothing fits {gib(device.budget)}{' on ' + device.name if device.name else ''} with `--offload "
             f"{w.offload}`: the leanest plan ({modes}, batch 1) needs {gib(peak / (1 - MARGIN))} including the "
             f"{MARGIN:.0%} margin, at {w.width}x{w.height}. Use a smaller size or a larger `--gpu-memory`"
             + (", or `--offload auto`." if w.offload != "auto" else ".")
         )
-    combo, batch, peak, host, pinned, seconds, moved = best
-    placements = dict(zip(names, combo, strict=True))
+    combo, batch, peak, host, seconds, moved = best
+    placements = {n: o.placement for n, o in zip(names, combo, strict=True)}
     return OffloadPlan(
-        placements=placements, batch_size=batch, peak_bytes=int(peak), host_bytes=host, pinned_bytes=pinned,
-        moved_per_image=moved, seconds_per_image=seconds, relative_speed=resident_ref / seconds,
-        budget=device.budget, reason=_reason(prof, device, w, placements, batch, peak),
+        placements=placements, batch_size=batch, peak_bytes=int(peak), host_bytes=host,
+        pinned_bytes=sum(o.pinned for o in combo), moved_per_image=moved, seconds_per_image=seconds,
+        relative_speed=resident_ref / seconds, budget=device.budget,
+        reason=_reason(prof, device, w, placements, batch, peak, resident_peak),
     )
 
 
-def _reason(prof, device, w, placements, batch, peak) -> str:
+def _reason(prof, device, w, placements, batch, peak, resident_peak) -> str:
     offloaded = {n: p for n, p in placements.items() if p.mode != "resident"}
-    fits = f"predicted peak {gib(peak)} of {gib(device.budget)}"
+    limit = f"{gib(device.budget * (1 - MARGIN))} usable of {gib(device.budget)}"
     if not offloaded:
         head = f"all resident ({gib(prof.total_bytes)} of weights)"
     else:
-        parts = [f"{n} {p.label} ({gib(prof.components[n].bytes)})" for n, p in offloaded.items()]
-        head = (f"offload {', '.join(parts)}: keeping everything resident would not leave room for "
-                f"activations at batch {batch} within the budget" if w.offload == "auto" else
-                f"offload {', '.join(parts)} (`--offload {w.offload}`)")
+        parts = ", ".join(f"{n} {p.label} ({gib(prof.components[n].bytes)})" for n, p in offloaded.items())
+        if w.offload != "auto":
+            why = f"`--offload {w.offload}`"
+        elif resident_peak > device.budget * (1 - MARGIN):
+            why = f"all resident would need {gib(resident_peak)} at batch 1"
+        else:
+            why = f"frees room for batch {batch}, predicted faster than all resident at a smaller batch"
+        head = f"offload {parts}: {why}"
         if any(p.stream for p in offloaded.values()):
             head += "; streams overlap transfers with compute"
-    limit = "`--max-batch`" if batch == w.max_batch else "memory"
-    return f"{head}; batch {batch} (limited by {limit}); {fits}"
+    cap = "`--max-batch`" if batch == w.max_batch else "memory"
+    return f"{head}; batch {batch} (limited by {cap}); predicted peak {gib(peak)} ({limit})"
 
 
 def resident_plan(names: list[str], batch_size: int, reason: str) -> OffloadPlan:

@@ -18,10 +18,12 @@ import pyarrow.parquet as pq
 import torch
 
 from fleetgen import __version__
-from fleetgen.errors import ShardError
-from offload import apply, resident_plan
+from fleetgen.errors import FleetgenError, ShardError
+from offload import OffloadStats, apply, pipeline_modules, profile_pipeline
+from workers.fit import choose_plan, leaner_plan
 from workers.layout import MANIFEST_SCHEMA, manifest_key, worker_key
 from workers.pipeline import describe_device, load_pipeline, resolve_device, resolve_dtype
+from workers.probe import probe
 from workers.seeds import generators
 from workers.shard import Columns, Row, Shard, read_shard, shard_rows
 from workers.sinks import open_sink
@@ -56,6 +58,9 @@ class WorkerSpec:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (float16 on CUDA, float32 on CPU) | float32 | float16 | bfloat16
     threads: int | None = None  # torch CPU threads; None leaves torch's default
+    offload: str = "auto"  # auto | none | block | leaf | disk (see offload.planner)
+    gpu_memory: int | None = None  # device budget in bytes; default: free device memory (CPU: no planning)
+    host_memory: int | None = None  # host RAM for offloaded copies; default: 80% of available
     trust_remote_code: bool = False  # never run a model repo's own code unless asked
 
 
@@ -94,10 +99,17 @@ class Worker:
         self.dtype = resolve_dtype(spec.dtype, self.device)
         self.output = Output(spec.output)
         self.pipe = load_pipeline(spec.model, self.dtype, spec.trust_remote_code)
-        self.plan = resident_plan(
-            self.pipe, spec.max_batch, reason=f"resident: no offload planning yet; batch = --max-batch {spec.max_batch}"
-        )
-        apply(self.pipe, self.plan, self.device)
+        self.profile = profile_pipeline(self.pipe, spec.model)
+        self.probe = probe(self.device, self.dtype)
+        s = spec.settings
+        self._fit = {"offload": spec.offload, "width": s.width, "height": s.height, "steps": s.steps,
+                     "guidance": s.guidance, "host_memory": spec.host_memory}
+        self.plan = choose_plan(self.profile, self.device, self.probe, max_batch=spec.max_batch,
+                                gpu_memory=spec.gpu_memory, **self._fit)
+        self.placed = apply(self.pipe, self.plan, self.profile, self.device, tag=spec.name)
+        self.offload_stats = OffloadStats(pipeline_modules(self.pipe), self.device)
+        self.batch_size = self.plan.batch_size
+        self.step_downs: list[dict] = []
         self.stats = {"shards": 0, "images": 0, "errors": 0, "generate_seconds": 0.0}
         self.info = {
             "worker": spec.name,
@@ -107,19 +119,21 @@ class Worker:
             "dtype": str(self.dtype).removeprefix("torch."),
             "torch_threads": torch.get_num_threads(),
             "plan": self.plan.to_dict(),
+            "probe": self.probe,
             "load_seconds": round(time.perf_counter() - started, 3),
             "versions": {"fleetgen": __version__, "torch": torch.__version__, "python": platform.python_version()},
         }
         self._write_info()
 
     def describe(self) -> dict:
-        return {**self.info, "stats": dict(self.stats)}
-
-    def _write_info(self) -> None:
         stats = dict(self.stats)
         secs = stats["generate_seconds"]
         stats["images_per_second"] = round(stats["images"] / secs, 4) if secs else None
-        self.output.put(worker_key(self.spec.name), json.dumps({**self.info, "stats": stats}, indent=2).encode())
+        return {**self.info, "plan": self.plan.to_dict(), "batch_size": self.batch_size, "stats": stats,
+                "offload": self.offload_stats.snapshot(), "step_downs": list(self.step_downs)}
+
+    def _write_info(self) -> None:
+        self.output.put(worker_key(self.spec.name), json.dumps(self.describe(), indent=2).encode())
 
     def run_shard(self, shard: Shard) -> ShardResult:
         """Generate a whole shard and commit it; returns its result."""
@@ -138,8 +152,10 @@ class Worker:
         todo = [r for r in rows if r.error is None]
         sink = open_sink(self.output, shard.id, s.output_format, s.image_format)
         failures = 0
-        for i in range(0, len(todo), self.plan.batch_size):
-            batch = todo[i : i + self.plan.batch_size]
+        i = 0
+        while i < len(todo):
+            batch = todo[i : i + self.batch_size]
+            i += len(batch)
             made, failed = self._generate(batch)
             stored = sink.add([(m.id, m.data, m.meta) for m in made]) if made else []
             for m, (key, member) in zip(made, stored, strict=True):
@@ -174,6 +190,15 @@ class Worker:
         costs only itself. Returns what was made and `{row id: error message}`."""
         try:
             return self._call(batch), {}
+        except torch.OutOfMemoryError as err:
+            if not self._step_down(len(batch), err):
+                return [], {r.id: f"OutOfMemoryError at batch 1 with the leanest plan: {err}" for r in batch}
+            made, failed = [], {}
+            for j in range(0, len(batch), self.batch_size):
+                m, f = self._generate(batch[j : j + self.batch_size])
+                made += m
+                failed.update(f)
+            return made, failed
         except Exception as err:  # noqa: BLE001 - any pipeline failure is retried row by row
             if len(batch) == 1:
                 return [], {batch[0].id: f"{type(err).__name__}: {err}"}
@@ -183,6 +208,37 @@ class Worker:
             made += m
             failed.update(f)
         return made, failed
+
+    def _step_down(self, size: int, err: Exception) -> bool:
+        """After an out-of-memory error: a smaller batch, else a leaner plan; kept for this worker.
+        False when there is nothing leaner."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if size > 1:
+            before, self.batch_size = self.batch_size, max(1, min(self.batch_size, size) // 2)
+            self.step_downs.append({"from": f"batch {before}", "to": f"batch {self.batch_size}",
+                                    "reason": f"out of memory at batch {size}"})
+            return True
+        try:
+            leaner = leaner_plan(self.profile, self.plan, self.device, self.probe, **self._fit)
+        except FleetgenError:
+            return False
+        self._reapply(leaner)
+        self.step_downs.append({"from": self.plan.to_dict()["modes"], "to": leaner.to_dict()["modes"],
+                                "reason": f"out of memory at batch 1: {str(err).splitlines()[0][:200]}"})
+        self.plan = leaner
+        return True
+
+    def _reapply(self, new_plan) -> None:
+        from diffusers.hooks import HookRegistry
+
+        self.offload_stats.close()
+        self.placed.close()
+        for module in pipeline_modules(self.pipe).values():
+            HookRegistry.check_if_exists_or_initialize(module).remove_hook("group_offloading", recurse=True)
+            module.to("cpu")
+        self.placed = apply(self.pipe, new_plan, self.profile, self.device, tag=self.spec.name)
+        self.offload_stats = OffloadStats(pipeline_modules(self.pipe), self.device)
 
     def _call(self, batch: list[Row]) -> list[_Made]:
         s = self.spec.settings
@@ -220,6 +276,8 @@ class Worker:
         self.output.put(manifest_key(shard.id), buf.getvalue())
 
     def close(self) -> None:
+        self.offload_stats.close()
+        self.placed.close()
         self.pipe = None
 
 

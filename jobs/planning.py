@@ -1,0 +1,66 @@
+"""`fleetgen plan`: the plan each device budget would get, without weights or a GPU."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from fleetgen.errors import OffloadError
+from fleetgen.units import format_size, parse_size
+from offload import DeviceSpec, Workload, plan, profile_modules
+from offload.architectures import build_on_meta
+from workers.probe import ASSUMED_BANDWIDTH, ASSUMED_FLOPS, host_available_bytes
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def plan_rows(model: str, budgets: list[str], host_memory: str | None, dtype: str, work: Workload,
+              bandwidth: float = ASSUMED_BANDWIDTH, flops: float = ASSUMED_FLOPS) -> tuple[dict, list[dict]]:
+    """(the profile summary, one row per budget: the plan or the reason nothing fits)."""
+    profile = profile_modules(model, build_on_meta(model), DTYPES[dtype])
+    host = parse_size(host_memory, "--host-memory") if host_memory else int(host_available_bytes() * 0.8)
+    rows = []
+    for text in budgets:
+        budget = parse_size(text, "--gpu-memory")
+        device = DeviceSpec(budget=budget, host_budget=host, bandwidth=bandwidth, flops=flops, streams=True,
+                            name=f"a {format_size(budget)} GPU")
+        try:
+            rows.append({"gpu_memory": text, **plan(profile, device, work).to_dict()})
+        except OffloadError as err:
+            rows.append({"gpu_memory": text, "error": str(err)})
+    summary = {
+        "model": model, "dtype": dtype, "host_memory_bytes": host, "bandwidth_bytes_per_s": bandwidth,
+        "flops": flops, "components": {n: {"class": c.cls, "params": c.params, "bytes": c.bytes, "per_step": c.per_step,
+                                           "blocks": len(c.blocks)} for n, c in profile.components.items()},
+    }
+    return summary, rows
+
+
+def print_plans(summary: dict, rows: list[dict], as_json: bool, out=sys.stdout) -> None:
+    if as_json:
+        json.dump({**summary, "plans": rows}, out, indent=2)
+        out.write("\n")
+        return
+    comps = summary["components"]
+    out.write(f"{summary['model']} at {summary['dtype']}: " + ", ".join(
+        f"{n} {c['class']} {c['params'] / 1e9:.2f} B params ({format_size(c['bytes'])})" for n, c in comps.items()) + "\n")
+    out.write(f"host RAM for offloaded copies {format_size(summary['host_memory_bytes'])}; assumed host→device "
+              f"{summary['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s, {summary['flops'] / 1e12:.0f} TFLOP/s\n\n")
+    names = list(comps)
+    header = ["gpu", *names, "batch", "peak", "pinned", "moved/img", "rel img/s"]
+    table = [header]
+    for r in rows:
+        if "error" in r:
+            table.append([r["gpu_memory"], "nothing fits", *[""] * (len(header) - 2)])
+            continue
+        table.append([r["gpu_memory"], *[r["modes"][n] for n in names], str(r["batch_size"]),
+                      format_size(r["peak_bytes"]), format_size(r["pinned_bytes"]),
+                      format_size(r["moved_bytes_per_image"]), f"{r['predicted_relative_speed']:.2f}"])
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        out.write("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() + "\n")
+    out.write("\n")
+    for r in rows:
+        out.write(f"{r['gpu_memory']}: {r.get('reason') or r['error']}\n")

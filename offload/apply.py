@@ -1,0 +1,75 @@
+"""Applying a plan: the only code that calls diffusers' offloading API.
+
+Per component: resident parts `.to(device)`; offloaded ones `apply_group_offloading` with
+`block_modules` where a text encoder would otherwise be one group. Guards for the silent failures
+in notes/diffusers-group-offload.md: a fresh disk directory per worker and component (removed by
+`close`), no leaf level + disk on tied weights, no disk offload with LoRA, streams only on CUDA.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+import torch
+
+from fleetgen.errors import OffloadError
+from offload.planner import OffloadPlan, Placement
+from offload.profile import PipelineProfile
+
+
+def pipeline_modules(pipe) -> dict[str, torch.nn.Module]:
+    """The pipeline's torch components by name (unet, vae, text_encoder, ...)."""
+    return {name: c for name, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
+
+
+def check(plan: OffloadPlan, profile: PipelineProfile, modules: dict[str, torch.nn.Module], device: torch.device) -> None:
+    """Refuse what would fail, or silently compute wrong images, before any work."""
+    unknown = set(plan.placements) - set(modules)
+    if unknown:
+        raise OffloadError(f"The plan names components the pipeline lacks: {sorted(unknown)}.")
+    for name, p in plan.placements.items():
+        if p.stream and device.type != "cuda":
+            raise OffloadError(f"`{name}` {p.label}: streams need a CUDA device; this worker runs on {device}.")
+        if p.disk and p.mode == "leaf" and profile.components[name].tied:
+            raise OffloadError(f"`{name}` {p.label}: leaf level + disk corrupts tied weights ({name} shares a "
+                               "weight between modules). Use block level + disk.")
+        if p.disk and getattr(modules[name], "peft_config", None):
+            raise OffloadError(f"`{name}` {p.label}: disk offload with LoRA adapters gives wrong images or "
+                               "fails. Offload to host RAM instead.")
+
+
+class AppliedOffload:
+    """A plan applied to a pipeline; `close()` removes disk offload files."""
+
+    def __init__(self, pipe, plan: OffloadPlan, profile: PipelineProfile, device: torch.device, tag: str = "w"):
+        modules = pipeline_modules(pipe)
+        check(plan, profile, modules, device)
+        self.plan, self.dirs = plan, []
+        for name, module in modules.items():
+            p = plan.placements.get(name, Placement("resident"))
+            if p.mode == "resident":
+                module.to(device)
+                continue
+            disk = None
+            if p.disk:  # its own empty directory: diffusers reuses group files by name
+                disk = tempfile.mkdtemp(prefix=f"fleetgen-{tag}-{name}-")
+                self.dirs.append(disk)
+            from diffusers.hooks import apply_group_offloading
+
+            apply_group_offloading(
+                module, onload_device=device, offload_device=torch.device("cpu"),
+                offload_type="block_level" if p.mode == "block" else "leaf_level",
+                num_blocks_per_group=p.blocks_per_group if p.mode == "block" else None,
+                use_stream=p.stream, offload_to_disk_path=disk,
+                block_modules=list(profile.components[name].block_modules) or None,
+            )
+
+    def close(self) -> None:
+        for d in self.dirs:
+            shutil.rmtree(d, ignore_errors=True)
+        self.dirs = []
+
+
+def apply(pipe, plan: OffloadPlan, profile: PipelineProfile, device: torch.device, tag: str = "w") -> AppliedOffload:
+    return AppliedOffload(pipe, plan, profile, device, tag)

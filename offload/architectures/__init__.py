@@ -1,0 +1,70 @@
+"""Config-only pipeline directories for real architectures, planned on the `meta` device.
+
+Each folder holds `model_index.json` and one `config.json` per torch component (no weights), as in
+the published checkpoints. `fleetgen plan --model sdxl` reads them; any local pipeline directory
+(with or without weights) is read the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from fleetgen.errors import OffloadError
+
+HERE = Path(__file__).parent
+NAMES = sorted(p.name for p in HERE.iterdir() if (p / "model_index.json").exists())
+
+
+def resolve(model: str) -> Path:
+    """A shipped architecture name, or a local directory with `model_index.json`."""
+    if model in NAMES:
+        return HERE / model
+    path = Path(model).expanduser()
+    if (path / "model_index.json").exists():
+        return path
+    raise OffloadError(
+        f"`--model` `{model}` is neither a shipped architecture ({', '.join(NAMES)}) nor a directory with "
+        "model_index.json. For a hub model, download its configs first (e.g. `huggingface-cli download "
+        "REPO --include '*.json'`)."
+    )
+
+
+def _component_class(library: str, name: str):
+    import importlib
+
+    module = importlib.import_module(library)
+    cls = getattr(module, name, None)
+    return cls if isinstance(cls, type) and issubclass(cls, torch.nn.Module) else None
+
+
+def build_on_meta(model: str) -> dict[str, torch.nn.Module]:
+    """The pipeline's torch components built from their configs on the `meta` device: the real
+    module structure and parameter shapes, no memory, no weights read."""
+    root = resolve(model)
+    index = json.loads((root / "model_index.json").read_text())
+    modules = {}
+    for comp, spec in index.items():
+        if comp.startswith("_") or not isinstance(spec, list) or spec[0] not in ("diffusers", "transformers"):
+            continue
+        cls = _component_class(*spec)
+        if cls is None or not (root / comp / "config.json").exists():
+            continue
+        config = json.loads((root / comp / "config.json").read_text())
+        with torch.device("meta"):
+            if spec[0] == "diffusers":
+                modules[comp] = cls.from_config(config)
+            else:
+                import transformers
+
+                model_type = config.get("model_type") or _model_type(spec[1])
+                modules[comp] = cls(transformers.AutoConfig.for_model(model_type, **config))
+    if not modules:
+        raise OffloadError(f"{root} lists no diffusers or transformers model components with a config.json.")
+    return modules
+
+
+def _model_type(class_name: str) -> str:
+    return "t5" if class_name.startswith(("T5", "UMT5")) else "clip_text_model"

@@ -1,0 +1,48 @@
+"""Fitting this worker's pipeline to its device: choose a plan, and step down after an OOM."""
+
+from __future__ import annotations
+
+import torch
+
+from fleetgen.errors import OffloadError
+from fleetgen.units import format_size
+from offload import DeviceSpec, OffloadPlan, PipelineProfile, Workload, plan, resident_plan
+
+HOST_SHARE = 0.8  # of available host RAM a worker may fill with offloaded copies
+STEP_DOWN = 0.75  # after an OOM at batch 1, re-plan for this fraction of the previous budget
+
+
+def device_spec(device: torch.device, probe: dict, gpu_memory: int | None, host_memory: int | None) -> DeviceSpec:
+    cuda = device.type == "cuda"
+    budget = gpu_memory or (probe["free_bytes"] if cuda else probe["host_available_bytes"])
+    return DeviceSpec(
+        budget=budget, host_budget=host_memory or int(probe["host_available_bytes"] * HOST_SHARE),
+        bandwidth=probe["bandwidth"], flops=probe["flops"], streams=cuda,
+        name=torch.cuda.get_device_name(device) if cuda else "cpu",
+    )
+
+
+def choose_plan(profile: PipelineProfile, device: torch.device, probe: dict, *, offload: str, max_batch: int,
+                gpu_memory: int | None, host_memory: int | None, width: int, height: int, steps: int,
+                guidance: float) -> OffloadPlan:
+    """On a CPU worker with no `--gpu-memory` and `--offload auto|none`, everything is resident at
+    `--max-batch`. Otherwise the planner fits the budget: `--gpu-memory`, else the free memory."""
+    if device.type == "cpu" and gpu_memory is None and offload in ("auto", "none"):
+        return resident_plan(list(profile.components), max_batch,
+                             f"all resident: CPU worker without `--gpu-memory`; batch {max_batch} (`--max-batch`)")
+    spec = device_spec(device, probe, gpu_memory, host_memory)
+    work = Workload(width=width, height=height, steps=steps, guidance=guidance > 1, max_batch=max_batch, offload=offload)
+    return plan(profile, spec, work)
+
+
+def leaner_plan(profile: PipelineProfile, current: OffloadPlan, device: torch.device, probe: dict, *,
+                offload: str, host_memory: int | None, width: int, height: int, steps: int, guidance: float) -> OffloadPlan:
+    """After an out-of-memory error at batch 1: plan again for a smaller budget; `OffloadError`
+    when even the leanest plan does not fit it."""
+    budget = int((current.budget or probe.get("free_bytes") or probe["host_available_bytes"]) * STEP_DOWN)
+    spec = device_spec(device, probe, budget, host_memory)
+    work = Workload(width=width, height=height, steps=steps, guidance=guidance > 1, max_batch=1, offload=offload)
+    leaner = plan(profile, spec, work)
+    if leaner.placements == current.placements:
+        raise OffloadError(f"Out of memory at batch 1 and no leaner plan within {format_size(budget)}.")
+    return leaner

@@ -1,0 +1,54 @@
+"""What this worker's device and host offer, measured at start (a second or two on a GPU)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+# Assumed where nothing can be measured (CPU workers emulating a GPU budget): the planner then
+# compares plans by bytes moved, as a PCIe-4 GPU would see them.
+ASSUMED_BANDWIDTH = 20e9  # bytes/s host→device
+ASSUMED_FLOPS = 100e12  # FLOP/s
+
+
+def host_available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return int(info["MemAvailable"].split()[0]) * 1024
+
+
+def _bandwidth(device: torch.device, size: int = 256 * 2**20) -> float:
+    src = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(size, dtype=torch.uint8, device=device)
+    dst.copy_(src, non_blocking=True)  # warm up
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(4):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize(device)
+    return 4 * size / (time.perf_counter() - start)
+
+
+def _flops(device: torch.device, dtype: torch.dtype, n: int = 4096) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(8):
+        a @ b
+    torch.cuda.synchronize(device)
+    return 8 * 2 * n**3 / (time.perf_counter() - start)
+
+
+def probe(device: torch.device, dtype: torch.dtype) -> dict:
+    """Free/total device memory, available host RAM, host→device bandwidth, matmul FLOP/s."""
+    out = {"host_available_bytes": host_available_bytes()}
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        out.update(free_bytes=free, total_bytes=total, bandwidth=_bandwidth(device), flops=_flops(device, dtype),
+                   measured=True)
+    else:
+        out.update(free_bytes=None, total_bytes=None, bandwidth=ASSUMED_BANDWIDTH, flops=ASSUMED_FLOPS, measured=False)
+    return out
