@@ -30,6 +30,10 @@ def test_defaults_and_cli_over_file(tmp_path):
         ({"device": "tpu"}, "`--device` must be auto, cpu, cuda or cuda:N; got `tpu`."),
         ({"dtype": "int8"}, "`--dtype` must be one of auto, float32, float16, bfloat16; got `int8`."),
         ({"id_column": "prompt"}, "Column options must name different columns"),
+        ({"offload": "gpu"}, "`--offload` must be one of auto, none, block, leaf, disk; got `gpu`."),
+        ({"gpu_memory": "24"}, "`--gpu-memory` must be a size like `24GiB`, got `24`."),
+        ({"host_memory": "lots"}, "`--host-memory` must be a size like `24GiB`, got `lots`."),
+        ({"cpu_threads": 0}, "`--cpu-threads` must be 1 or more, got `0`."),
     ],
 )
 def test_invalid_settings_are_named(override, message):

@@ -132,3 +132,61 @@ def test_seed_column_is_used(tiny_model, tmp_path):
     rows = manifest(tmp_path / "o").to_pylist()
     assert [r["seed"] for r in rows] == [9, 9, 10]
     assert rows[0]["sha256"] == rows[1]["sha256"] != rows[2]["sha256"]
+
+
+def test_budget_on_cpu_plans_offload_and_keeps_images(tiny_model, shard_input, tmp_path):
+    """A CPU worker told it has a small GPU plans (and applies) offloading exactly as a GPU worker
+    would; the images are the same bytes as from an all-resident worker at the same batch size."""
+    shard, _ = shard_input
+    settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64)
+    cols = Columns("prompt", "id", None, None)
+    resident = Worker(WorkerSpec("w0", tiny_model, str(tmp_path / "a"), settings, cols, max_batch=1, device="cpu"))
+    small = Worker(WorkerSpec("w1", tiny_model, str(tmp_path / "b"), settings, cols, max_batch=1, device="cpu",
+                              gpu_memory=20 * 2**20))
+    assert set(resident.plan.modes.values()) == {"resident"}
+    assert small.plan.modes["unet"] != "resident"
+    resident.run_shard(shard)
+    small.run_shard(shard)
+    assert manifest(tmp_path / "a").column("sha256").to_pylist() == manifest(tmp_path / "b").column("sha256").to_pylist()
+    info = json.loads((tmp_path / "b" / "workers" / "w1.json").read_text())
+    assert info["plan"]["peak_bytes"] <= 20 * 2**20 and "predicted peak" in info["plan"]["reason"]
+    unet = info["offload"]["components"]["unet"]
+    assert unet["onloads"] == 3 * 2 * unet["groups"]  # 3 images, 2 steps each, every group once per step
+    assert info["offload"]["rss_bytes"] > 0
+    small.close()
+
+
+def test_nothing_fits_fails_at_worker_start(tiny_model, tmp_path):
+    from fleetgen.errors import OffloadError
+
+    settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64)
+    with pytest.raises(OffloadError, match="Nothing fits 1.0 MiB on cpu"):
+        Worker(WorkerSpec("w0", tiny_model, str(tmp_path), settings, Columns(), device="cpu", gpu_memory=2**20))
+
+
+def test_out_of_memory_steps_down_batch_then_plan(tiny_model, shard_input, tmp_path):
+    """A real `torch.OutOfMemoryError`, raised by a forward hook on the UNet (the fault injected),
+    makes the worker halve its batch, then move to a leaner plan; both are kept and recorded."""
+    import torch
+
+    shard, _ = shard_input
+    settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64)
+    worker = Worker(WorkerSpec("w0", tiny_model, str(tmp_path), settings, Columns("prompt", "id", None, None),
+                               max_batch=2, device="cpu", gpu_memory=2**30))
+    assert worker.batch_size == 2 and set(worker.plan.modes.values()) == {"resident"}
+
+    from offload.stats import find_groups
+
+    def fail_while_resident(module, args):
+        if not find_groups(module):
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    worker.pipe.unet.register_forward_pre_hook(fail_while_resident)
+    result = worker.run_shard(shard)
+    assert (result.ok, result.errors) == (3, 2)
+    assert worker.batch_size == 1 and worker.plan.modes["unet"] != "resident"
+    reasons = [d["reason"].split(":")[0] for d in worker.step_downs]
+    assert reasons[0] == "out of memory at batch 2" and (worker.step_downs[0]["to"] == "batch 1")
+    assert len(reasons) >= 2 and set(reasons[1:]) == {"out of memory at batch 1"}  # leaner plans until the UNet moves
+    info = json.loads((tmp_path / "workers" / "w0.json").read_text())
+    assert info["step_downs"] == worker.step_downs and info["plan"]["modes"]["unet"] != "resident"

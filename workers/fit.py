@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from fleetgen.errors import OffloadError
-from fleetgen.units import format_size
 from offload import DeviceSpec, OffloadPlan, PipelineProfile, Workload, plan, resident_plan
 
 HOST_SHARE = 0.8  # of available host RAM a worker may fill with offloaded copies
@@ -37,12 +35,12 @@ def choose_plan(profile: PipelineProfile, device: torch.device, probe: dict, *, 
 
 def leaner_plan(profile: PipelineProfile, current: OffloadPlan, device: torch.device, probe: dict, *,
                 offload: str, host_memory: int | None, width: int, height: int, steps: int, guidance: float) -> OffloadPlan:
-    """After an out-of-memory error at batch 1: plan again for a smaller budget; `OffloadError`
-    when even the leanest plan does not fit it."""
-    budget = int((current.budget or probe.get("free_bytes") or probe["host_available_bytes"]) * STEP_DOWN)
-    spec = device_spec(device, probe, budget, host_memory)
+    """After an out-of-memory error at batch 1: plan for ever smaller budgets until the placement
+    changes; `OffloadError` when even the leanest plan does not fit."""
+    budget = current.budget or probe.get("free_bytes") or probe["host_available_bytes"]
     work = Workload(width=width, height=height, steps=steps, guidance=guidance > 1, max_batch=1, offload=offload)
-    leaner = plan(profile, spec, work)
-    if leaner.placements == current.placements:
-        raise OffloadError(f"Out of memory at batch 1 and no leaner plan within {format_size(budget)}.")
-    return leaner
+    while True:
+        budget = int(budget * STEP_DOWN)
+        leaner = plan(profile, device_spec(device, probe, budget, host_memory), work)
+        if leaner.placements != current.placements:
+            return leaner

@@ -138,3 +138,36 @@ def write_tiny_model(directory: str | Path, seed: int = 0, size: str = "tiny") -
     path = Path(directory)
     build_tiny_pipeline(seed=seed, size=size).save_pretrained(path)
     return path
+
+
+def build_tiny_flux(seed: int = 0):
+    """A Flux-like pipeline at tiny size (2 double + 4 single blocks, CLIP + T5 text encoders)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    tokenizer = _tokenizer()
+    tokenizer_2 = _tokenizer(model_max_length=32)
+    torch.manual_seed(seed)
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=4, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 6, 6],
+    )
+    torch.manual_seed(seed + 1)
+    text_encoder = CLIPTextModel(CLIPTextConfig(
+        bos_token_id=0, eos_token_id=1, pad_token_id=1, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_hidden_layers=2, vocab_size=len(tokenizer), max_position_embeddings=77, projection_dim=32,
+    ))
+    torch.manual_seed(seed + 2)
+    text_encoder_2 = T5EncoderModel(T5Config(
+        vocab_size=len(tokenizer_2), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        decoder_start_token_id=0, pad_token_id=1, eos_token_id=1,
+    ))
+    torch.manual_seed(seed + 3)
+    vae = AutoencoderKL(
+        block_out_channels=(32, 32), in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=32, sample_size=32,
+        use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035,
+    )
+    return FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=text_encoder,
+                        tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
+                        transformer=transformer)

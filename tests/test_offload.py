@@ -1,0 +1,221 @@
+"""offload/: shipped architectures, the planner over a matrix, equivalence on CPU, stats, guards."""
+
+import hashlib
+import json
+import os
+
+import pytest
+import torch
+
+from fleetgen.errors import ConfigError, OffloadError
+from fleetgen.units import parse_size
+from offload import (
+    DeviceSpec,
+    OffloadPlan,
+    OffloadStats,
+    Placement,
+    Workload,
+    apply,
+    pipeline_modules,
+    plan,
+    profile_modules,
+    profile_pipeline,
+)
+from offload.architectures import NAMES, build_on_meta
+from offload.planner import MARGIN
+from workers.tiny_model import build_tiny_flux
+
+GiB = 2**30
+
+
+@pytest.fixture(scope="module")
+def profiles():
+    return {n: profile_modules(n, build_on_meta(n), torch.bfloat16) for n in NAMES}
+
+
+def test_shipped_architectures_match_published_sizes(profiles):
+    params = {n: {c: p.params for c, p in prof.components.items()} for n, prof in profiles.items()}
+    assert params["flux.1-dev"]["transformer"] == pytest.approx(11.9e9, rel=0.005)
+    assert params["flux.1-dev"]["text_encoder_2"] == pytest.approx(4.76e9, rel=0.005)  # T5-XXL encoder
+    assert params["sdxl"]["unet"] == pytest.approx(2.567e9, rel=0.002)
+    assert params["sdxl"]["text_encoder"] + params["sdxl"]["text_encoder_2"] == pytest.approx(0.817e9, rel=0.01)
+    assert params["sd-1.5"]["unet"] == pytest.approx(0.8595e9, rel=0.002)
+    assert params["sd3-medium"]["transformer"] == pytest.approx(2.03e9, rel=0.01)
+    assert profiles["flux.1-dev"].components["transformer"].bytes == pytest.approx(11.9e9 * 2, rel=0.005)
+    # text encoders split by layer, not one group; T5 shares its embedding (tied)
+    t5 = profiles["flux.1-dev"].components["text_encoder_2"]
+    assert len(t5.blocks) == 24 and t5.tied and t5.block_modules == ("encoder",)
+
+
+BUDGETS = [4, 8, 12, 16, 24, 32, 48, 80]
+
+
+@pytest.mark.parametrize("name", ["sd-1.5", "sdxl", "flux.1-dev"])
+@pytest.mark.parametrize("size", [512, 1024])
+def test_planner_fits_budget_and_more_memory_is_never_slower(profiles, name, size):
+    work = Workload(width=size, height=size, steps=28, max_batch=8)
+    last = None
+    for gib in BUDGETS:
+        device = DeviceSpec(budget=gib * GiB, host_budget=64 * GiB)
+        try:
+            p = plan(profiles[name], device, work)
+        except OffloadError as err:
+            assert last is None, f"{gib} GiB fails although a smaller budget fitted"
+            assert "needs" in str(err) and "GiB" in str(err)
+            continue
+        assert p.peak_bytes <= device.budget * (1 - MARGIN)
+        assert p.host_bytes <= device.host_budget
+        assert set(p.placements) == set(profiles[name].components)
+        assert p.reason and f"batch {p.batch_size}" in p.reason
+        if last is not None:
+            assert p.seconds_per_image <= last.seconds_per_image * (1 + 1e-12), (gib, p.modes, last.modes)
+        last = p
+    assert last is not None and all(m == "resident" for m in last.modes.values())  # 80 GiB holds everything
+
+
+def test_nothing_fits_names_the_need(profiles):
+    with pytest.raises(OffloadError) as err:
+        plan(profiles["flux.1-dev"], DeviceSpec(budget=2 * GiB, host_budget=64 * GiB, name="gpu-3"),
+             Workload(width=1024, height=1024))
+    msg = str(err.value)
+    assert msg.startswith("Nothing fits 2.0 GiB on gpu-3") and "needs" in msg and "1024x1024" in msg
+    with pytest.raises(OffloadError, match="Raise `--host-memory`"):
+        plan(profiles["sdxl"], DeviceSpec(budget=8 * GiB, host_budget=GiB), Workload(offload="leaf"))
+    with pytest.raises(OffloadError, match="or `--offload auto`"):
+        plan(profiles["sdxl"], DeviceSpec(budget=8 * GiB, host_budget=64 * GiB), Workload(offload="none"))
+
+
+def test_forced_modes_and_streams_follow_the_device(profiles):
+    prof = profiles["sdxl"]
+    forced = plan(prof, DeviceSpec(budget=24 * GiB, host_budget=64 * GiB, streams=False), Workload(offload="block"))
+    assert all(m.startswith("block_level(") and "stream" not in m for m in forced.modes.values())
+    disk = plan(prof, DeviceSpec(budget=24 * GiB, host_budget=GiB), Workload(offload="disk"))
+    assert all(m == "block_level(1)+disk" for m in disk.modes.values()) and disk.host_bytes == 0
+    tight = plan(profiles["flux.1-dev"], DeviceSpec(budget=16 * GiB, host_budget=64 * GiB), Workload())
+    assert tight.pinned_bytes > 0 and "stream" in tight.modes["transformer"]
+
+
+# --- applying plans to real tiny pipelines on CPU ---------------------------------------------
+
+P = Placement
+SD_PLANS = {
+    "block1": {"unet": P("block", 1), "text_encoder": P("block", 1), "vae": P("block", 1)},
+    "block2": {"unet": P("block", 2), "text_encoder": P("block", 2), "vae": P("block", 2)},
+    "leaf": {"unet": P("leaf"), "text_encoder": P("leaf"), "vae": P("leaf")},
+    "disk": {"unet": P("block", 1, disk=True), "text_encoder": P("block", 1, disk=True), "vae": P("block", 1, disk=True)},
+    "mixed": {"unet": P("leaf"), "text_encoder": P("block", 1, disk=True), "vae": P("resident")},
+}
+FLUX_PLANS = {
+    "block1": {"transformer": P("block", 1), "text_encoder": P("block", 1), "text_encoder_2": P("block", 1), "vae": P("block", 1)},
+    "block2": {"transformer": P("block", 2), "text_encoder_2": P("block", 2)},
+    "leaf": {"transformer": P("leaf"), "text_encoder": P("leaf"), "text_encoder_2": P("leaf"), "vae": P("leaf")},
+    "disk": {"transformer": P("block", 1, disk=True), "text_encoder_2": P("block", 1, disk=True)},
+    "mixed": {"transformer": P("block", 2, disk=True), "text_encoder_2": P("leaf"), "vae": P("block", 1)},
+}
+
+
+def _sd(tiny_model):
+    from diffusers import DiffusionPipeline
+
+    return DiffusionPipeline.from_pretrained(tiny_model)
+
+
+def _images(pipe, placements, steps=3, flux=False):
+    """Generate two images with `placements` applied; returns (sha256, stats snapshot, profile)."""
+    pipe.set_progress_bar_config(disable=True)
+    prof = profile_pipeline(pipe)
+    placed = apply(pipe, OffloadPlan(placements=placements, batch_size=2), prof, torch.device("cpu"))
+    stats = OffloadStats(pipeline_modules(pipe), torch.device("cpu"))
+    kwargs = {"max_sequence_length": 32, "width": 32, "height": 32} if flux else {"width": 64, "height": 64}
+    images = pipe(prompt=["a red fox", "a blue owl"], num_inference_steps=steps, guidance_scale=5.0,
+                  generator=[torch.Generator().manual_seed(s) for s in (1, 2)], output_type="np", **kwargs).images
+    snap = stats.snapshot()
+    dirs = list(placed.dirs)
+    placed.close()
+    assert not any(os.path.exists(d) for d in dirs)  # disk offload files removed
+    return hashlib.sha256(images.tobytes()).hexdigest(), snap, prof
+
+
+@pytest.fixture(scope="module")
+def sd_reference(tiny_model):
+    return _images(_sd(tiny_model), {})[0]
+
+
+@pytest.mark.parametrize("mode", list(SD_PLANS))
+def test_every_mode_is_bit_identical_on_tiny_sd(tiny_model, sd_reference, mode):
+    digest, snap, prof = _images(_sd(tiny_model), SD_PLANS[mode])
+    assert digest == sd_reference
+    offloaded = {n for n, p in SD_PLANS[mode].items() if p.mode != "resident"}
+    assert set(snap["components"]) == offloaded
+
+
+@pytest.fixture(scope="module")
+def flux_reference():
+    return _images(build_tiny_flux(), {}, flux=True)[0]
+
+
+@pytest.mark.parametrize("mode", list(FLUX_PLANS))
+def test_every_mode_is_bit_identical_on_tiny_flux(flux_reference, mode):
+    assert _images(build_tiny_flux(), FLUX_PLANS[mode], flux=True)[0] == flux_reference
+
+
+def test_stats_agree_with_groups_and_forwards(tiny_model):
+    steps = 3
+    _, snap, prof = _images(_sd(tiny_model), SD_PLANS["block2"], steps=steps)
+    unet, te = prof.components["unet"], prof.components["text_encoder"]
+    groups = -(-len(unet.blocks) // 2) + 1  # blocks two at a time, plus the unmatched group
+    assert snap["components"]["unet"] == {"groups": groups, "onloads": steps * groups, "offloads": steps * groups,
+                                          "bytes_onloaded": steps * unet.bytes}
+    # the text encoder runs twice per call with guidance (prompt, then the empty negative prompt)
+    te_groups = -(-len(te.blocks) // 2) + 1
+    assert snap["components"]["text_encoder"]["onloads"] == 2 * te_groups
+    assert snap["components"]["text_encoder"]["bytes_onloaded"] == 2 * te.bytes
+    _, snap, prof = _images(_sd(tiny_model), SD_PLANS["leaf"], steps=steps)
+    # leaf level: a group per leaf layer plus one per module holding bare parameters (norms)
+    leaf = snap["components"]["unet"]
+    assert leaf["groups"] > prof.components["unet"].leaves
+    assert (leaf["onloads"], leaf["bytes_onloaded"]) == (steps * leaf["groups"], steps * prof.components["unet"].bytes)
+
+
+def test_refused_combinations_raise_before_any_work(tiny_model):
+    pipe = build_tiny_flux()
+    prof = profile_pipeline(pipe)
+    cpu = torch.device("cpu")
+    with pytest.raises(OffloadError, match="streams need a CUDA device"):
+        apply(pipe, OffloadPlan({"transformer": P("block", 1, stream=True)}, 1), prof, cpu)
+    with pytest.raises(OffloadError, match="corrupts tied weights"):
+        apply(pipe, OffloadPlan({"text_encoder_2": P("leaf", disk=True)}, 1), prof, cpu)
+    from diffusers.hooks import HookRegistry
+
+    assert getattr(pipe.transformer, "_diffusers_hook", None) is None or \
+        HookRegistry.check_if_exists_or_initialize(pipe.transformer).get_hook("group_offloading") is None
+    peft = pytest.importorskip("peft")
+    sd = _sd(tiny_model)
+    sd.unet.add_adapter(peft.LoraConfig(r=4, target_modules=["to_q", "to_v"]))
+    with pytest.raises(OffloadError, match="LoRA"):
+        apply(sd, OffloadPlan({"unet": P("block", 1, disk=True)}, 1), profile_pipeline(sd), cpu)
+
+
+def test_sizes():
+    assert parse_size("24GiB", "--gpu-memory") == 24 * GiB
+    assert parse_size("80GB", "--gpu-memory") == 80 * 10**9
+    assert parse_size("1.5 gib", "--gpu-memory") == int(1.5 * GiB)
+    for bad in ("24", "GiB", "24 parsecs", "-1GiB"):
+        with pytest.raises(ConfigError, match=f"`--gpu-memory` must be a size like `24GiB`, got `{bad}`."):
+            parse_size(bad, "--gpu-memory")
+
+
+def test_plan_command_json(capsys):
+    from jobs.cli import main
+
+    code = main(["plan", "--model", "flux.1-dev", "--gpu-memory", "24GiB", "--gpu-memory", "80GiB",
+                 "--gpu-memory", "2GiB", "--host-memory", "64GiB", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 1  # 2 GiB cannot hold it
+    small, big, tiny = out["plans"]
+    assert small["modes"]["transformer"] != "resident" and small["peak_bytes"] <= 24 * GiB
+    assert all(m == "resident" for m in big["modes"].values())
+    assert "Nothing fits 2.0 GiB" in tiny["error"]
+    assert main(["plan", "--model", "sdxl", "--gpu-memory", "12GiB", "--host-memory", "64GiB"]) == 0
+    text = capsys.readouterr().out
+    assert "sdxl at bfloat16: unet UNet2DConditionModel 2.57 B params" in text and "12GiB:" in text
