@@ -8,8 +8,10 @@ in notes/diffusers-group-offload.md: a fresh disk directory per worker and compo
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import torch
 
@@ -39,6 +41,17 @@ def check(plan: OffloadPlan, profile: PipelineProfile, modules: dict[str, torch.
                                "fails. Offload to host RAM instead.")
 
 
+DISK_PREFIX = "fleetgen-offload-"  # + pid: a killed worker's files are removed by the next one
+
+
+def sweep_stale_disk_dirs() -> None:
+    """Remove disk-offload directories left by worker processes that no longer exist."""
+    for path in Path(tempfile.gettempdir()).glob(f"{DISK_PREFIX}*"):
+        pid = path.name[len(DISK_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(path, ignore_errors=True)
+
+
 class AppliedOffload:
     """A plan applied to a pipeline; `close()` removes disk offload files."""
 
@@ -53,7 +66,8 @@ class AppliedOffload:
                 continue
             disk = None
             if p.disk:  # its own empty directory: diffusers reuses group files by name
-                disk = tempfile.mkdtemp(prefix=f"fleetgen-{tag}-{name}-")
+                sweep_stale_disk_dirs()
+                disk = tempfile.mkdtemp(prefix=f"{DISK_PREFIX}{os.getpid()}-{tag}-{name}-")
                 self.dirs.append(disk)
             from diffusers.hooks import apply_group_offloading
 

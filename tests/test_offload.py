@@ -219,3 +219,20 @@ def test_plan_command_json(capsys):
     assert main(["plan", "--model", "sdxl", "--gpu-memory", "12GiB", "--host-memory", "64GiB"]) == 0
     text = capsys.readouterr().out
     assert "sdxl at bfloat16: unet UNet2DConditionModel 2.57 B params" in text and "12GiB:" in text
+
+
+def test_stale_disk_dirs_of_dead_workers_are_swept(tmp_path, monkeypatch):
+    import subprocess
+    import tempfile
+
+    from offload.apply import DISK_PREFIX, sweep_stale_disk_dirs
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid now names no process
+    stale = tmp_path / f"{DISK_PREFIX}{dead.pid}-w0-unet-x"
+    live = tmp_path / f"{DISK_PREFIX}{os.getpid()}-w0-unet-y"
+    stale.mkdir()
+    live.mkdir()
+    sweep_stale_disk_dirs()
+    assert not stale.exists() and live.exists()

@@ -1,0 +1,44 @@
+"""The benchmark scripts keep working (they are how BENCHMARKS.md is made)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_offload_script_runs_tiny_on_cpu(tmp_path):
+    out = tmp_path / "gpu.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_offload.py"), "--tiny", "--json", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    result = json.loads(out.read_text())
+    assert set(result["modes"]) == {"resident", "block_level(1)", "leaf_level"}
+    assert all(m["steps_per_s"] > 0 for m in result["modes"].values())
+    assert result["modes"]["block_level(1)"]["moved_bytes_per_step"] > 0
+    plans = [b["plan"]["modes"]["transformer"] for b in result["budgets"]]
+    assert plans[0] == "resident" and plans[-1] != "resident"  # 80 GiB holds it; 12 GiB does not
+    assert all("steps_per_s" in b["measured"] for b in result["budgets"])
+
+
+@pytest.mark.gpu
+def test_streams_on_cuda_give_the_same_latents():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from offload import OffloadPlan, Placement, apply, profile_pipeline
+    from workers.tiny_model import build_tiny_flux
+
+    def run(placements):
+        pipe = build_tiny_flux()
+        pipe.set_progress_bar_config(disable=True)
+        apply(pipe, OffloadPlan(placements, 1), profile_pipeline(pipe), torch.device("cuda"))
+        return pipe(prompt=["a red fox"], num_inference_steps=3, width=32, height=32, max_sequence_length=32,
+                    generator=[torch.Generator().manual_seed(1)], output_type="np").images
+
+    ref = run({})
+    streamed = run({"transformer": Placement("block", 1, stream=True), "text_encoder_2": Placement("leaf", stream=True)})
+    assert (abs(ref - streamed)).max() == 0
