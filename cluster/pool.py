@@ -7,6 +7,8 @@ that died is restarted by Ray up to `max_restarts` times, then dropped from the 
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -56,10 +58,13 @@ class WorkerPool:
             for spec in specs
         }
 
-    def run(self, shards: list[Shard]) -> Iterator[PoolEvent]:
+    def run(self, shards: list[Shard], stop: threading.Event | None = None, grace: float = 0.0) -> Iterator[PoolEvent]:
         """Generate every shard; yields progress as it happens. Returns when each shard has
-        committed or failed, or raises `ClusterError` when no worker can start."""
+        committed or failed, or raises `ClusterError` when no worker can start. Once `stop` is
+        set nothing new is dispatched, and running shards get `grace` seconds to commit; the rest
+        are abandoned uncommitted (a rerun redoes them)."""
         queue = deque(shards)
+        stopping_since = None
         attempts: dict[str, int] = {}
         deaths: dict[str, int] = {}
         pending = {self.actors[name].describe.remote(): name for name in self.actors}
@@ -67,6 +72,12 @@ class WorkerPool:
         idle: list[str] = []
         start_errors: list[str] = []
         while queue or running:
+            if stop is not None and stop.is_set():
+                if stopping_since is None:
+                    stopping_since = time.monotonic()
+                    queue.clear()
+                if time.monotonic() - stopping_since >= grace:
+                    return
             while idle and queue:
                 name, shard = idle.pop(0), queue.popleft()
                 attempts[shard.id] = attempts.get(shard.id, 0) + 1
@@ -75,7 +86,7 @@ class WorkerPool:
                 if queue:
                     raise ClusterError(f"No worker could start: {'; '.join(start_errors) or 'all workers died'}.")
                 break
-            ready, _ = ray.wait([*pending, *running], num_returns=1, timeout=1.0)
+            ready, _ = ray.wait([*pending, *running], num_returns=1, timeout=0.5)
             for ref in ready:
                 if ref in pending:
                     name = pending.pop(ref)

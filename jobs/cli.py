@@ -38,6 +38,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-threads", type=int, help="torch threads per CPU worker (default 1)")
     g.add_argument("--max-batch", type=int, help="images per pipeline call (default 4)")
     g.add_argument("--max-attempts", type=int, help="tries per shard (default 3)")
+    g.add_argument("--max-restarts", type=int, help="restarts of a dead worker before it is dropped (default 3)")
+    g.add_argument("--stop-grace", type=float,
+                   help="seconds running shards get to commit after SIGTERM/SIGINT (default 0: abandon)")
     g.add_argument("--offload", choices=["auto", "none", "block", "leaf", "disk"],
                    help="how workers place the pipeline (default auto: planned per device)")
     g.add_argument("--gpu-memory", help="device budget per worker, e.g. 24GiB (default: free memory; "
@@ -89,6 +92,10 @@ def _run(config) -> int:
           f"— {summary.shards_committed}/{summary.shards_total} shards committed in {summary.seconds:.1f} s")
     for f in summary.failures:
         print(f"FAILED {f['shard']} after {f['attempts']} attempt(s): {f['error']}", file=sys.stderr)
+    if summary.failures:
+        print(f"{len(summary.failures)} shard(s) failed; rerun the same command to retry only those.", file=sys.stderr)
+    if summary.stopped:
+        print("stopped before the end; rerun the same command to resume.", file=sys.stderr)
     return 0 if summary.complete else EXIT_INCOMPLETE
 
 

@@ -43,6 +43,8 @@ class JobConfig:
     #                       so a fixed number keeps images independent of how many workers run
     max_batch: int = 4  # images per pipeline call
     max_attempts: int = 3  # tries per shard before it is marked failed
+    max_restarts: int = 3  # restarts of a worker whose process died, before it is dropped
+    stop_grace: float = 0.0  # seconds running shards get to commit after SIGTERM/SIGINT
     offload: str = "auto"  # auto | none | block | leaf | disk: how workers may place the pipeline
     gpu_memory: str | None = None  # device budget per worker, e.g. "24GiB"; default: free device memory
     host_memory: str | None = None  # host RAM per worker for offloaded copies; default: 80% of available
@@ -99,6 +101,8 @@ def validate(config: JobConfig) -> JobConfig:
     _check(c.output_format in OUTPUT_FORMATS,
            f"`--output-format` must be one of {', '.join(OUTPUT_FORMATS)}; got `{c.output_format}`.")
     _check(c.workers is None or c.workers >= 1, f"`--workers` must be 1 or more, got `{c.workers}`.")
+    _check(c.max_restarts >= 0, f"`--max-restarts` must be 0 or more, got `{c.max_restarts}`.")
+    _check(c.stop_grace >= 0, f"`--stop-grace` must be 0 or more, got `{c.stop_grace}`.")
     for name in ("max_batch", "rows_per_shard", "max_attempts", "cpu_threads"):
         v = getattr(c, name)
         _check(v >= 1, f"{_option(name)} must be 1 or more, got `{v}`.")

@@ -11,13 +11,17 @@
 from __future__ import annotations
 
 import json
+import signal
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from fleetgen.errors import InputError
 from jobs.config import JobConfig
+from jobs.lock import OutputLock
 from jobs.progress import Progress
-from jobs.sharding import list_input_files, plan_shards, read_footer, resolve_columns
+from jobs.sharding import check_unique_ids, list_input_files, plan_shards, read_footer, resolve_columns
 from jobs.state import claim_output, committed_shards, fingerprint, read_manifests
 from workers.layout import SUCCESS, SUMMARY
 from workers.shard import Shard
@@ -36,6 +40,7 @@ class JobSummary:
     seconds: float
     failures: list[dict] = field(default_factory=list)
     workers: list[dict] = field(default_factory=list)
+    stopped: bool = False  # SIGTERM/SIGINT (e.g. `ray job stop`) ended the run early
 
     @property
     def complete(self) -> bool:
@@ -45,42 +50,79 @@ class JobSummary:
         return {"complete": self.complete, **self.__dict__}
 
 
-def run_job(config: JobConfig, progress_stream=None, progress_interval: float = 5.0) -> JobSummary:
+def run_job(config: JobConfig, progress_stream=None, progress_interval: float = 5.0,
+            stop: threading.Event | None = None) -> JobSummary:
+    """Run (or resume) the job. SIGTERM/SIGINT, or `stop` being set, stop dispatching; running
+    shards get `config.stop_grace` seconds to commit, then are abandoned (redone by a rerun)."""
     started = time.monotonic()
     output = Output(config.output)
     files = [read_footer(url) for url in list_input_files(config.input)]
     if sum(f.num_rows for f in files) == 0:
         raise InputError(f"`--input` {config.input} has no rows ({len(files)} file(s), all empty).")
     columns = resolve_columns(files, config.columns())
+    check_unique_ids(files, columns)
     shards = plan_shards(files, config.rows_per_shard)
-    claim_output(output, config, fingerprint(config, files, columns))
+    stop = stop or threading.Event()
+    lock = OutputLock(output)
+    note = lock.acquire()
+    try:
+        claim_output(output, config, fingerprint(config, files, columns))
+        output.sweep_tmp("shards")
+        done = committed_shards(output)
+        todo = [s for s in shards if s.id not in done]
+        progress = Progress(len(shards), sum(s.length for s in shards), shards_done=len(shards) - len(todo),
+                            rows_done=sum(s.length for s in shards if s.id in done),
+                            stream=progress_stream, interval=progress_interval)
+        if note:
+            progress.log(note)
+        if len(todo) < len(shards):
+            progress.log(f"resuming: {len(shards) - len(todo)} of {len(shards)} shards already committed")
+        with _stop_on_signals(stop, progress):
+            failures, workers = _dispatch(config, columns, todo, progress, stop) if todo else ([], [])
+        progress.close()
+        summary = _summarise(output, shards, len(todo), started, failures, workers, stop.is_set())
+        output.put(SUMMARY, json.dumps(summary.to_dict(), indent=2).encode())
+        if summary.complete:
+            output.put(SUCCESS, b"")
+        return summary
+    finally:
+        lock.release()
 
-    done = committed_shards(output)
-    todo = [s for s in shards if s.id not in done]
-    progress = Progress(len(shards), sum(s.length for s in shards), shards_done=len(shards) - len(todo),
-                        rows_done=sum(s.length for s in shards if s.id in done),
-                        stream=progress_stream, interval=progress_interval)
-    if len(todo) < len(shards):
-        progress.log(f"resuming: {len(shards) - len(todo)} of {len(shards)} shards already committed")
-    failures, workers = _dispatch(config, columns, todo, progress) if todo else ([], [])
-    progress.close()
 
+def _summarise(output: Output, shards: list[Shard], todo: int, started: float, failures, workers, stopped) -> JobSummary:
+    """Counts from the committed manifests themselves: the truth, whatever this run did."""
     committed = committed_shards(output) & {s.id for s in shards}
     counts = read_manifests(output, sorted(committed), ["status"])
     statuses = [row["status"] for rows in counts.values() for row in rows]
-    summary = JobSummary(
+    return JobSummary(
         output=output.url, shards_total=len(shards), shards_committed=len(committed),
-        shards_skipped=len(shards) - len(todo), images_ok=statuses.count("ok"),
+        shards_skipped=len(shards) - todo, images_ok=statuses.count("ok"),
         images_error=len(statuses) - statuses.count("ok"), seconds=round(time.monotonic() - started, 3),
-        failures=failures, workers=workers,
+        failures=failures, workers=workers, stopped=stopped,
     )
-    output.put(SUMMARY, json.dumps(summary.to_dict(), indent=2).encode())
-    if summary.complete:
-        output.put(SUCCESS, b"")
-    return summary
 
 
-def _dispatch(config: JobConfig, columns, todo: list[Shard], progress: Progress) -> tuple[list[dict], list[dict]]:
+@contextmanager
+def _stop_on_signals(stop: threading.Event, progress: Progress):
+    """SIGTERM (`ray job stop`) and SIGINT set `stop` instead of killing the driver mid-write."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, _frame):
+        progress.log(f"{signal.Signals(signum).name}: no new shards; writing what is committed")
+        stop.set()
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _dispatch(config: JobConfig, columns, todo: list[Shard], progress: Progress,
+              stop: threading.Event) -> tuple[list[dict], list[dict]]:
     """Run `todo` on a pool of actors; returns (failed shards, per-worker table)."""
     from cluster import ShardFailed, WorkerPool, WorkerReady, connect, disconnect
 
@@ -107,8 +149,8 @@ def _dispatch(config: JobConfig, columns, todo: list[Shard], progress: Progress)
         counted = dict.fromkeys(lengths, 0)
         table: dict[str, dict] = {}
         failures = []
-        with WorkerPool(specs, options, max_attempts=config.max_attempts) as pool:
-            for event in pool.run(todo):
+        with WorkerPool(specs, options, max_attempts=config.max_attempts, max_restarts=config.max_restarts) as pool:
+            for event in pool.run(todo, stop=stop, grace=config.stop_grace):
                 if isinstance(event, WorkerReady):
                     progress.start_clock()
                     plan = event.info["plan"]

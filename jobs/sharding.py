@@ -12,6 +12,7 @@ import glob as globlib
 from dataclasses import dataclass
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from fleetgen.errors import InputError
@@ -112,3 +113,22 @@ def plan_shards(files: list[InputFile], rows_per_shard: int) -> list[Shard]:
                 ))
             start += rows
     return shards
+
+
+def check_unique_ids(files: list[InputFile], columns: Columns, examples: int = 3) -> None:
+    """Ids name objects: two rows with one id would overwrite each other's image. Reads only the
+    id column."""
+    if not columns.id:
+        return
+    tables = []
+    for f in files:
+        fs, path = url_to_fs(f.url)
+        with fs.open(path, "rb") as fh:
+            tables.append(pq.read_table(fh, columns=[columns.id]).column(0).cast(pa.string()))
+    ids = pa.chunked_array([c for t in tables for c in t.chunks], type=pa.string())
+    counts = pc.value_counts(ids.drop_null())
+    dups = counts.filter(pc.greater(counts.field("counts"), 1))
+    if len(dups):
+        shown = ", ".join(f"`{d['values']}` ({d['counts']}x)" for d in dups.to_pylist()[:examples])
+        raise InputError(f"Column `{columns.id}` must hold unique ids: {len(dups)} repeat, e.g. {shown}. "
+                         "Remove the duplicates, or pass `--id-column` naming a unique column.")

@@ -15,6 +15,7 @@ SUMMARY = "summary.json"  # counts, failures, per-worker table; written at the e
 SUCCESS = "_SUCCESS"  # only when every shard committed
 SHARDS = "shards"  # shard manifests: their presence is the shard's commit
 WORKERS = "workers"
+LOCK = "_LOCK"  # the running driver's name and heartbeat (jobs/lock.py)
 
 IMAGE_FORMATS = {"png": "png", "jpeg": "jpg", "webp": "webp"}  # --image-format -> file extension
 OUTPUT_FORMATS = ("files", "webdataset", "parquet")

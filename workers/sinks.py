@@ -62,6 +62,7 @@ class Sink(Protocol):
 class FilesSink:
     def __init__(self, output: Output, shard_id: str, image_format: str):
         self.output, self.shard_id, self.image_format = output, shard_id, image_format
+        output.sweep_tmp(f"images/{shard_id}")  # a killed earlier attempt's half-written files
 
     def add(self, batch):
         keys = []

@@ -8,14 +8,24 @@ package to install.
 from __future__ import annotations
 
 import posixpath
+import time
 import uuid
-from typing import IO
+from collections.abc import Callable
+from typing import IO, TypeVar
 
 import fsspec
 
 from fleetgen.errors import StorageError
 
 # Backends that fsspec loads lazily, and the pip extra that brings each.
+T = TypeVar("T")
+ATTEMPTS = 4  # per storage operation; waits 0.5 s, 1 s, 2 s between them
+BACKOFF = 0.5  # seconds before the first retry, doubling
+# Errors no retry can fix: fail at once, naming the URL.
+_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError)
+
+TMP_MARK = ".tmp-"  # in the name of a local file being written; renamed away when complete
+
 _BACKEND_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
 
 
@@ -53,39 +63,67 @@ class Output:
     def key_url(self, key: str) -> str:
         return f"{self.url}/{key}"
 
+    def _retry(self, what: str, key: str, op: Callable[[], T]) -> T:
+        """Run `op`, retrying transient errors with backoff; a persistent one becomes a
+        `StorageError` naming the URL."""
+        for attempt in range(ATTEMPTS):
+            try:
+                return op()
+            except _PERMANENT as err:
+                raise StorageError(f"Could not {what} {self.key_url(key)}: {err}") from err
+            except (OSError, TimeoutError) as err:
+                if attempt == ATTEMPTS - 1:
+                    raise StorageError(f"Could not {what} {self.key_url(key)} after {ATTEMPTS} attempts: {err}") from err
+                time.sleep(BACKOFF * 2**attempt)
+        raise AssertionError("unreachable")
+
     def put(self, key: str, data: bytes) -> None:
         """Write one object whole. Readers never see a partial object: object stores put
         atomically, and on a local disk we write a temporary file and rename it."""
         path = self.path(key)
-        try:
+
+        def write() -> None:
             if self.local:
                 self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
-                tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+                tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex[:8]}"
                 with self.fs.open(tmp, "wb") as f:
                     f.write(data)
                 self.fs.mv(tmp, path)
             else:
                 self.fs.pipe_file(path, data)
-        except OSError as err:
-            raise StorageError(f"Could not write {self.key_url(key)}: {err}") from err
+
+        self._retry("write", key, write)
+
+    def sweep_tmp(self, prefix: str) -> int:
+        """Remove temporary files a killed writer left under `prefix/` (local disks only: object
+        stores never show a partial object). Returns how many."""
+        if not self.local or not self.fs.exists(self.path(prefix)):
+            return 0
+        stale = [p for p in self.fs.find(self.path(prefix)) if TMP_MARK in posixpath.basename(p)]
+        for p in stale:
+            self.fs.rm_file(p)
+        return len(stale)
 
     def open_write(self, key: str) -> IO[bytes]:
         """A stream for a large object written piece by piece (a shard's tar or Parquet file)."""
         path = self.path(key)
-        try:
+
+        def open_() -> IO[bytes]:
             if self.local:
                 self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
             return self.fs.open(path, "wb")
-        except OSError as err:
-            raise StorageError(f"Could not open {self.key_url(key)} for writing: {err}") from err
+
+        return self._retry("open for writing", key, open_)
 
     def get(self, key: str) -> bytes:
+        """The object's bytes; `FileNotFoundError` when absent."""
+        path = self.path(key)
         try:
-            return self.fs.cat_file(self.path(key))
+            return self.fs.cat_file(path)
         except FileNotFoundError:
             raise
-        except OSError as err:
-            raise StorageError(f"Could not read {self.key_url(key)}: {err}") from err
+        except OSError:
+            return self._retry("read", key, lambda: self.fs.cat_file(path))
 
     def exists(self, key: str) -> bool:
         return self.fs.exists(self.path(key))
@@ -99,7 +137,7 @@ class Output:
         except OSError as err:
             raise StorageError(f"Could not list {self.key_url(prefix)}: {err}") from err
         names = (posixpath.basename(e.rstrip("/")) for e in entries)
-        return sorted(n for n in names if n.endswith(suffix) and ".tmp-" not in n)
+        return sorted(n for n in names if n.endswith(suffix) and TMP_MARK not in n)
 
     def remove(self, key: str) -> None:
         """Remove an object or a whole prefix; absent is fine."""

@@ -1,0 +1,91 @@
+"""One driver per output location: `OUT/_LOCK` names its owner and carries a heartbeat.
+
+A second driver on the same output refuses, naming the first. A lock whose heartbeat is older
+than `STALE` seconds belongs to a driver that died (SIGKILL, lost node) and is taken over.
+Object stores give no atomic create-if-absent through fsspec, so after writing the lock we read
+it back: of two drivers starting together, the one whose write landed last wins, the other
+refuses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+
+from fleetgen.errors import StorageError
+from workers.layout import LOCK
+from workers.storage import Output
+
+HEARTBEAT = 10.0  # seconds between heartbeats
+STALE = 60.0  # seconds without a heartbeat after which a lock is taken over
+SETTLE = 0.5  # seconds between writing the lock and reading it back
+
+
+class OutputLock:
+    def __init__(self, output: Output):
+        self.output = output
+        self.token = uuid.uuid4().hex
+        self.owner = f"{socket.gethostname()} pid {os.getpid()}"
+        self.started = time.time()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _record(self) -> bytes:
+        return json.dumps({"token": self.token, "owner": self.owner, "started": self.started,
+                           "heartbeat": time.time()}).encode()
+
+    def _current(self) -> dict | None:
+        try:
+            return json.loads(self.output.get(LOCK))
+        except FileNotFoundError:
+            return None
+        except json.JSONDecodeError:
+            return None  # a torn write of a dead driver: take it over
+
+    def acquire(self) -> str | None:
+        """Take the lock; returns a note when a stale lock was taken over."""
+        note = None
+        held = self._current()
+        if held and held.get("token") != self.token:
+            age = time.time() - held.get("heartbeat", 0)
+            if age < STALE:
+                raise StorageError(
+                    f"{self.output.url} is in use by another fleetgen driver ({held.get('owner')}, started "
+                    f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(held.get('started', 0)))}, last heartbeat "
+                    f"{age:.0f} s ago). Wait for it to finish, or if it is gone, delete {self.output.key_url(LOCK)}."
+                )
+            note = f"took over a stale lock of {held.get('owner')} (no heartbeat for {age:.0f} s)"
+        self.output.put(LOCK, self._record())
+        time.sleep(SETTLE)
+        held = self._current()
+        if not held or held.get("token") != self.token:
+            raise StorageError(f"{self.output.url} was claimed at the same moment by {held and held.get('owner')}.")
+        self._thread = threading.Thread(target=self._beat, name="fleetgen-lock-heartbeat", daemon=True)
+        self._thread.start()
+        return note
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT):
+            try:
+                self.output.put(LOCK, self._record())
+            except StorageError:
+                pass  # the next beat tries again; a lock older than STALE is only ever taken over
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join()
+        held = self._current()
+        if held and held.get("token") == self.token:
+            self.output.remove(LOCK)
+
+    def __enter__(self) -> OutputLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
