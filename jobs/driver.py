@@ -77,8 +77,7 @@ def run_job(config: JobConfig, progress_stream=None, progress_interval: float = 
             progress.log(note)
         if len(todo) < len(shards):
             progress.log(f"resuming: {len(shards) - len(todo)} of {len(shards)} shards already committed")
-        with _stop_on_signals(stop, progress):
-            failures, workers = _dispatch(config, columns, todo, progress, stop) if todo else ([], [])
+        failures, workers = _dispatch(config, columns, todo, progress, stop) if todo else ([], [])
         progress.close()
         summary = _summarise(output, shards, len(todo), started, failures, workers, stop.is_set())
         output.put(SUMMARY, json.dumps(summary.to_dict(), indent=2).encode())
@@ -124,56 +123,71 @@ def _stop_on_signals(stop: threading.Event, progress: Progress):
 def _dispatch(config: JobConfig, columns, todo: list[Shard], progress: Progress,
               stop: threading.Event) -> tuple[list[dict], list[dict]]:
     """Run `todo` on a pool of actors; returns (failed shards, per-worker table)."""
-    from cluster import ShardFailed, WorkerPool, WorkerReady, connect, disconnect
+    from cluster import WorkerPool, connect, disconnect
 
     shape = connect(config.ray_address)
     try:
-        if shape.gpus:
-            count, options, threads = config.workers or shape.gpus, {"num_gpus": 1}, None
-        else:
-            threads = config.cpu_threads
-            count = config.workers or max(1, shape.cpus // threads)
-            options = {"num_cpus": threads}
-        gpu_memory, host_memory = config.budgets()
-        specs = [
-            WorkerSpec(
-                name=f"w{i}", model=config.model, output=config.output, settings=config.settings(),
-                columns=columns, max_batch=config.max_batch, device=config.device, dtype=config.dtype,
-                threads=threads, trust_remote_code=config.trust_remote_code, offload=config.offload,
-                gpu_memory=gpu_memory, host_memory=host_memory,
-            )
-            for i in range(count)
-        ]
-        progress.log(f"{count} worker(s) on {'GPU' if shape.gpus else 'CPU'}, {len(todo)} shard(s) to generate")
-        lengths = {s.id: s.length for s in todo}
-        counted = dict.fromkeys(lengths, 0)
-        table: dict[str, dict] = {}
-        failures = []
-        with WorkerPool(specs, options, max_attempts=config.max_attempts, max_restarts=config.max_restarts) as pool:
-            for event in pool.run(todo, stop=stop, grace=config.stop_grace):
-                if isinstance(event, WorkerReady):
-                    progress.start_clock()
-                    plan = event.info["plan"]
-                    table[event.worker] = {"worker": event.worker, "device": event.info["device"]["name"],
-                                           "modes": plan["modes"], "batch": plan["batch_size"],
-                                           "reason": plan["reason"], "images": 0, "seconds": 0.0}
-                    progress.log(f"{event.worker} ready on {event.info['device']['name']} "
-                                 f"(loaded in {event.info['load_seconds']:.1f} s): {plan['reason']}")
-                elif isinstance(event, BatchDone):
-                    rows = min(event.images + event.errors, lengths[event.shard_id] - counted[event.shard_id])
-                    counted[event.shard_id] += rows
-                    progress.update(images=event.images, errors=event.errors, rows=rows)
-                elif isinstance(event, ShardResult):
-                    table[event.worker]["images"] += event.ok
-                    table[event.worker]["seconds"] += event.seconds
-                    progress.update(shards=1, rows=lengths[event.shard_id] - counted[event.shard_id])
-                    counted[event.shard_id] = lengths[event.shard_id]
-                elif isinstance(event, ShardFailed):
-                    failures.append({"shard": event.shard_id, "error": event.error, "attempts": event.attempts})
-                    progress.update(failed=1)
-                    progress.log(f"shard {event.shard_id} failed after {event.attempts} attempt(s): {event.error}")
+        # After connect: Ray installs its own SIGTERM handler there, ours must sit on top of it.
+        with _stop_on_signals(stop, progress):
+            specs, options = _worker_specs(config, columns, shape)
+            progress.log(f"{len(specs)} worker(s) on {'GPU' if shape.gpus else 'CPU'}, {len(todo)} shard(s) to generate")
+            with WorkerPool(specs, options, max_attempts=config.max_attempts, max_restarts=config.max_restarts) as pool:
+                return _follow(pool.run(todo, stop=stop, grace=config.stop_grace), todo, progress)
     finally:
         disconnect()
+
+
+def _worker_specs(config: JobConfig, columns, shape) -> tuple[list[WorkerSpec], dict]:
+    """One actor per GPU (`num_gpus=1`), else `--workers` CPU actors of `--cpu-threads` each."""
+    if shape.gpus:
+        count, options, threads = config.workers or shape.gpus, {"num_gpus": 1}, None
+    else:
+        threads = config.cpu_threads
+        count = config.workers or max(1, shape.cpus // threads)
+        options = {"num_cpus": threads}
+    gpu_memory, host_memory = config.budgets()
+    specs = [
+        WorkerSpec(
+            name=f"w{i}", model=config.model, output=config.output, settings=config.settings(), columns=columns,
+            max_batch=config.max_batch, device=config.device, dtype=config.dtype, threads=threads,
+            trust_remote_code=config.trust_remote_code, offload=config.offload, gpu_memory=gpu_memory,
+            host_memory=host_memory,
+        )
+        for i in range(count)
+    ]
+    return specs, options
+
+
+def _follow(events, todo: list[Shard], progress: Progress) -> tuple[list[dict], list[dict]]:
+    """Turn the pool's events into progress, the failure list and the per-worker table."""
+    from cluster import ShardFailed, WorkerReady
+
+    lengths = {s.id: s.length for s in todo}
+    counted = dict.fromkeys(lengths, 0)  # rows shown per shard, so that retries do not count twice
+    table: dict[str, dict] = {}
+    failures = []
+    for event in events:
+        if isinstance(event, WorkerReady):
+            progress.start_clock()
+            plan = event.info["plan"]
+            table[event.worker] = {"worker": event.worker, "device": event.info["device"]["name"],
+                                   "modes": plan["modes"], "batch": plan["batch_size"], "reason": plan["reason"],
+                                   "images": 0, "seconds": 0.0}
+            progress.log(f"{event.worker} ready on {event.info['device']['name']} "
+                         f"(loaded in {event.info['load_seconds']:.1f} s): {plan['reason']}")
+        elif isinstance(event, BatchDone):
+            rows = min(event.images + event.errors, lengths[event.shard_id] - counted[event.shard_id])
+            counted[event.shard_id] += rows
+            progress.update(images=event.images, errors=event.errors, rows=rows)
+        elif isinstance(event, ShardResult):
+            table[event.worker]["images"] += event.ok
+            table[event.worker]["seconds"] += event.seconds
+            progress.update(shards=1, rows=lengths[event.shard_id] - counted[event.shard_id])
+            counted[event.shard_id] = lengths[event.shard_id]
+        elif isinstance(event, ShardFailed):
+            failures.append({"shard": event.shard_id, "error": event.error, "attempts": event.attempts})
+            progress.update(failed=1)
+            progress.log(f"shard {event.shard_id} failed after {event.attempts} attempt(s): {event.error}")
     total = sum(w["images"] for w in table.values()) or 1
     for w in table.values():
         w["images_per_second"] = round(w["images"] / w["seconds"], 3) if w["seconds"] else None

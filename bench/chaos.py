@@ -1,0 +1,123 @@
+"""Kill workers at random moments during a job and check nothing is lost or duplicated.
+
+    python bench/chaos.py [--rows 160] [--kills 4] [--seed 0] [--json out.json]
+
+Runs the job once clean and once while a killer thread SIGKILLs a random worker process (the pid
+each worker writes to OUT/workers/<name>.json) at random moments; then compares: every id present
+exactly once, no stray objects, sha256 of every image equal to the clean run. Uses a local Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+class Killer(threading.Thread):
+    """SIGKILLs a random live worker `kills` times, waiting `gap` seconds (a random range) between,
+    once images have started to appear. Records what it killed."""
+
+    def __init__(self, out: Path, kills: int, gap: tuple[float, float] = (0.5, 2.0), seed: int = 0):
+        super().__init__(daemon=True)
+        self.out, self.kills, self.gap, self.rng = out, kills, gap, random.Random(seed)
+        self.killed: list[dict] = []
+        self.done = threading.Event()
+
+    def _pids(self) -> dict[str, int]:
+        pids = {}
+        for f in (self.out / "workers").glob("*.json"):
+            try:
+                pids[f.stem] = json.loads(f.read_text())["pid"]
+            except (OSError, ValueError, KeyError):
+                continue
+        return pids
+
+    def run(self) -> None:
+        while not self.done.is_set() and not any((self.out / "images").glob("*/*")):
+            time.sleep(0.05)
+        while len(self.killed) < self.kills and not self.done.wait(self.rng.uniform(*self.gap)):
+            pids = {w: p for w, p in self._pids().items() if p not in {k["pid"] for k in self.killed}}
+            if not pids:
+                continue
+            worker = self.rng.choice(sorted(pids))
+            try:
+                os.kill(pids[worker], signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            self.killed.append({"worker": worker, "pid": pids[worker], "at": time.monotonic()})
+
+
+def manifest_rows(out: Path) -> list[dict]:
+    return pq.read_table(out / "shards", columns=["id", "status", "sha256", "image"]).to_pylist()
+
+
+def check(out: Path, clean: dict[str, str]) -> dict:
+    rows = manifest_rows(out)
+    ids = [r["id"] for r in rows]
+    files = sorted(p.relative_to(out).as_posix() for p in (out / "images").rglob("*") if p.is_file())
+    return {
+        "rows": len(rows), "missing": len(set(clean) - set(ids)), "duplicates": len(ids) - len(set(ids)),
+        "stray_objects": len(set(files) - {r["image"] for r in rows}),
+        "sha_mismatches": sum(clean.get(r["id"]) != r["sha256"] for r in rows),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=160)
+    ap.add_argument("--kills", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+
+    from jobs.config import JobConfig, validate
+    from jobs.driver import run_job
+    from tests.conftest import FAST, write_prompts
+    from workers.tiny_model import write_tiny_model
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp = Path(tmp)
+            model = str(write_tiny_model(tmp / "model"))
+            prompts = str(write_prompts(tmp / "p.parquet", [f"chaos prompt {i}" for i in range(args.rows)]))
+
+            def job(out: Path):
+                return validate(JobConfig(input=prompts, output=str(out), model=model, rows_per_shard=8, max_batch=4,
+                                          workers=2, max_attempts=10, max_restarts=args.kills + 1, **FAST))
+
+            clean_run = run_job(job(tmp / "clean"), progress_stream=io.StringIO())
+            clean = {r["id"]: r["sha256"] for r in manifest_rows(tmp / "clean")}
+            killer = Killer(tmp / "chaos", args.kills, seed=args.seed)
+            killer.start()
+            chaos_run = run_job(job(tmp / "chaos"), progress_stream=io.StringIO())
+            killer.done.set()
+            killer.join()
+            result = {"rows": args.rows, "kills": len(killer.killed), "complete": chaos_run.complete,
+                      "clean_seconds": clean_run.seconds, "chaos_seconds": chaos_run.seconds,
+                      "seconds_per_kill": (chaos_run.seconds - clean_run.seconds) / max(1, len(killer.killed)),
+                      **check(tmp / "chaos", clean)}
+    finally:
+        ray.shutdown()
+    print(json.dumps(result, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""Faults injected for real: SIGKILLed workers and drivers, SIGTERM, a corrupt row group, a row
+the pipeline rejects, a second driver, a missing bucket. Real local Ray, real files, real S3."""
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from bench.chaos import Killer, check, manifest_rows
+from fleetgen.errors import InputError, StorageError
+from jobs.config import JobConfig, validate
+from jobs.driver import run_job
+from tests.conftest import FAST, write_prompts
+
+pytestmark = pytest.mark.ray
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def job(prompts, model, out, **kw) -> JobConfig:
+    base = {"rows_per_shard": 8, "max_batch": 4, "workers": 2, **FAST}
+    return validate(JobConfig(input=str(prompts), output=str(out), model=model, **{**base, **kw}))
+
+
+@pytest.fixture(scope="module")
+def chaos_input(tmp_path_factory, tiny_model, ray_cluster):
+    """160 prompts and their images from a clean run (the reference every fault run must match)."""
+    root = tmp_path_factory.mktemp("chaos")
+    prompts = write_prompts(root / "p.parquet", [f"chaos prompt {i}" for i in range(160)])
+    clean = run_job(job(prompts, tiny_model, root / "clean"), progress_stream=io.StringIO())
+    assert clean.complete
+    return prompts, {r["id"]: r["sha256"] for r in manifest_rows(root / "clean")}, clean.seconds
+
+
+def test_chaos_workers_killed_at_random_moments(chaos_input, tiny_model, tmp_path):
+    prompts, clean, _ = chaos_input
+    killer = Killer(tmp_path / "out", kills=4, seed=1)
+    killer.start()
+    summary = run_job(job(prompts, tiny_model, tmp_path / "out", max_attempts=10, max_restarts=5),
+                      progress_stream=io.StringIO())
+    killer.done.set()
+    killer.join()
+    assert len(killer.killed) == 4, "the job ended before every kill landed: make it longer"
+    assert summary.complete and summary.images_ok == 160
+    assert check(tmp_path / "out", clean) == {"rows": 160, "missing": 0, "duplicates": 0, "stray_objects": 0,
+                                              "sha_mismatches": 0}
+    assert not list((tmp_path / "out").rglob("*.tmp-*"))
+    pids_now = {json.loads(f.read_text())["pid"] for f in (tmp_path / "out" / "workers").glob("*.json")}
+    assert not pids_now & {k["pid"] for k in killer.killed}  # the workers that finished were restarted ones
+
+
+def _corrupt_first_row_group(path: Path) -> None:
+    """Overwrite bytes inside the first row group's column data; the footer stays valid."""
+    meta = pq.ParquetFile(path).metadata
+    col = meta.row_group(0).column(0)
+    start = col.dictionary_page_offset or col.data_page_offset
+    with open(path, "r+b") as f:
+        f.seek(start)
+        f.write(b"\xff" * col.total_compressed_size)
+
+
+def test_failing_shard_is_retried_bounded_then_reported(tiny_model, tmp_path, ray_cluster, capsys):
+    from jobs.cli import main
+
+    prompts = write_prompts(tmp_path / "p.parquet", [f"p{i}" for i in range(16)], row_group_size=8)
+    _corrupt_first_row_group(prompts)
+    args = ["run", "--input", str(prompts), "--output", str(tmp_path / "out"), "--model", tiny_model,
+            "--steps", "2", "--width", "64", "--height", "64", "--device", "cpu", "--rows-per-shard", "8",
+            "--workers", "2", "--max-attempts", "2"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "FAILED shard-00000 after 2 attempt(s): InputError: Could not read row group 0" in err
+    assert "rerun the same command to retry only those" in err
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert (summary["complete"], summary["shards_committed"], summary["images_ok"]) == (False, 1, 8)
+    assert [f["shard"] for f in summary["failures"]] == ["shard-00000"]
+    assert not (tmp_path / "out" / "_SUCCESS").exists()
+    assert main(args) == 1  # the rerun retries only the failed shard
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["shards_skipped"] == 1
+
+
+def _driver(args: list[str], ray_address: str) -> subprocess.Popen:
+    env = {**os.environ, "RAY_ADDRESS": ray_address}
+    return subprocess.Popen([sys.executable, "-m", "jobs", "run", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_images(out: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not any((out / "images").glob("*/*.png")):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no image appeared"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_driver_stopped_or_killed_then_rerun_resumes(chaos_input, tiny_model, tmp_path, ray_cluster, sig):
+    prompts, clean, _ = chaos_input
+    out = tmp_path / "out"
+    args = ["--input", str(prompts), "--output", str(out), "--model", tiny_model, "--steps", "2", "--guidance", "5", "--width", "64",
+            "--height", "64", "--device", "cpu", "--rows-per-shard", "8", "--workers", "2", "--max-batch", "4"]
+    proc = _driver(args, ray_cluster.get_runtime_context().gcs_address)
+    _wait_for_images(out, proc)
+    proc.send_signal(sig)
+    start = time.monotonic()
+    _, stderr = proc.communicate(timeout=60)
+    if sig == signal.SIGTERM:
+        assert time.monotonic() - start < 30 and proc.returncode == 1, stderr
+        assert "SIGTERM: no new shards" in stderr and "rerun the same command to resume" in stderr
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["stopped"] and not summary["complete"]
+        assert not (out / "_LOCK").exists()  # released on the way out
+    else:
+        assert proc.returncode == -signal.SIGKILL
+        lock = json.loads((out / "_LOCK").read_text())  # a dead driver's lock, heartbeat going stale
+        lock["heartbeat"] -= 3600
+        (out / "_LOCK").write_text(json.dumps(lock))
+    assert not (out / "_SUCCESS").exists()
+    committed_before = {p.name for p in (out / "shards").glob("*.parquet")}
+    assert len(committed_before) < 20
+
+    again = run_job(job(prompts, tiny_model, out), progress_stream=io.StringIO())
+    assert again.complete and again.shards_skipped == len(committed_before)
+    assert check(out, clean) == {"rows": 160, "missing": 0, "duplicates": 0, "stray_objects": 0, "sha_mismatches": 0}
+
+
+def test_second_driver_refuses_naming_the_first(tiny_model, tmp_path, ray_cluster):
+    from jobs.lock import OutputLock
+    from workers.storage import Output
+
+    prompts = write_prompts(tmp_path / "p.parquet", ["a", "b"])
+    first = OutputLock(Output(str(tmp_path / "out")))
+    first.acquire()
+    try:
+        with pytest.raises(StorageError) as err:
+            run_job(job(prompts, tiny_model, tmp_path / "out"), progress_stream=io.StringIO())
+        assert "is in use by another fleetgen driver" in str(err.value) and first.owner in str(err.value)
+    finally:
+        first.release()
+    log = io.StringIO()
+    lock = tmp_path / "out" / "_LOCK"
+    lock.write_text(json.dumps({"token": "dead", "owner": "old-host pid 1", "started": 0, "heartbeat": 0}))
+    assert run_job(job(prompts, tiny_model, tmp_path / "out"), progress_stream=log).complete
+    assert "took over a stale lock of old-host pid 1" in log.getvalue()
+
+
+def test_pathological_row_costs_only_itself(tiny_model, tmp_path):
+    """A real pipeline failure injected for one prompt (a hook on the text encoder): the batch is
+    retried row by row, the bad row is an error row, the rest of the shard commits."""
+    from jobs.sharding import plan_shards, read_footer, resolve_columns
+    from workers.shard import Columns
+    from workers.worker import GenerationSettings, Worker, WorkerSpec
+
+    prompts = write_prompts(tmp_path / "p.parquet", ["a red fox", "a robot", "a blue owl", "a cat"],
+                            id=["fox", "robot", "owl", "cat"])
+    files = [read_footer(str(prompts))]
+    worker = Worker(WorkerSpec("w0", tiny_model, str(tmp_path / "out"), GenerationSettings(steps=2, width=64, height=64),
+                               resolve_columns(files, Columns()), max_batch=4, device="cpu"))
+    robot = worker.pipe.tokenizer("robot").input_ids[1]
+
+    def reject_robots(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and (ids == robot).any():
+            raise ValueError("this pipeline cannot draw robots")
+
+    worker.pipe.text_encoder.register_forward_pre_hook(reject_robots, with_kwargs=True)
+    result = worker.run_shard(plan_shards(files, 10)[0])
+    assert (result.ok, result.errors) == (3, 1)
+    rows = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "shards" / "shard-00000.parquet").to_pylist()}
+    assert rows["robot"]["status"] == "error" and rows["robot"]["error"] == "ValueError: this pipeline cannot draw robots"
+    assert all(rows[i]["status"] == "ok" for i in ("fox", "owl", "cat"))
+
+
+def test_duplicate_ids_are_refused_before_any_work(tiny_model, tmp_path):
+    prompts = write_prompts(tmp_path / "p.parquet", ["a", "b", "c", "d"], id=["x", "y", "x", "z"])
+    with pytest.raises(InputError) as err:
+        run_job(job(prompts, tiny_model, tmp_path / "out"), progress_stream=io.StringIO())
+    assert "Column `id` must hold unique ids: 1 repeat, e.g. `x` (2x)" in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_bucket_fails_fast_naming_the_url(s3_server, tiny_model, tmp_path):
+    prompts = write_prompts(tmp_path / "p.parquet", ["a"])
+    with pytest.raises(StorageError) as err:
+        run_job(job(prompts, tiny_model, "s3://no-such-bucket/out"), progress_stream=io.StringIO())
+    assert "s3://no-such-bucket/out/" in str(err.value)
