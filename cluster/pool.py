@@ -14,13 +14,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from fleetgen.errors import ClusterError
 from workers.shard import Shard
 from workers.worker import BatchDone, ShardResult, Worker, WorkerSpec
 
 RemoteWorker = ray.remote(Worker)
+RETRY_READY = 0.5  # seconds between asking a restarting actor whether it is back
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class WorkerPool:
         pending = {self.actors[name].describe.remote(): name for name in self.actors}
         running: dict[ray.ObjectRefGenerator, tuple[str, Shard]] = {}
         idle: list[str] = []
+        restarting: dict[str, float] = {}  # actor -> when to ask again whether it is back
         start_errors: list[str] = []
         while queue or running:
             if stop is not None and stop.is_set():
@@ -78,21 +80,31 @@ class WorkerPool:
                     queue.clear()
                 if time.monotonic() - stopping_since >= grace:
                     return
+            now = time.monotonic()
+            for name in [n for n, at in restarting.items() if at <= now]:
+                del restarting[name]
+                pending[self.actors[name].describe.remote()] = name
             while idle and queue:
                 name, shard = idle.pop(0), queue.popleft()
                 attempts[shard.id] = attempts.get(shard.id, 0) + 1
                 running[self.actors[name].iter_shard.remote(shard)] = (name, shard)
-            if not running and not pending:
+            if not running and not pending and not restarting:
                 if queue:
-                    raise ClusterError(f"No worker could start: {'; '.join(start_errors) or 'all workers died'}.")
+                    raise ClusterError(f"No worker left to run {len(queue)} shard(s): {'; '.join(start_errors)}.")
                 break
-            ready, _ = ray.wait([*pending, *running], num_returns=1, timeout=0.5)
+            if not pending and not running:
+                time.sleep(RETRY_READY)
+                continue
+            ready, _ = ray.wait([*pending, *running], num_returns=1, timeout=RETRY_READY)
             for ref in ready:
                 if ref in pending:
                     name = pending.pop(ref)
                     try:
                         info = ray.get(ref)
-                    except (RayActorError, RayTaskError) as err:
+                    except ActorUnavailableError:  # still restarting: ask again shortly
+                        restarting[name] = time.monotonic() + RETRY_READY
+                        continue
+                    except (RayActorError, RayTaskError) as err:  # could not (re)start: dropped
                         start_errors.append(f"{name}: {_message(err)}")
                         continue
                     idle.append(name)
@@ -107,9 +119,13 @@ class WorkerPool:
                     continue
                 except (RayActorError, RayTaskError) as err:
                     del running[ref]
-                    if isinstance(err, RayActorError):
+                    if isinstance(err, RayActorError):  # the process died: wait for Ray to restart it
                         deaths[name] = deaths.get(name, 0) + 1
-                    if deaths.get(name, 0) <= self.max_restarts:
+                        if deaths[name] <= self.max_restarts:
+                            restarting[name] = time.monotonic()
+                        else:
+                            start_errors.append(f"{name}: died {deaths[name]} times")
+                    else:
                         idle.append(name)
                     if attempts[shard.id] < self.max_attempts:
                         queue.append(shard)

@@ -50,6 +50,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", help="auto | float32 | float16 | bfloat16 (default auto)")
     g.add_argument("--ray-address", help="Ray cluster to join (default RAY_ADDRESS, else start a local one)")
     g.add_argument("--overwrite", action="store_true", default=None, help="replace a different job at --output")
+    g.add_argument("--strict-prompts", action="store_true", default=None,
+                   help="a prompt longer than the text encoder takes is an error row (default: truncate, noted per row)")
     g.add_argument("--trust-remote-code", action="store_true", default=None,
                    help="allow the model repo to run its own code (off by default)")
 

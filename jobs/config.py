@@ -12,6 +12,7 @@ from fleetgen.errors import ConfigError
 from fleetgen.units import parse_size
 from offload.planner import OFFLOAD_CHOICES
 from workers.layout import IMAGE_FORMATS, OUTPUT_FORMATS
+from workers.pipeline import size_multiple
 from workers.shard import Columns
 from workers.worker import GenerationSettings
 
@@ -53,6 +54,7 @@ class JobConfig:
     ray_address: str | None = None  # default: RAY_ADDRESS, else a local Ray
     overwrite: bool = False  # replace a different job found at `output`
     trust_remote_code: bool = False  # let the model repo run its own code (off: never)
+    strict_prompts: bool = False  # over-long prompts are error rows instead of being truncated
 
     def settings(self) -> GenerationSettings:
         return GenerationSettings(
@@ -92,9 +94,14 @@ def validate(config: JobConfig) -> JobConfig:
         _check(bool(getattr(c, name)), f"{_option(name)} is required.")
     _check(c.steps >= 1, f"`--steps` must be a positive integer, got `{c.steps}`.")
     _check(c.guidance >= 0, f"`--guidance` must be 0 or more, got `{c.guidance}`.")
+    multiple = size_multiple(c.model)  # from a local model's configs; else 8, as every SD-family VAE needs
     for name in ("width", "height"):
         v = getattr(c, name)
-        _check(v >= 8 and v % 8 == 0, f"{_option(name)} must be a positive multiple of 8, got `{v}`.")
+        if multiple is None:
+            _check(v >= 8 and v % 8 == 0, f"{_option(name)} must be a positive multiple of 8, got `{v}`.")
+        else:
+            _check(v > 0 and v % multiple[0] == 0, f"{_option(name)} `{v}` is not a multiple of {multiple[0]}, which "
+                                                   f"the model at {c.model} needs ({multiple[1]}).")
     _check(c.seed >= 0, f"`--seed` must be 0 or more, got `{c.seed}`.")
     _check(c.image_format in IMAGE_FORMATS,
            f"`--image-format` must be one of {', '.join(IMAGE_FORMATS)}; got `{c.image_format}`.")

@@ -151,7 +151,7 @@ def _worker_specs(config: JobConfig, columns, shape) -> tuple[list[WorkerSpec], 
             name=f"w{i}", model=config.model, output=config.output, settings=config.settings(), columns=columns,
             max_batch=config.max_batch, device=config.device, dtype=config.dtype, threads=threads,
             trust_remote_code=config.trust_remote_code, offload=config.offload, gpu_memory=gpu_memory,
-            host_memory=host_memory,
+            host_memory=host_memory, strict_prompts=config.strict_prompts,
         )
         for i in range(count)
     ]
@@ -170,10 +170,11 @@ def _follow(events, todo: list[Shard], progress: Progress) -> tuple[list[dict], 
         if isinstance(event, WorkerReady):
             progress.start_clock()
             plan = event.info["plan"]
-            table[event.worker] = {"worker": event.worker, "device": event.info["device"]["name"],
-                                   "modes": plan["modes"], "batch": plan["batch_size"], "reason": plan["reason"],
-                                   "images": 0, "seconds": 0.0}
-            progress.log(f"{event.worker} ready on {event.info['device']['name']} "
+            row = table.setdefault(event.worker, {"worker": event.worker, "images": 0, "seconds": 0.0, "starts": 0})
+            row.update(device=event.info["device"]["name"], modes=plan["modes"], batch=plan["batch_size"],
+                       reason=plan["reason"], starts=row["starts"] + 1)
+            again = " again (restarted)" if row["starts"] > 1 else ""
+            progress.log(f"{event.worker} ready{again} on {event.info['device']['name']} "
                          f"(loaded in {event.info['load_seconds']:.1f} s): {plan['reason']}")
         elif isinstance(event, BatchDone):
             rows = min(event.images + event.errors, lengths[event.shard_id] - counted[event.shard_id])

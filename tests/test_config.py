@@ -63,3 +63,17 @@ def test_config_file_errors(tmp_path):
     bad.write_text("width = true")
     with pytest.raises(ConfigError, match="`width` in .* must be int"):
         make_config(BASE, str(bad))
+
+
+def test_sizes_the_model_cannot_take_are_refused(tiny_model, tmp_path):
+    from offload.architectures import HERE
+
+    with pytest.raises(ConfigError, match=r"`--width` `100` is not a multiple of 16, which the model at .*flux.1-dev "
+                                          r"needs \(VAE scale 8 x patch 2\)"):
+        make_config({**BASE, "model": str(HERE / "flux.1-dev"), "width": 100, "height": 96})
+    with pytest.raises(ConfigError, match="`--height` `1000` is not a multiple of 16"):
+        make_config({**BASE, "model": str(HERE / "flux.1-dev"), "height": 1000})
+    assert make_config({**BASE, "model": str(HERE / "sdxl"), "width": 1024, "height": 776}).height == 776
+    with pytest.raises(ConfigError, match="`--width` `516` is not a multiple of 8, which the model at .*sd-1.5"):
+        make_config({**BASE, "model": str(HERE / "sd-1.5"), "width": 516})
+    assert make_config({**BASE, "model": tiny_model, "width": 66}).width == 66  # the tiny VAE scales by 2

@@ -190,3 +190,20 @@ def test_out_of_memory_steps_down_batch_then_plan(tiny_model, shard_input, tmp_p
     assert len(reasons) >= 2 and set(reasons[1:]) == {"out of memory at batch 1"}  # leaner plans until the UNet moves
     info = json.loads((tmp_path / "workers" / "w0.json").read_text())
     assert info["step_downs"] == worker.step_downs and info["plan"]["modes"]["unet"] != "resident"
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_long_prompts_are_truncated_and_noted_or_refused(tiny_model, tmp_path, strict):
+    long = " ".join(["a red fox in the forest"] * 20)  # 120 words: more than CLIP's 77 tokens
+    path = write_prompts(tmp_path / "p.parquet", ["a cat", long], id=["short", "long"])
+    files = [read_footer(str(path))]
+    spec = WorkerSpec("w0", tiny_model, str(tmp_path / "o"), GenerationSettings(steps=2, width=64, height=64),
+                      resolve_columns(files, Columns()), device="cpu", strict_prompts=strict)
+    Worker(spec).run_shard(plan_shards(files, 10)[0])
+    rows = {r["id"]: r for r in manifest(tmp_path / "o").to_pylist()}
+    assert rows["short"]["status"] == "ok" and rows["short"]["warning"] is None
+    if strict:
+        assert rows["long"]["status"] == "error"
+        assert rows["long"]["error"] == "prompt is 122 tokens; the text encoder takes 77 (`--strict-prompts`)"
+    else:
+        assert rows["long"]["status"] == "ok" and rows["long"]["warning"] == "prompt truncated to 77 of 122 tokens"

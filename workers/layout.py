@@ -61,6 +61,7 @@ MANIFEST_SCHEMA = pa.schema(
         ("seed", pa.int64()),
         ("status", pa.string()),  # "ok" | "error"
         ("error", pa.string()),
+        ("warning", pa.string()),  # e.g. the prompt was truncated to what the text encoder takes
         ("image", pa.string()),
         ("member", pa.string()),
         ("sha256", pa.string()),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import torch
 
@@ -48,3 +50,22 @@ def load_pipeline(model: str, dtype: torch.dtype, trust_remote_code: bool = Fals
         raise FleetgenError(f"Could not load the pipeline `{model}`: {err}") from err
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def size_multiple(model: str) -> tuple[int, str] | None:
+    """What image sizes must be a multiple of, from a local pipeline directory's configs (None for
+    a hub id: it is checked when the worker loads it), with the reason."""
+    root = Path(model).expanduser()
+    try:
+        index = json.loads((root / "model_index.json").read_text())
+        vae = json.loads((root / "vae" / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    scale = 2 ** (len(vae.get("block_out_channels", [0, 0, 0, 0])) - 1)
+    denoiser = next((n for n in ("transformer", "unet") if n in index), None)
+    patch = 1
+    if denoiser:
+        cls = index[denoiser][1] if isinstance(index[denoiser], list) else ""
+        cfg = json.loads((root / denoiser / "config.json").read_text()) if (root / denoiser / "config.json").exists() else {}
+        patch = 2 if cls.startswith("Flux") else int(cfg.get("patch_size") or 1)  # Flux packs 2x2 latents
+    return scale * patch, f"VAE scale {scale} x patch {patch}"

@@ -62,6 +62,7 @@ class WorkerSpec:
     gpu_memory: int | None = None  # device budget in bytes; default: free device memory (CPU: no planning)
     host_memory: int | None = None  # host RAM for offloaded copies; default: 80% of available
     trust_remote_code: bool = False  # never run a model repo's own code unless asked
+    strict_prompts: bool = False  # a prompt longer than the text encoder takes is an error, not truncated
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,10 @@ class Worker:
         s, name = self.spec.settings, self.spec.name
         rows = shard_rows(shard, read_shard(shard, self.spec.columns), self.spec.columns, s.seed)
         records = {r.id: self._record(r) for r in rows}
-        todo = [r for r in rows if r.error is None]
+        for r in rows:
+            if r.error is None:
+                self._check_length(r, records[r.id])
+        todo = [r for r in rows if records[r.id]["status"] == "ok"]
         sink = open_sink(self.output, shard.id, s.output_format, s.image_format)
         failures = 0
         i = 0
@@ -180,10 +184,25 @@ class Worker:
         s = self.spec.settings
         return {
             "id": row.id, "prompt": row.prompt, "negative_prompt": row.negative_prompt, "seed": row.seed,
-            "status": "error" if row.error else "ok", "error": row.error, "image": None, "member": None,
+            "status": "error" if row.error else "ok", "error": row.error, "warning": None, "image": None, "member": None,
             "sha256": None, "width": s.width, "height": s.height, "steps": s.steps, "guidance": s.guidance,
             "batch": None, "worker": self.spec.name, "device": self.info["device"]["name"], "seconds": None,
         }
+
+    def _check_length(self, row: Row, record: dict) -> None:
+        """Prompts longer than the (first) text encoder takes are truncated by the pipeline: say
+        so per row, or make it an error row with `--strict-prompts`."""
+        tokenizer = getattr(self.pipe, "tokenizer", None)
+        limit = getattr(tokenizer, "model_max_length", None)
+        if tokenizer is None or not limit or limit > 100_000:
+            return
+        n = len(tokenizer(row.prompt, truncation=False).input_ids)
+        if n <= limit:
+            return
+        if self.spec.strict_prompts:
+            record.update(status="error", error=f"prompt is {n} tokens; the text encoder takes {limit} (`--strict-prompts`)")
+        else:
+            record["warning"] = f"prompt truncated to {limit} of {n} tokens"
 
     def _generate(self, batch: list[Row]) -> tuple[list[_Made], dict[str, str]]:
         """Run one pipeline call; if it raises, run its rows one at a time so that one bad row
