@@ -1,6 +1,6 @@
 """Ray at the edge: connecting, and a pull-based pool of actors wrapping `workers.Worker`."""
 
 from cluster.connect import cluster_shape, connect, disconnect
-from cluster.pool import PoolEvent, ShardFailed, WorkerPool, WorkerReady
+from cluster.pool import PoolEvent, ShardFailed, ShardSpeculated, WorkerPool, WorkerReady
 
-__all__ = ["PoolEvent", "ShardFailed", "WorkerPool", "WorkerReady", "cluster_shape", "connect", "disconnect"]
+__all__ = ["PoolEvent", "ShardFailed", "ShardSpeculated", "WorkerPool", "WorkerReady", "cluster_shape", "connect", "disconnect"]

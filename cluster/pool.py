@@ -34,6 +34,15 @@ class ShardFailed:
 
 
 @dataclass(frozen=True)
+class ShardSpeculated:
+    """A straggling shard was also given to an idle worker; the first commit wins."""
+
+    shard_id: str
+    worker: str
+    running_seconds: float  # how long the first attempt had been running
+
+
+@dataclass(frozen=True)
 class WorkerReady:
     """An actor finished loading; `info` is its `Worker.describe()`."""
 
@@ -41,7 +50,7 @@ class WorkerReady:
     info: dict
 
 
-PoolEvent = WorkerReady | BatchDone | ShardResult | ShardFailed
+PoolEvent = WorkerReady | BatchDone | ShardResult | ShardFailed | ShardSpeculated
 
 
 def _message(err: Exception) -> str:
@@ -70,6 +79,10 @@ class WorkerPool:
         deaths: dict[str, int] = {}
         pending = {self.actors[name].describe.remote(): name for name in self.actors}
         running: dict[ray.ObjectRefGenerator, tuple[str, Shard]] = {}
+        began: dict[ray.ObjectRefGenerator, float] = {}
+        live: dict[str, int] = {}  # shard -> attempts running now
+        done: set[str] = set()  # shards committed (by whichever attempt)
+        speculated: set[str] = set()
         idle: list[str] = []
         restarting: dict[str, float] = {}  # actor -> when to ask again whether it is back
         start_errors: list[str] = []
@@ -87,7 +100,17 @@ class WorkerPool:
             while idle and queue:
                 name, shard = idle.pop(0), queue.popleft()
                 attempts[shard.id] = attempts.get(shard.id, 0) + 1
-                running[self.actors[name].iter_shard.remote(shard)] = (name, shard)
+                ref = self.actors[name].iter_shard.remote(shard)
+                running[ref], began[ref], live[shard.id] = (name, shard), time.monotonic(), live.get(shard.id, 0) + 1
+            # Nothing queued and a worker idle: give it the longest-running shard too (once per shard).
+            while idle and not queue and stopping_since is None and (stragglers := [r for r, (_, sh) in running.items()
+                                                         if sh.id not in speculated and sh.id not in done]):
+                first = min(stragglers, key=began.__getitem__)
+                name, shard = idle.pop(0), running[first][1]
+                speculated.add(shard.id)
+                ref = self.actors[name].iter_shard.remote(shard, True)
+                running[ref], began[ref], live[shard.id] = (name, shard), time.monotonic(), live[shard.id] + 1
+                yield ShardSpeculated(shard.id, name, time.monotonic() - began[first])
             if not running and not pending and not restarting:
                 if queue:
                     raise ClusterError(f"No worker left to run {len(queue)} shard(s): {'; '.join(start_errors)}.")
@@ -115,10 +138,12 @@ class WorkerPool:
                     event = ray.get(next(ref))
                 except StopIteration:
                     del running[ref]
+                    live[shard.id] -= 1
                     idle.append(name)
                     continue
                 except (RayActorError, RayTaskError) as err:
                     del running[ref]
+                    live[shard.id] -= 1
                     if isinstance(err, RayActorError):  # the process died: wait for Ray to restart it
                         deaths[name] = deaths.get(name, 0) + 1
                         if deaths[name] <= self.max_restarts:
@@ -127,11 +152,19 @@ class WorkerPool:
                             start_errors.append(f"{name}: died {deaths[name]} times")
                     else:
                         idle.append(name)
+                    if shard.id in done or live[shard.id] > 0:
+                        continue  # committed, or another attempt is still at it
                     if attempts[shard.id] < self.max_attempts:
                         queue.append(shard)
                     else:
                         yield ShardFailed(shard.id, _message(err), attempts[shard.id])
                     continue
+                if isinstance(event, ShardResult):
+                    if shard.id in done:
+                        continue  # the other attempt's result came first
+                    done.add(shard.id)
+                elif shard.id in done:
+                    continue  # progress of an attempt that has lost
                 yield event
 
     def close(self) -> None:

@@ -41,6 +41,7 @@ class JobSummary:
     failures: list[dict] = field(default_factory=list)
     workers: list[dict] = field(default_factory=list)
     stopped: bool = False  # SIGTERM/SIGINT (e.g. `ray job stop`) ended the run early
+    speculative_attempts: int = 0  # straggling shards also given to an idle worker
 
     @property
     def complete(self) -> bool:
@@ -80,6 +81,7 @@ def run_job(config: JobConfig, progress_stream=None, progress_interval: float = 
         failures, workers = _dispatch(config, columns, todo, progress, stop) if todo else ([], [])
         progress.close()
         summary = _summarise(output, shards, len(todo), started, failures, workers, stop.is_set())
+        summary.speculative_attempts = progress.speculated
         output.put(SUMMARY, json.dumps(summary.to_dict(), indent=2).encode())
         if summary.complete:
             output.put(SUCCESS, b"")
@@ -160,7 +162,7 @@ def _worker_specs(config: JobConfig, columns, shape) -> tuple[list[WorkerSpec], 
 
 def _follow(events, todo: list[Shard], progress: Progress) -> tuple[list[dict], list[dict]]:
     """Turn the pool's events into progress, the failure list and the per-worker table."""
-    from cluster import ShardFailed, WorkerReady
+    from cluster import ShardFailed, ShardSpeculated, WorkerReady
 
     lengths = {s.id: s.length for s in todo}
     counted = dict.fromkeys(lengths, 0)  # rows shown per shard, so that retries do not count twice
@@ -180,6 +182,10 @@ def _follow(events, todo: list[Shard], progress: Progress) -> tuple[list[dict], 
             rows = min(event.images + event.errors, lengths[event.shard_id] - counted[event.shard_id])
             counted[event.shard_id] += rows
             progress.update(images=event.images, errors=event.errors, rows=rows)
+        elif isinstance(event, ShardSpeculated):
+            progress.speculated += 1
+            progress.log(f"straggler: {event.shard_id} has run {event.running_seconds:.0f} s; also given to "
+                         f"idle {event.worker} (first commit wins)")
         elif isinstance(event, ShardResult):
             table[event.worker]["images"] += event.ok
             table[event.worker]["seconds"] += event.seconds

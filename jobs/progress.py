@@ -26,6 +26,7 @@ class Progress:
         self.shards_total, self.rows_total = shards_total, rows_total
         self.shards_done, self.rows_done = shards_done, rows_done
         self.failed = self.errors = self.made = 0  # made: images made by this run
+        self.speculated = 0  # straggling shards given to a second worker
         self.started = time.monotonic()
         self._last = float("-inf")  # the first update draws
 

@@ -58,6 +58,9 @@ class Sink(Protocol):
     def close(self) -> None:
         """Finish the shard's objects (after the last batch)."""
 
+    def abort(self) -> None:
+        """Give up: objects not yet complete do not appear."""
+
 
 class FilesSink:
     def __init__(self, output: Output, shard_id: str, image_format: str):
@@ -74,6 +77,9 @@ class FilesSink:
 
     def close(self) -> None:
         pass
+
+    def abort(self) -> None:
+        pass  # each image object is already whole; the next attempt overwrites it
 
 
 class WebDatasetSink:
@@ -100,6 +106,9 @@ class WebDatasetSink:
         self.tar.close()
         self.stream.close()
 
+    def abort(self) -> None:
+        Output.discard(self.stream)
+
 
 class ParquetSink:
     def __init__(self, output: Output, shard_id: str, image_format: str):
@@ -120,6 +129,9 @@ class ParquetSink:
     def close(self) -> None:
         self.writer.close()
         self.stream.close()
+
+    def abort(self) -> None:
+        Output.discard(self.stream)
 
 
 SINKS = {"files": FilesSink, "webdataset": WebDatasetSink, "parquet": ParquetSink}

@@ -105,15 +105,25 @@ class Output:
         return len(stale)
 
     def open_write(self, key: str) -> IO[bytes]:
-        """A stream for a large object written piece by piece (a shard's tar or Parquet file)."""
+        """A stream for a large object written piece by piece (a shard's tar or Parquet file).
+        The object appears whole at `close()` (local disks: a temporary file renamed; object
+        stores: the upload completes), or not at all after `discard(stream)`."""
         path = self.path(key)
 
         def open_() -> IO[bytes]:
             if self.local:
                 self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+                return _RenameOnClose(self.fs, path)
             return self.fs.open(path, "wb")
 
         return self._retry("open for writing", key, open_)
+
+    @staticmethod
+    def discard(stream: IO[bytes]) -> None:
+        """Abandon a stream from `open_write`: nothing appears at its key."""
+        discard = getattr(stream, "discard", None)
+        if discard is not None:
+            discard()  # local: removes the temporary file; fsspec buffered files: aborts the upload
 
     def get(self, key: str) -> bytes:
         """The object's bytes; `FileNotFoundError` when absent."""
@@ -149,3 +159,26 @@ class Output:
             pass
         except OSError as err:
             raise StorageError(f"Could not remove {self.key_url(key)}: {err}") from err
+
+
+class _RenameOnClose:
+    """A local file written under a temporary name and renamed to `path` when closed."""
+
+    def __init__(self, fs, path: str):
+        self._fs, self._path = fs, path
+        self._tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex[:8]}"
+        self._file = fs.open(self._tmp, "wb")
+
+    def __getattr__(self, name):
+        return getattr(self._file, name)
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+            self._fs.mv(self._tmp, self._path)
+
+    def discard(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        if self._fs.exists(self._tmp):
+            self._fs.rm_file(self._tmp)

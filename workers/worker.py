@@ -82,6 +82,7 @@ class ShardResult:
     ok: int
     errors: int
     seconds: float  # wall time of the whole shard, reading to commit
+    committed_by_other: bool = False  # another attempt of this shard committed first; this one wrote nothing more
 
 
 def encode(image, image_format: str) -> bytes:
@@ -141,10 +142,13 @@ class Worker:
         *_, result = self.iter_shard(shard)
         return result
 
-    def iter_shard(self, shard: Shard) -> Iterator[BatchDone | ShardResult]:
+    def iter_shard(self, shard: Shard, speculative: bool = False) -> Iterator[BatchDone | ShardResult]:
         """Generate `shard`, yielding a `BatchDone` per pipeline call, then the `ShardResult`.
 
-        Images are written as they are made; the manifest is written last and is the commit.
+        Images are written as they are made; the manifest is written last and is the commit. A
+        `speculative` attempt (a second try at a straggling shard) holds its images until it
+        finishes and writes them only if no other attempt committed meanwhile; a normal attempt
+        stops at its next batch once another has committed. The first commit wins.
         """
         started = time.perf_counter()
         s, name = self.spec.settings, self.spec.name
@@ -154,16 +158,21 @@ class Worker:
             if r.error is None:
                 self._check_length(r, records[r.id])
         todo = [r for r in rows if records[r.id]["status"] == "ok"]
-        sink = open_sink(self.output, shard.id, s.output_format, s.image_format)
-        failures = 0
-        i = 0
+        sink = None if speculative else open_sink(self.output, shard.id, s.output_format, s.image_format)
+        held: list[_Made] = []  # a speculative attempt's images, written only if it wins
+        failures = i = 0
         while i < len(todo):
+            if sink is not None and self._committed(shard):
+                sink.abort()
+                yield ShardResult(shard.id, name, 0, 0, time.perf_counter() - started, committed_by_other=True)
+                return
             batch = todo[i : i + self.batch_size]
             i += len(batch)
             made, failed = self._generate(batch)
-            stored = sink.add([(m.id, m.data, m.meta) for m in made]) if made else []
-            for m, (key, member) in zip(made, stored, strict=True):
-                records[m.id].update(m.record, image=key, member=member)
+            if sink is None:
+                held += made
+            else:
+                self._store(sink, made, records)
             for row_id, error in failed.items():
                 records[row_id].update(status="error", error=error)
             failures += len(failed)
@@ -171,6 +180,14 @@ class Worker:
         if todo and failures == len(todo):
             raise ShardError(f"Shard {shard.id}: every row failed in the pipeline; first error: "
                              f"{records[todo[0].id]['error']}")
+        if self._committed(shard):
+            if sink is not None:
+                sink.abort()
+            yield ShardResult(shard.id, name, 0, 0, time.perf_counter() - started, committed_by_other=True)
+            return
+        if sink is None:
+            sink = open_sink(self.output, shard.id, s.output_format, s.image_format)
+            self._store(sink, held, records)
         sink.close()
         self._commit(shard, list(records.values()))
         ok = sum(r["status"] == "ok" for r in records.values())
@@ -179,6 +196,15 @@ class Worker:
         self.stats["errors"] += len(rows) - ok
         self._write_info()
         yield ShardResult(shard.id, name, ok, len(rows) - ok, time.perf_counter() - started)
+
+    def _committed(self, shard: Shard) -> bool:
+        return self.output.exists(manifest_key(shard.id))
+
+    @staticmethod
+    def _store(sink, made: list[_Made], records: dict) -> None:
+        stored = sink.add([(m.id, m.data, m.meta) for m in made]) if made else []
+        for m, (key, member) in zip(made, stored, strict=True):
+            records[m.id].update(m.record, image=key, member=member)
 
     def _record(self, row: Row) -> dict:
         s = self.spec.settings
