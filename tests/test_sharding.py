@@ -104,3 +104,26 @@ def test_wrong_types_and_schema_drift(tmp_path):
     write_prompts(tmp_path / "d" / "b.parquet", ["y"])
     with pytest.raises(InputError, match="all input files must have the same columns"):
         resolve_columns(footers(str(tmp_path / "d")), Columns())
+
+
+def test_out_of_range_seeds_are_error_rows(tmp_path):
+    write_prompts(tmp_path / "p.parquet", ["a", "b", "c"], seed=pa.array([-1, 2**62, None], pa.int64()))
+    files = footers(str(tmp_path / "p.parquet"))
+    cols = resolve_columns(files, Columns())
+    shard = plan_shards(files, 10)[0]
+    rows = shard_rows(shard, read_shard(shard, cols), cols, job_seed=0)
+    assert rows[0].error == "seed `-1` is out of range [0, 2**63-1]"
+    assert (rows[1].error, rows[1].seed) == (None, 2**62)
+    assert rows[2].error is None and rows[2].seed is not None  # null: derived from the job seed
+    pq.write_table(pa.table({"prompt": ["a"], "seed": [1.5]}), tmp_path / "f.parquet")
+    with pytest.raises(InputError, match="the seed column must be an integer"):
+        resolve_columns(footers(str(tmp_path / "f.parquet")), Columns())
+
+
+def test_all_files_empty_is_refused(tmp_path, tiny_model):
+    from jobs.config import JobConfig
+    from jobs.driver import run_job
+
+    write_prompts(tmp_path / "a.parquet", [])
+    with pytest.raises(InputError, match=r"has no rows \(1 file\(s\), all empty\)"):
+        run_job(JobConfig(input=str(tmp_path / "a.parquet"), output=str(tmp_path / "o"), model=tiny_model))
