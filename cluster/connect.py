@@ -13,12 +13,23 @@ import ray  # noqa: E402
 
 from fleetgen.errors import ClusterError  # noqa: E402
 
+HOST_SHARE = 0.8  # of a node's Ray-schedulable memory that its workers' offloaded copies may use
+
 
 @dataclass(frozen=True)
 class ClusterShape:
     cpus: int
     gpus: int
     started_here: bool  # we started a local Ray and must shut it down
+    node_memory: tuple[tuple[int, int, int], ...] = ()  # per alive node: (memory bytes, GPUs, CPUs)
+
+    def host_share(self, workers: int) -> int | None:
+        """Host RAM per worker: on GPU nodes a node's memory split between its GPUs (one worker
+        each); on CPU-only clusters the smallest node's memory split between the workers it could
+        hold. The smallest share over nodes, so that every node fits its workers."""
+        shares = [int(mem * HOST_SHARE / (gpus if self.gpus else max(1, min(cpus, workers))))
+                  for mem, gpus, cpus in self.node_memory if mem and (gpus or not self.gpus)]
+        return min(shares) if shares else None
 
 
 _started_here = False
@@ -46,7 +57,10 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> ClusterS
 
 def cluster_shape() -> ClusterShape:
     res = ray.cluster_resources()
-    return ClusterShape(cpus=int(res.get("CPU", 0)), gpus=int(res.get("GPU", 0)), started_here=_started_here)
+    nodes = tuple((int(n["Resources"].get("memory", 0)), int(n["Resources"].get("GPU", 0)),
+                   int(n["Resources"].get("CPU", 0))) for n in ray.nodes() if n.get("Alive"))
+    return ClusterShape(cpus=int(res.get("CPU", 0)), gpus=int(res.get("GPU", 0)), started_here=_started_here,
+                        node_memory=nodes)
 
 
 def disconnect() -> None:

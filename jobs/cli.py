@@ -45,7 +45,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    help="how workers place the pipeline (default auto: planned per device)")
     g.add_argument("--gpu-memory", help="device budget per worker, e.g. 24GiB (default: free memory; "
                    "on CPU workers, plan as if the device had this much)")
-    g.add_argument("--host-memory", help="host RAM per worker for offloaded copies (default 80%% of available)")
+    g.add_argument("--host-memory", help="host RAM per worker for offloaded copies (default: the node's RAM "
+                   "split between its workers)")
+    g.add_argument("--worker-memory", help="emulate a mixed fleet: one worker per budget, e.g. 16GiB,24GiB,80GiB")
     g.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
     g.add_argument("--dtype", help="auto | float32 | float16 | bfloat16 (default auto)")
     g.add_argument("--ray-address", help="Ray cluster to join (default RAY_ADDRESS, else start a local one)")

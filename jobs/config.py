@@ -48,7 +48,8 @@ class JobConfig:
     stop_grace: float = 0.0  # seconds running shards get to commit after SIGTERM/SIGINT
     offload: str = "auto"  # auto | none | block | leaf | disk: how workers may place the pipeline
     gpu_memory: str | None = None  # device budget per worker, e.g. "24GiB"; default: free device memory
-    host_memory: str | None = None  # host RAM per worker for offloaded copies; default: 80% of available
+    host_memory: str | None = None  # host RAM per worker for offloaded copies; default: its share of the node
+    worker_memory: str | None = None  # emulate a mixed fleet: "16GiB,24GiB,80GiB" = one worker per budget
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (float16 on CUDA, float32 on CPU) | float32 | float16 | bfloat16
     ray_address: str | None = None  # default: RAY_ADDRESS, else a local Ray
@@ -66,6 +67,12 @@ class JobConfig:
         """`gpu_memory`, `host_memory` in bytes (None: the worker measures)."""
         return tuple(None if v is None else parse_size(v, f"--{n.replace('_', '-')}")
                      for n, v in (("gpu_memory", self.gpu_memory), ("host_memory", self.host_memory)))
+
+    def worker_budgets(self) -> list[int]:
+        """`--worker-memory` as bytes, one entry per worker ([] when not given)."""
+        if not self.worker_memory:
+            return []
+        return [parse_size(v.strip(), "--worker-memory") for v in self.worker_memory.split(",")]
 
     def columns(self) -> Columns:
         return Columns(self.prompt_column, self.id_column, self.seed_column, self.negative_prompt_column)
@@ -119,6 +126,11 @@ def validate(config: JobConfig) -> JobConfig:
     for name in ("gpu_memory", "host_memory"):
         if getattr(c, name) is not None:
             parse_size(getattr(c, name), f"--{name.replace('_', '-')}")
+    if c.worker_memory is not None:
+        budgets = c.worker_budgets()
+        _check(c.gpu_memory is None, "`--worker-memory` and `--gpu-memory` both set budgets: pass one of them.")
+        _check(c.workers in (None, len(budgets)), f"`--workers` is {c.workers} but `--worker-memory` lists "
+                                                   f"{len(budgets)} budgets (one worker per budget).")
     names = [c.prompt_column, c.id_column, c.seed_column, c.negative_prompt_column]
     _check(len(set(names)) == len(names), f"Column options must name different columns, got {names}.")
     return c

@@ -140,20 +140,27 @@ def _dispatch(config: JobConfig, columns, todo: list[Shard], progress: Progress,
 
 
 def _worker_specs(config: JobConfig, columns, shape) -> tuple[list[WorkerSpec], dict]:
-    """One actor per GPU (`num_gpus=1`), else `--workers` CPU actors of `--cpu-threads` each."""
+    """One actor per GPU (`num_gpus=1`), else `--workers` CPU actors of `--cpu-threads` each; one
+    per `--worker-memory` entry when given. Each reserves its share of its node's host RAM as Ray
+    `memory`, so the offloaded copies of the actors on one node fit that node."""
+    budgets = config.worker_budgets()
     if shape.gpus:
-        count, options, threads = config.workers or shape.gpus, {"num_gpus": 1}, None
+        count, options, threads = len(budgets) or config.workers or shape.gpus, {"num_gpus": 1}, None
     else:
         threads = config.cpu_threads
-        count = config.workers or max(1, shape.cpus // threads)
+        count = len(budgets) or config.workers or max(1, shape.cpus // threads)
         options = {"num_cpus": threads}
     gpu_memory, host_memory = config.budgets()
+    host_memory = host_memory or shape.host_share(count)
+    if host_memory:
+        options["memory"] = host_memory
     specs = [
         WorkerSpec(
             name=f"w{i}", model=config.model, output=config.output, settings=config.settings(), columns=columns,
             max_batch=config.max_batch, device=config.device, dtype=config.dtype, threads=threads,
-            trust_remote_code=config.trust_remote_code, offload=config.offload, gpu_memory=gpu_memory,
-            host_memory=host_memory, strict_prompts=config.strict_prompts,
+            trust_remote_code=config.trust_remote_code, offload=config.offload,
+            gpu_memory=budgets[i] if budgets else gpu_memory, host_memory=host_memory,
+            strict_prompts=config.strict_prompts,
         )
         for i in range(count)
     ]
@@ -173,7 +180,8 @@ def _follow(events, todo: list[Shard], progress: Progress) -> tuple[list[dict], 
             progress.start_clock()
             plan = event.info["plan"]
             row = table.setdefault(event.worker, {"worker": event.worker, "images": 0, "seconds": 0.0, "starts": 0})
-            row.update(device=event.info["device"]["name"], modes=plan["modes"], batch=plan["batch_size"],
+            row.update(device=event.info["device"]["name"], device_memory=event.info["probe"]["total_bytes"],
+                       budget=plan["budget_bytes"] or None, modes=plan["modes"], batch=plan["batch_size"],
                        reason=plan["reason"], starts=row["starts"] + 1)
             again = " again (restarted)" if row["starts"] > 1 else ""
             progress.log(f"{event.worker} ready{again} on {event.info['device']['name']} "

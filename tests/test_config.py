@@ -34,6 +34,9 @@ def test_defaults_and_cli_over_file(tmp_path):
         ({"gpu_memory": "24"}, "`--gpu-memory` must be a size like `24GiB`, got `24`."),
         ({"host_memory": "lots"}, "`--host-memory` must be a size like `24GiB`, got `lots`."),
         ({"cpu_threads": 0}, "`--cpu-threads` must be 1 or more, got `0`."),
+        ({"worker_memory": "16GiB,lots"}, "`--worker-memory` must be a size like `24GiB`, got `lots`."),
+        ({"worker_memory": "16GiB,24GiB", "workers": 3}, "`--workers` is 3 but `--worker-memory` lists 2 budgets"),
+        ({"worker_memory": "16GiB", "gpu_memory": "8GiB"}, "`--worker-memory` and `--gpu-memory` both set budgets"),
     ],
 )
 def test_invalid_settings_are_named(override, message):

@@ -26,8 +26,8 @@ def prompts(tmp_path_factory):
 
 
 def job(prompts, model, out, **kw) -> JobConfig:
-    return validate(JobConfig(input=prompts, output=str(out), model=model, rows_per_shard=3, max_batch=3,
-                              **{**FAST, **kw}))
+    return validate(JobConfig(input=prompts, output=str(out), model=model,
+                              **{"rows_per_shard": 3, "max_batch": 3, **FAST, **kw}))
 
 
 def shas(out) -> dict:
@@ -135,3 +135,18 @@ def test_s3_input_and_output(ray_cluster, s3_server, tiny_model, tmp_path):
         assert hashlib.sha256(fs.cat(f"fleetgen-test/out/{r['image']}")).hexdigest() == r["sha256"]
     # resume on S3: everything committed, nothing to do
     assert run_job(cfg, progress_stream=io.StringIO()).shards_skipped == 2
+
+
+def test_emulated_mixed_fleet_plans_per_worker_same_images(ray_cluster, tiny_model, prompts, tmp_path):
+    """`--worker-memory`: one worker per budget, each planning for its own; the images are the
+    bytes a single uniform worker makes (same batch size)."""
+    mixed = run_job(job(prompts, tiny_model, tmp_path / "mixed", worker_memory="20MiB,1GiB", max_batch=1),
+                    progress_stream=io.StringIO())
+    uniform = run_job(job(prompts, tiny_model, tmp_path / "uniform", workers=1, max_batch=1),
+                      progress_stream=io.StringIO())
+    assert mixed.complete and uniform.complete
+    by_worker = {w["worker"]: w for w in mixed.workers}
+    assert by_worker["w0"]["budget"] == 20 * 2**20 and by_worker["w0"]["modes"]["unet"] != "resident"
+    assert set(by_worker["w1"]["modes"].values()) == {"resident"}
+    assert sum(w["images"] for w in mixed.workers) == N and all(w["share"] > 0 for w in mixed.workers)
+    assert shas(tmp_path / "mixed") == shas(tmp_path / "uniform")
