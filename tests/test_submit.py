@@ -1,0 +1,127 @@
+"""`ray job submit` against a real Ray head started here (loopback, its own temp dir), as a user
+submits fleetgen to a cluster; plus the cluster configs shipped in cluster/."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import _free_port, write_prompts
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def _env() -> dict:
+    """Loopback only, so no auth token: the head and the client must agree on that."""
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+@pytest.fixture
+def ray_head():
+    """`ray start --head --block` on 127.0.0.1: terminating that process stops what it started."""
+    ports = {name: _free_port() for name in ("port", "dashboard-port", "ray-client-server-port",
+                                             "dashboard-agent-listen-port", "metrics-export-port")}
+    temp = tempfile.mkdtemp(prefix="rayh", dir="/tmp")  # short: Ray's socket paths are length-limited
+    cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--num-cpus", "2",
+           "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--temp-dir", temp,
+           "--disable-usage-stats", *[a for k, v in ports.items() for a in (f"--{k}", str(v))]]
+    env = _env()
+    log = open(Path(temp) / "head.log", "w")
+    head = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    address = f"http://127.0.0.1:{ports['dashboard-port']}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{address}/api/version", timeout=2)
+                break
+            except urllib.error.HTTPError:  # it answers (401 without the auth token): it is up
+                break
+            except OSError:
+                assert head.poll() is None, (Path(temp) / "head.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, "the Ray head's dashboard did not come up"
+                time.sleep(1)
+        yield address
+    finally:
+        head.terminate()
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            head.wait()
+        log.close()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_ray_job_submit_with_working_dir(ray_head, tiny_model, tmp_path):
+    prompts = write_prompts(tmp_path / "p.parquet", [f"submitted {i}" for i in range(6)])
+    out = tmp_path / "out"
+    cmd = [str(BIN / "ray"), "job", "submit", "--address", ray_head, "--working-dir", str(ROOT),
+           "--runtime-env-json", json.dumps({"excludes": [".venv", "demo-output", ".git"]}), "--",
+           "python", "-m", "jobs", "run", "--input", str(prompts), "--output", str(out), "--model", tiny_model,
+           "--steps", "2", "--width", "64", "--height", "64", "--device", "cpu", "--rows-per-shard", "3",
+           "--workers", "2"]
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "succeeded" in done.stdout + done.stderr
+    assert "[fleetgen] 2 worker(s) on CPU" in done.stdout  # plain progress lines: the job log is not a TTY
+    assert (out / "_SUCCESS").exists()
+    assert len(list((out / "images").rglob("*.png"))) == 6
+
+
+CLUSTER = ROOT / "cluster"
+
+
+def _entrypoint_runs(command: str) -> None:
+    """The command a config submits must name something that exists in this repository."""
+    words = command.split()
+    assert "jobs" in words or "fleetgen" in words, command
+    if "-m" in words:
+        assert (ROOT / words[words.index("-m") + 1] / "__main__.py").exists()
+    if "fleetgen" in words:
+        assert 'fleetgen = "jobs.cli:main"' in (ROOT / "pyproject.toml").read_text()
+    assert "run" in words
+
+
+def test_cluster_launcher_yaml_has_three_gpu_node_types():
+    config = yaml.safe_load((CLUSTER / "ray-cluster.yaml").read_text())
+    types = config["available_node_types"]
+    gpus = {name: t["resources"].get("GPU", 0) for name, t in types.items()}
+    assert sum(1 for g in gpus.values() if g) >= 3
+    assert config["head_node_type"] in types
+    memory = {t.get("labels", {}).get("fleetgen/gpu-memory") for t in types.values() if t["resources"].get("GPU")}
+    assert {"24GiB", "48GiB", "80GiB"} <= memory
+    assert any("pip install" in c and "fleetgen" in c for c in config["setup_commands"])
+
+
+def test_kuberay_rayjob_has_a_worker_group_per_gpu_type():
+    docs = list(yaml.safe_load_all((CLUSTER / "kuberay-rayjob.yaml").read_text()))
+    job = next(d for d in docs if d["kind"] == "RayJob")
+    _entrypoint_runs(job["spec"]["entrypoint"])
+    groups = job["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    gpu_groups = [g for g in groups
+                  if g["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu")]
+    assert len(gpu_groups) >= 3
+    assert len({g["groupName"] for g in gpu_groups}) == len(gpu_groups)
+
+
+def test_readme_submits_with_an_entrypoint_that_exists():
+    readme = (ROOT / "README.md").read_text()
+    lines = [line for line in readme.splitlines() if line.startswith("ray job submit")]
+    assert lines
+    for line in lines:
+        _entrypoint_runs(line.split(" -- ", 1)[1])
