@@ -83,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     pl.add_argument("--bandwidth", type=float, default=20.0, help="host→device GB/s to assume (default 20)")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
-    s = sub.add_parser("status", help="what a job's output location holds")
+    s = sub.add_parser("status", help="progress of a running or finished job, from its output location")
     s.add_argument("output")
     return p
 
@@ -104,19 +104,11 @@ def _run(config) -> int:
 
 
 def _status(url: str) -> int:
-    from jobs.state import committed_shards
-    from workers.layout import JOB, SUCCESS
-    from workers.storage import Output
+    from jobs.inspect import job_state, status_text
 
-    out = Output(url)
-    if not out.exists(JOB):
-        raise FleetgenError(f"{url} holds no fleetgen job (no {JOB}).")
-    job = json.loads(out.get(JOB))
-    rows = sum(f["rows"] for f in job["fingerprint"]["input"])
-    per_shard = job["fingerprint"]["generation"]["rows_per_shard"]
-    print(f"job at {url}: model {job['fingerprint']['model']}, {rows} input rows, {per_shard} rows per shard")
-    print(f"committed shards: {len(committed_shards(out))}; complete: {out.exists(SUCCESS)}")
-    return 0
+    state = job_state(url)
+    print(status_text(state))
+    return 0 if state["complete"] or state["running"] else EXIT_INCOMPLETE
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,7 +67,7 @@ def run_job(config: JobConfig, progress_stream=None, progress_interval: float = 
     lock = OutputLock(output)
     note = lock.acquire()
     try:
-        claim_output(output, config, fingerprint(config, files, columns))
+        claim_output(output, config, fingerprint(config, files, columns), shards_total=len(shards))
         output.sweep_tmp("shards")
         done = committed_shards(output)
         todo = [s for s in shards if s.id not in done]

@@ -62,7 +62,7 @@ def _differences(old: dict, new: dict) -> list[str]:
     return out
 
 
-def claim_output(output: Output, config: JobConfig, job_fingerprint: dict) -> dict:
+def claim_output(output: Output, config: JobConfig, job_fingerprint: dict, shards_total: int = 0) -> dict:
     """Write `OUT/job.json`, or check that the job already there is this one."""
     if output.exists(JOB):
         try:
@@ -81,6 +81,7 @@ def claim_output(output: Output, config: JobConfig, job_fingerprint: dict) -> di
             output.remove(key)
     record = {
         "fingerprint": job_fingerprint,
+        "shards_total": shards_total,
         "config": config.to_dict(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "versions": versions(),

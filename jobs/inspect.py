@@ -1,0 +1,68 @@
+"""Reading a job from its output location alone: `fleetgen status` and `fleetgen report`."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from fleetgen.errors import FleetgenError
+from jobs.lock import STALE
+from jobs.state import committed_shards, read_manifests
+from workers.layout import JOB, LOCK, SUCCESS, SUMMARY, WORKERS
+from workers.storage import Output
+
+
+def _json(out: Output, key: str) -> dict | None:
+    try:
+        return json.loads(out.get(key))
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def job_state(url: str, manifest_columns: tuple[str, ...] = ("status",)) -> dict:
+    """What OUT says about its job: counts from the manifests, the running driver (if its
+    heartbeat is fresh), per-worker figures, failures, and an ETA from the workers' rates."""
+    out = Output(url)
+    job = _json(out, JOB)
+    if job is None:
+        raise FleetgenError(f"{url} holds no fleetgen job (no {JOB}).")
+    committed = sorted(committed_shards(out))
+    manifests = read_manifests(out, committed, list(manifest_columns))
+    rows = [r for shard in committed for r in manifests[shard]]
+    total_rows = sum(f["rows"] for f in job["fingerprint"]["input"])
+    workers = [w for w in (_json(out, f"{WORKERS}/{name}") for name in out.list(WORKERS, ".json")) if w]
+    lock = _json(out, LOCK)
+    running = bool(lock) and time.time() - lock.get("heartbeat", 0) < STALE
+    rate = sum((w.get("stats") or {}).get("images_per_second") or 0 for w in workers) if running else 0
+    left = total_rows - len(rows)
+    summary = _json(out, SUMMARY)
+    return {
+        "url": out.url, "job": job, "complete": out.exists(SUCCESS), "running": running,
+        "driver": lock.get("owner") if running else None,
+        "shards_total": job.get("shards_total") or -(-total_rows // job["fingerprint"]["generation"]["rows_per_shard"]),
+        "shards_committed": len(committed), "rows_total": total_rows, "rows_done": len(rows),
+        "images_ok": sum(r["status"] == "ok" for r in rows), "images_error": sum(r["status"] != "ok" for r in rows),
+        "failures": (summary or {}).get("failures", []), "workers": workers,
+        "eta_seconds": left / rate if rate and left else None, "rows": rows,
+    }
+
+
+def status_text(state: dict) -> str:
+    fp = state["job"]["fingerprint"]
+    lines = [
+        f"job at {state['url']}: model {fp['model']}",
+        "state: " + ("complete" if state["complete"] else f"running ({state['driver']})" if state["running"]
+                     else "stopped or failed (no driver running; rerun the same command to resume)"),
+        f"shards {state['shards_committed']}/{state['shards_total']} committed, rows {state['rows_done']}/"
+        f"{state['rows_total']}: {state['images_ok']} images, {state['images_error']} row errors",
+    ]
+    if state["eta_seconds"]:
+        lines.append(f"ETA {state['eta_seconds'] / 60:.1f} min at the workers' current rates")
+    for f in state["failures"]:
+        lines.append(f"failed: {f['shard']} after {f['attempts']} attempt(s): {f['error']}")
+    for w in state["workers"]:
+        st = w.get("stats") or {}
+        lines.append(f"  {w['worker']}: {w['device']['name']}, batch {w.get('batch_size')}, "
+                     f"{st.get('images', 0)} images, {st.get('images_per_second') or 0:.2f} img/s, "
+                     f"plan: {', '.join(f'{k} {v}' for k, v in w['plan']['modes'].items())}")
+    return "\n".join(lines)
