@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from fleetgen import __version__
@@ -85,6 +84,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     s = sub.add_parser("status", help="progress of a running or finished job, from its output location")
     s.add_argument("output")
+    r = sub.add_parser("report", help="write OUT/report.html: sample images, per-worker table and charts, failures")
+    r.add_argument("output")
     return p
 
 
@@ -142,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if all("error" not in r for r in rows) else EXIT_INCOMPLETE
         if args.command == "status":
             return _status(args.output)
+        if args.command == "report":
+            from jobs.report import write_report
+
+            print(f"wrote {write_report(args.output)}")
+            return 0
     except FleetgenError as err:
         print(f"fleetgen: error: {err}", file=sys.stderr)
         return EXIT_ERROR

@@ -1,0 +1,135 @@
+"""`fleetgen report OUT`: one static page, `OUT/report.html` — a contact sheet of sample images with
+their prompts and seeds, the per-worker table and charts, and the failures. No JavaScript
+libraries, no network: images are linked relative to the page (files output) or embedded."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import tarfile
+
+import pyarrow.parquet as pq
+
+from fleetgen.units import format_size
+from jobs.inspect import job_state
+from workers.layout import IMAGE_FORMATS
+from workers.storage import Output
+
+SAMPLE = 24  # images on the contact sheet
+_MIME = {"png": "image/png", "jpg": "image/jpeg", "webp": "image/webp"}
+_COLUMNS = ("id", "prompt", "seed", "status", "error", "warning", "image", "member", "worker")
+
+
+def _src(out: Output, row: dict, cache: dict, ext: str) -> str:
+    """How the page reaches the image: a relative link, or the bytes embedded from the shard's
+    tar or Parquet file."""
+    key = row["image"]
+    if key.startswith("images/"):
+        return html.escape(key)
+    if key not in cache:
+        data = out.get(key)
+        if key.endswith(".tar"):
+            with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+                cache[key] = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if not m.name.endswith(".json")}
+        else:
+            table = pq.read_table(io.BytesIO(data), columns=["id", "image"]).to_pylist()
+            cache[key] = {r["id"]: r["image"]["bytes"] for r in table}
+    name = row["member"] or row["id"]
+    return f"data:{_MIME[ext]};base64,{base64.b64encode(cache[key][name]).decode()}"
+
+
+def _bars(title: str, items: list[tuple[str, float, str]], limit: list[float] | None = None) -> str:
+    """A horizontal bar chart as inline SVG; `limit` draws a marker per bar (e.g. the budget)."""
+    top = max([v for _, v, _ in items] + (limit or []) + [1e-9])
+    rows = []
+    for i, (label, value, text) in enumerate(items):
+        y = 24 + i * 26
+        w = 360 * value / top
+        rows.append(f'<text x="0" y="{y + 14}">{html.escape(label)}</text>'
+                    f'<rect x="120" y="{y}" width="{w:.1f}" height="18" fill="#4c78a8"/>'
+                    f'<text x="{126 + w:.1f}" y="{y + 14}">{html.escape(text)}</text>')
+        if limit and limit[i]:
+            x = 120 + 360 * limit[i] / top
+            rows.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{y - 2}" y2="{y + 20}" stroke="#e45756" stroke-width="2"/>')
+    height = 30 + 26 * len(items)
+    return (f'<figure><figcaption>{html.escape(title)}</figcaption><svg width="640" height="{height}" '
+            f'font-size="12" font-family="sans-serif">{"".join(rows)}</svg></figure>')
+
+
+def write_report(url: str) -> str:
+    """Write OUT/report.html; returns its URL."""
+    state = job_state(url, _COLUMNS)
+    out = Output(url)
+    ok = [r for r in state["rows"] if r["status"] == "ok"]
+    step = max(1, len(ok) // SAMPLE)
+    cache: dict = {}
+    ext = IMAGE_FORMATS[state["job"]["fingerprint"]["generation"]["image_format"]]
+    cards = "".join(
+        f'<figure class="card"><img src="{_src(out, r, cache, ext)}" alt="{html.escape(r["id"])}">'
+        f'<figcaption><b>{html.escape(r["id"])}</b> seed {r["seed"]}<br>{html.escape(r["prompt"] or "")}</figcaption></figure>'
+        for r in ok[::step][:SAMPLE]
+    )
+    workers = state["workers"]
+    table_rows = []
+    for w in workers:
+        st, off = w.get("stats") or {}, w.get("offload") or {}
+        moved = sum(c["bytes_onloaded"] for c in (off.get("components") or {}).values())
+        table_rows.append(
+            "<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in (
+                w["worker"], w["device"]["name"], format_size(w["device"]["total_bytes"]) if w["device"].get("total_bytes") else "-",
+                format_size(w["plan"]["budget_bytes"]) if w["plan"].get("budget_bytes") else "-",
+                ", ".join(f"{k} {v}" for k, v in w["plan"]["modes"].items()), w.get("batch_size"),
+                st.get("images", 0), f"{st.get('images_per_second') or 0:.2f}",
+                format_size(off["peak_device_bytes"]) if off.get("peak_device_bytes") else "-", format_size(moved),
+                w["plan"]["reason"])) + "</tr>")
+    charts = ""
+    if workers:
+        charts += _bars("images/s per worker", [(w["worker"], (w.get("stats") or {}).get("images_per_second") or 0,
+                                                 f"{(w.get('stats') or {}).get('images_per_second') or 0:.2f}") for w in workers])
+        peaks = [((w.get("offload") or {}).get("peak_device_bytes") or 0) for w in workers]
+        budgets = [w["plan"].get("budget_bytes") or 0 for w in workers]
+        charts += _bars("peak device memory (bar) against the budget (red line)",
+                        [(w["worker"], p, format_size(p) if p else "not measured (CPU)") for w, p in zip(workers, peaks, strict=True)],
+                        limit=budgets)
+        moved = [sum(c["bytes_onloaded"] for c in ((w.get("offload") or {}).get("components") or {}).values()) for w in workers]
+        charts += _bars("bytes moved host→device", [(w["worker"], m, format_size(m)) for w, m in zip(workers, moved, strict=True)])
+    errors = [r for r in state["rows"] if r["status"] != "ok"][:50]
+    failures = "".join(f"<tr><td>{html.escape(f['shard'])}</td><td>{f['attempts']}</td><td>{html.escape(f['error'])}</td></tr>"
+                       for f in state["failures"])
+    error_rows = "".join(f"<tr><td>{html.escape(r['id'])}</td><td>{html.escape(r['error'] or '')}</td></tr>" for r in errors)
+    fp = state["job"]["fingerprint"]
+    page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>fleetgen report: {html.escape(state['url'])}</title>
+<style>
+body {{ font-family: sans-serif; margin: 24px; color: #222; }}
+.sheet {{ display: grid; grid-template-columns: repeat(auto-fill, minmax(160px, 1fr)); gap: 12px; }}
+.card {{ margin: 0; font-size: 12px; }} .card img {{ width: 100%; image-rendering: pixelated; border: 1px solid #ccc; }}
+table {{ border-collapse: collapse; font-size: 13px; }} td, th {{ border: 1px solid #ccc; padding: 4px 8px; text-align: left; }}
+</style></head>
+<body>
+<h1>fleetgen report</h1>
+<p>{html.escape(state['url'])} — model {html.escape(str(fp['model']))}, {fp['generation']['width']}×{fp['generation']['height']},
+{fp['generation']['steps']} steps, guidance {fp['generation']['guidance']}.<br>
+{'complete' if state['complete'] else 'not complete'}: shards {state['shards_committed']}/{state['shards_total']},
+{state['images_ok']} images, {state['images_error']} row errors, {len(state['failures'])} failed shards.</p>
+<h2>Sample</h2><div class="sheet">{cards or '<p>No images yet.</p>'}</div>
+<h2>Workers</h2>
+<table><tr><th>worker</th><th>device</th><th>memory</th><th>budget</th><th>plan</th><th>batch</th><th>images</th>
+<th>img/s</th><th>peak</th><th>moved</th><th>reason</th></tr>{''.join(table_rows)}</table>
+{charts}
+<h2>Failures</h2>
+<table><tr><th>shard</th><th>attempts</th><th>error</th></tr>{failures or '<tr><td colspan="3">none</td></tr>'}</table>
+<h3>Row errors (first 50)</h3>
+<table><tr><th>id</th><th>error</th></tr>{error_rows or '<tr><td colspan="2">none</td></tr>'}</table>
+<script>
+window.addEventListener("load", () => {{
+  const imgs = Array.from(document.images);
+  document.body.dataset.imagesTotal = imgs.length;
+  document.body.dataset.imagesLoaded = imgs.filter(i => i.complete && i.naturalWidth > 0).length;
+}});
+</script>
+</body></html>
+"""
+    out.put("report.html", page.encode())
+    return out.key_url("report.html")
