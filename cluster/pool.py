@@ -16,11 +16,12 @@ from dataclasses import dataclass
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
+from cluster.metrics import MeteredWorker
 from fleetgen.errors import ClusterError
 from workers.shard import Shard
-from workers.worker import BatchDone, ShardResult, Worker, WorkerSpec
+from workers.worker import BatchDone, ShardResult, WorkerSpec
 
-RemoteWorker = ray.remote(Worker)
+RemoteWorker = ray.remote(MeteredWorker)
 RETRY_READY = 0.5  # seconds between asking a restarting actor whether it is back
 
 

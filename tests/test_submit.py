@@ -3,6 +3,7 @@ submits fleetgen to a cluster; plus the cluster configs shipped in cluster/."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -37,7 +38,7 @@ def ray_head():
     cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--num-cpus", "2",
            "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--temp-dir", temp,
            "--disable-usage-stats", *[a for k, v in ports.items() for a in (f"--{k}", str(v))]]
-    env = _env()
+    env = {**_env(), "RAY_metrics_report_interval_ms": "1000"}  # metrics reach the exporter within ~1 s
     log = open(Path(temp) / "head.log", "w")
     head = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     address = f"http://127.0.0.1:{ports['dashboard-port']}"
@@ -53,7 +54,7 @@ def ray_head():
                 assert head.poll() is None, (Path(temp) / "head.log").read_text()[-3000:]
                 assert time.monotonic() < deadline, "the Ray head's dashboard did not come up"
                 time.sleep(1)
-        yield address
+        yield address, ports["metrics-export-port"]
     finally:
         head.terminate()
         try:
@@ -65,22 +66,48 @@ def ray_head():
         shutil.rmtree(temp, ignore_errors=True)
 
 
+def _metrics(port: int) -> list[str]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return [line for line in text.splitlines() if line.startswith("ray_fleetgen_")]
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_ray_job_submit_with_working_dir(ray_head, tiny_model, tmp_path):
-    prompts = write_prompts(tmp_path / "p.parquet", [f"submitted {i}" for i in range(6)])
+    """Submit, watch the workers' metrics while it runs (as Prometheus would scrape the node),
+    wait for success, check the output."""
+    address, metrics_port = ray_head
+    prompts = write_prompts(tmp_path / "p.parquet", [f"submitted {i}" for i in range(24)])
     out = tmp_path / "out"
-    cmd = [str(BIN / "ray"), "job", "submit", "--address", ray_head, "--working-dir", str(ROOT),
-           "--runtime-env-json", json.dumps({"excludes": [".venv", "demo-output", ".git"]}), "--",
+    ray = str(BIN / "ray")
+    cmd = [ray, "job", "submit", "--no-wait", "--address", address, "--working-dir", str(ROOT),
+           "--runtime-env-json", json.dumps({"excludes": [".venv", "demo-output", ".git", "test-artifacts"]}), "--",
            "python", "-m", "jobs", "run", "--input", str(prompts), "--output", str(out), "--model", tiny_model,
-           "--steps", "2", "--width", "64", "--height", "64", "--device", "cpu", "--rows-per-shard", "3",
-           "--workers", "2"]
-    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "succeeded" in done.stdout + done.stderr
-    assert "[fleetgen] 2 worker(s) on CPU" in done.stdout  # plain progress lines: the job log is not a TTY
+           "--steps", "30", "--width", "64", "--height", "64", "--device", "cpu", "--rows-per-shard", "3",
+           "--max-batch", "1", "--workers", "2"]
+    submitted = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
+    job_id = re.search(r"(raysubmit_\w+)", submitted.stdout + submitted.stderr).group(1)
+
+    seen: dict[str, str] = {}
+    deadline = time.monotonic() + 180
+    while not {"ray_fleetgen_images", "ray_fleetgen_images_per_second"} <= {k.split("{")[0].removesuffix("_total")
+                                                                            for k in seen}:
+        assert time.monotonic() < deadline, f"no fleetgen metrics while the job ran: {sorted(seen)}"
+        seen.update({line.rsplit(" ", 1)[0]: line.rsplit(" ", 1)[1] for line in _metrics(metrics_port)})
+        time.sleep(0.5)
+    rates = {k: float(v) for k, v in seen.items() if k.startswith("ray_fleetgen_images_per_second{")}
+    assert rates and all('device="cpu' in k and re.search(r'worker="w[01]"', k) for k in rates)
+    assert all(v > 0 for v in rates.values())
+
+    logs = subprocess.run([ray, "job", "logs", "--follow", "--address", address, job_id], env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    status = subprocess.run([ray, "job", "status", "--address", address, job_id], env=_env(),
+                            capture_output=True, text=True, timeout=60)
+    assert "succeeded" in (status.stdout + status.stderr).lower(), logs.stdout[-3000:]
+    assert "[fleetgen] 2 worker(s) on CPU" in logs.stdout  # plain progress lines: the job log is not a TTY
     assert (out / "_SUCCESS").exists()
-    assert len(list((out / "images").rglob("*.png"))) == 6
+    assert len(list((out / "images").rglob("*.png"))) == 24
 
 
 CLUSTER = ROOT / "cluster"
