@@ -46,7 +46,7 @@ class Killer(threading.Thread):
         return pids
 
     def run(self) -> None:
-        while not self.done.is_set() and not any((self.out / "images").glob("*/*")):
+        while not self.done.is_set() and not any((self.out / "images").rglob("*.*")):
             time.sleep(0.05)
         while len(self.killed) < self.kills and not self.done.wait(self.rng.uniform(*self.gap)):
             pids = {w: p for w, p in self._pids().items() if p not in {k["pid"] for k in self.killed}}
