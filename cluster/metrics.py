@@ -12,6 +12,15 @@ from workers.shard import Shard
 from workers.worker import BatchDone, ShardResult, Worker, WorkerSpec
 
 TAGS = ("worker", "device")
+_failed: Counter | None = None
+
+
+def failed_counter() -> Counter:
+    """Shards that failed for good (counted by the driver, which decides that)."""
+    global _failed
+    if _failed is None:
+        _failed = Counter("fleetgen_shard_failures", "Shards that failed after every attempt")
+    return _failed
 
 
 class MeteredWorker(Worker):

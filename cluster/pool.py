@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
-from cluster.metrics import MeteredWorker
+from cluster.metrics import MeteredWorker, failed_counter
 from fleetgen.errors import ClusterError
 from workers.shard import Shard
 from workers.worker import BatchDone, ShardResult, WorkerSpec
@@ -158,6 +158,7 @@ class WorkerPool:
                     if attempts[shard.id] < self.max_attempts:
                         queue.append(shard)
                     else:
+                        failed_counter().inc(1)
                         yield ShardFailed(shard.id, _message(err), attempts[shard.id])
                     continue
                 if isinstance(event, ShardResult):

@@ -249,11 +249,11 @@ def plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> OffloadPlan:
         placements=placements, batch_size=batch, peak_bytes=int(peak), host_bytes=host,
         pinned_bytes=sum(o.pinned for o in combo), moved_per_image=moved, seconds_per_image=seconds,
         relative_speed=resident_ref / seconds, budget=device.budget,
-        reason=_reason(prof, device, w, placements, batch, peak, resident_peak),
+        reason=_reason(prof, device, w, placements, batch, peak, resident_peak, host),
     )
 
 
-def _reason(prof, device, w, placements, batch, peak, resident_peak) -> str:
+def _reason(prof, device, w, placements, batch, peak, resident_peak, host) -> str:
     offloaded = {n: p for n, p in placements.items() if p.mode != "resident"}
     limit = f"{gib(device.budget * (1 - MARGIN))} usable of {gib(device.budget)}"
     if not offloaded:
@@ -269,6 +269,8 @@ def _reason(prof, device, w, placements, batch, peak, resident_peak) -> str:
         head = f"offload {parts}: {why}"
         if any(p.stream for p in offloaded.values()):
             head += "; streams overlap transfers with compute"
+        head += (f"; offloaded copies take {gib(host)} of the {gib(device.host_budget)} host RAM this worker may "
+                 "use (its share of the node)")
     cap = "`--max-batch`" if batch == w.max_batch else "memory"
     return f"{head}; batch {batch} (limited by {cap}); predicted peak {gib(peak)} ({limit})"
 

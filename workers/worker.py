@@ -109,6 +109,10 @@ class Worker:
         self.plan = choose_plan(self.profile, self.device, self.probe, max_batch=spec.max_batch,
                                 gpu_memory=spec.gpu_memory, **self._fit)
         self.placed = apply(self.pipe, self.plan, self.profile, self.device, tag=spec.name)
+        if self.device.type == "cuda":  # kernels, allocator and stream prefetch order settle on a first call
+            self.pipe(prompt=["warm up"], num_inference_steps=1, width=s.width, height=s.height,
+                      guidance_scale=s.guidance, output_type="pil")
+            torch.cuda.reset_peak_memory_stats(self.device)
         self.offload_stats = OffloadStats(pipeline_modules(self.pipe), self.device)
         self.batch_size = self.plan.batch_size
         self.step_downs: list[dict] = []
