@@ -72,6 +72,7 @@ def check(out: Path, clean: dict[str, str]) -> dict:
         "rows": len(rows), "missing": len(set(clean) - set(ids)), "duplicates": len(ids) - len(set(ids)),
         "stray_objects": len(set(files) - {r["image"] for r in rows}),
         "sha_mismatches": sum(clean.get(r["id"]) != r["sha256"] for r in rows),
+        "tmp_files": len(list(out.rglob("*.tmp-*"))),  # half-written files of killed writers, anywhere
     }
 
 

@@ -68,7 +68,7 @@ def run_job(config: JobConfig, progress_stream=None, progress_interval: float = 
     note = lock.acquire()
     try:
         claim_output(output, config, fingerprint(config, files, columns), shards_total=len(shards))
-        output.sweep_tmp("shards")
+        _sweep(output)
         done = committed_shards(output)
         todo = [s for s in shards if s.id not in done]
         progress = Progress(len(shards), sum(s.length for s in shards), shards_done=len(shards) - len(todo),
@@ -79,6 +79,7 @@ def run_job(config: JobConfig, progress_stream=None, progress_interval: float = 
         if len(todo) < len(shards):
             progress.log(f"resuming: {len(shards) - len(todo)} of {len(shards)} shards already committed")
         failures, workers = _dispatch(config, columns, todo, progress, stop) if todo else ([], [])
+        _sweep(output)  # what workers killed mid-write (by a fault, or by the pool's shutdown) left
         progress.close()
         summary = _summarise(output, shards, len(todo), started, failures, workers, stop.is_set())
         summary.speculative_attempts = progress.speculated
@@ -88,6 +89,13 @@ def run_job(config: JobConfig, progress_stream=None, progress_interval: float = 
         return summary
     finally:
         lock.release()
+
+
+def _sweep(output: Output) -> None:
+    """Remove temporary files of writers that died, where whole objects of the job live. (Each
+    shard attempt sweeps its own images/<shard>/ before writing there.)"""
+    for prefix in ("shards", "data"):
+        output.sweep_tmp(prefix)
 
 
 def _summarise(output: Output, shards: list[Shard], todo: int, started: float, failures, workers, stopped) -> JobSummary:

@@ -49,7 +49,7 @@ def test_chaos_workers_killed_at_random_moments(chaos_input, tiny_model, tmp_pat
     assert len(killer.killed) == 4, "the job ended before every kill landed: make it longer"
     assert summary.complete and summary.images_ok == 160
     assert check(tmp_path / "out", clean) == {"rows": 160, "missing": 0, "duplicates": 0, "stray_objects": 0,
-                                              "sha_mismatches": 0}
+                                              "sha_mismatches": 0, "tmp_files": 0}
     assert not list((tmp_path / "out").rglob("*.tmp-*"))
     pids_now = {json.loads(f.read_text())["pid"] for f in (tmp_path / "out" / "workers").glob("*.json")}
     assert not pids_now & {k["pid"] for k in killer.killed}  # the workers that finished were restarted ones
@@ -127,7 +127,8 @@ def test_driver_stopped_or_killed_then_rerun_resumes(chaos_input, tiny_model, tm
 
     again = run_job(job(prompts, tiny_model, out), progress_stream=io.StringIO())
     assert again.complete and again.shards_skipped == len(committed_before)
-    assert check(out, clean) == {"rows": 160, "missing": 0, "duplicates": 0, "stray_objects": 0, "sha_mismatches": 0}
+    assert check(out, clean) == {"rows": 160, "missing": 0, "duplicates": 0, "stray_objects": 0, "sha_mismatches": 0,
+                                "tmp_files": 0}
 
 
 def test_second_driver_refuses_naming_the_first(tiny_model, tmp_path, ray_cluster):
