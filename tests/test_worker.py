@@ -152,7 +152,9 @@ def test_budget_on_cpu_plans_offload_and_keeps_images(tiny_model, shard_input, t
     assert info["plan"]["peak_bytes"] <= 20 * 2**20 and "predicted peak" in info["plan"]["reason"]
     unet = info["offload"]["components"]["unet"]
     assert unet["onloads"] == 3 * 2 * unet["groups"]  # 3 images, 2 steps each, every group once per step
-    assert info["offload"]["rss_bytes"] > 0
+    assert info["offload"]["rss_bytes"] > 0 and info["offload"]["transfer_seconds_estimated"] > 0
+    compare = info["predicted_vs_measured"]["seconds_per_image"]
+    assert compare["predicted"] > 0 and compare["measured"] > 0
     small.close()
 
 

@@ -135,8 +135,17 @@ class Worker:
         stats = dict(self.stats)
         secs = stats["generate_seconds"]
         stats["images_per_second"] = round(stats["images"] / secs, 4) if secs else None
+        offload = self.offload_stats.snapshot()
+        moved = sum(c["bytes_onloaded"] for c in offload["components"].values())
+        # Transfers overlap compute under streams, so time in them is estimated from the probed
+        # bandwidth rather than clocked (see bench/gpu_offload.py for achieved GB/s).
+        offload["transfer_seconds_estimated"] = round(moved / self.probe["bandwidth"], 4)
+        measured = secs / stats["images"] if stats["images"] else None
+        compare = {"seconds_per_image": {"predicted": self.plan.seconds_per_image or None, "measured": measured},
+                   "peak_device_bytes": {"predicted": self.plan.peak_bytes or None,
+                                         "measured": offload.get("peak_device_bytes")}}
         return {**self.info, "plan": self.plan.to_dict(), "batch_size": self.batch_size, "stats": stats,
-                "offload": self.offload_stats.snapshot(), "step_downs": list(self.step_downs)}
+                "offload": offload, "predicted_vs_measured": compare, "step_downs": list(self.step_downs)}
 
     def _write_info(self) -> None:
         self.output.put(worker_key(self.spec.name), json.dumps(self.describe(), indent=2).encode())
