@@ -83,17 +83,27 @@ def test_ray_job_submit_with_working_dir(ray_head, tiny_model, tmp_path):
     cmd = [ray, "job", "submit", "--no-wait", "--address", address, "--working-dir", str(ROOT),
            "--runtime-env-json", json.dumps({"excludes": [".venv", "demo-output", ".git", "test-artifacts"]}), "--",
            "python", "-m", "jobs", "run", "--input", str(prompts), "--output", str(out), "--model", tiny_model,
-           "--steps", "30", "--width", "64", "--height", "64", "--device", "cpu", "--rows-per-shard", "3",
+           "--steps", "40", "--width", "64", "--height", "64", "--device", "cpu", "--rows-per-shard", "3",
            "--max-batch", "1", "--workers", "2"]
     submitted = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
     assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
     job_id = re.search(r"(raysubmit_\w+)", submitted.stdout + submitted.stderr).group(1)
 
+    def job_status() -> str:
+        out = subprocess.run([ray, "job", "status", "--address", address, job_id], env=_env(), capture_output=True,
+                             text=True, timeout=60)
+        return (out.stdout + out.stderr).lower()
+
+    def job_logs() -> str:
+        return subprocess.run([ray, "job", "logs", "--address", address, job_id], env=_env(), capture_output=True,
+                              text=True, timeout=60).stdout[-3000:]
+
     seen: dict[str, str] = {}
-    deadline = time.monotonic() + 180
-    while not {"ray_fleetgen_images", "ray_fleetgen_images_per_second"} <= {k.split("{")[0].removesuffix("_total")
-                                                                            for k in seen}:
-        assert time.monotonic() < deadline, f"no fleetgen metrics while the job ran: {sorted(seen)}"
+    wanted = {"ray_fleetgen_images", "ray_fleetgen_images_per_second"}
+    deadline = time.monotonic() + 240
+    while not wanted <= {k.split("{")[0].removesuffix("_total") for k in seen}:
+        if time.monotonic() > deadline or any(w in job_status() for w in ("succeeded", "failed", "stopped")):
+            pytest.fail(f"fleetgen metrics not seen while the job ran (seen: {sorted(seen)}); job log:\n{job_logs()}")
         seen.update({line.rsplit(" ", 1)[0]: line.rsplit(" ", 1)[1] for line in _metrics(metrics_port)})
         time.sleep(0.5)
     rates = {k: float(v) for k, v in seen.items() if k.startswith("ray_fleetgen_images_per_second{")}
@@ -102,9 +112,7 @@ def test_ray_job_submit_with_working_dir(ray_head, tiny_model, tmp_path):
 
     logs = subprocess.run([ray, "job", "logs", "--follow", "--address", address, job_id], env=_env(),
                           capture_output=True, text=True, timeout=300)
-    status = subprocess.run([ray, "job", "status", "--address", address, job_id], env=_env(),
-                            capture_output=True, text=True, timeout=60)
-    assert "succeeded" in (status.stdout + status.stderr).lower(), logs.stdout[-3000:]
+    assert "succeeded" in job_status(), logs.stdout[-3000:]
     assert "[fleetgen] 2 worker(s) on CPU" in logs.stdout  # plain progress lines: the job log is not a TTY
     assert (out / "_SUCCESS").exists()
     assert len(list((out / "images").rglob("*.png"))) == 24
