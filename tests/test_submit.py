@@ -26,6 +26,9 @@ def _env() -> dict:
     """Loopback only, so no auth token: the head and the client must agree on that."""
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
+    # The job's `python` is whatever the head's PATH finds, as on a real cluster: make it this
+    # environment's (make runs the tests without activating .venv).
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     return env
 
 
