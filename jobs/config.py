@@ -12,12 +12,13 @@ from fleetgen.errors import ConfigError
 from fleetgen.units import parse_size
 from offload.planner import OFFLOAD_CHOICES
 from workers.layout import IMAGE_FORMATS, OUTPUT_FORMATS
+from workers.pipeline import DTYPES as PIPELINE_DTYPES
 from workers.pipeline import size_multiple
 from workers.shard import Columns
 from workers.worker import GenerationSettings
 
 DEVICES = re.compile(r"auto|cpu|cuda(:\d+)?")
-DTYPES = ("auto", "float32", "float16", "bfloat16")
+DTYPES = ("auto", *PIPELINE_DTYPES)
 
 
 @dataclass(frozen=True)

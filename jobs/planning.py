@@ -5,15 +5,12 @@ from __future__ import annotations
 import json
 import sys
 
-import torch
-
 from fleetgen.errors import OffloadError
 from fleetgen.units import format_size, parse_size
 from offload import DeviceSpec, Workload, plan, profile_modules
 from offload.architectures import build_on_meta
+from workers.pipeline import DTYPES
 from workers.probe import ASSUMED_BANDWIDTH, ASSUMED_FLOPS, host_available_bytes
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def plan_rows(model: str, budgets: list[str], host_memory: str | None, dtype: str, work: Workload,

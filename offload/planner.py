@@ -19,9 +19,9 @@ import itertools
 from dataclasses import dataclass, field
 
 from fleetgen.errors import OffloadError
+from fleetgen.units import format_size
 from offload.profile import ComponentProfile, PipelineProfile
 
-GiB = 1024**3
 MARGIN = 0.10  # of the budget: allocator fragmentation, CUDA context, workspace
 SYNC_SECONDS = 30e-6  # a blocking transfer's fixed cost (launch + synchronise), per group
 FORWARD_SECONDS = 1e-3  # fixed cost of one forward (kernel launches, Python): what batching amortises
@@ -102,10 +102,6 @@ class OffloadPlan:
             "moved_bytes_per_image": self.moved_per_image, "predicted_seconds_per_image": self.seconds_per_image,
             "predicted_relative_speed": round(self.relative_speed, 4), "reason": self.reason,
         }
-
-
-def gib(n: float) -> str:
-    return f"{n / GiB:.1f} GiB" if n >= 0.1 * GiB else f"{n / 1024**2:.1f} MiB"
 
 
 def _candidates(c: ComponentProfile, device: DeviceSpec, offload: str) -> list[Placement]:
@@ -231,15 +227,15 @@ def plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> OffloadPlan:
     if leanest is None:
         raise OffloadError(
             f"Nothing fits the host: every plan with `--offload {w.offload}` keeps more than "
-            f"{gib(device.host_budget)} of offloaded weights in host RAM. Raise `--host-memory` or use "
+            f"{format_size(device.host_budget)} of offloaded weights in host RAM. Raise `--host-memory` or use "
             "`--offload disk`."
         )
     if best is None:
         peak, combo = leanest
         modes = ", ".join(f"{n} {o.placement.label}" for n, o in zip(names, combo, strict=True))
         raise OffloadError(
-            f"Nothing fits {gib(device.budget)}{' on ' + device.name if device.name else ''} with `--offload "
-            f"{w.offload}`: the leanest plan ({modes}, batch 1) needs {gib(peak / (1 - MARGIN))} including the "
+            f"Nothing fits {format_size(device.budget)}{' on ' + device.name if device.name else ''} with `--offload "
+            f"{w.offload}`: the leanest plan ({modes}, batch 1) needs {format_size(peak / (1 - MARGIN))} including the "
             f"{MARGIN:.0%} margin, at {w.width}x{w.height}. Use a smaller size or a larger `--gpu-memory`"
             + (", or `--offload auto`." if w.offload != "auto" else ".")
         )
@@ -255,24 +251,24 @@ def plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> OffloadPlan:
 
 def _reason(prof, device, w, placements, batch, peak, resident_peak, host) -> str:
     offloaded = {n: p for n, p in placements.items() if p.mode != "resident"}
-    limit = f"{gib(device.budget * (1 - MARGIN))} usable of {gib(device.budget)}"
+    limit = f"{format_size(device.budget * (1 - MARGIN))} usable of {format_size(device.budget)}"
     if not offloaded:
-        head = f"all resident ({gib(prof.total_bytes)} of weights)"
+        head = f"all resident ({format_size(prof.total_bytes)} of weights)"
     else:
-        parts = ", ".join(f"{n} {p.label} ({gib(prof.components[n].bytes)})" for n, p in offloaded.items())
+        parts = ", ".join(f"{n} {p.label} ({format_size(prof.components[n].bytes)})" for n, p in offloaded.items())
         if w.offload != "auto":
             why = f"`--offload {w.offload}`"
         elif resident_peak > device.budget * (1 - MARGIN):
-            why = f"all resident would need {gib(resident_peak)} at batch 1"
+            why = f"all resident would need {format_size(resident_peak)} at batch 1"
         else:
             why = f"frees room for batch {batch}, predicted faster than all resident at a smaller batch"
         head = f"offload {parts}: {why}"
         if any(p.stream for p in offloaded.values()):
             head += "; streams overlap transfers with compute"
-        head += (f"; offloaded copies take {gib(host)} of the {gib(device.host_budget)} host RAM this worker may "
+        head += (f"; offloaded copies take {format_size(host)} of the {format_size(device.host_budget)} host RAM this worker may "
                  "use (its share of the node)")
     cap = "`--max-batch`" if batch == w.max_batch else "memory"
-    return f"{head}; batch {batch} (limited by {cap}); predicted peak {gib(peak)} ({limit})"
+    return f"{head}; batch {batch} (limited by {cap}); predicted peak {format_size(peak)} ({limit})"
 
 
 def resident_plan(names: list[str], batch_size: int, reason: str) -> OffloadPlan:

@@ -10,6 +10,10 @@ HOST_SHARE = 0.8  # of available host RAM a worker may fill with offloaded copie
 STEP_DOWN = 0.75  # after an OOM at batch 1, re-plan for this fraction of the previous budget
 
 
+def _workload(offload: str, max_batch: int, width: int, height: int, steps: int, guidance: float) -> Workload:
+    return Workload(width=width, height=height, steps=steps, guidance=guidance > 1, max_batch=max_batch, offload=offload)
+
+
 def device_spec(device: torch.device, probe: dict, gpu_memory: int | None, host_memory: int | None) -> DeviceSpec:
     cuda = device.type == "cuda"
     budget = gpu_memory or (probe["free_bytes"] if cuda else probe["host_available_bytes"])
@@ -28,9 +32,8 @@ def choose_plan(profile: PipelineProfile, device: torch.device, probe: dict, *, 
     if device.type == "cpu" and gpu_memory is None and offload in ("auto", "none"):
         return resident_plan(list(profile.components), max_batch,
                              f"all resident: CPU worker without `--gpu-memory`; batch {max_batch} (`--max-batch`)")
-    spec = device_spec(device, probe, gpu_memory, host_memory)
-    work = Workload(width=width, height=height, steps=steps, guidance=guidance > 1, max_batch=max_batch, offload=offload)
-    return plan(profile, spec, work)
+    return plan(profile, device_spec(device, probe, gpu_memory, host_memory),
+                _workload(offload, max_batch, width, height, steps, guidance))
 
 
 def leaner_plan(profile: PipelineProfile, current: OffloadPlan, device: torch.device, probe: dict, *,
@@ -38,7 +41,7 @@ def leaner_plan(profile: PipelineProfile, current: OffloadPlan, device: torch.de
     """After an out-of-memory error at batch 1: plan for ever smaller budgets until the placement
     changes; `OffloadError` when even the leanest plan does not fit."""
     budget = current.budget or probe.get("free_bytes") or probe["host_available_bytes"]
-    work = Workload(width=width, height=height, steps=steps, guidance=guidance > 1, max_batch=1, offload=offload)
+    work = _workload(offload, 1, width, height, steps, guidance)
     while True:
         budget = int(budget * STEP_DOWN)
         leaner = plan(profile, device_spec(device, probe, budget, host_memory), work)

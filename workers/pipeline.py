@@ -10,7 +10,7 @@ import torch
 
 from fleetgen.errors import ConfigError, FleetgenError
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # --dtype names
 
 
 def resolve_device(device: str) -> torch.device:
@@ -24,9 +24,9 @@ def resolve_device(device: str) -> torch.device:
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.float16 if device.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise ConfigError(f"`--dtype` must be one of auto, {', '.join(_DTYPES)}; got `{dtype}`.")
-    return _DTYPES[dtype]
+    if dtype not in DTYPES:
+        raise ConfigError(f"`--dtype` must be one of auto, {', '.join(DTYPES)}; got `{dtype}`.")
+    return DTYPES[dtype]
 
 
 def describe_device(device: torch.device) -> dict:
