@@ -102,6 +102,9 @@ def validate(config: JobConfig) -> JobConfig:
         _check(bool(getattr(c, name)), f"{_option(name)} is required.")
     _check(c.steps >= 1, f"`--steps` must be a positive integer, got `{c.steps}`.")
     _check(c.guidance >= 0, f"`--guidance` must be 0 or more, got `{c.guidance}`.")
+    local = c.model.startswith(("/", "./", "../", "~"))  # a hub id is `org/name`
+    _check(not local or Path(c.model).expanduser().exists(),
+           f"`--model` `{c.model}` does not exist. Pass a pipeline directory or a hub id like `org/name`.")
     multiple = size_multiple(c.model)  # from a local model's configs; else 8, as every SD-family VAE needs
     for name in ("width", "height"):
         v = getattr(c, name)

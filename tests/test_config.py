@@ -45,6 +45,12 @@ def test_invalid_settings_are_named(override, message):
     assert message in str(err.value)
 
 
+def test_missing_local_model_is_refused_before_any_worker(tmp_path):
+    with pytest.raises(ConfigError, match=r"`--model` `.*/nope` does not exist. Pass a pipeline directory or a hub id"):
+        make_config({**BASE, "model": str(tmp_path / "nope")})
+    assert make_config({**BASE, "model": "org/name"}).model == "org/name"  # a hub id: checked when loaded
+
+
 def test_required_options():
     with pytest.raises(ConfigError, match=r"`--input`, `--model` required"):
         make_config({"output": "o"})
