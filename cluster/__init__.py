@@ -1,6 +1,22 @@
-"""Ray at the edge: connecting, and a pull-based pool of actors wrapping `workers.Worker`."""
+"""Ray at the edge: connecting, sizing the fleet, and an elastic pull-based pool of actors wrapping
+`workers.Worker`."""
 
-from cluster.connect import cluster_shape, connect, disconnect
-from cluster.pool import PoolEvent, ShardFailed, ShardSpeculated, WorkerPool, WorkerReady
+from cluster.connect import ClusterShape, connect, disconnect
+from cluster.fleet import Fleet, size_fleet
+from cluster.pool import (
+                          PoolEvent,
+                          ShardFailed,
+                          ShardSpeculated,
+                          Waiting,
+                          WorkerFailed,
+                          WorkerLost,
+                          WorkerPlaced,
+                          WorkerPool,
+                          WorkerReady,
+                          WorkerReleased,
+    WorkerUnreachable,
+)
 
-__all__ = ["PoolEvent", "ShardFailed", "ShardSpeculated", "WorkerPool", "WorkerReady", "cluster_shape", "connect", "disconnect"]
+__all__ = ["ClusterShape", "Fleet", "PoolEvent", "ShardFailed", "ShardSpeculated", "Waiting", "WorkerFailed",
+           "WorkerLost", "WorkerPlaced", "WorkerPool", "WorkerReady", "WorkerReleased", "WorkerUnreachable", "connect", "disconnect",
+           "size_fleet"]

@@ -1,8 +1,21 @@
-"""A pull-based pool of Ray actors, one `workers.Worker` each.
+"""An elastic, pull-based pool of Ray actors, one `workers.Worker` each, that follows the cluster.
 
-An idle actor takes the next shard, so a faster device takes more. A shard whose attempt fails
-(the worker raised, or its process died) goes back on the queue until `max_attempts`; an actor
-that died is restarted by Ray up to `max_restarts` times, then dropped from the pool.
+The pool keeps as many actors as there is work for, up to `max_workers`. An actor that Ray cannot
+place yet is pending demand, which is what makes an autoscaler start a node for it; nodes that
+join later are filled that way, of any GPU type. Each actor is placed first (`where`), then loads
+(`start`), then takes shards: an idle actor takes the next one, so a faster device takes more.
+
+- A shard whose attempt fails goes back on the queue until `max_attempts`.
+- An actor whose process died (a kill, its node lost) is restarted by Ray up to `max_restarts`
+  times, wherever capacity returns; its shard goes back on the queue meanwhile.
+- `ActorUnavailableError` is not a death: the attempt may still be running, so the shard stays
+  with that actor until the actor answers again (its attempt is then over) or is known dead.
+- An actor that cannot run (fits nothing, a GPU without CUDA) is reported once and kept idle to
+  the end, holding its slot, so no other worker is started on the same unusable device.
+- At the tail, actors with nothing left to do are released (closed, then killed) so that an
+  autoscaler can remove their nodes.
+- When no actor could be placed for `placement_timeout` seconds, the pool raises `ClusterError`
+  naming what each actor asks for and what the nodes have.
 """
 
 from __future__ import annotations
@@ -10,19 +23,26 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import ray
-from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTaskError
 
-from cluster.metrics import MeteredWorker, failed_counter
+from cluster.actor import FleetWorker
+from cluster.metrics import failed_counter
 from fleetgen.errors import ClusterError
+from fleetgen.units import format_size
 from workers.shard import Shard
 from workers.worker import BatchDone, ShardResult, WorkerSpec
 
-RemoteWorker = ray.remote(MeteredWorker)
-RETRY_READY = 0.5  # seconds between asking a restarting actor whether it is back
+RemoteWorker = ray.remote(FleetWorker)
+POLL = 0.5  # seconds between looks at actors that are restarting or unavailable
+CLOSE_TIMEOUT = 10.0  # seconds a released worker gets to close before it is killed
+WAITING_NOTE = 15.0  # seconds between progress notes while no worker is placed
+# What Ray 2.60 says in an ActorUnavailableError when the actor's process is gone and being restarted
+# (core_worker: "The actor is temporarily unavailable: IOError: The actor was restarted").
+RESTARTED = "The actor was restarted"
 
 
 @dataclass(frozen=True)
@@ -44,6 +64,14 @@ class ShardSpeculated:
 
 
 @dataclass(frozen=True)
+class WorkerPlaced:
+    """Ray placed an actor on a node; it is loading the model now. `placement` is its `where()`."""
+
+    worker: str
+    placement: dict
+
+
+@dataclass(frozen=True)
 class WorkerReady:
     """An actor finished loading; `info` is its `Worker.describe()`."""
 
@@ -51,115 +79,259 @@ class WorkerReady:
     info: dict
 
 
-PoolEvent = WorkerReady | BatchDone | ShardResult | ShardFailed | ShardSpeculated
+@dataclass(frozen=True)
+class WorkerFailed:
+    """An actor that cannot run (e.g. the model fits nothing in its budget); the job goes on without it."""
+
+    worker: str
+    error: str
+    placement: dict | None
+
+
+@dataclass(frozen=True)
+class WorkerLost:
+    """An actor's process or node died; `restarting`: Ray will start it again when capacity allows."""
+
+    worker: str
+    error: str
+    restarting: bool
+
+
+@dataclass(frozen=True)
+class WorkerUnreachable:
+    """Ray lost contact with an actor mid-shard; its shard waits until it answers or is known dead."""
+
+    worker: str
+    shard_id: str
+    error: str
+
+
+@dataclass(frozen=True)
+class WorkerReleased:
+    """An actor with nothing left to do was shut down, freeing its node for the autoscaler."""
+
+    worker: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """No worker is placed yet; `pending` actors are waiting for capacity."""
+
+    pending: int
+    seconds: float
+    asks: dict
+
+
+PoolEvent = (WorkerPlaced | WorkerReady | WorkerFailed | WorkerLost | WorkerUnreachable | WorkerReleased | Waiting
+             | BatchDone | ShardResult | ShardFailed | ShardSpeculated)
 
 
 def _message(err: Exception) -> str:
     if isinstance(err, RayTaskError) and err.cause is not None:
-        return f"{type(err.cause).__name__}: {err.cause}"
-    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        err = err.cause
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+@dataclass
+class _Actor:
+    name: str
+    handle: ray.actor.ActorHandle
+    state: str = "placing"  # placing | loading | idle | busy | unavailable | failed
+    call: ray.ObjectRef | None = None  # the where()/start() in flight
+    retry_at: float = 0.0  # placing/loading/unavailable: when to ask again after an unavailable answer
+    deaths: int = 0
+    placement: dict | None = None
+    shard: Shard | None = None  # the shard an unavailable actor may still be running
+    created: float = field(default_factory=time.monotonic)
 
 
 class WorkerPool:
-    def __init__(self, specs: list[WorkerSpec], actor_options: dict, max_attempts: int = 3, max_restarts: int = 2):
+    def __init__(self, spec_for: Callable[[int], WorkerSpec], actor_options: dict, max_workers: int,
+                 max_attempts: int = 3, max_restarts: int = 2, placement_timeout: float = 300.0):
+        self.spec_for = spec_for  # the spec of the i-th actor created
+        self.options = actor_options
+        self.max_workers = max_workers
         self.max_attempts = max_attempts
         self.max_restarts = max_restarts
-        self.actors = {
-            spec.name: RemoteWorker.options(**actor_options, max_restarts=max_restarts, max_task_retries=0).remote(spec)
-            for spec in specs
-        }
+        self.placement_timeout = placement_timeout
+        self.actors: dict[str, _Actor] = {}
+        self.created = 0
+        self.spent = 0  # slots used for good: actors that failed to start or died too often
+        self.closing: dict[ray.ObjectRef, ray.actor.ActorHandle] = {}  # close() calls of released actors
+        self.close_deadline: dict[ray.ObjectRef, float] = {}
+
+    # -- actors ---------------------------------------------------------------------------------
+
+    def _create(self) -> None:
+        name = f"w{self.created}"
+        spec = self.spec_for(self.created)
+        self.created += 1
+        handle = RemoteWorker.options(**self.options, max_restarts=self.max_restarts, max_task_retries=0).remote(
+            spec, self.options)
+        actor = _Actor(name, handle)
+        actor.call = handle.where.remote()
+        self.actors[name] = actor
+
+    def _release(self, actor: _Actor, reason: str) -> WorkerReleased:
+        """Close an actor (its offload directories go with it), then kill it; never wait here."""
+        del self.actors[actor.name]
+        if actor.state in ("idle", "failed"):
+            ref = actor.handle.close.remote()
+            self.closing[ref], self.close_deadline[ref] = actor.handle, time.monotonic() + CLOSE_TIMEOUT
+        else:  # placing or loading: nothing to close, or busy loading
+            ray.kill(actor.handle, no_restart=True)
+        return WorkerReleased(actor.name, reason)
+
+    def _reap_closing(self, now: float) -> None:
+        if not self.closing:
+            return
+        done, _ = ray.wait(list(self.closing), num_returns=len(self.closing), timeout=0)
+        for ref in [*done, *[r for r, t in self.close_deadline.items() if t <= now]]:
+            if ref in self.closing:
+                ray.kill(self.closing.pop(ref), no_restart=True)
+                del self.close_deadline[ref]
+
+    def _ask(self, actor: _Actor, now: float) -> None:
+        """(Re)issue the call that moves a placing/loading/unavailable actor on."""
+        if actor.call is None and actor.retry_at <= now:
+            actor.call = actor.handle.where.remote() if actor.state == "placing" else actor.handle.start.remote()
+
+    # -- the loop -------------------------------------------------------------------------------
 
     def run(self, shards: list[Shard], stop: threading.Event | None = None, grace: float = 0.0) -> Iterator[PoolEvent]:
         """Generate every shard; yields progress as it happens. Returns when each shard has
-        committed or failed, or raises `ClusterError` when no worker can start. Once `stop` is
-        set nothing new is dispatched, and running shards get `grace` seconds to commit; the rest
-        are abandoned uncommitted (a rerun redoes them)."""
+        committed or failed, or raises `ClusterError` when no worker can run. Once `stop` is set
+        nothing new is dispatched, and running shards get `grace` seconds to commit; the rest are
+        abandoned uncommitted (a rerun redoes them)."""
         queue = deque(shards)
-        stopping_since = None
         attempts: dict[str, int] = {}
-        deaths: dict[str, int] = {}
-        pending = {self.actors[name].describe.remote(): name for name in self.actors}
         running: dict[ray.ObjectRefGenerator, tuple[str, Shard]] = {}
         began: dict[ray.ObjectRefGenerator, float] = {}
-        live: dict[str, int] = {}  # shard -> attempts running now
+        live: dict[str, int] = {}  # shard -> attempts running now (an unavailable actor's included)
         done: set[str] = set()  # shards committed (by whichever attempt)
         speculated: set[str] = set()
-        idle: list[str] = []
-        restarting: dict[str, float] = {}  # actor -> when to ask again whether it is back
-        start_errors: list[str] = []
-        while queue or running:
+        errors: list[str] = []  # why actors could not run, for the error when none is left
+        stopping_since = None
+        unplaced_since = time.monotonic()
+        noted = unplaced_since
+
+        def requeue_or_fail(shard: Shard, error: str) -> Iterator[PoolEvent]:
+            live[shard.id] -= 1
+            if shard.id in done or live[shard.id] > 0:
+                return  # committed, or another attempt is still at it
+            if attempts[shard.id] < self.max_attempts:
+                queue.append(shard)
+            else:
+                failed_counter().inc(1)
+                yield ShardFailed(shard.id, error, attempts[shard.id])
+
+        def died(actor: _Actor, err: Exception) -> Iterator[PoolEvent]:
+            actor.deaths += 1
+            actor.call, actor.shard = None, None
+            restarting = actor.deaths <= self.max_restarts
+            if restarting:  # Ray starts it again where it can; ask where once it is back
+                actor.state, actor.retry_at = "placing", time.monotonic() + POLL
+            else:
+                del self.actors[actor.name]
+                self.spent += 1
+                ray.kill(actor.handle, no_restart=True)
+                errors.append(f"{actor.name}: died {actor.deaths} times ({_message(err)})")
+            yield WorkerLost(actor.name, _message(err), restarting)
+
+        while queue or running or any(a.state == "unavailable" for a in self.actors.values()):
+            now = time.monotonic()
             if stop is not None and stop.is_set():
                 if stopping_since is None:
-                    stopping_since = time.monotonic()
+                    stopping_since = now
                     queue.clear()
-                if time.monotonic() - stopping_since >= grace:
+                if now - stopping_since >= grace:
                     return
-            now = time.monotonic()
-            for name in [n for n, at in restarting.items() if at <= now]:
-                del restarting[name]
-                pending[self.actors[name].describe.remote()] = name
+            self._reap_closing(now)
+            by_state: dict[str, list[_Actor]] = {}
+            for a in self.actors.values():
+                by_state.setdefault(a.state, []).append(a)
+            idle = by_state.get("idle", [])
+            # Dispatch: queued shards first, then (once per shard) the longest-running straggler.
             while idle and queue:
-                name, shard = idle.pop(0), queue.popleft()
+                actor, shard = idle.pop(0), queue.popleft()
                 attempts[shard.id] = attempts.get(shard.id, 0) + 1
-                ref = self.actors[name].iter_shard.remote(shard)
-                running[ref], began[ref], live[shard.id] = (name, shard), time.monotonic(), live.get(shard.id, 0) + 1
-            # Nothing queued and a worker idle: give it the longest-running shard too (once per shard).
-            while idle and not queue and stopping_since is None and (stragglers := [r for r, (_, sh) in running.items()
-                                                         if sh.id not in speculated and sh.id not in done]):
+                ref = actor.handle.iter_shard.remote(shard)
+                actor.state, running[ref], began[ref] = "busy", (actor.name, shard), now
+                live[shard.id] = live.get(shard.id, 0) + 1
+            while idle and not queue and stopping_since is None and (stragglers := [
+                    r for r, (_, sh) in running.items() if sh.id not in speculated and sh.id not in done]):
                 first = min(stragglers, key=began.__getitem__)
-                name, shard = idle.pop(0), running[first][1]
+                actor, shard = idle.pop(0), running[first][1]
                 speculated.add(shard.id)
-                ref = self.actors[name].iter_shard.remote(shard, True)
-                running[ref], began[ref], live[shard.id] = (name, shard), time.monotonic(), live[shard.id] + 1
-                yield ShardSpeculated(shard.id, name, time.monotonic() - began[first])
-            if not running and not pending and not restarting:
-                if queue:
-                    raise ClusterError(f"No worker left to run {len(queue)} shard(s): {'; '.join(start_errors)}.")
-                break
-            if not pending and not running:
-                time.sleep(RETRY_READY)
+                ref = actor.handle.iter_shard.remote(shard, True)
+                actor.state, running[ref], began[ref] = "busy", (actor.name, shard), now
+                live[shard.id] += 1
+                yield ShardSpeculated(shard.id, actor.name, now - began[first])
+            # Follow the work: release what has nothing left to do, add what there is work for.
+            if not queue:
+                for actor in idle + by_state.get("placing", []) + by_state.get("loading", []):
+                    yield self._release(actor, "nothing left to do")
+            active = sum(a.state != "failed" for a in self.actors.values())
+            want = min(self.max_workers, len(queue) + sum(a.state in ("busy", "unavailable")
+                                                          for a in self.actors.values()))
+            while stopping_since is None and active < want and len(self.actors) + self.spent < self.max_workers:
+                self._create()
+                active += 1
+            # Nobody can work: either nothing can be placed (bounded wait), or no worker is left.
+            if any(a.state in ("loading", "idle", "busy", "unavailable") for a in self.actors.values()):
+                unplaced_since = noted = now
+            elif queue and not any(a.state == "placing" for a in self.actors.values()):
+                raise ClusterError(f"No worker left to run {len(queue)} shard(s): {'; '.join(errors) or 'none could start'}.")
+            elif queue and stopping_since is None:
+                if now - unplaced_since >= self.placement_timeout:
+                    raise ClusterError(self._unplaceable(now - unplaced_since))
+                if now - noted >= WAITING_NOTE:
+                    noted = now
+                    yield Waiting(sum(a.state == "placing" for a in self.actors.values()), now - unplaced_since,
+                                  dict(self.options))
+            for actor in self.actors.values():
+                if actor.state in ("placing", "loading", "unavailable"):
+                    self._ask(actor, now)
+            calls = {a.call: a for a in self.actors.values() if a.call is not None}
+            if not calls and not running:
+                time.sleep(POLL)
                 continue
-            ready, _ = ray.wait([*pending, *running], num_returns=1, timeout=RETRY_READY)
+            ready, _ = ray.wait([*calls, *running], num_returns=1, timeout=POLL)
             for ref in ready:
-                if ref in pending:
-                    name = pending.pop(ref)
-                    try:
-                        info = ray.get(ref)
-                    except ActorUnavailableError:  # still restarting: ask again shortly
-                        restarting[name] = time.monotonic() + RETRY_READY
-                        continue
-                    except (RayActorError, RayTaskError) as err:  # could not (re)start: dropped
-                        start_errors.append(f"{name}: {_message(err)}")
-                        continue
-                    idle.append(name)
-                    yield WorkerReady(name, info)
+                if ref in calls:
+                    yield from self._answer(calls[ref], ref, died, requeue_or_fail, errors)
                     continue
                 name, shard = running[ref]
+                actor = self.actors[name]  # busy actors are never released
                 try:
                     event = ray.get(next(ref))
                 except StopIteration:
                     del running[ref]
                     live[shard.id] -= 1
-                    idle.append(name)
+                    if actor is not None:
+                        actor.state = "idle"
+                    continue
+                except ActorUnavailableError as err:
+                    del running[ref]
+                    if RESTARTED in str(err):  # its process is gone, and the attempt with it
+                        yield from died(actor, err)
+                        yield from requeue_or_fail(shard, _message(err))
+                        continue
+                    # "May or may not have been executed": the attempt may still be writing. Keep
+                    # the shard with this actor until it answers (its tasks run in order, so an
+                    # answer means the attempt is over) or is known dead.
+                    actor.state, actor.shard, actor.call, actor.retry_at = "unavailable", shard, None, time.monotonic() + POLL
+                    yield WorkerUnreachable(name, shard.id, _message(err))
                     continue
                 except (RayActorError, RayTaskError) as err:
                     del running[ref]
-                    live[shard.id] -= 1
-                    if isinstance(err, RayActorError):  # the process died: wait for Ray to restart it
-                        deaths[name] = deaths.get(name, 0) + 1
-                        if deaths[name] <= self.max_restarts:
-                            restarting[name] = time.monotonic()
-                        else:
-                            start_errors.append(f"{name}: died {deaths[name]} times")
+                    if isinstance(err, RayActorError):  # the process or its node died
+                        yield from died(actor, err)
                     else:
-                        idle.append(name)
-                    if shard.id in done or live[shard.id] > 0:
-                        continue  # committed, or another attempt is still at it
-                    if attempts[shard.id] < self.max_attempts:
-                        queue.append(shard)
-                    else:
-                        failed_counter().inc(1)
-                        yield ShardFailed(shard.id, _message(err), attempts[shard.id])
+                        actor.state = "idle"
+                    yield from requeue_or_fail(shard, _message(err))
                     continue
                 if isinstance(event, ShardResult):
                     if shard.id in done:
@@ -169,15 +341,71 @@ class WorkerPool:
                     continue  # progress of an attempt that has lost
                 yield event
 
-    def close(self) -> None:
+    def _answer(self, actor: _Actor, ref, died, requeue_or_fail, errors: list[str]) -> Iterator[PoolEvent]:
+        """The answer to a placing actor's `where()` or a loading/unavailable actor's `start()`."""
+        actor.call = None
+        try:
+            answer = ray.get(ref)
+        except ActorUnavailableError:  # restarting or unreachable for now: ask again shortly
+            actor.retry_at = time.monotonic() + POLL
+            return
+        except RayActorError as err:
+            if actor.state == "unavailable":
+                shard, actor.shard = actor.shard, None
+                yield from died(actor, err)
+                yield from requeue_or_fail(shard, _message(err))
+            else:
+                yield from died(actor, err)
+            return
+        except RayError as err:  # raised in start() (fits nothing, no CUDA) or a runtime env that failed
+            actor.state = "failed"
+            errors.append(f"{actor.name}: {_message(err)}")
+            yield WorkerFailed(actor.name, _message(err), actor.placement)
+            return
+        if actor.state == "placing":
+            actor.state, actor.placement = "loading", answer
+            yield WorkerPlaced(actor.name, answer)
+        elif actor.state == "loading":
+            actor.state = "idle"
+            yield WorkerReady(actor.name, answer)
+        else:  # unavailable, and now answering: its attempt is over, committed or not
+            shard, actor.shard, actor.state = actor.shard, None, "idle"
+            if actor.placement and answer.get("pid") != actor.placement.get("pid"):
+                actor.placement = answer.get("placement")
+                yield WorkerReady(actor.name, answer)  # it answered from a new process: restarted meanwhile
+            yield from requeue_or_fail(shard, "the worker was unreachable while it ran this shard")
+
+    def _unplaceable(self, waited: float) -> str:
+        asks = ", ".join(f"{k.removeprefix('num_').upper()} {format_size(v) if k == 'memory' else v}"
+                         for k, v in self.options.items())
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        sizes = "; ".join(
+            f"{n['NodeManagerAddress']}: " + ", ".join(
+                f"{k} {format_size(v) if k in ('memory', 'object_store_memory') else f'{v:g}'}"
+                for k, v in sorted(n["Resources"].items()) if not k.startswith("node:"))
+            for n in nodes)
+        return (f"No worker could be placed in {waited:.0f} s (`--placement-timeout`): each asks for {asks}. "
+                f"The cluster's {len(nodes)} node(s): {sizes or 'none'}. Lower what a worker asks "
+                "(`--host-memory`, `--gpus-per-worker`, `--cpu-threads`), or give the cluster node types that have it; "
+                "an autoscaler starts only the node types it is configured with.")
+
+    def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        """Close every worker (offload directories removed), waiting at most `timeout` seconds for
+        those still busy, then kill them all."""
+        refs = dict(self.closing)
         for actor in self.actors.values():
-            ray.kill(actor, no_restart=True)
-        self.actors = {}
+            if actor.state in ("idle", "failed", "busy", "unavailable"):
+                refs[actor.handle.close.remote()] = actor.handle
+            else:
+                ray.kill(actor.handle, no_restart=True)
+        if refs and timeout > 0:
+            ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+        for handle in refs.values():
+            ray.kill(handle, no_restart=True)
+        self.actors, self.closing, self.close_deadline = {}, {}, {}
 
     def __enter__(self) -> WorkerPool:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-

@@ -33,7 +33,13 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--negative-prompt-column", help="default negative_prompt (used when present)")
     g.add_argument("--rows-per-shard", type=int, help="rows per shard (default 256)")
     g = p.add_argument_group("execution")
-    g.add_argument("--workers", type=int, help="actors (default: one per GPU, else CPUs / --cpu-threads)")
+    g.add_argument("--workers", "--max-workers", type=int, dest="max_workers",
+                   help="at most this many workers (default: locally one per GPU, else CPUs / --cpu-threads; "
+                   "on a cluster one per shard to do, up to 1000: the autoscaler adds nodes for them)")
+    g.add_argument("--gpus-per-worker", type=float, help="Ray GPUs each worker asks for (default 1 for GPU workers; "
+                   "0.5 packs two on one GPU, each planning within its share)")
+    g.add_argument("--placement-timeout", type=float,
+                   help="seconds to wait with no worker placed before giving up with exit 2 (default 300)")
     g.add_argument("--cpu-threads", type=int, help="torch threads per CPU worker (default 1)")
     g.add_argument("--max-batch", type=int, help="images per pipeline call (default 4)")
     g.add_argument("--max-attempts", type=int, help="tries per shard (default 3)")
@@ -47,7 +53,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host-memory", help="host RAM per worker for offloaded copies (default: the node's RAM "
                    "split between its workers)")
     g.add_argument("--worker-memory", help="emulate a mixed fleet: one worker per budget, e.g. 16GiB,24GiB,80GiB")
-    g.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
+    g.add_argument("--device", help="where workers compute: auto | cpu | cuda | cuda:N (default auto: GPU workers "
+                   "on a cluster or a machine with GPUs, else CPU)")
     g.add_argument("--dtype", help="auto | float32 | float16 | bfloat16 (default auto)")
     g.add_argument("--ray-address", help="Ray cluster to join (default RAY_ADDRESS, else start a local one)")
     g.add_argument("--overwrite", action="store_true", default=None, help="replace a different job at --output")

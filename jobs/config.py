@@ -40,7 +40,12 @@ class JobConfig:
     negative_prompt_column: str = "negative_prompt"  # used when present
     rows_per_shard: int = 256  # rows per unit of work and of commit; a row group is split into such ranges
     # execution: may change between a run and its resume
-    workers: int | None = None  # actors; default one per GPU, else one per `cpu_threads` CPUs
+    workers: int | None = None  # actors; default one per GPU, else one per `cpu_threads` CPUs (same as max_workers)
+    max_workers: int | None = None  # at most this many workers; on a cluster default: one per shard (≤ 1000),
+    #                                 the autoscaler starts nodes for them up to the cluster's own limits
+    gpus_per_worker: float | None = None  # Ray GPUs each worker asks for; default 1 for GPU workers,
+    #                                       a fraction packs several on one GPU (each plans within its share)
+    placement_timeout: float = 300.0  # seconds the job waits with no worker placed before it ends (exit 2)
     cpu_threads: int = 1  # torch threads per CPU worker; CPU kernels round differently per thread count,
     #                       so a fixed number keeps images independent of how many workers run
     max_batch: int = 4  # images per pipeline call
@@ -118,7 +123,14 @@ def validate(config: JobConfig) -> JobConfig:
            f"`--image-format` must be one of {', '.join(IMAGE_FORMATS)}; got `{c.image_format}`.")
     _check(c.output_format in OUTPUT_FORMATS,
            f"`--output-format` must be one of {', '.join(OUTPUT_FORMATS)}; got `{c.output_format}`.")
-    _check(c.workers is None or c.workers >= 1, f"`--workers` must be 1 or more, got `{c.workers}`.")
+    for name in ("workers", "max_workers"):
+        v = getattr(c, name)
+        _check(v is None or v >= 1, f"{_option(name)} must be 1 or more, got `{v}`.")
+    _check(c.workers is None or c.max_workers is None or c.workers == c.max_workers,
+           f"`--workers` ({c.workers}) and `--max-workers` ({c.max_workers}) disagree: they name the same limit, pass one.")
+    _check(c.gpus_per_worker is None or 0 < c.gpus_per_worker <= 1 or float(c.gpus_per_worker).is_integer(),
+           f"`--gpus-per-worker` must be a fraction in (0, 1] or a whole number, got `{c.gpus_per_worker}`.")
+    _check(c.placement_timeout > 0, f"`--placement-timeout` must be more than 0 seconds, got `{c.placement_timeout}`.")
     _check(c.max_restarts >= 0, f"`--max-restarts` must be 0 or more, got `{c.max_restarts}`.")
     _check(c.stop_grace >= 0, f"`--stop-grace` must be 0 or more, got `{c.stop_grace}`.")
     for name in ("max_batch", "rows_per_shard", "max_attempts", "cpu_threads"):
@@ -133,8 +145,9 @@ def validate(config: JobConfig) -> JobConfig:
     if c.worker_memory is not None:
         budgets = c.worker_budgets()
         _check(c.gpu_memory is None, "`--worker-memory` and `--gpu-memory` both set budgets: pass one of them.")
-        _check(c.workers in (None, len(budgets)), f"`--workers` is {c.workers} but `--worker-memory` lists "
-                                                   f"{len(budgets)} budgets (one worker per budget).")
+        limit = c.max_workers or c.workers
+        _check(limit in (None, len(budgets)), f"`--workers` is {limit} but `--worker-memory` lists "
+                                              f"{len(budgets)} budgets (one worker per budget).")
     names = [c.prompt_column, c.id_column, c.seed_column, c.negative_prompt_column]
     _check(len(set(names)) == len(names), f"Column options must name different columns, got {names}.")
     return c
@@ -143,10 +156,11 @@ def validate(config: JobConfig) -> JobConfig:
 def _coerce(name: str, value: object, source: str) -> object:
     """Type-check one setting from a TOML file (CLI values are typed by argparse)."""
     kind = FIELDS[name].type
-    wanted = {"int": int, "float": (int, float), "str": str, "bool": bool, "int | None": int, "str | None": str}[kind]
+    wanted = {"int": int, "float": (int, float), "str": str, "bool": bool, "int | None": int, "str | None": str,
+              "float | None": (int, float)}[kind]
     if isinstance(value, bool) and kind != "bool" or not isinstance(value, wanted):
         raise ConfigError(f"`{name}` in {source} must be {kind.replace(' | None', '')}, got `{value!r}`.")
-    return float(value) if kind == "float" else value
+    return float(value) if kind.startswith("float") else value
 
 
 def load_toml(path: str) -> dict:

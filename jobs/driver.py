@@ -17,8 +17,9 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from fleetgen.errors import InputError
+from fleetgen.errors import ClusterError, InputError
 from jobs.config import JobConfig
+from jobs.fleet import FleetRecord
 from jobs.lock import OutputLock
 from jobs.progress import Progress
 from jobs.sharding import check_unique_ids, list_input_files, plan_shards, read_footer, resolve_columns
@@ -27,6 +28,9 @@ from workers.layout import SUCCESS, SUMMARY
 from workers.shard import Shard
 from workers.storage import Output
 from workers.worker import BatchDone, ShardResult, WorkerSpec
+
+CLOSE_TIMEOUT = 10.0  # seconds workers get to close (remove offload directories) at the end
+STOPPING_CLOSE = 0.5  # the same under SIGTERM: `ray job stop` SIGKILLs the driver 3 s after it by default
 
 
 @dataclass
@@ -42,13 +46,20 @@ class JobSummary:
     workers: list[dict] = field(default_factory=list)
     stopped: bool = False  # SIGTERM/SIGINT (e.g. `ray job stop`) ended the run early
     speculative_attempts: int = 0  # straggling shards also given to an idle worker
+    error: str | None = None  # why the run ended early (e.g. no worker could be placed any more)
 
     @property
     def complete(self) -> bool:
         return self.shards_committed == self.shards_total
 
+    @property
+    def exit_code(self) -> int:
+        """What `fleetgen run` exits with: 0 complete, 1 incomplete (rerun resumes), 2 an error."""
+        return 2 if self.error else 0 if self.complete else 1
+
     def to_dict(self) -> dict:
-        return {"complete": self.complete, **self.__dict__}
+        failed = [{"worker": w["worker"], "error": w["failed"]} for w in self.workers if w.get("failed")]
+        return {"complete": self.complete, "exit_code": self.exit_code, **self.__dict__, "workers_failed": failed}
 
 
 def run_job(config: JobConfig, progress_stream=None, progress_interval: float = 5.0,
@@ -78,17 +89,32 @@ def run_job(config: JobConfig, progress_stream=None, progress_interval: float = 
             progress.log(note)
         if len(todo) < len(shards):
             progress.log(f"resuming: {len(shards) - len(todo)} of {len(shards)} shards already committed")
-        failures, workers = _dispatch(config, columns, todo, progress, stop) if todo else ([], [])
-        _sweep(output)  # what workers killed mid-write (by a fault, or by the pool's shutdown) left
-        progress.close()
-        summary = _summarise(output, shards, len(todo), started, failures, workers, stop.is_set())
-        summary.speculative_attempts = progress.speculated
-        output.put(SUMMARY, json.dumps(summary.to_dict(), indent=2).encode())
-        if summary.complete:
-            output.put(SUCCESS, b"")
-        return summary
+        fleet = FleetRecord(output)
+        try:
+            failures, workers = _dispatch(config, columns, todo, progress, stop, fleet) if todo else ([], [])
+        except ClusterError as err:
+            # Work done before the fleet was lost is still committed: say so in the summary. A job
+            # that never placed a worker leaves nothing but job.json.
+            if fleet.workers:
+                fleet.flush()
+                _finish(output, shards, todo, started, progress, [], [], stop, error=str(err))
+            raise
+        fleet.flush()
+        return _finish(output, shards, todo, started, progress, failures, workers, stop)
     finally:
         lock.release()
+
+
+def _finish(output: Output, shards, todo, started, progress, failures, workers, stop, error: str | None = None):
+    _sweep(output)  # what workers killed mid-write (by a fault, or by the pool's shutdown) left
+    progress.close()
+    summary = _summarise(output, shards, len(todo), started, failures, workers, stop.is_set())
+    summary.speculative_attempts = progress.speculated
+    summary.error = error
+    output.put(SUMMARY, json.dumps(summary.to_dict(), indent=2).encode())
+    if summary.complete:
+        output.put(SUCCESS, b"")
+    return summary
 
 
 def _sweep(output: Output) -> None:
@@ -130,70 +156,105 @@ def _stop_on_signals(stop: threading.Event, progress: Progress):
             signal.signal(sig, old)
 
 
-def _dispatch(config: JobConfig, columns, todo: list[Shard], progress: Progress,
-              stop: threading.Event) -> tuple[list[dict], list[dict]]:
-    """Run `todo` on a pool of actors; returns (failed shards, per-worker table)."""
-    from cluster import WorkerPool, connect, disconnect
+def _dispatch(config: JobConfig, columns, todo: list[Shard], progress: Progress, stop: threading.Event,
+              fleet: FleetRecord) -> tuple[list[dict], list[dict]]:
+    """Run `todo` on a pool of actors that follows the cluster; returns (failed shards, per-worker table)."""
+    from cluster import WorkerPool, connect, disconnect, size_fleet
 
     shape = connect(config.ray_address)
+    pool = None
     try:
         # After connect: Ray installs its own SIGTERM handler there, ours must sit on top of it.
         with _stop_on_signals(stop, progress):
-            specs, options = _worker_specs(config, columns, shape)
-            progress.log(f"{len(specs)} worker(s) on {'GPU' if shape.gpus else 'CPU'}, {len(todo)} shard(s) to generate")
-            with WorkerPool(specs, options, max_attempts=config.max_attempts, max_restarts=config.max_restarts) as pool:
-                return _follow(pool.run(todo, stop=stop, grace=config.stop_grace), todo, progress)
+            budgets = config.worker_budgets()
+            gpu_memory, host_memory = config.budgets()
+            sizing = size_fleet(shape, device=config.device, gpus_per_worker=config.gpus_per_worker,
+                                cpu_threads=config.cpu_threads, max_workers=config.max_workers or config.workers,
+                                budgets=len(budgets), host_memory=host_memory, shards=len(todo))
+
+            def spec_for(i: int) -> WorkerSpec:
+                return WorkerSpec(
+                    name=f"w{i}", model=config.model, output=config.output, settings=config.settings(),
+                    columns=columns, max_batch=config.max_batch, device=config.device, dtype=config.dtype,
+                    threads=sizing.threads, trust_remote_code=config.trust_remote_code, offload=config.offload,
+                    gpu_memory=budgets[i % len(budgets)] if budgets else gpu_memory, host_memory=host_memory,
+                    strict_prompts=config.strict_prompts,
+                )
+
+            progress.log(f"{sizing.describe()}; {len(todo)} shard(s) to generate")
+            pool = WorkerPool(spec_for, sizing.options, sizing.max_workers, max_attempts=config.max_attempts,
+                              max_restarts=config.max_restarts, placement_timeout=config.placement_timeout)
+            return _follow(pool.run(todo, stop=stop, grace=config.stop_grace), todo, progress, fleet)
     finally:
+        if pool is not None:
+            # Under `ray job stop` the driver has seconds before SIGKILL: close briefly, then kill.
+            pool.close(timeout=STOPPING_CLOSE if stop.is_set() else CLOSE_TIMEOUT)
+            fleet.close_all("stopped" if stop.is_set() else "the job ended")
         disconnect()
 
 
-def _worker_specs(config: JobConfig, columns, shape) -> tuple[list[WorkerSpec], dict]:
-    """One actor per GPU (`num_gpus=1`), else `--workers` CPU actors of `--cpu-threads` each; one
-    per `--worker-memory` entry when given. Each reserves its share of its node's host RAM as Ray
-    `memory`, so the offloaded copies of the actors on one node fit that node."""
-    budgets = config.worker_budgets()
-    if shape.gpus:
-        count, options, threads = len(budgets) or config.workers or shape.gpus, {"num_gpus": 1}, None
-    else:
-        threads = config.cpu_threads
-        count = len(budgets) or config.workers or max(1, shape.cpus // threads)
-        options = {"num_cpus": threads}
-    gpu_memory, host_memory = config.budgets()
-    host_memory = host_memory or shape.host_share(count)
-    if host_memory:
-        options["memory"] = host_memory
-    specs = [
-        WorkerSpec(
-            name=f"w{i}", model=config.model, output=config.output, settings=config.settings(), columns=columns,
-            max_batch=config.max_batch, device=config.device, dtype=config.dtype, threads=threads,
-            trust_remote_code=config.trust_remote_code, offload=config.offload,
-            gpu_memory=budgets[i] if budgets else gpu_memory, host_memory=host_memory,
-            strict_prompts=config.strict_prompts,
-        )
-        for i in range(count)
-    ]
-    return specs, options
-
-
-def _follow(events, todo: list[Shard], progress: Progress) -> tuple[list[dict], list[dict]]:
-    """Turn the pool's events into progress, the failure list and the per-worker table."""
-    from cluster import ShardFailed, ShardSpeculated, WorkerReady
+def _follow(events, todo: list[Shard], progress: Progress, fleet: FleetRecord) -> tuple[list[dict], list[dict]]:
+    """Turn the pool's events into progress, the fleet record, the failure list and the per-worker table."""
+    from cluster import (
+        ShardFailed,
+        ShardSpeculated,
+        Waiting,
+        WorkerFailed,
+        WorkerLost,
+        WorkerPlaced,
+        WorkerReady,
+        WorkerReleased,
+        WorkerUnreachable,
+    )
 
     lengths = {s.id: s.length for s in todo}
     counted = dict.fromkeys(lengths, 0)  # rows shown per shard, so that retries do not count twice
     table: dict[str, dict] = {}
     failures = []
     for event in events:
-        if isinstance(event, WorkerReady):
+        fleet.flush(force=False)  # a change noted within the last seconds, written once they pass
+        if isinstance(event, WorkerPlaced):
+            p = event.placement
+            where = f"{p['host']} ({p['node_ip']})" + (f", GPU {','.join(p['gpu_ids'])}" if p["gpu_ids"] else "")
+            where += f" [{p['gpu_type']}]" if p.get("gpu_type") else ""
+            fleet.note(event.worker, "placed", "loading", where, host=p["host"], node_ip=p["node_ip"],
+                       gpu_type=p.get("gpu_type"))
+            progress.log(f"{event.worker} placed on {where}; loading the model")
+        elif isinstance(event, WorkerReady):
             progress.start_clock()
-            plan = event.info["plan"]
+            plan, info = event.info["plan"], event.info
             row = table.setdefault(event.worker, {"worker": event.worker, "images": 0, "seconds": 0.0, "starts": 0})
-            row.update(device=event.info["device"]["name"], device_memory=event.info["probe"]["total_bytes"],
-                       budget=plan["budget_bytes"] or None, modes=plan["modes"], batch=plan["batch_size"],
-                       reason=plan["reason"], starts=row["starts"] + 1)
+            gpu_type = (info.get("placement") or {}).get("gpu_type")
+            row.update(device=info["device"]["name"], gpu_type=gpu_type, host=(info.get("placement") or {}).get("host"),
+                       device_memory=info["probe"]["total_bytes"], budget=plan["budget_bytes"] or None,
+                       modes=plan["modes"], batch=plan["batch_size"], reason=plan["reason"], starts=row["starts"] + 1,
+                       warnings=info.get("warnings") or [])
             again = " again (restarted)" if row["starts"] > 1 else ""
-            progress.log(f"{event.worker} ready{again} on {event.info['device']['name']} "
-                         f"(loaded in {event.info['load_seconds']:.1f} s): {plan['reason']}")
+            fleet.note(event.worker, "ready", "ready", info["device"]["name"], device=info["device"]["name"])
+            progress.log(f"{event.worker} ready{again} on {info['device']['name']} "
+                         f"(loaded in {info['load_seconds']:.1f} s): {plan['reason']}")
+            for warning in row["warnings"]:
+                progress.log(f"WARNING {event.worker}: {warning}")
+        elif isinstance(event, WorkerFailed):
+            where = f" on {event.placement['host']}" if event.placement else ""
+            table[event.worker] = {"worker": event.worker, "images": 0, "seconds": 0.0, "starts": 0,
+                                   "failed": event.error}
+            fleet.note(event.worker, "failed", "failed", event.error)
+            progress.log(f"{event.worker}{where} cannot run, the job goes on without it: {event.error}")
+        elif isinstance(event, WorkerLost):
+            then = "Ray restarts it when capacity allows" if event.restarting else "dropped (died too often)"
+            fleet.note(event.worker, "lost", "restarting" if event.restarting else "lost", event.error)
+            progress.log(f"{event.worker} lost ({event.error}); its shard goes back on the queue; {then}")
+        elif isinstance(event, WorkerUnreachable):
+            fleet.note(event.worker, "unreachable", "unreachable", event.error)
+            progress.log(f"{event.worker} unreachable while running {event.shard_id} ({event.error}); the shard "
+                         "waits until the worker answers or is known dead, so that it never runs twice at once")
+        elif isinstance(event, WorkerReleased):
+            fleet.note(event.worker, "released", "released", event.reason)
+            progress.log(f"{event.worker} released: {event.reason}")
+        elif isinstance(event, Waiting):
+            progress.log(f"waiting {event.seconds:.0f} s for {event.pending} worker(s) to be placed "
+                         f"(each asks {event.asks}); an autoscaler may be starting nodes")
         elif isinstance(event, BatchDone):
             rows = min(event.images + event.errors, lengths[event.shard_id] - counted[event.shard_id])
             counted[event.shard_id] += rows
@@ -215,4 +276,4 @@ def _follow(events, todo: list[Shard], progress: Progress) -> tuple[list[dict], 
     for w in table.values():
         w["images_per_second"] = round(w["images"] / w["seconds"], 3) if w["seconds"] else None
         w["share"] = round(w["images"] / total, 3)
-    return failures, sorted(table.values(), key=lambda w: w["worker"])
+    return failures, sorted(table.values(), key=lambda w: int(w["worker"][1:]))

@@ -6,9 +6,10 @@ import json
 import time
 
 from fleetgen.errors import FleetgenError
+from jobs.fleet import fleet_lines
 from jobs.lock import STALE
 from jobs.state import committed_shards, read_manifests
-from workers.layout import JOB, LOCK, SUCCESS, SUMMARY, WORKERS
+from workers.layout import FLEET, JOB, LOCK, SUCCESS, SUMMARY, WORKERS
 from workers.storage import Output
 
 
@@ -42,7 +43,8 @@ def job_state(url: str, manifest_columns: tuple[str, ...] = ("status",)) -> dict
         "shards_total": job.get("shards_total") or -(-total_rows // job["fingerprint"]["generation"]["rows_per_shard"]),
         "shards_committed": len(committed), "rows_total": total_rows, "rows_done": len(rows),
         "images_ok": sum(r["status"] == "ok" for r in rows), "images_error": sum(r["status"] != "ok" for r in rows),
-        "failures": (summary or {}).get("failures", []), "workers": workers,
+        "failures": (summary or {}).get("failures", []), "workers": workers, "fleet": _json(out, FLEET),
+        "workers_failed": (summary or {}).get("workers_failed", []),
         "eta_seconds": left / rate if rate and left else None, "rows": rows,
     }
 
@@ -60,6 +62,9 @@ def status_text(state: dict) -> str:
         lines.append(f"ETA {state['eta_seconds'] / 60:.1f} min at the workers' current rates")
     for f in state["failures"]:
         lines.append(f"failed: {f['shard']} after {f['attempts']} attempt(s): {f['error']}")
+    lines += fleet_lines(state["fleet"])
+    for w in state["workers_failed"]:
+        lines.append(f"worker {w['worker']} could not run: {w['error']}")
     for w in state["workers"]:
         st = w.get("stats") or {}
         lines.append(f"  {w['worker']}: {w['device']['name']}, batch {w.get('batch_size')}, "

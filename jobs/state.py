@@ -20,12 +20,12 @@ from fleetgen import __version__
 from fleetgen.errors import StorageError
 from jobs.config import JobConfig
 from jobs.sharding import InputFile
-from workers.layout import JOB, SHARDS, SUCCESS, SUMMARY, WORKERS, manifest_key
+from workers.layout import FLEET, JOB, SHARDS, SUCCESS, SUMMARY, WORKERS, manifest_key
 from workers.shard import Columns
 from workers.storage import Output
 
 # What --overwrite removes: everything fleetgen writes, nothing else under OUT.
-_JOB_OBJECTS = (JOB, SUMMARY, SUCCESS, SHARDS, WORKERS, "images", "data")
+_JOB_OBJECTS = (JOB, SUMMARY, SUCCESS, FLEET, SHARDS, WORKERS, "images", "data")
 
 
 def model_identity(model: str) -> str:

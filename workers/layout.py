@@ -16,6 +16,7 @@ SUCCESS = "_SUCCESS"  # only when every shard committed
 SHARDS = "shards"  # shard manifests: their presence is the shard's commit
 WORKERS = "workers"
 LOCK = "_LOCK"  # the running driver's name and heartbeat (jobs/lock.py)
+FLEET = "fleet.json"  # the workers as the driver last saw them, and the latest fleet events (jobs/fleet.py)
 
 IMAGE_FORMATS = {"png": "png", "jpeg": "jpg", "webp": "webp"}  # --image-format -> file extension
 OUTPUT_FORMATS = ("files", "webdataset", "parquet")

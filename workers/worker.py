@@ -129,7 +129,7 @@ class Worker:
             "load_seconds": round(time.perf_counter() - started, 3),
             "versions": {"fleetgen": __version__, "torch": torch.__version__, "python": platform.python_version()},
         }
-        self._write_info()
+        self.write_info()
 
     def describe(self) -> dict:
         stats = dict(self.stats)
@@ -147,7 +147,7 @@ class Worker:
         return {**self.info, "plan": self.plan.to_dict(), "batch_size": self.batch_size, "stats": stats,
                 "offload": offload, "predicted_vs_measured": compare, "step_downs": list(self.step_downs)}
 
-    def _write_info(self) -> None:
+    def write_info(self) -> None:
         self.output.put(worker_key(self.spec.name), json.dumps(self.describe(), indent=2).encode())
 
     def run_shard(self, shard: Shard) -> ShardResult:
@@ -207,7 +207,7 @@ class Worker:
         self.stats["shards"] += 1
         self.stats["images"] += ok
         self.stats["errors"] += len(rows) - ok
-        self._write_info()
+        self.write_info()
         yield ShardResult(shard.id, name, ok, len(rows) - ok, time.perf_counter() - started)
 
     def _committed(self, shard: Shard) -> bool:

@@ -1,0 +1,99 @@
+"""The actor a pool places: cheap to create, loaded on `start`.
+
+Creating the actor only places it (Ray finds a node with the resources it asks for, which on an
+autoscaling cluster may mean starting one); `start` then loads the model. Splitting the two lets
+the pool tell "waiting for a node" (bounded by `--placement-timeout`) from "loading a model"
+(which may download tens of GB), and lets a worker that cannot run report why in one line.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import replace
+
+import ray
+import torch
+
+from cluster.metrics import MeteredWorker
+from fleetgen.errors import ClusterError
+from workers.shard import Shard
+from workers.worker import BatchDone, ShardResult, WorkerSpec
+
+GPU_TYPE_PREFIX = "fleetgen-gpu:"  # node types declare e.g. `fleetgen-gpu:A10G-24GB: 1` (cluster/*.yaml)
+HOST_SHARE = 0.8  # of a node's Ray memory that the workers on it may fill with offloaded copies
+
+
+def node_resources(node_id: str) -> dict:
+    return next((n["Resources"] for n in ray.nodes() if n["NodeID"] == node_id), {})
+
+
+def gpu_type(resources: dict) -> str | None:
+    """What a node's type calls its GPU: our custom resource, else Ray's `accelerator_type:`."""
+    for prefix in (GPU_TYPE_PREFIX, "accelerator_type:"):
+        names = sorted(k.removeprefix(prefix) for k in resources if k.startswith(prefix))
+        if names:
+            return names[0]
+    return None
+
+
+class FleetWorker:
+    """One fleetgen worker as a Ray actor: `where` once placed, `start` to load, then shards."""
+
+    def __init__(self, spec: WorkerSpec, resources: dict):
+        self.spec = spec
+        self.resources = resources  # what it asked Ray for: num_gpus / num_cpus / memory
+        self.worker: MeteredWorker | None = None
+
+    def where(self) -> dict:
+        """Where Ray placed this actor: node, host, pid, the GPUs it was given, the node's GPU type."""
+        ctx = ray.get_runtime_context()
+        node = ctx.get_node_id()
+        resources = node_resources(node)
+        return {"node_id": node, "node_ip": ray.util.get_node_ip_address(), "host": socket.gethostname(),
+                "pid": os.getpid(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "gpu_type": gpu_type(resources),
+                "node_memory": int(resources.get("memory", 0)) or None, "node_gpus": resources.get("GPU", 0),
+                "node_cpus": resources.get("CPU", 0)}
+
+    def start(self) -> dict:
+        """Load the pipeline and plan for this device (once); returns `Worker.describe()` with
+        where it runs and any warning about its placement."""
+        if self.worker is None:
+            placement = self.where()
+            warnings = self._check_device(placement)
+            spec = self.spec
+            if spec.host_memory is None and placement["node_memory"]:
+                spec = replace(spec, host_memory=int(placement["node_memory"] * HOST_SHARE * self._share(placement)))
+            self.worker = MeteredWorker(spec)
+            self.worker.info.update(placement=placement, warnings=warnings)
+            self.worker.write_info()  # the driver logs the warnings; workers/<name>.json keeps them
+        return self.worker.describe()
+
+    def _share(self, placement: dict) -> float:
+        """The fraction of its node this worker holds (of its GPUs, else of its CPUs): so the
+        workers on one node split its RAM for offloaded copies instead of each taking 80 %."""
+        kind = "gpus" if self.resources.get("num_gpus") else "cpus"
+        return min(1.0, self.resources.get(f"num_{kind}", 1) / max(placement[f"node_{kind}"], 1e-9))
+
+    def _check_device(self, placement: dict) -> list[str]:
+        """A worker given a GPU by Ray whose torch sees no CUDA device is misconfigured: refused
+        unless `--device cpu` says to compute on CPU anyway."""
+        if not placement["gpu_ids"] or torch.cuda.is_available():
+            return []
+        what = (f"Ray gave worker {self.spec.name} GPU {','.join(placement['gpu_ids'])} on {placement['host']} "
+                f"({placement['node_ip']}), but torch {torch.__version__} in its process sees no CUDA device")
+        if self.spec.device != "cpu":
+            cause = "a CPU-only torch build" if torch.version.cuda is None else "no usable NVIDIA driver"
+            raise ClusterError(f"{what} ({cause}). Install a CUDA build of torch on the GPU nodes (see cluster/), "
+                               "or pass `--device cpu` to compute on CPU on purpose.")
+        return [f"{what}; computing on CPU as `--device cpu` says."]
+
+    def iter_shard(self, shard: Shard, speculative: bool = False) -> Iterator[BatchDone | ShardResult]:
+        yield from self.worker.iter_shard(shard, speculative)
+
+    def close(self) -> None:
+        """Release the pipeline and what offloading holds (disk-offload directories included)."""
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None

@@ -1,0 +1,56 @@
+"""What each worker asks Ray for, and how many workers a job may have.
+
+GPU workers ask `num_gpus=--gpus-per-worker` (fractions pack several workers on one large GPU,
+each planning within its share); CPU workers ask `num_cpus=--cpu-threads`. On a cluster joined
+by address, `--device auto` means GPU workers even when no GPU node is up yet: the pool's
+pending actors are the demand that makes the autoscaler start one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from cluster.connect import ClusterShape
+
+# Default cap on workers on a cluster when neither `--max-workers` nor `--workers` is given: one per
+# shard to do, but no more than this many pending actors at once (each is a GCS entry and a lease
+# request; the cluster's own node limits bound what actually runs).
+DEFAULT_MAX_WORKERS = 1000
+
+
+@dataclass(frozen=True)
+class Fleet:
+    options: dict  # Ray resources per actor: num_gpus / num_cpus / memory
+    max_workers: int  # never more actors than this at once
+    gpu: bool  # scheduled by the GPU resource
+    threads: int | None  # torch CPU threads per worker (None: torch's default, for GPU compute)
+
+    def describe(self) -> str:
+        asks = ", ".join(f"{k.removeprefix('num_').upper() if k != 'memory' else 'memory'} {v}"
+                         for k, v in self.options.items())
+        return f"up to {self.max_workers} worker(s) on {'GPU' if self.gpu else 'CPU'}, each asking {asks}"
+
+
+def size_fleet(shape: ClusterShape, *, device: str, gpus_per_worker: float | None, cpu_threads: int,
+               max_workers: int | None, budgets: int, host_memory: int | None, shards: int) -> Fleet:
+    gpu = bool(gpus_per_worker) or device.startswith("cuda") or (device == "auto" and (shape.on_cluster or shape.gpus > 0))
+    if gpu:
+        per = gpus_per_worker or (1 / math.ceil(budgets / shape.gpus) if budgets > shape.gpus > 0 else 1)
+        computes_on_cpu = device == "cpu"
+        options = {"num_gpus": per, "num_cpus": cpu_threads if computes_on_cpu else 1}
+        if max_workers is None:
+            if budgets:
+                max_workers = budgets
+            elif shape.on_cluster:
+                max_workers = min(shards, DEFAULT_MAX_WORKERS)
+            else:  # a local machine: its GPUs are all there is
+                max_workers = max(1, int(shape.gpus / per))
+        threads = cpu_threads if computes_on_cpu else None
+    else:
+        options = {"num_cpus": cpu_threads}
+        max_workers = max_workers or budgets or max(1, shape.cpus // cpu_threads)
+        threads = cpu_threads
+    if host_memory:
+        options["memory"] = host_memory
+    return Fleet(options=options, max_workers=max(1, min(max_workers, shards)), gpu=gpu, threads=threads)

@@ -1,0 +1,291 @@
+"""The pool on Ray's own autoscaler (its fake node provider: a real GCS, raylets and autoscaler on
+this machine, each "node" a local raylet with the resources its type declares), and the fleet's
+edges on the local Ray: a worker that fits nothing, demand that cannot be placed, sizing.
+
+The head has no GPU and no CPU; two worker node types declare `GPU: 1` with `min_workers: 0`.
+Jobs run with `--device cpu --gpus-per-worker 1`: scheduled by the GPU resource, computing on CPU
+(see ../shared/notes/ray-and-friends.md).
+"""
+
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pyarrow.parquet as pq
+import pytest
+
+from cluster import ClusterShape, size_fleet
+from jobs.config import JobConfig, validate
+from jobs.driver import run_job
+from jobs.inspect import job_state, status_text
+from tests.conftest import FAST, _free_port, write_prompts
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+NODE = {"CPU": 1, "GPU": 1}
+# A node joining by hand, on loopback, the way the fake provider starts its nodes (`ray start
+# --address` would rewrite 127.0.0.1 into the machine's outward address).
+JOIN_NODE = """
+import json, sys, time
+from ray._private.node import Node
+from ray._private.parameter import RayParams
+params = RayParams(node_ip_address="127.0.0.1", gcs_address=sys.argv[1], redis_address=sys.argv[1], num_cpus=1,
+                   num_gpus=1, resources=json.loads(sys.argv[2]), min_worker_port=0, max_worker_port=0,
+                   dashboard_agent_listen_port=0)
+Node(params, head=False, shutdown_at_exit=True, spawn_reaper=False)
+print("joined", flush=True)
+while True:
+    time.sleep(1)
+"""
+N_ELASTIC = 48  # rows: long enough (~30 s) for a node to join and die mid-job
+
+
+def _env(**extra) -> dict:
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", **extra}
+    env.pop("RAY_ADDRESS", None)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def _stop_tree(proc: subprocess.Popen) -> None:
+    """Stop a process we started and everything under it (the fake nodes are the autoscaler's
+    children), by pid."""
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    for p in family:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(family, timeout=10)
+
+
+def _cluster_config(port: int) -> dict:
+    worker_types = {
+        name: {"resources": {**NODE, f"fleetgen-gpu:{name}": 1}, "node_config": {}, "min_workers": 0, "max_workers": 1}
+        for name in ("fake-a", "fake-b")
+    }
+    return {
+        "cluster_name": "fleetgen-test", "max_workers": 2, "upscaling_speed": 1.0, "idle_timeout_minutes": 0.1,
+        "provider": {"type": "fake_multinode", "use_node_id_as_ip": True, "disable_node_updaters": True,
+                     "disable_launch_config_check": True, "gcs_address": f"127.0.0.1:{port}"},
+        "available_node_types": {"ray.head.default": {"resources": {"CPU": 0}, "node_config": {}, "max_workers": 0},
+                                 **worker_types},
+        "head_node_type": "ray.head.default",
+        "auth": {}, "docker": {}, "file_mounts": {}, "cluster_synced_files": [], "initialization_commands": [],
+        "setup_commands": [], "head_setup_commands": [], "worker_setup_commands": [], "head_start_ray_commands": [],
+        "worker_start_ray_commands": [], "rsync_exclude": [], "rsync_filter": [],
+    }
+
+
+@pytest.fixture(scope="module")
+def autoscaling_head():
+    """A head with Ray's autoscaler and fake node provider, on loopback; stopped with every node
+    it started when the module ends."""
+    port = _free_port()
+    temp = tempfile.mkdtemp(prefix="rayf", dir="/tmp")  # short: Ray's socket paths are length-limited
+    config = Path(temp) / "cluster.json"
+    config.write_text(json.dumps(_cluster_config(port)))
+    cmd = [str(BIN / "ray"), "start", "--head", "--block", f"--autoscaling-config={config}", "--port", str(port),
+           "--node-ip-address", "127.0.0.1", "--num-cpus", "0", "--num-gpus", "0", "--temp-dir", temp,
+           "--include-dashboard", "false", "--disable-usage-stats"]
+    # Node deaths noticed within ~2 s instead of Ray's default ~30 s.
+    env = _env(AUTOSCALER_UPDATE_INTERVAL_S="1", RAY_FAKE_CLUSTER="1", RAY_health_check_period_ms="500",
+               RAY_health_check_failure_threshold="3", RAY_health_check_timeout_ms="500")
+    log = open(Path(temp) / "head.log", "w")
+    head = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    address = f"127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while subprocess.run([str(BIN / "ray"), "status", "--address", address], env=env,
+                             capture_output=True).returncode != 0:
+            assert head.poll() is None, (Path(temp) / "head.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the autoscaling head did not come up"
+            time.sleep(1)
+        yield address, env
+    finally:
+        _stop_tree(head)
+        log.close()
+
+
+def _driver(args: list[str], address: str, env: dict, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "jobs", "run", "--ray-address", address, *args], cwd=ROOT, env=env,
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+def _wait(what, check, proc: subprocess.Popen, log: Path, timeout: float = 180):
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        more = "".join(p.read_text()[-3000:] for p in log.parent.glob("spot.log"))
+        assert proc.poll() is None, f"driver ended before {what}:\n{log.read_text()[-4000:]}\n{more}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{log.read_text()[-4000:]}"
+        time.sleep(0.3)
+    return value
+
+
+def _fleet(out: Path) -> dict:
+    try:
+        return json.loads((out / "fleet.json").read_text())["workers"]
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
+def _manifest_rows(out: Path) -> list[dict]:
+    return pq.read_table(out / "shards", columns=["id", "status", "sha256", "worker"]).to_pylist()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_autoscaler_starts_gpu_nodes_a_joining_node_gets_a_worker_a_lost_node_loses_nothing(
+        autoscaling_head, tiny_model, tmp_path, ray_cluster):
+    """No GPU node is up when the job starts: its pending workers make the autoscaler start both
+    node types; a node joined by hand mid-job (a replacement spot node) gets a worker; killing that
+    node's raylet mid-job loses nothing: every row once, the same images as a clean run."""
+    address, env = autoscaling_head
+    prompts = write_prompts(tmp_path / "p.parquet", [f"elastic {i}" for i in range(N_ELASTIC)])
+    out = tmp_path / "out"
+    common = ["--input", str(prompts), "--model", tiny_model, "--steps", "32", "--guidance", "5", "--width", "64",
+              "--height", "64", "--rows-per-shard", "2", "--max-batch", "2", "--device", "cpu"]
+    log = tmp_path / "driver.log"
+    driver = _driver([*common, "--output", str(out), "--gpus-per-worker", "1", "--max-workers", "3",
+                      "--placement-timeout", "120"], address, env, log)
+    spot = None
+    try:
+        # The fake GPU node types are started by the autoscaler for the pending workers.
+        _wait("a worker ready on an autoscaled node",
+              lambda: {w.get("gpu_type") for w in _fleet(out).values() if w["state"] == "ready"} & {"fake-a", "fake-b"},
+              driver, log)
+        # A node joins mid-job: the third pending worker is placed on it.
+        spot = subprocess.Popen([sys.executable, "-c", JOIN_NODE, address, json.dumps({"fleetgen-gpu:fake-spot": 1})],
+                                env=env, stdout=open(tmp_path / "spot.log", "w"), stderr=subprocess.STDOUT)
+        name = _wait("a worker on the joining node", lambda: next(
+            (n for n, w in _fleet(out).items() if w.get("gpu_type") == "fake-spot" and w["state"] == "ready"), None),
+            driver, log)
+        _wait(f"{name} to commit a shard",
+              lambda: (out / "shards").exists() and name in {r["worker"] for r in _manifest_rows(out)}, driver, log)
+        # The node is lost mid-job (preempted): its raylet dies, taking the worker with it.
+        raylet = next(p for p in psutil.Process(spot.pid).children(recursive=True) if p.name() == "raylet")
+        raylet.send_signal(signal.SIGKILL)
+        _wait(f"{name} lost", lambda: _fleet(out).get(name, {}).get("state") in ("unreachable", "restarting", "lost"),
+              driver, log)
+        assert driver.wait(timeout=240) == 0, log.read_text()[-4000:]
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        if spot is not None:
+            _stop_tree(spot)
+    text = log.read_text()
+    assert "up to 3 worker(s) on GPU" in text
+    assert "[fake-a]" in text and "[fake-b]" in text and "[fake-spot]" in text
+    assert f"{name} lost" in text and "released: nothing left to do" in text
+
+    rows = _manifest_rows(out)
+    assert sorted(r["id"] for r in rows) == sorted({r["id"] for r in rows}) and len(rows) == N_ELASTIC
+    assert all(r["status"] == "ok" for r in rows)
+    assert len(list((out / "images").rglob("*.png"))) == N_ELASTIC
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["complete"] and summary["exit_code"] == 0
+    assert {w["gpu_type"] for w in summary["workers"]} == {"fake-a", "fake-b", "fake-spot"}
+    status = status_text(job_state(str(out)))
+    assert "fleet:" in status and "lost" in status and "released" in status
+
+    clean = run_job(validate(JobConfig(input=str(prompts), output=str(tmp_path / "clean"), model=tiny_model,
+                                       **{**FAST, "steps": 32, "rows_per_shard": 2, "max_batch": 2, "workers": 2})),
+                    progress_stream=io.StringIO())
+    assert clean.complete
+    assert {r["id"]: r["sha256"] for r in rows} == {r["id"]: r["sha256"] for r in _manifest_rows(tmp_path / "clean")}
+
+
+@pytest.mark.ray
+def test_demand_that_cannot_be_placed_ends_the_job_naming_the_resource(autoscaling_head, tiny_model, tmp_path):
+    """A worker asking for more host memory than any node type has: the autoscaler can start
+    nothing for it; the job ends after `--placement-timeout` with exit 2, having written only job.json."""
+    address, env = autoscaling_head
+    prompts = write_prompts(tmp_path / "p.parquet", [f"p{i}" for i in range(4)])
+    out = tmp_path / "out"
+    log = tmp_path / "driver.log"
+    started = time.monotonic()
+    driver = _driver(["--input", str(prompts), "--output", str(out), "--model", tiny_model, "--device", "cpu",
+                      "--gpus-per-worker", "1", "--host-memory", "4TiB", "--placement-timeout", "8"], address, env, log)
+    assert driver.wait(timeout=120) == 2, log.read_text()[-3000:]
+    assert time.monotonic() - started < 60
+    text = log.read_text()
+    assert "No worker could be placed in 8 s" in text and "memory 4096.0 GiB" in text and "GPU 1" in text, text
+    assert "node(s): 127.0.0.1: " in text  # the nodes' sizes are named
+    assert sorted(p.name for p in out.iterdir()) == ["job.json"]
+
+
+@pytest.mark.ray
+def test_a_worker_that_fits_nothing_is_reported_and_the_job_goes_on(ray_cluster, tiny_model, tmp_path):
+    prompts = write_prompts(tmp_path / "p.parquet", [f"fit {i}" for i in range(6)])
+    log = io.StringIO()
+    config = validate(JobConfig(input=str(prompts), output=str(tmp_path / "out"), model=tiny_model,
+                                **{**FAST, "rows_per_shard": 3, "worker_memory": "3MiB,1GiB"}))
+    summary = run_job(config, progress_stream=log, progress_interval=0)
+    assert summary.complete and summary.images_ok == 6
+    lines = [line for line in log.getvalue().splitlines() if "cannot run" in line]
+    assert len(lines) == 1 and lines[0].startswith("[fleetgen] w0") and "the job goes on without it" in lines[0]
+    assert "OffloadError" in lines[0] and "3.0 MiB" in lines[0], lines  # why, and the budget it had
+    assert "Traceback" not in log.getvalue()
+    written = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert [w["worker"] for w in written["workers_failed"]] == ["w0"]
+    assert {w["worker"]: w["images"] for w in written["workers"]} == {"w0": 0, "w1": 6}
+    assert "worker w0 could not run: OffloadError" in status_text(job_state(str(tmp_path / "out")))
+
+
+def test_fleet_sizing():
+    local_cpu = ClusterShape(cpus=4, gpus=0, started_here=True, on_cluster=False)
+    cluster = ClusterShape(cpus=0, gpus=0, started_here=False, on_cluster=True)
+    one_gpu = ClusterShape(cpus=16, gpus=1, started_here=True, on_cluster=False)
+    kw = {"cpu_threads": 1, "max_workers": None, "budgets": 0, "host_memory": None, "shards": 500}
+    # A laptop: CPU workers, one per CPU.
+    assert size_fleet(local_cpu, device="auto", gpus_per_worker=None, **kw).options == {"num_cpus": 1}
+    assert size_fleet(local_cpu, device="auto", gpus_per_worker=None, **kw).max_workers == 4
+    # A cluster with no GPU node up yet: GPU workers all the same, one per shard up to the cap.
+    fleet = size_fleet(cluster, device="auto", gpus_per_worker=None, **kw)
+    assert fleet.gpu and fleet.options == {"num_gpus": 1, "num_cpus": 1} and fleet.max_workers == 500
+    assert size_fleet(cluster, device="auto", gpus_per_worker=None, **{**kw, "shards": 5000}).max_workers == 1000
+    # ... and CPU workers there only when asked.
+    assert not size_fleet(cluster, device="cpu", gpus_per_worker=None, **kw).gpu
+    # Scheduled by GPU, computing on CPU with fixed threads.
+    fleet = size_fleet(cluster, device="cpu", gpus_per_worker=1, **{**kw, "cpu_threads": 2})
+    assert fleet.options == {"num_gpus": 1, "num_cpus": 2} and fleet.threads == 2
+    # `--worker-memory` with four budgets on one GPU: a quarter GPU each, so all four run.
+    fleet = size_fleet(one_gpu, device="auto", gpus_per_worker=None, **{**kw, "budgets": 4})
+    assert fleet.options["num_gpus"] == 0.25 and fleet.max_workers == 4
+    assert size_fleet(one_gpu, device="auto", gpus_per_worker=0.5, **kw).max_workers == 2
+    # Never more workers than shards; an explicit host budget is reserved as Ray memory.
+    fleet = size_fleet(local_cpu, device="auto", gpus_per_worker=None, **{**kw, "shards": 2, "host_memory": 2**30})
+    assert fleet.max_workers == 2 and fleet.options["memory"] == 2**30
+
+
+def test_run_with_no_address_starts_its_own_ray_even_with_a_stale_cluster_file(tmp_path):
+    """`ray_current_cluster` left by a dead `ray start` must not be joined (it used to hang)."""
+    temp = Path(tempfile.mkdtemp(prefix="rays", dir="/tmp"))
+    (temp / "ray").mkdir()
+    (temp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{_free_port()}")  # nothing listens there
+    code = ("import ray, time; from cluster import connect, disconnect; t = time.monotonic(); "
+            "shape = connect(); print('started', shape.started_here, round(time.monotonic() - t)); disconnect()")
+    env = _env(RAY_TMPDIR=str(temp))
+    try:
+        done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=120)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    assert done.returncode == 0 and "started True" in done.stdout, done.stdout + done.stderr[-3000:]
