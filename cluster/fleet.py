@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from cluster.connect import ClusterShape
+from fleetgen.units import format_size
 
 # Default cap on workers on a cluster when neither `--max-workers` nor `--workers` is given: one per
 # shard to do, but no more than this many pending actors at once (each is a GCS entry and a lease
@@ -27,9 +28,13 @@ class Fleet:
     threads: int | None  # torch CPU threads per worker (None: torch's default, for GPU compute)
 
     def describe(self) -> str:
-        asks = ", ".join(f"{k.removeprefix('num_').upper() if k != 'memory' else 'memory'} {v}"
-                         for k, v in self.options.items())
-        return f"up to {self.max_workers} worker(s) on {'GPU' if self.gpu else 'CPU'}, each asking {asks}"
+        return f"up to {self.max_workers} worker(s) on {'GPU' if self.gpu else 'CPU'}, each asking {format_asks(self.options)}"
+
+
+def format_asks(options: dict) -> str:
+    """Ray actor options as a person reads them: `GPU 0.5, CPU 1, memory 24.0 GiB`."""
+    names = {"num_gpus": "GPU", "num_cpus": "CPU"}
+    return ", ".join(f"{names.get(k, k)} {format_size(v) if k == 'memory' else f'{v:g}'}" for k, v in options.items())
 
 
 def size_fleet(shape: ClusterShape, *, device: str, gpus_per_worker: float | None, cpu_threads: int,

@@ -30,6 +30,7 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTaskError
 
 from cluster.actor import FleetWorker
+from cluster.fleet import format_asks
 from cluster.metrics import failed_counter
 from fleetgen.errors import ClusterError
 from fleetgen.units import format_size
@@ -120,7 +121,7 @@ class Waiting:
 
     pending: int
     seconds: float
-    asks: dict
+    asks: str  # what each asks Ray for
 
 
 PoolEvent = (WorkerPlaced | WorkerReady | WorkerFailed | WorkerLost | WorkerUnreachable | WorkerReleased | Waiting
@@ -290,7 +291,7 @@ class WorkerPool:
                 if now - noted >= WAITING_NOTE:
                     noted = now
                     yield Waiting(sum(a.state == "placing" for a in self.actors.values()), now - unplaced_since,
-                                  dict(self.options))
+                                  format_asks(self.options))
             for actor in self.actors.values():
                 if actor.state in ("placing", "loading", "unavailable"):
                     self._ask(actor, now)
@@ -376,8 +377,7 @@ class WorkerPool:
             yield from requeue_or_fail(shard, "the worker was unreachable while it ran this shard")
 
     def _unplaceable(self, waited: float) -> str:
-        asks = ", ".join(f"{k.removeprefix('num_').upper()} {format_size(v) if k == 'memory' else v}"
-                         for k, v in self.options.items())
+        asks = format_asks(self.options)
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         sizes = "; ".join(
             f"{n['NodeManagerAddress']}: " + ", ".join(

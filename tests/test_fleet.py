@@ -191,7 +191,7 @@ def test_autoscaler_starts_gpu_nodes_a_joining_node_gets_a_worker_a_lost_node_lo
         if spot is not None:
             _stop_tree(spot)
     text = log.read_text()
-    assert "up to 3 worker(s) on GPU" in text
+    assert "up to 3 worker(s) on GPU, each asking GPU 1, CPU 1" in text
     assert "[fake-a]" in text and "[fake-b]" in text and "[fake-spot]" in text
     assert f"{name} lost" in text and "released: nothing left to do" in text
 
@@ -226,7 +226,7 @@ def test_demand_that_cannot_be_placed_ends_the_job_naming_the_resource(autoscali
     assert driver.wait(timeout=120) == 2, log.read_text()[-3000:]
     assert time.monotonic() - started < 60
     text = log.read_text()
-    assert "No worker could be placed in 8 s" in text and "memory 4096.0 GiB" in text and "GPU 1" in text, text
+    assert "No worker could be placed in 8 s" in text and "GPU 1, CPU 1, memory 4096.0 GiB" in text, text
     assert "node(s): 127.0.0.1: " in text  # the nodes' sizes are named
     assert sorted(p.name for p in out.iterdir()) == ["job.json"]
 
