@@ -38,6 +38,20 @@ def gpu_type(resources: dict) -> str | None:
     return None
 
 
+def fit_to_share(spec: WorkerSpec, resources: dict, placement: dict, device_total: int | None) -> WorkerSpec:
+    """Budgets a worker did not get explicitly, from its share of its node: of the node's GPUs
+    (else CPUs) for host RAM, so the workers on one node split it instead of each taking 80 %; and
+    with a fractional GPU, that fraction of the device's memory (not all of its free memory)."""
+    kind = "gpus" if resources.get("num_gpus") else "cpus"
+    share = min(1.0, resources.get(f"num_{kind}", 1) / max(placement[f"node_{kind}"], 1e-9))
+    if spec.host_memory is None and placement["node_memory"]:
+        spec = replace(spec, host_memory=int(placement["node_memory"] * HOST_SHARE * share))
+    fraction = resources.get("num_gpus") or 0
+    if spec.gpu_memory is None and device_total and 0 < fraction < 1:
+        spec = replace(spec, gpu_memory=int(device_total * fraction))
+    return spec
+
+
 class FleetWorker:
     """One fleetgen worker as a Ray actor: `where` once placed, `start` to load, then shards."""
 
@@ -62,19 +76,11 @@ class FleetWorker:
         if self.worker is None:
             placement = self.where()
             warnings = self._check_device(placement)
-            spec = self.spec
-            if spec.host_memory is None and placement["node_memory"]:
-                spec = replace(spec, host_memory=int(placement["node_memory"] * HOST_SHARE * self._share(placement)))
-            self.worker = MeteredWorker(spec)
+            device_total = torch.cuda.mem_get_info()[1] if placement["gpu_ids"] and torch.cuda.is_available() else None
+            self.worker = MeteredWorker(fit_to_share(self.spec, self.resources, placement, device_total))
             self.worker.info.update(placement=placement, warnings=warnings)
             self.worker.write_info()  # the driver logs the warnings; workers/<name>.json keeps them
         return self.worker.describe()
-
-    def _share(self, placement: dict) -> float:
-        """The fraction of its node this worker holds (of its GPUs, else of its CPUs): so the
-        workers on one node split its RAM for offloaded copies instead of each taking 80 %."""
-        kind = "gpus" if self.resources.get("num_gpus") else "cpus"
-        return min(1.0, self.resources.get(f"num_{kind}", 1) / max(placement[f"node_{kind}"], 1e-9))
 
     def _check_device(self, placement: dict) -> list[str]:
         """A worker given a GPU by Ray whose torch sees no CUDA device is misconfigured: refused

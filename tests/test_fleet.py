@@ -275,6 +275,25 @@ def test_fleet_sizing():
     assert fleet.max_workers == 2 and fleet.options["memory"] == 2**30
 
 
+def test_budgets_follow_the_workers_share_of_its_node():
+    from cluster.actor import HOST_SHARE, fit_to_share
+    from workers.shard import Columns
+    from workers.worker import GenerationSettings, WorkerSpec
+
+    spec = WorkerSpec("w0", "m", "out", GenerationSettings(), Columns())
+    node = {"node_memory": 64 * 2**30, "node_gpus": 4, "node_cpus": 16}
+    # One GPU of four: a quarter of the node's RAM; a whole GPU's memory is the worker's to measure.
+    fitted = fit_to_share(spec, {"num_gpus": 1, "num_cpus": 1}, node, device_total=80 * 2**30)
+    assert fitted.host_memory == int(16 * 2**30 * HOST_SHARE) and fitted.gpu_memory is None
+    # Half a GPU: half the device's memory, and an eighth of the node's RAM.
+    fitted = fit_to_share(spec, {"num_gpus": 0.5, "num_cpus": 1}, node, device_total=80 * 2**30)
+    assert fitted.gpu_memory == 40 * 2**30 and fitted.host_memory == int(8 * 2**30 * HOST_SHARE)
+    # CPU workers split the node by CPUs; budgets given explicitly are kept.
+    assert fit_to_share(spec, {"num_cpus": 4}, node, None).host_memory == int(16 * 2**30 * HOST_SHARE)
+    given = WorkerSpec("w0", "m", "out", GenerationSettings(), Columns(), gpu_memory=2**30, host_memory=2**30)
+    assert fit_to_share(given, {"num_gpus": 0.5}, node, 80 * 2**30) == given
+
+
 def test_run_with_no_address_starts_its_own_ray_even_with_a_stale_cluster_file(tmp_path):
     """`ray_current_cluster` left by a dead `ray start` must not be joined (it used to hang)."""
     temp = Path(tempfile.mkdtemp(prefix="rays", dir="/tmp"))

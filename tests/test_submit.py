@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from cluster.actor import GPU_TYPE_PREFIX
 from tests.conftest import _free_port, write_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,7 +172,7 @@ def test_ray_job_stop_writes_summary_and_releases_the_lock_then_a_resubmit_resum
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stopped"] and not summary["complete"] and summary["exit_code"] == 1
     assert not (out / "_LOCK").exists()
-    assert "force-killed" not in _ray("job", "logs", "--address", address, first)
+    assert "stopped before the end; rerun the same command to resume" in logs  # its last words: not SIGKILLed
 
     # A longer window, asked for in the job's runtime env: running shards commit within `--stop-grace`.
     second = _submit(address, [*args, "--stop-grace", "60"], env_vars={"RAY_JOB_STOP_WAIT_TIME_S": "90"})
@@ -215,6 +216,12 @@ def test_cluster_launcher_yaml_has_three_gpu_node_types():
     memory = {t.get("labels", {}).get("fleetgen/gpu-memory") for t in types.values() if t["resources"].get("GPU")}
     assert {"24GiB", "48GiB", "80GiB"} <= memory
     assert any("pip install" in c and "fleetgen" in c for c in config["setup_commands"])
+    assert any("torch.version.cuda" in c for c in config["setup_commands"])  # a CPU-only torch fails the setup
+    for name, t in types.items():
+        if t["resources"].get("GPU"):  # started by demand, named for reports
+            assert t["min_workers"] == 0, name
+            gpu_types = [k for k in t["resources"] if k.startswith(GPU_TYPE_PREFIX)]
+            assert len(gpu_types) == 1 and t["resources"][gpu_types[0]] == t["resources"]["GPU"], name
 
 
 def test_kuberay_rayjob_has_a_worker_group_per_gpu_type():
@@ -226,6 +233,13 @@ def test_kuberay_rayjob_has_a_worker_group_per_gpu_type():
                   if g["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu")]
     assert len(gpu_groups) >= 3
     assert len({g["groupName"] for g in gpu_groups}) == len(gpu_groups)
+    assert job["spec"]["rayClusterSpec"]["enableInTreeAutoscaling"] is True
+    for g in gpu_groups:
+        assert g["minReplicas"] == 0
+        resources = json.loads(g["rayStartParams"]["resources"].strip('"').replace('\\"', '"'))
+        assert [k for k in resources if k.startswith(GPU_TYPE_PREFIX)], g["groupName"]
+    runtime_env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])
+    assert any(p.startswith("torch") for p in runtime_env["pip"])  # rayproject/ray:*-gpu has no torch
 
 
 def test_readme_submits_with_an_entrypoint_that_exists():
