@@ -206,175 +206,7 @@ class WorkerPool:
         committed or failed, or raises `ClusterError` when no worker can run. Once `stop` is set
         nothing new is dispatched, and running shards get `grace` seconds to commit; the rest are
         abandoned uncommitted (a rerun redoes them)."""
-        queue = deque(shards)
-        attempts: dict[str, int] = {}
-        running: dict[ray.ObjectRefGenerator, tuple[str, Shard]] = {}
-        began: dict[ray.ObjectRefGenerator, float] = {}
-        live: dict[str, int] = {}  # shard -> attempts running now (an unavailable actor's included)
-        done: set[str] = set()  # shards committed (by whichever attempt)
-        speculated: set[str] = set()
-        errors: list[str] = []  # why actors could not run, for the error when none is left
-        stopping_since = None
-        unplaced_since = time.monotonic()
-        noted = unplaced_since
-
-        def requeue_or_fail(shard: Shard, error: str) -> Iterator[PoolEvent]:
-            live[shard.id] -= 1
-            if shard.id in done or live[shard.id] > 0:
-                return  # committed, or another attempt is still at it
-            if attempts[shard.id] < self.max_attempts:
-                queue.append(shard)
-            else:
-                failed_counter().inc(1)
-                yield ShardFailed(shard.id, error, attempts[shard.id])
-
-        def died(actor: _Actor, err: Exception) -> Iterator[PoolEvent]:
-            actor.deaths += 1
-            actor.call, actor.shard = None, None
-            restarting = actor.deaths <= self.max_restarts
-            if restarting:  # Ray starts it again where it can; ask where once it is back
-                actor.state, actor.retry_at = "placing", time.monotonic() + POLL
-            else:
-                del self.actors[actor.name]
-                self.spent += 1
-                ray.kill(actor.handle, no_restart=True)
-                errors.append(f"{actor.name}: died {actor.deaths} times ({_message(err)})")
-            yield WorkerLost(actor.name, _message(err), restarting)
-
-        while queue or running or any(a.state == "unavailable" for a in self.actors.values()):
-            now = time.monotonic()
-            if stop is not None and stop.is_set():
-                if stopping_since is None:
-                    stopping_since = now
-                    queue.clear()
-                if now - stopping_since >= grace:
-                    return
-            self._reap_closing(now)
-            by_state: dict[str, list[_Actor]] = {}
-            for a in self.actors.values():
-                by_state.setdefault(a.state, []).append(a)
-            idle = by_state.get("idle", [])
-            # Dispatch: queued shards first, then (once per shard) the longest-running straggler.
-            while idle and queue:
-                actor, shard = idle.pop(0), queue.popleft()
-                attempts[shard.id] = attempts.get(shard.id, 0) + 1
-                ref = actor.handle.iter_shard.remote(shard)
-                actor.state, running[ref], began[ref] = "busy", (actor.name, shard), now
-                live[shard.id] = live.get(shard.id, 0) + 1
-            while idle and not queue and stopping_since is None and (stragglers := [
-                    r for r, (_, sh) in running.items() if sh.id not in speculated and sh.id not in done]):
-                first = min(stragglers, key=began.__getitem__)
-                actor, shard = idle.pop(0), running[first][1]
-                speculated.add(shard.id)
-                ref = actor.handle.iter_shard.remote(shard, True)
-                actor.state, running[ref], began[ref] = "busy", (actor.name, shard), now
-                live[shard.id] += 1
-                yield ShardSpeculated(shard.id, actor.name, now - began[first])
-            # Follow the work: release what has nothing left to do, add what there is work for.
-            if not queue:
-                for actor in idle + by_state.get("placing", []) + by_state.get("loading", []):
-                    yield self._release(actor, "nothing left to do")
-            active = sum(a.state != "failed" for a in self.actors.values())
-            want = min(self.max_workers, len(queue) + sum(a.state in ("busy", "unavailable")
-                                                          for a in self.actors.values()))
-            while stopping_since is None and active < want and len(self.actors) + self.spent < self.max_workers:
-                self._create()
-                active += 1
-            # Nobody can work: either nothing can be placed (bounded wait), or no worker is left.
-            if any(a.state in ("loading", "idle", "busy", "unavailable") for a in self.actors.values()):
-                unplaced_since = noted = now
-            elif queue and not any(a.state == "placing" for a in self.actors.values()):
-                raise ClusterError(f"No worker left to run {len(queue)} shard(s): {'; '.join(errors) or 'none could start'}.")
-            elif queue and stopping_since is None:
-                if now - unplaced_since >= self.placement_timeout:
-                    raise ClusterError(self._unplaceable(now - unplaced_since))
-                if now - noted >= WAITING_NOTE:
-                    noted = now
-                    yield Waiting(sum(a.state == "placing" for a in self.actors.values()), now - unplaced_since,
-                                  format_asks(self.options))
-            for actor in self.actors.values():
-                if actor.state in ("placing", "loading", "unavailable"):
-                    self._ask(actor, now)
-            calls = {a.call: a for a in self.actors.values() if a.call is not None}
-            if not calls and not running:
-                time.sleep(POLL)
-                continue
-            ready, _ = ray.wait([*calls, *running], num_returns=1, timeout=POLL)
-            for ref in ready:
-                if ref in calls:
-                    yield from self._answer(calls[ref], ref, died, requeue_or_fail, errors)
-                    continue
-                name, shard = running[ref]
-                actor = self.actors[name]  # busy actors are never released
-                try:
-                    event = ray.get(next(ref))
-                except StopIteration:
-                    del running[ref]
-                    live[shard.id] -= 1
-                    if actor is not None:
-                        actor.state = "idle"
-                    continue
-                except ActorUnavailableError as err:
-                    del running[ref]
-                    if RESTARTED in str(err):  # its process is gone, and the attempt with it
-                        yield from died(actor, err)
-                        yield from requeue_or_fail(shard, _message(err))
-                        continue
-                    # "May or may not have been executed": the attempt may still be writing. Keep
-                    # the shard with this actor until it answers (its tasks run in order, so an
-                    # answer means the attempt is over) or is known dead.
-                    actor.state, actor.shard, actor.call, actor.retry_at = "unavailable", shard, None, time.monotonic() + POLL
-                    yield WorkerUnreachable(name, shard.id, _message(err))
-                    continue
-                except (RayActorError, RayTaskError) as err:
-                    del running[ref]
-                    if isinstance(err, RayActorError):  # the process or its node died
-                        yield from died(actor, err)
-                    else:
-                        actor.state = "idle"
-                    yield from requeue_or_fail(shard, _message(err))
-                    continue
-                if isinstance(event, ShardResult):
-                    if shard.id in done:
-                        continue  # the other attempt's result came first
-                    done.add(shard.id)
-                elif shard.id in done:
-                    continue  # progress of an attempt that has lost
-                yield event
-
-    def _answer(self, actor: _Actor, ref, died, requeue_or_fail, errors: list[str]) -> Iterator[PoolEvent]:
-        """The answer to a placing actor's `where()` or a loading/unavailable actor's `start()`."""
-        actor.call = None
-        try:
-            answer = ray.get(ref)
-        except ActorUnavailableError:  # restarting or unreachable for now: ask again shortly
-            actor.retry_at = time.monotonic() + POLL
-            return
-        except RayActorError as err:
-            if actor.state == "unavailable":
-                shard, actor.shard = actor.shard, None
-                yield from died(actor, err)
-                yield from requeue_or_fail(shard, _message(err))
-            else:
-                yield from died(actor, err)
-            return
-        except RayError as err:  # raised in start() (fits nothing, no CUDA) or a runtime env that failed
-            actor.state = "failed"
-            errors.append(f"{actor.name}: {_message(err)}")
-            yield WorkerFailed(actor.name, _message(err), actor.placement)
-            return
-        if actor.state == "placing":
-            actor.state, actor.placement = "loading", answer
-            yield WorkerPlaced(actor.name, answer)
-        elif actor.state == "loading":
-            actor.state = "idle"
-            yield WorkerReady(actor.name, answer)
-        else:  # unavailable, and now answering: its attempt is over, committed or not
-            shard, actor.shard, actor.state = actor.shard, None, "idle"
-            if actor.placement and answer.get("pid") != actor.placement.get("pid"):
-                actor.placement = answer.get("placement")
-                yield WorkerReady(actor.name, answer)  # it answered from a new process: restarted meanwhile
-            yield from requeue_or_fail(shard, "the worker was unreachable while it ran this shard")
+        return _Run(self, shards, stop or threading.Event(), grace).events()
 
     def _unplaceable(self, waited: float) -> str:
         asks = format_asks(self.options)
@@ -409,3 +241,186 @@ class WorkerPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _Run:
+    """One `WorkerPool.run`: the queue, the attempts in flight, and the loop that moves them."""
+
+    def __init__(self, pool: WorkerPool, shards: list[Shard], stop: threading.Event, grace: float):
+        self.pool, self.stop, self.grace = pool, stop, grace
+        self.queue = deque(shards)
+        self.attempts: dict[str, int] = {}
+        self.running: dict[ray.ObjectRefGenerator, tuple[str, Shard]] = {}
+        self.began: dict[ray.ObjectRefGenerator, float] = {}
+        self.live: dict[str, int] = {}  # shard -> attempts running now (an unavailable actor's included)
+        self.done: set[str] = set()  # shards committed (by whichever attempt)
+        self.speculated: set[str] = set()
+        self.errors: list[str] = []  # why actors could not run, for the error when none is left
+        self.stopping_since: float | None = None
+        self.unplaced_since = self.noted = time.monotonic()
+
+    def _in(self, *states: str) -> list[_Actor]:
+        return [a for a in self.pool.actors.values() if a.state in states]
+
+    def events(self) -> Iterator[PoolEvent]:
+        while self.queue or self.running or self._in("unavailable"):
+            now = time.monotonic()
+            if self.stop.is_set():
+                if self.stopping_since is None:
+                    self.stopping_since = now
+                    self.queue.clear()
+                if now - self.stopping_since >= self.grace:
+                    return
+            self.pool._reap_closing(now)
+            yield from self._dispatch(now)
+            yield from self._follow_work()
+            yield from self._check_placement(now)
+            for actor in self._in("placing", "loading", "unavailable"):
+                self.pool._ask(actor, now)
+            calls = {a.call: a for a in self.pool.actors.values() if a.call is not None}
+            if not calls and not self.running:
+                time.sleep(POLL)
+                continue
+            ready, _ = ray.wait([*calls, *self.running], num_returns=1, timeout=POLL)
+            for ref in ready:
+                yield from self._answer(calls[ref], ref) if ref in calls else self._stream(ref)
+
+    def _start_attempt(self, actor: _Actor, shard: Shard, now: float, speculative: bool = False) -> None:
+        ref = actor.handle.iter_shard.remote(shard, speculative)
+        actor.state, self.running[ref], self.began[ref] = "busy", (actor.name, shard), now
+        self.live[shard.id] = self.live.get(shard.id, 0) + 1
+
+    def _dispatch(self, now: float) -> Iterator[PoolEvent]:
+        """Queued shards first; then an idle worker also takes the longest-running straggler (once per shard)."""
+        idle = self._in("idle")
+        while idle and self.queue:
+            shard = self.queue.popleft()
+            self.attempts[shard.id] = self.attempts.get(shard.id, 0) + 1
+            self._start_attempt(idle.pop(0), shard, now)
+        while idle and not self.queue and self.stopping_since is None and (stragglers := [
+                r for r, (_, sh) in self.running.items() if sh.id not in self.speculated and sh.id not in self.done]):
+            first = min(stragglers, key=self.began.__getitem__)
+            actor, shard = idle.pop(0), self.running[first][1]
+            self.speculated.add(shard.id)
+            self._start_attempt(actor, shard, now, speculative=True)
+            yield ShardSpeculated(shard.id, actor.name, now - self.began[first])
+
+    def _follow_work(self) -> Iterator[PoolEvent]:
+        """Release workers with nothing left to do; add workers while there is work for them."""
+        pool = self.pool
+        if not self.queue:
+            for actor in self._in("idle", "placing", "loading"):
+                yield pool._release(actor, "nothing left to do")
+        active = len(pool.actors) - len(self._in("failed"))
+        want = min(pool.max_workers, len(self.queue) + len(self._in("busy", "unavailable")))
+        while self.stopping_since is None and active < want and len(pool.actors) + pool.spent < pool.max_workers:
+            pool._create()
+            active += 1
+
+    def _check_placement(self, now: float) -> Iterator[PoolEvent]:
+        """Nobody can work: either nothing can be placed (a bounded wait), or no worker is left."""
+        if self._in("loading", "idle", "busy", "unavailable"):
+            self.unplaced_since = self.noted = now
+        elif self.queue and not self._in("placing"):
+            raise ClusterError(f"No worker left to run {len(self.queue)} shard(s): "
+                               f"{'; '.join(self.errors) or 'none could start'}.")
+        elif self.queue and self.stopping_since is None:
+            if now - self.unplaced_since >= self.pool.placement_timeout:
+                raise ClusterError(self.pool._unplaceable(now - self.unplaced_since))
+            if now - self.noted >= WAITING_NOTE:
+                self.noted = now
+                yield Waiting(len(self._in("placing")), now - self.unplaced_since, format_asks(self.pool.options))
+
+    def _requeue_or_fail(self, shard: Shard, error: str) -> Iterator[PoolEvent]:
+        self.live[shard.id] -= 1
+        if shard.id in self.done or self.live[shard.id] > 0:
+            return  # committed, or another attempt is still at it
+        if self.attempts[shard.id] < self.pool.max_attempts:
+            self.queue.append(shard)
+        else:
+            failed_counter().inc(1)
+            yield ShardFailed(shard.id, error, self.attempts[shard.id])
+
+    def _died(self, actor: _Actor, err: Exception) -> Iterator[PoolEvent]:
+        actor.deaths += 1
+        actor.call, actor.shard = None, None
+        restarting = actor.deaths <= self.pool.max_restarts
+        if restarting:  # Ray starts it again where it can; ask where once it is back
+            actor.state, actor.retry_at = "placing", time.monotonic() + POLL
+        else:
+            del self.pool.actors[actor.name]
+            self.pool.spent += 1
+            ray.kill(actor.handle, no_restart=True)
+            self.errors.append(f"{actor.name}: died {actor.deaths} times ({_message(err)})")
+        yield WorkerLost(actor.name, _message(err), restarting)
+
+    def _stream(self, ref: ray.ObjectRefGenerator) -> Iterator[PoolEvent]:
+        """The next event of a running shard attempt."""
+        name, shard = self.running[ref]
+        actor = self.pool.actors[name]  # busy actors are never released
+        try:
+            event = ray.get(next(ref))
+        except StopIteration:
+            del self.running[ref]
+            self.live[shard.id] -= 1
+            actor.state = "idle"
+            return
+        except ActorUnavailableError as err:
+            del self.running[ref]
+            if RESTARTED in str(err):  # its process is gone, and the attempt with it
+                yield from self._died(actor, err)
+                yield from self._requeue_or_fail(shard, _message(err))
+                return
+            # "May or may not have been executed": the attempt may still be writing. Keep the
+            # shard with this actor until it answers (its tasks run in order, so an answer means
+            # the attempt is over) or is known dead.
+            actor.state, actor.shard, actor.call, actor.retry_at = "unavailable", shard, None, time.monotonic() + POLL
+            yield WorkerUnreachable(name, shard.id, _message(err))
+            return
+        except (RayActorError, RayTaskError) as err:
+            del self.running[ref]
+            if isinstance(err, RayActorError):  # the process or its node died
+                yield from self._died(actor, err)
+            else:
+                actor.state = "idle"
+            yield from self._requeue_or_fail(shard, _message(err))
+            return
+        if isinstance(event, ShardResult):
+            if shard.id in self.done:
+                return  # the other attempt's result came first
+            self.done.add(shard.id)
+        elif shard.id in self.done:
+            return  # progress of an attempt that has lost
+        yield event
+
+    def _answer(self, actor: _Actor, ref: ray.ObjectRef) -> Iterator[PoolEvent]:
+        """The answer to a placing actor's `where()` or a loading/unavailable actor's `start()`."""
+        actor.call = None
+        try:
+            answer = ray.get(ref)
+        except ActorUnavailableError:  # restarting or unreachable for now: ask again shortly
+            actor.retry_at = time.monotonic() + POLL
+            return
+        except RayActorError as err:
+            shard, actor.shard = actor.shard, None
+            yield from self._died(actor, err)
+            if shard is not None:  # it was unavailable while running this shard
+                yield from self._requeue_or_fail(shard, _message(err))
+            return
+        except RayError as err:  # raised in start() (fits nothing, no CUDA) or a runtime env that failed
+            actor.state = "failed"
+            self.errors.append(f"{actor.name}: {_message(err)}")
+            yield WorkerFailed(actor.name, _message(err), actor.placement)
+            return
+        if actor.state == "placing":
+            actor.state, actor.placement = "loading", answer
+            yield WorkerPlaced(actor.name, answer)
+        elif actor.state == "loading":
+            actor.state = "idle"
+            yield WorkerReady(actor.name, answer)
+        else:  # unavailable, and now answering: its attempt is over, committed or not
+            shard, actor.shard, actor.state = actor.shard, None, "idle"
+            if actor.placement and answer.get("pid") != actor.placement.get("pid"):
+                actor.placement = answer.get("placement")
+                yield WorkerReady(actor.name, answer)  # it answered from a new process: restarted meanwhile
+            yield from self._requeue_or_fail(shard, "the worker was unreachable while it ran this shard")
