@@ -35,7 +35,8 @@ def plan_rows(model: str, budgets: list[str], host_memory: str | None, dtype: st
     return summary, rows
 
 
-def print_plans(summary: dict, rows: list[dict], as_json: bool, out=sys.stdout) -> None:
+def print_plans(summary: dict, rows: list[dict], as_json: bool, out=None) -> None:
+    out = out or sys.stdout  # looked up per call: a default bound at import outlives a redirected stdout
     if as_json:
         json.dump({**summary, "plans": rows}, out, indent=2)
         out.write("\n")

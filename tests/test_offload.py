@@ -236,3 +236,14 @@ def test_stale_disk_dirs_of_dead_workers_are_swept(tmp_path, monkeypatch):
     live.mkdir()
     sweep_stale_disk_dirs()
     assert not stale.exists() and live.exists()
+
+
+def test_plan_command_on_a_pipeline_directory(tiny_model, capsys):
+    """Any pipeline directory plans, e.g. the one `fleetgen tiny-model` writes (its saved
+    text-encoder config names its own model_type)."""
+    from jobs.cli import main
+
+    assert main(["plan", "--model", tiny_model, "--gpu-memory", "1GiB", "--width", "64", "--height", "64",
+                 "--host-memory", "1GiB"]) == 0
+    text = capsys.readouterr().out
+    assert "text_encoder CLIPTextModel" in text and "1GiB: " in text and "nothing fits" not in text

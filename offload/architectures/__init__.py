@@ -56,15 +56,9 @@ def build_on_meta(model: str) -> dict[str, torch.nn.Module]:
         with torch.device("meta"):
             if spec[0] == "diffusers":
                 modules[comp] = cls.from_config(config)
-            else:
-                import transformers
-
-                model_type = config.get("model_type") or _model_type(spec[1])
-                modules[comp] = cls(transformers.AutoConfig.for_model(model_type, **config))
+            else:  # the model class knows its config class; a saved config.json also names its model_type
+                modules[comp] = cls(cls.config_class.from_dict(config))
     if not modules:
         raise OffloadError(f"{root} lists no diffusers or transformers model components with a config.json.")
     return modules
 
-
-def _model_type(class_name: str) -> str:
-    return "t5" if class_name.startswith(("T5", "UMT5")) else "clip_text_model"
