@@ -143,7 +143,7 @@ def main() -> None:
     size = args.size if not args.tiny else 64
     x = inputs(model, device, size, 512 if not args.tiny else 16)
     total = found["total_bytes"] or 64 * GiB
-    work = Workload(width=size, height=size, steps=args.steps, guidance=False, max_batch=1)
+    work = Workload(width=size, height=size, steps=args.steps, cfg=False, max_batch=1)
     if args.tiny:  # budgets as fractions of what no offload needs, as 32 GiB is to the full model
         unlimited = DeviceSpec(budget=2**50, host_budget=2**50, streams=False)
         need = plan(profile, unlimited, Workload(**{**work.__dict__, "offload": "none"})).peak_bytes

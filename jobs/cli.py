@@ -20,8 +20,10 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", help="pipeline directory or hub id")
     g.add_argument("--config", help="TOML file with the same settings (command line wins)")
     g = p.add_argument_group("generation (part of the job fingerprint)")
-    g.add_argument("--steps", type=int, help="denoising steps (default 30)")
-    g.add_argument("--guidance", type=float, help="guidance scale (default 7.5)")
+    g.add_argument("--steps", type=int, help="denoising steps (default: the model family's, e.g. 30 for SD, 28 for FLUX.1-dev)")
+    g.add_argument("--guidance", type=float, help="guidance scale (default: the model family's, e.g. 7.5 for SD, 3.5 for FLUX.1-dev)")
+    g.add_argument("--true-cfg-scale", type=float, help="Flux: apply negative prompts with true CFG at this scale (> 1; "
+                   "doubles the compute)")
     g.add_argument("--width", type=int, help="pixels, multiple of 8 (default 512)")
     g.add_argument("--height", type=int, help="pixels, multiple of 8 (default 512)")
     g.add_argument("--seed", type=int, help="job seed (default 0)")
@@ -55,7 +57,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--worker-memory", help="emulate a mixed fleet: one worker per budget, e.g. 16GiB,24GiB,80GiB")
     g.add_argument("--device", help="where workers compute: auto | cpu | cuda | cuda:N (default auto: GPU workers "
                    "on a cluster or a machine with GPUs, else CPU)")
-    g.add_argument("--dtype", help="auto | float32 | float16 | bfloat16 (default auto)")
+    g.add_argument("--dtype", help="auto | float32 | float16 | bfloat16 (default auto: the family's on CUDA, "
+                   "float32 on CPU)")
     g.add_argument("--ray-address", help="Ray cluster to join (default RAY_ADDRESS, else start a local one)")
     g.add_argument("--overwrite", action="store_true", default=None, help="replace a different job at --output")
     g.add_argument("--strict-prompts", action="store_true", default=None,
@@ -74,7 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tiny-model", help="write a small random-weight pipeline to DIR")
     t.add_argument("dir")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--size", choices=["tiny", "small"], default="tiny", help="tiny ≈ 1.7 M params, small ≈ 85 M")
+    t.add_argument("--size", choices=["tiny", "small"], default="tiny", help="tiny ≈ 1.7 M params, small ≈ 85 M (sd only)")
+    t.add_argument("--family", choices=["sd", "sdxl", "sd3", "flux", "flux-schnell", "pixart-sigma", "sana"], default="sd",
+                   help="the pipeline family to build (real diffusers classes, random weights)")
     pl = sub.add_parser("plan", help="dry run: the offload plan and batch each GPU size would get")
     pl.add_argument("--model", required=True,
                     help="shipped architecture (sd-1.5, sdxl, sd3-medium, flux.1-dev) or a pipeline directory")
@@ -82,8 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--host-memory", help="host RAM per worker for offloaded copies (default 80%% of this machine's)")
     pl.add_argument("--width", type=int, default=1024)
     pl.add_argument("--height", type=int, default=1024)
-    pl.add_argument("--steps", type=int, default=30)
-    pl.add_argument("--guidance", type=float, default=7.5)
+    pl.add_argument("--steps", type=int, help="default: the model family's")
+    pl.add_argument("--guidance", type=float, help="default: the model family's")
+    pl.add_argument("--true-cfg-scale", type=float, help="Flux: true CFG scale (> 1 doubles the denoiser's batch)")
     pl.add_argument("--max-batch", type=int, default=8)
     pl.add_argument("--offload", choices=["auto", "none", "block", "leaf", "disk"], default="auto")
     pl.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
@@ -100,7 +106,8 @@ def _run(config) -> int:
     from jobs.driver import run_job
 
     summary = run_job(config)
-    print(f"{summary.images_ok} images ({summary.images_error} row errors) in {summary.output} "
+    filtered = f", {summary.images_filtered} filtered by the safety checker" if summary.images_filtered else ""
+    print(f"{summary.images_ok} images ({summary.images_error} row errors{filtered}) in {summary.output} "
           f"— {summary.shards_committed}/{summary.shards_total} shards committed in {summary.seconds:.1f} s")
     for f in summary.failures:
         print(f"FAILED {f['shard']} after {f['attempts']} attempt(s): {f['error']}", file=sys.stderr)
@@ -137,15 +144,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "tiny-model":
             from workers.tiny_model import write_tiny_model
 
-            print(f"wrote {write_tiny_model(args.dir, seed=args.seed, size=args.size)}")
+            print(f"wrote {write_tiny_model(args.dir, seed=args.seed, size=args.size, family=args.family)}")
             return 0
         if args.command == "plan":
-            from jobs.planning import Workload, plan_rows, print_plans
+            from jobs.planning import plan_rows, plan_workload, print_plans
 
-            work = Workload(width=args.width, height=args.height, steps=args.steps, guidance=args.guidance > 1,
-                            max_batch=args.max_batch, offload=args.offload)
+            work, family = plan_workload(args.model, width=args.width, height=args.height, steps=args.steps,
+                                         guidance=args.guidance, true_cfg_scale=args.true_cfg_scale,
+                                         max_batch=args.max_batch, offload=args.offload)
             summary, rows = plan_rows(args.model, args.gpu_memory, args.host_memory, args.dtype, work,
                                       bandwidth=args.bandwidth * 1e9)
+            summary["family"] = family
             print_plans(summary, rows, args.json)
             return 0 if all("error" not in r for r in rows) else EXIT_INCOMPLETE
         if args.command == "status":

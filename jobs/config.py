@@ -27,8 +27,10 @@ class JobConfig:
     output: str  # output location; any fsspec URL
     model: str  # local pipeline directory or hub id
     # generation: part of the job's fingerprint
-    steps: int = 30  # denoising steps per image
-    guidance: float = 7.5  # classifier-free guidance scale
+    steps: int | None = None  # denoising steps per image; default: the model family's (workers/families.py)
+    guidance: float | None = None  # guidance scale; default: the model family's
+    true_cfg_scale: float | None = None  # Flux: > 1 applies negative prompts with true CFG (doubles the compute)
+    family: str | None = None  # pipeline family; resolved from the model's model_index.json (jobs/models.py)
     width: int = 512  # pixels, a multiple of 8
     height: int = 512  # pixels, a multiple of 8
     seed: int = 0  # job seed; rows without a seed derive theirs from it and their id
@@ -64,9 +66,13 @@ class JobConfig:
     strict_prompts: bool = False  # over-long prompts are error rows instead of being truncated
 
     def settings(self) -> GenerationSettings:
+        """What every image shares, once the family's defaults are resolved (jobs/models.py)."""
+        if self.family is None or self.steps is None or self.guidance is None:
+            raise ValueError("settings() needs the family's defaults resolved (jobs.models.resolve_defaults)")
         return GenerationSettings(
             steps=self.steps, guidance=self.guidance, width=self.width, height=self.height, seed=self.seed,
-            image_format=self.image_format, output_format=self.output_format,
+            image_format=self.image_format, output_format=self.output_format, family=self.family,
+            true_cfg_scale=self.true_cfg_scale,
         )
 
     def budgets(self) -> tuple[int | None, int | None]:
@@ -105,8 +111,10 @@ def validate(config: JobConfig) -> JobConfig:
     c = config
     for name in _REQUIRED:
         _check(bool(getattr(c, name)), f"{_option(name)} is required.")
-    _check(c.steps >= 1, f"`--steps` must be a positive integer, got `{c.steps}`.")
-    _check(c.guidance >= 0, f"`--guidance` must be 0 or more, got `{c.guidance}`.")
+    _check(c.steps is None or c.steps >= 1, f"`--steps` must be a positive integer, got `{c.steps}`.")
+    _check(c.guidance is None or c.guidance >= 0, f"`--guidance` must be 0 or more, got `{c.guidance}`.")
+    _check(c.true_cfg_scale is None or c.true_cfg_scale > 0,
+           f"`--true-cfg-scale` must be more than 0, got `{c.true_cfg_scale}`.")
     local = c.model.startswith(("/", "./", "../", "~"))  # a hub id is `org/name`
     _check(not local or Path(c.model).expanduser().exists(),
            f"`--model` `{c.model}` does not exist. Pass a pipeline directory or a hub id like `org/name`.")

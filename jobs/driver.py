@@ -21,6 +21,7 @@ from fleetgen.errors import ClusterError, InputError
 from jobs.config import JobConfig
 from jobs.fleet import FleetRecord
 from jobs.lock import OutputLock
+from jobs.models import describe, resolve_defaults
 from jobs.progress import Progress
 from jobs.sharding import check_unique_ids, list_input_files, plan_shards, read_footer, resolve_columns
 from jobs.state import claim_output, committed_shards, fingerprint, read_manifests
@@ -40,7 +41,8 @@ class JobSummary:
     shards_committed: int
     shards_skipped: int  # already committed when this run started
     images_ok: int
-    images_error: int
+    images_error: int  # error rows (not generated)
+    images_filtered: int  # generated, then flagged by the pipeline's safety checker and not stored
     seconds: float
     failures: list[dict] = field(default_factory=list)
     workers: list[dict] = field(default_factory=list)
@@ -72,19 +74,22 @@ def run_job(config: JobConfig, progress_stream=None, progress_interval: float = 
     if sum(f.num_rows for f in files) == 0:
         raise InputError(f"`--input` {config.input} has no rows ({len(files)} file(s), all empty).")
     columns = resolve_columns(files, config.columns())
+    config, family, sources = resolve_defaults(config, columns)
     check_unique_ids(files, columns)
     shards = plan_shards(files, config.rows_per_shard)
     stop = stop or threading.Event()
     lock = OutputLock(output)
     note = lock.acquire()
     try:
-        claim_output(output, config, fingerprint(config, files, columns), shards_total=len(shards))
+        claim_output(output, config, fingerprint(config, files, columns), shards_total=len(shards),
+                     family={**family.to_dict(), "sources": sources})
         _sweep(output)
         done = committed_shards(output)
         todo = [s for s in shards if s.id not in done]
         progress = Progress(len(shards), sum(s.length for s in shards), shards_done=len(shards) - len(todo),
                             rows_done=sum(s.length for s in shards if s.id in done),
                             stream=progress_stream, interval=progress_interval)
+        progress.log(describe(config, family, sources))
         if note:
             progress.log(note)
         if len(todo) < len(shards):
@@ -131,8 +136,9 @@ def _summarise(output: Output, shards: list[Shard], todo: int, started: float, f
     statuses = [row["status"] for rows in counts.values() for row in rows]
     return JobSummary(
         output=output.url, shards_total=len(shards), shards_committed=len(committed),
-        shards_skipped=len(shards) - todo, images_ok=statuses.count("ok"),
-        images_error=len(statuses) - statuses.count("ok"), seconds=round(time.monotonic() - started, 3),
+        shards_skipped=len(shards) - todo, images_ok=statuses.count("ok"), images_filtered=statuses.count("filtered"),
+        images_error=len(statuses) - statuses.count("ok") - statuses.count("filtered"),
+        seconds=round(time.monotonic() - started, 3),
         failures=failures, workers=workers, stopped=stopped,
     )
 

@@ -42,7 +42,8 @@ def job_state(url: str, manifest_columns: tuple[str, ...] = ("status",)) -> dict
         "driver": lock.get("owner") if running else None,
         "shards_total": job.get("shards_total") or -(-total_rows // job["fingerprint"]["generation"]["rows_per_shard"]),
         "shards_committed": len(committed), "rows_total": total_rows, "rows_done": len(rows),
-        "images_ok": sum(r["status"] == "ok" for r in rows), "images_error": sum(r["status"] != "ok" for r in rows),
+        "images_ok": sum(r["status"] == "ok" for r in rows), "images_filtered": sum(r["status"] == "filtered" for r in rows),
+        "images_error": sum(r["status"] not in ("ok", "filtered") for r in rows),
         "failures": (summary or {}).get("failures", []), "workers": workers, "fleet": _json(out, FLEET),
         "workers_failed": (summary or {}).get("workers_failed", []),
         "eta_seconds": left / rate if rate and left else None, "rows": rows,
@@ -56,7 +57,8 @@ def status_text(state: dict) -> str:
         "state: " + ("complete" if state["complete"] else f"running ({state['driver']})" if state["running"]
                      else "stopped or failed (no driver running; rerun the same command to resume)"),
         f"shards {state['shards_committed']}/{state['shards_total']} committed, rows {state['rows_done']}/"
-        f"{state['rows_total']}: {state['images_ok']} images, {state['images_error']} row errors",
+        f"{state['rows_total']}: {state['images_ok']} images, {state['images_error']} row errors"
+        + (f", {state['images_filtered']} filtered by the safety checker" if state["images_filtered"] else ""),
     ]
     if state["eta_seconds"]:
         lines.append(f"ETA {state['eta_seconds'] / 60:.1f} min at the workers' current rates")

@@ -8,9 +8,21 @@ import sys
 from fleetgen.errors import OffloadError
 from fleetgen.units import format_size, parse_size
 from offload import DeviceSpec, Workload, plan, profile_modules
-from offload.architectures import build_on_meta
+from offload.architectures import build_on_meta, resolve
+from workers.families import read_family
 from workers.pipeline import DTYPES
 from workers.probe import ASSUMED_BANDWIDTH, ASSUMED_FLOPS, host_available_bytes
+
+
+def plan_workload(model: str, *, width: int, height: int, steps: int | None, guidance: float | None,
+                  true_cfg_scale: float | None, max_batch: int, offload: str) -> tuple[Workload, str]:
+    """The workload to plan for, with the model family's defaults and its own rule for whether
+    guidance doubles the denoiser's batch (CFG families yes, guidance-distilled Flux no)."""
+    family = read_family(resolve(model))
+    guidance = family.guidance if guidance is None else guidance
+    work = Workload(width=width, height=height, steps=family.steps if steps is None else steps,
+                    cfg=family.doubles_batch(guidance, true_cfg_scale), max_batch=max_batch, offload=offload)
+    return work, family.name
 
 
 def plan_rows(model: str, budgets: list[str], host_memory: str | None, dtype: str, work: Workload,
@@ -42,7 +54,7 @@ def print_plans(summary: dict, rows: list[dict], as_json: bool, out=None) -> Non
         out.write("\n")
         return
     comps = summary["components"]
-    out.write(f"{summary['model']} at {summary['dtype']}: " + ", ".join(
+    out.write(f"{summary['model']} ({summary.get('family', 'unknown')} family) at {summary['dtype']}: " + ", ".join(
         f"{n} {c['class']} {c['params'] / 1e9:.2f} B params ({format_size(c['bytes'])})" for n, c in comps.items()) + "\n")
     out.write(f"host RAM for offloaded copies {format_size(summary['host_memory_bytes'])}; assumed host→device "
               f"{summary['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s, {summary['flops'] / 1e12:.0f} TFLOP/s\n\n")

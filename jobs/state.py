@@ -62,7 +62,8 @@ def _differences(old: dict, new: dict) -> list[str]:
     return out
 
 
-def claim_output(output: Output, config: JobConfig, job_fingerprint: dict, shards_total: int = 0) -> dict:
+def claim_output(output: Output, config: JobConfig, job_fingerprint: dict, shards_total: int = 0,
+                 family: dict | None = None) -> dict:
     """Write `OUT/job.json`, or check that the job already there is this one."""
     if output.exists(JOB):
         try:
@@ -83,6 +84,7 @@ def claim_output(output: Output, config: JobConfig, job_fingerprint: dict, shard
         "fingerprint": job_fingerprint,
         "shards_total": shards_total,
         "config": config.to_dict(),
+        "family": family,  # the pipeline family, its defaults, and which of them this job took
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "versions": versions(),
     }

@@ -52,7 +52,7 @@ class Workload:
     width: int = 1024
     height: int = 1024
     steps: int = 30
-    guidance: bool = True  # classifier-free guidance doubles the denoiser's batch
+    cfg: bool = True  # the denoiser runs on a doubled batch (classifier-free guidance; not guidance-distilled Flux)
     max_batch: int = 8
     offload: str = "auto"  # auto | none | block | leaf | disk: which placements may be used
 
@@ -145,14 +145,14 @@ def _activations(c: ComponentProfile, prof: PipelineProfile, w: Workload) -> int
     """Estimated activation bytes per image while `c` runs."""
     if c.name == "vae":
         return w.width * w.height * prof.vae_channels * prof.dtype_bytes * VAE_ACT_FACTOR
-    cfg = 2 if c.per_step and w.guidance else 1
+    cfg = 2 if c.per_step and w.cfg else 1
     return _tokens(c, prof, w) * max(c.hidden, 1) * prof.dtype_bytes * ACT_FACTOR * cfg
 
 
 def _call_seconds(c: ComponentProfile, p: Placement, prof: PipelineProfile, w: Workload, d: DeviceSpec, batch: int) -> float:
     """Seconds `c` takes in one pipeline call of `batch` images."""
     forwards = w.steps if c.per_step else 1
-    cfg = 2 if c.per_step and w.guidance else 1
+    cfg = 2 if c.per_step and w.cfg else 1
     compute = 2 * c.params * _tokens(c, prof, w) * cfg * batch / d.flops + FORWARD_SECONDS
     if p.mode == "resident":
         return forwards * compute

@@ -218,7 +218,26 @@ def test_plan_command_json(capsys):
     assert "Nothing fits 2.0 GiB" in tiny["error"]
     assert main(["plan", "--model", "sdxl", "--gpu-memory", "12GiB", "--host-memory", "64GiB"]) == 0
     text = capsys.readouterr().out
-    assert "sdxl at bfloat16: unet UNet2DConditionModel 2.57 B params" in text and "12GiB:" in text
+    assert "sdxl (sdxl family) at bfloat16: unet UNet2DConditionModel 2.57 B params" in text and "12GiB:" in text
+
+
+def test_plans_count_the_denoiser_twice_only_where_guidance_runs_it_twice(capsys):
+    """FLUX.1-dev is guidance-distilled: its guidance is an input, one pass per step; with
+    `--true-cfg-scale` > 1 (negative prompts) it runs twice, as CFG families always do."""
+    from jobs.cli import main
+
+    def plan(*args) -> dict:
+        assert main(["plan", "--gpu-memory", "80GiB", "--host-memory", "64GiB", "--max-batch", "1", "--json",
+                     *args]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    distilled, true_cfg = plan("--model", "flux.1-dev"), plan("--model", "flux.1-dev", "--true-cfg-scale", "4")
+    assert distilled["family"] == "flux"
+    ratio = true_cfg["plans"][0]["predicted_seconds_per_image"] / distilled["plans"][0]["predicted_seconds_per_image"]
+    assert 1.8 < ratio < 2.05  # the transformer's compute doubles; text encoders and VAE do not
+    sd_cfg, sd_plain = plan("--model", "sd-1.5", "--guidance", "7.5"), plan("--model", "sd-1.5", "--guidance", "1")
+    assert sd_cfg["family"] == "sd"
+    assert sd_cfg["plans"][0]["predicted_seconds_per_image"] > 1.8 * sd_plain["plans"][0]["predicted_seconds_per_image"]
 
 
 def test_stale_disk_dirs_of_dead_workers_are_swept(tmp_path, monkeypatch):

@@ -10,8 +10,8 @@ HOST_SHARE = 0.8  # of available host RAM a worker may fill with offloaded copie
 STEP_DOWN = 0.75  # after an OOM at batch 1, re-plan for this fraction of the previous budget
 
 
-def _workload(offload: str, max_batch: int, width: int, height: int, steps: int, guidance: float) -> Workload:
-    return Workload(width=width, height=height, steps=steps, guidance=guidance > 1, max_batch=max_batch, offload=offload)
+def _workload(offload: str, max_batch: int, width: int, height: int, steps: int, cfg: bool) -> Workload:
+    return Workload(width=width, height=height, steps=steps, cfg=cfg, max_batch=max_batch, offload=offload)
 
 
 def device_spec(device: torch.device, probe: dict, gpu_memory: int | None, host_memory: int | None) -> DeviceSpec:
@@ -26,22 +26,22 @@ def device_spec(device: torch.device, probe: dict, gpu_memory: int | None, host_
 
 def choose_plan(profile: PipelineProfile, device: torch.device, probe: dict, *, offload: str, max_batch: int,
                 gpu_memory: int | None, host_memory: int | None, width: int, height: int, steps: int,
-                guidance: float) -> OffloadPlan:
+                cfg: bool) -> OffloadPlan:
     """On a CPU worker with no `--gpu-memory` and `--offload auto|none`, everything is resident at
     `--max-batch`. Otherwise the planner fits the budget: `--gpu-memory`, else the free memory."""
     if device.type == "cpu" and gpu_memory is None and offload in ("auto", "none"):
         return resident_plan(list(profile.components), max_batch,
                              f"all resident: CPU worker without `--gpu-memory`; batch {max_batch} (`--max-batch`)")
     return plan(profile, device_spec(device, probe, gpu_memory, host_memory),
-                _workload(offload, max_batch, width, height, steps, guidance))
+                _workload(offload, max_batch, width, height, steps, cfg))
 
 
 def leaner_plan(profile: PipelineProfile, current: OffloadPlan, device: torch.device, probe: dict, *,
-                offload: str, host_memory: int | None, width: int, height: int, steps: int, guidance: float) -> OffloadPlan:
+                offload: str, host_memory: int | None, width: int, height: int, steps: int, cfg: bool) -> OffloadPlan:
     """After an out-of-memory error at batch 1: plan for ever smaller budgets until the placement
     changes; `OffloadError` when even the leanest plan does not fit."""
     budget = current.budget or probe.get("free_bytes") or probe["host_available_bytes"]
-    work = _workload(offload, 1, width, height, steps, guidance)
+    work = _workload(offload, 1, width, height, steps, cfg)
     while True:
         budget = int(budget * STEP_DOWN)
         leaner = plan(profile, device_spec(device, probe, budget, host_memory), work)

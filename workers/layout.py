@@ -60,12 +60,13 @@ MANIFEST_SCHEMA = pa.schema(
         ("prompt", pa.string()),
         ("negative_prompt", pa.string()),
         ("seed", pa.int64()),
-        ("status", pa.string()),  # "ok" | "error"
+        ("status", pa.string()),  # "ok" | "error" | "filtered" (flagged by the pipeline's safety checker)
         ("error", pa.string()),
         ("warning", pa.string()),  # e.g. the prompt was truncated to what the text encoder takes
         ("image", pa.string()),
         ("member", pa.string()),
         ("sha256", pa.string()),
+        ("nsfw", pa.bool_()),  # the safety checker's verdict, where the pipeline has one
         ("width", pa.int32()),
         ("height", pa.int32()),
         ("steps", pa.int32()),

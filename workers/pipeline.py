@@ -21,9 +21,10 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str, device: torch.device, family_dtype: str = "float16") -> torch.dtype:
+    """`auto`: the model family's dtype on CUDA (bfloat16 for Flux, SD3, Sana), float32 on CPU."""
     if dtype == "auto":
-        return torch.float16 if device.type == "cuda" else torch.float32
+        return DTYPES[family_dtype] if device.type == "cuda" else torch.float32
     if dtype not in DTYPES:
         raise ConfigError(f"`--dtype` must be one of auto, {', '.join(DTYPES)}; got `{dtype}`.")
     return DTYPES[dtype]
@@ -61,7 +62,8 @@ def size_multiple(model: str) -> tuple[int, str] | None:
         vae = json.loads((root / "vae" / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    scale = 2 ** (len(vae.get("block_out_channels", [0, 0, 0, 0])) - 1)
+    # AutoencoderKL lists `block_out_channels`; Sana's AutoencoderDC `encoder_block_out_channels`.
+    scale = 2 ** (len(vae.get("block_out_channels") or vae.get("encoder_block_out_channels") or [0, 0, 0, 0]) - 1)
     denoiser = next((n for n in ("transformer", "unet") if n in index), None)
     patch = 1
     if denoiser:

@@ -20,6 +20,7 @@ import torch
 from fleetgen import __version__
 from fleetgen.errors import FleetgenError, ShardError
 from offload import OffloadStats, apply, pipeline_modules, profile_pipeline
+from workers.families import FAMILIES, GENERIC, call_kwargs, prompt_limit, takes_negative_prompt
 from workers.fit import choose_plan, leaner_plan
 from workers.layout import MANIFEST_SCHEMA, manifest_key, worker_key
 from workers.pipeline import describe_device, load_pipeline, resolve_device, resolve_dtype
@@ -43,6 +44,8 @@ class GenerationSettings:
     seed: int = 0  # job seed: rows without a `seed` column derive theirs from it
     image_format: str = "png"  # png | jpeg | webp
     output_format: str = "files"  # files | webdataset | parquet
+    family: str = "sd"  # pipeline family (workers/families.py): how the pipeline is called
+    true_cfg_scale: float | None = None  # Flux: > 1 applies negative prompts (true CFG)
 
 
 @dataclass(frozen=True)
@@ -97,21 +100,22 @@ class Worker:
         self.spec = spec
         if spec.threads:
             torch.set_num_threads(spec.threads)
+        self.family = FAMILIES.get(spec.settings.family, GENERIC)
         self.device = resolve_device(spec.device)
-        self.dtype = resolve_dtype(spec.dtype, self.device)
+        self.dtype = resolve_dtype(spec.dtype, self.device, self.family.dtype)
         self.output = Output(spec.output)
         self.pipe = load_pipeline(spec.model, self.dtype, spec.trust_remote_code)
+        self._takes_negative = takes_negative_prompt(self.pipe)
         self.profile = profile_pipeline(self.pipe, spec.model)
         self.probe = probe(self.device, self.dtype)
         s = spec.settings
         self._fit = {"offload": spec.offload, "width": s.width, "height": s.height, "steps": s.steps,
-                     "guidance": s.guidance, "host_memory": spec.host_memory}
+                     "cfg": self.family.doubles_batch(s.guidance, s.true_cfg_scale), "host_memory": spec.host_memory}
         self.plan = choose_plan(self.profile, self.device, self.probe, max_batch=spec.max_batch,
                                 gpu_memory=spec.gpu_memory, **self._fit)
         self.placed = apply(self.pipe, self.plan, self.profile, self.device, tag=spec.name)
         if self.device.type == "cuda":  # kernels, allocator and stream prefetch order settle on a first call
-            self.pipe(prompt=["warm up"], num_inference_steps=1, width=s.width, height=s.height,
-                      guidance_scale=s.guidance, output_type="pil")
+            self.pipe(**self._kwargs(["warm up"], [None], steps=1, generator=None))
             torch.cuda.reset_peak_memory_stats(self.device)
         self.offload_stats = OffloadStats(pipeline_modules(self.pipe), self.device)
         self.batch_size = self.plan.batch_size
@@ -215,25 +219,32 @@ class Worker:
 
     @staticmethod
     def _store(sink, made: list[_Made], records: dict) -> None:
-        stored = sink.add([(m.id, m.data, m.meta) for m in made]) if made else []
-        for m, (key, member) in zip(made, stored, strict=True):
+        kept = [m for m in made if m.data is not None]
+        stored = sink.add([(m.id, m.data, m.meta) for m in kept]) if kept else []
+        for m, (key, member) in zip(kept, stored, strict=True):
             records[m.id].update(m.record, image=key, member=member)
+        for m in made:
+            if m.data is None:
+                records[m.id].update(m.record)
 
     def _record(self, row: Row) -> dict:
         s = self.spec.settings
         return {
             "id": row.id, "prompt": row.prompt, "negative_prompt": row.negative_prompt, "seed": row.seed,
             "status": "error" if row.error else "ok", "error": row.error, "warning": None, "image": None, "member": None,
+            "nsfw": None,
             "sha256": None, "width": s.width, "height": s.height, "steps": s.steps, "guidance": s.guidance,
             "batch": None, "worker": self.spec.name, "device": self.info["device"]["name"], "seconds": None,
         }
 
     def _check_length(self, row: Row, record: dict) -> None:
-        """Prompts longer than the (first) text encoder takes are truncated by the pipeline: say
-        so per row, or make it an error row with `--strict-prompts`."""
-        tokenizer = getattr(self.pipe, "tokenizer", None)
-        limit = getattr(tokenizer, "model_max_length", None)
-        if tokenizer is None or not limit or limit > 100_000:
+        """Prompts longer than the text encoder that reads the whole prompt takes (T5 or Gemma
+        where the family has one, else CLIP) are truncated by the pipeline: say so per row, or
+        make it an error row with `--strict-prompts`."""
+        if row.negative_prompt and not self._takes_negative:
+            record["warning"] = f"negative prompt ignored: {type(self.pipe).__name__} takes none"
+        tokenizer, limit = prompt_limit(self.pipe, self.family)
+        if tokenizer is None or not limit:
             return
         n = len(tokenizer(row.prompt, truncation=False).input_ids)
         if n <= limit:
@@ -298,30 +309,30 @@ class Worker:
         self.placed = apply(self.pipe, new_plan, self.profile, self.device, tag=self.spec.name)
         self.offload_stats = OffloadStats(pipeline_modules(self.pipe), self.device)
 
+    def _kwargs(self, prompts: list[str], negatives: list[str | None], steps: int, generator) -> dict:
+        s = self.spec.settings
+        return call_kwargs(self.pipe, self.family, prompts, negatives, steps=steps, guidance=s.guidance, width=s.width,
+                           height=s.height, true_cfg_scale=s.true_cfg_scale, generator=generator)
+
     def _call(self, batch: list[Row]) -> list[_Made]:
         s = self.spec.settings
-        kwargs = {}
-        if any(r.negative_prompt for r in batch):
-            kwargs["negative_prompt"] = [r.negative_prompt or "" for r in batch]
         started = time.perf_counter()
-        images = self.pipe(
-            prompt=[r.prompt for r in batch],
-            num_inference_steps=s.steps,
-            guidance_scale=s.guidance,
-            width=s.width,
-            height=s.height,
-            generator=generators([r.seed for r in batch]),
-            output_type="pil",
-            **kwargs,
-        ).images
+        out = self.pipe(**self._kwargs([r.prompt for r in batch], [r.negative_prompt for r in batch], s.steps,
+                                       generators([r.seed for r in batch])))
+        # A safety checker (SD 1.x) blacks out what it flags: such rows are `filtered`, not stored.
+        flags = getattr(out, "nsfw_content_detected", None) or [None] * len(batch)
         made = []
-        for row, image in zip(batch, images, strict=True):
+        for row, image, flagged in zip(batch, out.images, flags, strict=True):
+            if flagged:
+                made.append(_Made(row.id, None, {}, {"status": "filtered", "nsfw": True, "batch": len(batch),
+                                                     "error": "flagged by the pipeline's safety checker; not stored"}))
+                continue
             data = encode(image, s.image_format)
             digest = hashlib.sha256(data).hexdigest()
             meta = {"id": row.id, "prompt": row.prompt, "negative_prompt": row.negative_prompt, "seed": row.seed,
                     "width": s.width, "height": s.height, "steps": s.steps, "guidance": s.guidance,
                     "sha256": digest, "model": self.spec.model}
-            made.append(_Made(row.id, data, meta, {"sha256": digest, "batch": len(batch)}))
+            made.append(_Made(row.id, data, meta, {"sha256": digest, "batch": len(batch), "nsfw": flagged}))
         seconds = time.perf_counter() - started
         self.stats["generate_seconds"] += seconds
         for m in made:
@@ -342,6 +353,6 @@ class Worker:
 @dataclass
 class _Made:
     id: str
-    data: bytes  # the encoded image
+    data: bytes | None  # the encoded image; None when the safety checker filtered it
     meta: dict  # what webdataset/parquet output stores beside it
     record: dict

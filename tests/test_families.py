@@ -1,0 +1,137 @@
+"""Pipeline families on tiny random-weight pipelines built from the real diffusers classes: the
+defaults each resolves, how a negative prompt and a long prompt are handled, the safety checker."""
+
+import io
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+from fleetgen.errors import ConfigError
+from jobs.config import JobConfig, validate
+from jobs.driver import run_job
+from jobs.sharding import plan_shards, read_footer, resolve_columns
+from tests.conftest import write_prompts
+from workers.families import FAMILIES
+from workers.shard import Columns
+from workers.tiny_model import write_tiny_model
+from workers.worker import GenerationSettings, Worker, WorkerSpec
+
+LONG = " ".join(["a red fox in the forest at night"] * 15)  # 120 words: 122 tokens here
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {f: str(write_tiny_model(root / f, family=f)) for f in ("sd", "sdxl", "sd3", "flux", "pixart-sigma", "sana")}
+
+
+def _shard(path, **columns):
+    files = [read_footer(str(path))]
+    return plan_shards(files, 100)[0], resolve_columns(files, Columns())
+
+
+def _worker(model, out, family, columns, **settings):
+    base = {"steps": 2, "guidance": FAMILIES[family].guidance, "width": 64, "height": 64, "family": family}
+    return Worker(WorkerSpec("w0", model, str(out), GenerationSettings(**{**base, **settings}), columns,
+                             max_batch=2, device="cpu", threads=1))
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("family", ["sdxl", "sd3", "flux", "pixart-sigma", "sana"])
+def test_each_family_resolves_its_defaults_and_runs(family, models, ray_cluster, tmp_path):
+    prompts = write_prompts(tmp_path / "p.parquet", ["a red fox", "a blue owl"])
+    log = io.StringIO()
+    config = validate(JobConfig(input=str(prompts), output=str(tmp_path / "out"), model=models[family], width=64,
+                                height=64, device="cpu", workers=1))
+    summary = run_job(config, progress_stream=log, progress_interval=0)
+    assert summary.complete and summary.images_ok == 2
+    expected = FAMILIES[family]
+    job = json.loads((tmp_path / "out" / "job.json").read_text())
+    assert job["family"]["name"] == family and job["family"]["sources"]["steps"] == "family default"
+    generation = job["fingerprint"]["generation"]
+    assert (generation["steps"], generation["guidance"], generation["family"]) == (expected.steps, expected.guidance, family)
+    assert f"model family {family} ({expected.pipelines[0]}): steps {expected.steps} (family default)" in log.getvalue()
+    rows = pq.read_table(tmp_path / "out" / "shards").to_pylist()
+    assert {r["steps"] for r in rows} == {expected.steps}
+
+
+def test_flags_win_over_family_defaults(models, tmp_path):
+    from jobs.models import resolve_defaults
+
+    config = JobConfig(input="x", output="y", model=models["flux"], steps=3)
+    resolved, family, sources = resolve_defaults(config, Columns("prompt", None, None, None))
+    assert (family.name, resolved.steps, resolved.guidance) == ("flux", 3, 3.5)
+    assert sources == {"steps": "given", "guidance": "family default", "dtype": "family default"}
+
+
+def test_flux_negative_prompts_need_true_cfg_and_then_change_the_images(models, tmp_path):
+    with_neg = write_prompts(tmp_path / "neg.parquet", ["a red fox", "a blue owl"], id=["a", "b"],
+                             negative_prompt=["blurry", "dark"])
+    config = validate(JobConfig(input=str(with_neg), output=str(tmp_path / "refused"), model=models["flux"], width=64,
+                                height=64, device="cpu"))
+    with pytest.raises(ConfigError, match="ignores negative prompts unless `--true-cfg-scale` is above 1"):
+        run_job(config, progress_stream=io.StringIO())
+    assert not (tmp_path / "refused").exists()  # refused before anything was written
+
+    shard, columns = _shard(with_neg)
+    shas = {}
+    for name, cfg in (("plain", None), ("true-cfg", 4.0)):
+        worker = _worker(models["flux"], tmp_path / name, "flux", columns, true_cfg_scale=cfg)
+        worker.run_shard(shard)
+        shas[name] = {r["id"]: r["sha256"] for r in pq.read_table(tmp_path / name / "shards").to_pylist()}
+    assert all(shas["plain"][k] != shas["true-cfg"][k] for k in ("a", "b"))  # the negatives took effect
+
+
+@pytest.mark.parametrize("family", ["sd", "flux", "pixart-sigma"])
+def test_a_120_token_prompt_is_fine_for_t5_families_and_noted_for_clip_only_ones(family, models, tmp_path):
+    path = write_prompts(tmp_path / "p.parquet", [LONG], id=["long"])
+    shard, columns = _shard(path)
+    _worker(models[family], tmp_path / "out", family, columns).run_shard(shard)
+    row = pq.read_table(tmp_path / "out" / "shards").to_pylist()[0]
+    assert row["status"] == "ok"
+    if family == "sd":
+        assert row["warning"] == "prompt truncated to 77 of 122 tokens"
+    else:
+        assert row["warning"] is None
+
+
+@pytest.mark.ray
+def test_safety_checker_flags_are_filtered_rows(tmp_path, ray_cluster):
+    """A real StableDiffusionSafetyChecker at tiny size, made to flag everything: the rows are
+    `filtered` with `nsfw` set, nothing is stored for them, and the summary counts them apart."""
+    import torch
+    from diffusers.pipelines.stable_diffusion.safety_checker import StableDiffusionSafetyChecker
+    from transformers import CLIPConfig, CLIPImageProcessor
+
+    from workers.tiny_model import build_tiny_pipeline
+
+    pipe = build_tiny_pipeline()
+    torch.manual_seed(0)
+    checker = StableDiffusionSafetyChecker(CLIPConfig(
+        text_config={"hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2, "num_hidden_layers": 1,
+                     "vocab_size": 99},
+        vision_config={"hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2, "num_hidden_layers": 1,
+                       "image_size": 32, "patch_size": 8},
+        projection_dim=16))
+    with torch.no_grad():
+        checker.concept_embeds_weights.fill_(-10.0)  # every cosine distance is above these thresholds: flagged
+    pipe.register_modules(safety_checker=checker, feature_extractor=CLIPImageProcessor(size=32, crop_size=32))
+    pipe.register_to_config(requires_safety_checker=True)
+    model = tmp_path / "checked"
+    pipe.save_pretrained(model)
+
+    path = write_prompts(tmp_path / "p.parquet", ["a red fox", "a blue owl"], id=["a", "b"])
+    shard, columns = _shard(path)
+    result = _worker(str(model), tmp_path / "out", "sd", columns).run_shard(shard)
+    assert (result.ok, result.errors) == (0, 2)
+    rows = pq.read_table(tmp_path / "out" / "shards").to_pylist()
+    assert {(r["status"], r["nsfw"], r["image"]) for r in rows} == {("filtered", True, None)}
+    assert not list((tmp_path / "out").rglob("*.png"))
+
+    summary = run_job(validate(JobConfig(input=str(path), output=str(tmp_path / "job"), model=str(model), steps=2,
+                                         width=64, height=64, device="cpu", workers=1)), progress_stream=io.StringIO())
+    assert (summary.images_ok, summary.images_filtered, summary.images_error) == (0, 2, 0)
+    from jobs.inspect import job_state, status_text
+
+    assert "2 filtered by the safety checker" in status_text(job_state(str(tmp_path / "job")))
