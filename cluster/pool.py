@@ -150,9 +150,11 @@ class _Actor:
 
 class WorkerPool:
     def __init__(self, spec_for: Callable[[int], WorkerSpec], actor_options: dict, max_workers: int,
-                 max_attempts: int = 3, max_restarts: int = 2, placement_timeout: float = 300.0):
+                 max_attempts: int = 3, max_restarts: int = 2, placement_timeout: float = 300.0,
+                 env_vars: dict[str, str] | None = None):
         self.spec_for = spec_for  # the spec of the i-th actor created
         self.options = actor_options
+        self.env_vars = env_vars or {}  # set in every worker's process (its runtime env), e.g. the hub token
         self.max_workers = max_workers
         self.max_attempts = max_attempts
         self.max_restarts = max_restarts
@@ -169,8 +171,9 @@ class WorkerPool:
         name = f"w{self.created}"
         spec = self.spec_for(self.created)
         self.created += 1
-        handle = RemoteWorker.options(**self.options, max_restarts=self.max_restarts, max_task_retries=0).remote(
-            spec, self.options)
+        env = {"runtime_env": {"env_vars": self.env_vars}} if self.env_vars else {}
+        handle = RemoteWorker.options(**self.options, **env, max_restarts=self.max_restarts,
+                                      max_task_retries=0).remote(spec, self.options)
         actor = _Actor(name, handle)
         actor.call = handle.where.remote()
         self.actors[name] = actor

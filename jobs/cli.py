@@ -19,6 +19,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output", help="output location (any fsspec URL)")
     g.add_argument("--model", help="pipeline directory or hub id")
     g.add_argument("--config", help="TOML file with the same settings (command line wins)")
+    g.add_argument("--revision", help="hub model: branch, tag or commit (default main, resolved once to a commit and "
+                   "pinned in job.json so workers and resumes use the same weights)")
+    g.add_argument("--variant", help="weights variant, e.g. fp16 (loads *.fp16.safetensors)")
     g = p.add_argument_group("generation (part of the job fingerprint)")
     g.add_argument("--steps", type=int, help="denoising steps (default: the model family's, e.g. 30 for SD, 28 for FLUX.1-dev)")
     g.add_argument("--guidance", type=float, help="guidance scale (default: the model family's, e.g. 7.5 for SD, 3.5 for FLUX.1-dev)")

@@ -31,6 +31,8 @@ class JobConfig:
     guidance: float | None = None  # guidance scale; default: the model family's
     true_cfg_scale: float | None = None  # Flux: > 1 applies negative prompts with true CFG (doubles the compute)
     family: str | None = None  # pipeline family; resolved from the model's model_index.json (jobs/models.py)
+    revision: str | None = None  # hub models: branch, tag or commit; pinned to a commit in job.json (default main)
+    variant: str | None = None  # hub/local weights variant, e.g. fp16 (files named *.fp16.safetensors)
     width: int = 512  # pixels, a multiple of 8
     height: int = 512  # pixels, a multiple of 8
     seed: int = 0  # job seed; rows without a seed derive theirs from it and their id

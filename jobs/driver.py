@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -21,10 +22,10 @@ from fleetgen.errors import ClusterError, InputError
 from jobs.config import JobConfig
 from jobs.fleet import FleetRecord
 from jobs.lock import OutputLock
-from jobs.models import describe, resolve_defaults
+from jobs.models import HUB_ENV, describe, pin_revision, resolve_defaults
 from jobs.progress import Progress
 from jobs.sharding import check_unique_ids, list_input_files, plan_shards, read_footer, resolve_columns
-from jobs.state import claim_output, committed_shards, fingerprint, read_manifests
+from jobs.state import claim_output, committed_shards, fingerprint, pinned_revision, read_manifests
 from workers.layout import SUCCESS, SUMMARY
 from workers.shard import Shard
 from workers.storage import Output
@@ -74,6 +75,7 @@ def run_job(config: JobConfig, progress_stream=None, progress_interval: float = 
     if sum(f.num_rows for f in files) == 0:
         raise InputError(f"`--input` {config.input} has no rows ({len(files)} file(s), all empty).")
     columns = resolve_columns(files, config.columns())
+    config, pin_note = pin_revision(config, pinned_revision(output, config.model))
     config, family, sources = resolve_defaults(config, columns)
     check_unique_ids(files, columns)
     shards = plan_shards(files, config.rows_per_shard)
@@ -90,6 +92,8 @@ def run_job(config: JobConfig, progress_stream=None, progress_interval: float = 
                             rows_done=sum(s.length for s in shards if s.id in done),
                             stream=progress_stream, interval=progress_interval)
         progress.log(describe(config, family, sources))
+        if pin_note:
+            progress.log(pin_note)
         if note:
             progress.log(note)
         if len(todo) < len(shards):
@@ -184,12 +188,13 @@ def _dispatch(config: JobConfig, columns, todo: list[Shard], progress: Progress,
                     columns=columns, max_batch=config.max_batch, device=config.device, dtype=config.dtype,
                     threads=sizing.threads, trust_remote_code=config.trust_remote_code, offload=config.offload,
                     gpu_memory=budgets[i % len(budgets)] if budgets else gpu_memory, host_memory=host_memory,
-                    strict_prompts=config.strict_prompts,
+                    strict_prompts=config.strict_prompts, revision=config.revision, variant=config.variant,
                 )
 
             progress.log(f"{sizing.describe()}; {len(todo)} shard(s) to generate")
             pool = WorkerPool(spec_for, sizing.options, sizing.max_workers, max_attempts=config.max_attempts,
-                              max_restarts=config.max_restarts, placement_timeout=config.placement_timeout)
+                              max_restarts=config.max_restarts, placement_timeout=config.placement_timeout,
+                              env_vars={k: os.environ[k] for k in HUB_ENV if k in os.environ})
             return _follow(pool.run(todo, stop=stop, grace=config.stop_grace), todo, progress, fleet)
     finally:
         if pool is not None:

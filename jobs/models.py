@@ -16,18 +16,59 @@ from jobs.config import JobConfig
 from workers.families import Family, detect, read_family
 from workers.shard import Columns
 
+# Hub settings that travel from the driver to every worker (as their runtime env), so a worker on
+# any node reaches the same hub, with the user's token for gated models.
+HUB_ENV = ("HF_ENDPOINT", "HF_TOKEN", "HF_HUB_OFFLINE")
 
-def model_family(model: str) -> Family:
+
+def is_hub_id(model: str) -> bool:
+    return not Path(model).expanduser().exists()
+
+
+def pin_revision(config: JobConfig, pinned: str | None) -> tuple[JobConfig, str | None]:
+    """A hub model's `--revision` (default: the commit this output's job pinned, else main)
+    resolved once, here, to a commit; every worker and every resume then loads that commit.
+    Returns the config and a note for the log. Errors name the model and what to do."""
+    if not is_hub_id(config.model):
+        return config, None
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    wanted = config.revision or pinned or "main"
+    m = config.model
+    try:
+        sha = HfApi().model_info(m, revision=wanted).sha
+    except GatedRepoError as err:
+        raise ConfigError(f"`--model` `{m}` is gated on the hub and this token cannot read it: accept its terms on "
+                          "its page, then set HF_TOKEN (a read token) where you run fleetgen; workers get it from "
+                          "the driver.") from err
+    except RepositoryNotFoundError as err:
+        raise ConfigError(f"`--model` `{m}` was not found on the hub ({constants.ENDPOINT}). Check the id; a private "
+                          "repo needs HF_TOKEN.") from err
+    except RevisionNotFoundError as err:
+        raise ConfigError(f"`--revision` `{wanted}` does not exist in `{m}`.") from err
+    except Exception as err:  # noqa: BLE001 - no network, a proxy, a timeout: one clear message
+        raise ConfigError(f"Could not reach the hub ({constants.ENDPOINT}) to resolve `--model` `{m}`: "
+                          f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. Check the network, "
+                          "or pass a local pipeline directory.") from err
+    note = f"{m} pinned to commit {sha}"
+    if pinned and not config.revision:
+        note = f"{m}: using commit {sha}, pinned in job.json by the first run of this job"
+    return replace(config, revision=sha), note
+
+
+def model_family(model: str, revision: str | None = None) -> Family:
     """The family of a local pipeline directory, or of a hub model from its model_index.json."""
-    if Path(model).expanduser().exists():
+    if not is_hub_id(model):
         return read_family(model)
     try:
         from huggingface_hub import hf_hub_download
 
-        index = json.loads(Path(hf_hub_download(model, "model_index.json")).read_text())
+        index = json.loads(Path(hf_hub_download(model, "model_index.json", revision=revision)).read_text())
         transformer = None
         if index.get("transformer"):
-            transformer = json.loads(Path(hf_hub_download(model, "transformer/config.json")).read_text())
+            transformer = json.loads(Path(hf_hub_download(model, "transformer/config.json",
+                                                          revision=revision)).read_text())
     except Exception as err:  # noqa: BLE001 - any hub failure is the same to the user: say which and why
         raise ConfigError(f"Could not read model_index.json of `--model` `{model}` from the hub: "
                           f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. Check the id, "
@@ -37,7 +78,7 @@ def model_family(model: str) -> Family:
 
 def resolve_defaults(config: JobConfig, columns: Columns) -> tuple[JobConfig, Family, dict]:
     """(the config with the family's defaults filled in, the family, {setting: where its value came from})."""
-    family = model_family(config.model)
+    family = model_family(config.model, config.revision)
     given = {"steps": config.steps, "guidance": config.guidance}
     defaults = {"steps": family.steps, "guidance": family.guidance}
     values = {k: v if v is not None else defaults[k] for k, v in given.items()}

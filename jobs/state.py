@@ -28,10 +28,21 @@ from workers.storage import Output
 _JOB_OBJECTS = (JOB, SUMMARY, SUCCESS, FLEET, SHARDS, WORKERS, "images", "data")
 
 
-def model_identity(model: str) -> str:
-    """A local directory by its absolute path (so `./m` and `/abs/m` agree), a hub id as given."""
+def model_identity(model: str, revision: str | None = None, variant: str | None = None) -> str:
+    """A local directory by its absolute path (so `./m` and `/abs/m` agree), a hub id with the
+    commit it was pinned to; and the weights variant."""
     path = Path(model).expanduser()
-    return str(path.resolve()) if path.exists() else model
+    name = str(path.resolve()) if path.exists() else f"{model}@{revision}" if revision else model
+    return f"{name} (variant {variant})" if variant else name
+
+
+def pinned_revision(output: Output, model: str) -> str | None:
+    """The commit an earlier run of this job pinned its hub model to, if OUT holds one."""
+    try:
+        config = json.loads(output.get(JOB)).get("config", {})
+    except (FileNotFoundError, ValueError):
+        return None
+    return config.get("revision") if config.get("model") == model else None
 
 
 def fingerprint(config: JobConfig, files: list[InputFile], columns: Columns) -> dict:
@@ -40,7 +51,7 @@ def fingerprint(config: JobConfig, files: list[InputFile], columns: Columns) -> 
     settings = config.settings().__dict__
     return {
         "input": [{"url": f.url, "bytes": f.size, "rows": f.num_rows} for f in files],
-        "model": model_identity(config.model),
+        "model": model_identity(config.model, config.revision, config.variant),
         "generation": {**settings, "rows_per_shard": config.rows_per_shard},
         "columns": columns.__dict__,
     }

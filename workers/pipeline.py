@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -37,20 +38,54 @@ def describe_device(device: torch.device) -> dict:
     return {"type": "cpu", "name": f"cpu ({os.cpu_count()} cores)", "total_bytes": None, "free_bytes": None}
 
 
-def load_pipeline(model: str, dtype: torch.dtype, trust_remote_code: bool = False):
-    """`DiffusionPipeline.from_pretrained` for a local directory or a hub id; progress bars off."""
+def load_pipeline(model: str, dtype: torch.dtype, trust_remote_code: bool = False, revision: str | None = None,
+                  variant: str | None = None, worker: str = "worker"):
+    """`DiffusionPipeline.from_pretrained` for a local directory or a hub id (at `revision`, through
+    the node's cache, downloaded once per node); progress bars off."""
     from diffusers import DiffusionPipeline
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 
     diffusers_logging.disable_progress_bar()
     transformers_logging.disable_progress_bar()
+    source = model if Path(model).expanduser().exists() else fetch_snapshot(model, revision, variant, worker)
     try:
-        pipe = DiffusionPipeline.from_pretrained(model, dtype=dtype, trust_remote_code=trust_remote_code)
+        pipe = DiffusionPipeline.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                 variant=variant)
     except (OSError, ValueError) as err:
         raise FleetgenError(f"Could not load the pipeline `{model}`: {err}") from err
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def fetch_snapshot(model: str, revision: str | None, variant: str | None, worker: str) -> str:
+    """The local snapshot of a hub model at `revision`. One download per node: the first worker on a
+    node downloads into the node's hub cache holding a file lock; the others wait for it and then
+    find every file cached. Progress goes to the worker's log (and so the driver's)."""
+    from diffusers import DiffusionPipeline
+    from filelock import FileLock, Timeout
+    from huggingface_hub import constants
+
+    locks = Path(constants.HF_HUB_CACHE) / ".fleetgen-locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    what = f"{model}@{(revision or 'main')[:12]}" + (f" ({variant})" if variant else "")
+    lock = FileLock(str(locks / f"{model.replace('/', '--')}--{revision or 'main'}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"[fleetgen] {worker}: waiting for another worker on this node to download {what}", flush=True)
+        lock.acquire()
+    try:
+        started = time.perf_counter()
+        print(f"[fleetgen] {worker}: fetching {what} into {constants.HF_HUB_CACHE}", flush=True)
+        path = DiffusionPipeline.download(model, revision=revision, variant=variant)
+        print(f"[fleetgen] {worker}: {what} ready ({time.perf_counter() - started:.1f} s)", flush=True)
+        return str(path)
+    except Exception as err:  # noqa: BLE001 - whatever the hub said, name the model
+        raise FleetgenError(f"Could not download `{model}` at {revision or 'main'}: {type(err).__name__}: "
+                            f"{str(err).splitlines()[0] if str(err) else ''}") from err
+    finally:
+        lock.release()
 
 
 def size_multiple(model: str) -> tuple[int, str] | None:

@@ -66,6 +66,8 @@ class WorkerSpec:
     host_memory: int | None = None  # host RAM for offloaded copies; default: 80% of available
     trust_remote_code: bool = False  # never run a model repo's own code unless asked
     strict_prompts: bool = False  # a prompt longer than the text encoder takes is an error, not truncated
+    revision: str | None = None  # hub models: the commit the driver pinned
+    variant: str | None = None  # weights variant, e.g. fp16
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,8 @@ class Worker:
         self.device = resolve_device(spec.device)
         self.dtype = resolve_dtype(spec.dtype, self.device, self.family.dtype)
         self.output = Output(spec.output)
-        self.pipe = load_pipeline(spec.model, self.dtype, spec.trust_remote_code)
+        self.pipe = load_pipeline(spec.model, self.dtype, spec.trust_remote_code, revision=spec.revision,
+                                  variant=spec.variant, worker=spec.name)
         self._takes_negative = takes_negative_prompt(self.pipe)
         self.profile = profile_pipeline(self.pipe, spec.model)
         self.probe = probe(self.device, self.dtype)

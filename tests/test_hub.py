@@ -1,0 +1,110 @@
+"""Hub models through the real `huggingface_hub` client, against a hub-shaped HTTP server on
+loopback (tests/hub_server.py, via HF_ENDPOINT) serving a tiny pipeline at two revisions."""
+
+import io
+import json
+import os
+
+import pyarrow.parquet as pq
+import pytest
+
+from fleetgen.errors import ConfigError
+from jobs.config import JobConfig, validate
+from jobs.driver import run_job
+from tests.conftest import FAST, write_prompts
+from tests.hub_server import HubServer, Repo
+from workers.tiny_model import write_tiny_model
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    """The server, with HF_ENDPOINT pointing at it (the driver forwards it to the workers), and
+    HF_HUB_DISABLE_XET so that files come over plain HTTP as this server serves them."""
+    root = tmp_path_factory.mktemp("hub")
+    with HubServer() as server:
+        saved = {k: os.environ.get(k) for k in ("HF_ENDPOINT", "HF_HUB_DISABLE_XET")}
+        os.environ.update(HF_ENDPOINT=server.url, HF_HUB_DISABLE_XET="1")
+        import huggingface_hub.constants as constants
+
+        endpoint, constants.ENDPOINT = constants.ENDPOINT, server.url  # read at import by the client
+        yield server, root
+        constants.ENDPOINT = endpoint
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _repo(hub, root, name: str, gated: bool = False) -> Repo:
+    server, _ = hub
+    repo = server.repos[name] = Repo(gated=gated)
+    repo.push(write_tiny_model(root / name.replace("/", "--") / "v1", seed=0))
+    return repo
+
+
+def _job(prompts, model, out, **kw) -> JobConfig:
+    return validate(JobConfig(input=str(prompts), output=str(out), model=model,
+                              **{**FAST, "rows_per_shard": 2, "max_batch": 2, **kw}))
+
+
+def _shas(out) -> dict:
+    return {r["id"]: r["sha256"] for r in pq.read_table(out / "shards", columns=["id", "sha256"]).to_pylist()}
+
+
+def test_the_pinned_commit_holds_across_a_resume_after_the_repo_moves_on(hub, ray_cluster, tmp_path):
+    server, root = hub
+    repo = _repo(hub, root, "org/tiny-pin")
+    first = repo.refs["main"]
+    prompts = write_prompts(tmp_path / "p.parquet", [f"pinned {i}" for i in range(4)], id=[f"r{i}" for i in range(4)])
+    out = tmp_path / "out"
+    log = io.StringIO()
+    assert run_job(_job(prompts, "org/tiny-pin", out, workers=1), progress_stream=log).complete
+    assert f"org/tiny-pin pinned to commit {first}" in log.getvalue()
+    job = json.loads((out / "job.json").read_text())
+    assert job["config"]["revision"] == first and job["fingerprint"]["model"] == f"org/tiny-pin@{first}"
+    before = _shas(out)
+
+    # The repo moves on (other weights on main); a shard of the job is lost and the job rerun as it was.
+    second = repo.push(write_tiny_model(root / "tiny-pin-v2", seed=7))
+    assert second != first and repo.refs["main"] == second
+    (out / "shards" / "shard-00001.parquet").unlink()
+    (out / "_SUCCESS").unlink()
+    log = io.StringIO()
+    again = run_job(_job(prompts, "org/tiny-pin", out, workers=1), progress_stream=log)
+    assert again.complete and again.shards_skipped == 1
+    assert f"using commit {first}, pinned in job.json" in log.getvalue()
+    assert _shas(out) == before  # the redone shard was made with the first commit's weights
+
+    # Asking for the new commit explicitly is a different job.
+    with pytest.raises(Exception, match="already holds a different job"):
+        run_job(_job(prompts, "org/tiny-pin", out, workers=1, revision=second), progress_stream=io.StringIO())
+
+
+def test_two_workers_on_one_node_download_once(hub, ray_cluster, tmp_path):
+    server, root = hub
+    repo = _repo(hub, root, "org/tiny-once")
+    prompts = write_prompts(tmp_path / "p.parquet", [f"once {i}" for i in range(4)])
+    assert run_job(_job(prompts, "org/tiny-once", tmp_path / "out", workers=2),
+                   progress_stream=io.StringIO()).complete
+    fetched = {path: n for (name, _, path), n in server.downloads.items() if name == "org/tiny-once"}
+    weights = [p for p in repo.commits[repo.refs["main"]] if p.endswith(".safetensors")]
+    assert weights and all(fetched.get(p) == 1 for p in weights), fetched
+
+
+def test_gated_and_missing_repos_fail_before_any_shard_runs(hub, tmp_path):
+    _repo(hub, hub[1], "org/tiny-gated", gated=True)
+    prompts = write_prompts(tmp_path / "p.parquet", ["a red fox"])
+    with pytest.raises(ConfigError, match="`org/tiny-gated` is gated on the hub .* set HF_TOKEN"):
+        run_job(_job(prompts, "org/tiny-gated", tmp_path / "gated"), progress_stream=io.StringIO())
+    with pytest.raises(ConfigError, match="`org/no-such-model` was not found on the hub"):
+        run_job(_job(prompts, "org/no-such-model", tmp_path / "missing"), progress_stream=io.StringIO())
+    with pytest.raises(ConfigError, match="`--revision` `v9` does not exist in `org/tiny-gated`"):
+        os.environ["HF_TOKEN"] = "hf_test_token"
+        try:
+            run_job(_job(prompts, "org/tiny-gated", tmp_path / "rev", revision="v9"), progress_stream=io.StringIO())
+        finally:
+            del os.environ["HF_TOKEN"]
+    assert not (tmp_path / "gated").exists() and not (tmp_path / "missing").exists()
