@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -15,6 +18,11 @@ import pytest
 
 # A Ray head started here binds to loopback (see cluster/connect.py); set before Ray is imported.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Hub downloads of the tests (tests/test_hub.py) go to a cache of their own, never the user's; set
+# before any Ray starts, so that every worker inherits it.
+_HF_HOME = tempfile.mkdtemp(prefix="fleetgen-hf-")
+os.environ["HF_HOME"] = _HF_HOME
+atexit.register(shutil.rmtree, _HF_HOME, ignore_errors=True)
 
 # Fast generation settings for every test job: 64x64 is the tiny model's native size.
 FAST = {"steps": 2, "guidance": 5.0, "width": 64, "height": 64, "device": "cpu"}

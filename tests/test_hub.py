@@ -39,6 +39,7 @@ def hub(tmp_path_factory):
 
 
 def _repo(hub, root, name: str, gated: bool = False) -> Repo:
+    """A repo on the server holding the tiny model; the test session downloads into its own cache (conftest)."""
     server, _ = hub
     repo = server.repos[name] = Repo(gated=gated)
     repo.push(write_tiny_model(root / name.replace("/", "--") / "v1", seed=0))
