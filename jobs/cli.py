@@ -95,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--true-cfg-scale", type=float, help="Flux: true CFG scale (> 1 doubles the denoiser's batch)")
     pl.add_argument("--max-batch", type=int, default=8)
     pl.add_argument("--offload", choices=["auto", "none", "block", "leaf", "disk"], default="auto")
-    pl.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    pl.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: the model family's")
     pl.add_argument("--bandwidth", type=float, default=20.0, help="host→device GB/s to assume (default 20)")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     s = sub.add_parser("status", help="progress of a running or finished job, from its output location")
@@ -155,9 +155,9 @@ def main(argv: list[str] | None = None) -> int:
             work, family = plan_workload(args.model, width=args.width, height=args.height, steps=args.steps,
                                          guidance=args.guidance, true_cfg_scale=args.true_cfg_scale,
                                          max_batch=args.max_batch, offload=args.offload)
-            summary, rows = plan_rows(args.model, args.gpu_memory, args.host_memory, args.dtype, work,
+            summary, rows = plan_rows(args.model, args.gpu_memory, args.host_memory, args.dtype or family.dtype, work,
                                       bandwidth=args.bandwidth * 1e9)
-            summary["family"] = family
+            summary["family"] = family.name
             print_plans(summary, rows, args.json)
             return 0 if all("error" not in r for r in rows) else EXIT_INCOMPLETE
         if args.command == "status":

@@ -9,20 +9,20 @@ from fleetgen.errors import OffloadError
 from fleetgen.units import format_size, parse_size
 from offload import DeviceSpec, Workload, plan, profile_modules
 from offload.architectures import build_on_meta, resolve
-from workers.families import read_family
+from workers.families import Family, read_family
 from workers.pipeline import DTYPES
 from workers.probe import ASSUMED_BANDWIDTH, ASSUMED_FLOPS, host_available_bytes
 
 
 def plan_workload(model: str, *, width: int, height: int, steps: int | None, guidance: float | None,
-                  true_cfg_scale: float | None, max_batch: int, offload: str) -> tuple[Workload, str]:
+                  true_cfg_scale: float | None, max_batch: int, offload: str) -> tuple[Workload, Family]:
     """The workload to plan for, with the model family's defaults and its own rule for whether
     guidance doubles the denoiser's batch (CFG families yes, guidance-distilled Flux no)."""
     family = read_family(resolve(model))
     guidance = family.guidance if guidance is None else guidance
     work = Workload(width=width, height=height, steps=family.steps if steps is None else steps,
                     cfg=family.doubles_batch(guidance, true_cfg_scale), max_batch=max_batch, offload=offload)
-    return work, family.name
+    return work, family
 
 
 def plan_rows(model: str, budgets: list[str], host_memory: str | None, dtype: str, work: Workload,

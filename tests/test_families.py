@@ -135,3 +135,28 @@ def test_safety_checker_flags_are_filtered_rows(tmp_path, ray_cluster):
     from jobs.inspect import job_state, status_text
 
     assert "2 filtered by the safety checker" in status_text(job_state(str(tmp_path / "job")))
+
+
+def test_any_other_pipeline_is_called_with_only_what_it_takes(tmp_path):
+    """The generic entry: a LatentConsistencyModelPipeline (not in the table) takes no negative
+    prompt; a negative-prompt column is noted per row instead of breaking the call."""
+    from diffusers import LatentConsistencyModelPipeline, LCMScheduler, UNet2DConditionModel
+
+    from workers.families import GENERIC, read_family
+    from workers.tiny_model import build_tiny_pipeline
+
+    sd = build_tiny_pipeline()
+    unet = UNet2DConditionModel(**{**sd.unet.config, "time_cond_proj_dim": 32})
+    pipe = LatentConsistencyModelPipeline(vae=sd.vae, text_encoder=sd.text_encoder, tokenizer=sd.tokenizer, unet=unet,
+                                          scheduler=LCMScheduler(), safety_checker=None, feature_extractor=None,
+                                          requires_safety_checker=False)
+    pipe.save_pretrained(tmp_path / "lcm")
+    assert read_family(tmp_path / "lcm") is GENERIC
+    path = write_prompts(tmp_path / "p.parquet", ["a red fox", "a blue owl"], id=["a", "b"],
+                         negative_prompt=["blurry", None])
+    shard, columns = _shard(path)
+    result = _worker(str(tmp_path / "lcm"), tmp_path / "out", "generic", columns, guidance=1.5).run_shard(shard)
+    assert (result.ok, result.errors) == (2, 0)
+    rows = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "shards").to_pylist()}
+    assert rows["a"]["warning"] == "negative prompt ignored: LatentConsistencyModelPipeline takes none"
+    assert rows["b"]["warning"] is None

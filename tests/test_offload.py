@@ -218,7 +218,7 @@ def test_plan_command_json(capsys):
     assert "Nothing fits 2.0 GiB" in tiny["error"]
     assert main(["plan", "--model", "sdxl", "--gpu-memory", "12GiB", "--host-memory", "64GiB"]) == 0
     text = capsys.readouterr().out
-    assert "sdxl (sdxl family) at bfloat16: unet UNet2DConditionModel 2.57 B params" in text and "12GiB:" in text
+    assert "sdxl (sdxl family) at float16: unet UNet2DConditionModel 2.57 B params" in text and "12GiB:" in text
 
 
 def test_plans_count_the_denoiser_twice_only_where_guidance_runs_it_twice(capsys):

@@ -72,6 +72,7 @@ FAMILIES = {f.name: f for f in (
 GENERIC = Family("generic", (), steps=30, guidance=7.5, dtype="float16", negative="negative_prompt",
                  tokenizer="tokenizer", max_sequence_length=None, cfg=True,
                  note="not a known family: called with the arguments its __call__ accepts")
+FAMILIES[GENERIC.name] = GENERIC
 
 
 def detect(model_index: dict, transformer_config: dict | None = None) -> Family:

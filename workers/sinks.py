@@ -33,6 +33,7 @@ _HF_FEATURES = {
     "steps": {"dtype": "int32", "_type": "Value"},
     "guidance": {"dtype": "float32", "_type": "Value"},
     "sha256": {"dtype": "string", "_type": "Value"},
+    "nsfw": {"dtype": "bool", "_type": "Value"},
 }
 PARQUET_SCHEMA = pa.schema(
     [
@@ -46,6 +47,7 @@ PARQUET_SCHEMA = pa.schema(
         ("steps", pa.int32()),
         ("guidance", pa.float32()),
         ("sha256", pa.string()),
+        ("nsfw", pa.bool_()),  # the safety checker's verdict where the pipeline has one (flagged images are not stored)
     ],
     metadata={"huggingface": json.dumps({"info": {"features": _HF_FEATURES}})},
 )

@@ -334,7 +334,7 @@ class Worker:
             digest = hashlib.sha256(data).hexdigest()
             meta = {"id": row.id, "prompt": row.prompt, "negative_prompt": row.negative_prompt, "seed": row.seed,
                     "width": s.width, "height": s.height, "steps": s.steps, "guidance": s.guidance,
-                    "sha256": digest, "model": self.spec.model}
+                    "sha256": digest, "nsfw": flagged, "model": self.spec.model}
             made.append(_Made(row.id, data, meta, {"sha256": digest, "batch": len(batch), "nsfw": flagged}))
         seconds = time.perf_counter() - started
         self.stats["generate_seconds"] += seconds
