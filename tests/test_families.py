@@ -160,3 +160,13 @@ def test_any_other_pipeline_is_called_with_only_what_it_takes(tmp_path):
     rows = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "shards").to_pylist()}
     assert rows["a"]["warning"] == "negative prompt ignored: LatentConsistencyModelPipeline takes none"
     assert rows["b"]["warning"] is None
+
+
+@pytest.mark.parametrize("family", ["sdxl", "sd3", "flux", "pixart-sigma", "sana"])
+def test_plan_works_on_every_family_directory(family, models, capsys):
+    from jobs.cli import main
+
+    assert main(["plan", "--model", models[family], "--gpu-memory", "1GiB", "--width", "64", "--height", "64",
+                 "--host-memory", "1GiB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["family"] == family and out["dtype"] == FAMILIES[family].dtype and "error" not in out["plans"][0]
