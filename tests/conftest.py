@@ -41,6 +41,29 @@ def tiny_model(tmp_path_factory) -> str:
     return str(write_tiny_model(tmp_path_factory.mktemp("models") / "tiny"))
 
 
+def stop_tree(proc: subprocess.Popen) -> None:
+    """Stop a process we started and everything under it (the fake nodes are the autoscaler's
+    children), by pid."""
+    import psutil
+
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    for p in family:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(family, timeout=10)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

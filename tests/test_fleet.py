@@ -26,7 +26,7 @@ from cluster import ClusterShape, size_fleet
 from jobs.config import JobConfig, validate
 from jobs.driver import run_job
 from jobs.inspect import job_state, status_text
-from tests.conftest import FAST, _free_port, write_prompts
+from tests.conftest import FAST, _free_port, stop_tree, write_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -53,27 +53,6 @@ def _env(**extra) -> dict:
     env.pop("RAY_ADDRESS", None)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     return env
-
-
-def _stop_tree(proc: subprocess.Popen) -> None:
-    """Stop a process we started and everything under it (the fake nodes are the autoscaler's
-    children), by pid."""
-    try:
-        family = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        family = []
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    for p in family:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(family, timeout=10)
 
 
 def _cluster_config(port: int) -> dict:
@@ -120,7 +99,7 @@ def autoscaling_head():
             time.sleep(1)
         yield address, env
     finally:
-        _stop_tree(head)
+        stop_tree(head)
         log.close()
 
 
@@ -188,7 +167,7 @@ def test_autoscaler_starts_gpu_nodes_a_joining_node_gets_a_worker_a_lost_node_lo
         if driver.poll() is None:
             driver.kill()
         if spot is not None:
-            _stop_tree(spot)
+            stop_tree(spot)
     text = log.read_text()
     assert "up to 3 worker(s) on GPU, each asking GPU 1, CPU 1" in text
     assert "[fake-a]" in text and "[fake-b]" in text and "[fake-spot]" in text

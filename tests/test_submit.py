@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from cluster.actor import GPU_TYPE_PREFIX
-from tests.conftest import _free_port, write_prompts
+from tests.conftest import _free_port, stop_tree, write_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -61,12 +61,7 @@ def ray_head():
                 time.sleep(1)
         yield address, ports["metrics-export-port"]
     finally:
-        head.terminate()
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            head.kill()
-            head.wait()
+        stop_tree(head)
         log.close()
         shutil.rmtree(temp, ignore_errors=True)
 
