@@ -109,3 +109,22 @@ def test_gated_and_missing_repos_fail_before_any_shard_runs(hub, tmp_path):
         finally:
             del os.environ["HF_TOKEN"]
     assert not (tmp_path / "gated").exists() and not (tmp_path / "missing").exists()
+
+
+def test_variant_loads_the_variant_files(hub, ray_cluster, tmp_path):
+    """A repo with plain and fp16 weights: `--variant fp16` downloads and uses the fp16 files only."""
+    server, root = hub
+    both = root / "variant"
+    write_tiny_model(both, seed=0)
+    from workers.tiny_model import build_tiny_pipeline
+
+    build_tiny_pipeline(seed=3).save_pretrained(both, variant="fp16")
+    repo = server.repos["org/tiny-variant"] = Repo()
+    repo.push(both)
+    prompts = write_prompts(tmp_path / "p.parquet", ["a variant"])
+    assert run_job(_job(prompts, "org/tiny-variant", tmp_path / "out", workers=1, variant="fp16"),
+                   progress_stream=io.StringIO()).complete
+    fetched = {path for (name, _, path), _ in server.downloads.items() if name == "org/tiny-variant"}
+    assert "unet/diffusion_pytorch_model.fp16.safetensors" in fetched
+    assert "unet/diffusion_pytorch_model.safetensors" not in fetched
+    assert json.loads((tmp_path / "out" / "job.json").read_text())["fingerprint"]["model"].endswith("(variant fp16)")
