@@ -18,11 +18,15 @@ import pytest
 
 # A Ray head started here binds to loopback (see cluster/connect.py); set before Ray is imported.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-# Hub downloads of the tests (tests/test_hub.py) go to a cache of their own, never the user's; set
-# before any Ray starts, so that every worker inherits it.
+# The hub of the tests is tests/hub_server.py on a loopback port chosen here, with a cache of its
+# own (never the user's). Set before anything imports huggingface_hub (it reads HF_ENDPOINT at
+# import) and before any Ray starts (its workers inherit them); files come over plain HTTP.
 _HF_HOME = tempfile.mkdtemp(prefix="fleetgen-hf-")
-os.environ["HF_HOME"] = _HF_HOME
 atexit.register(shutil.rmtree, _HF_HOME, ignore_errors=True)
+with socket.socket() as _s:
+    _s.bind(("127.0.0.1", 0))
+    HUB_PORT = _s.getsockname()[1]
+os.environ.update(HF_HOME=_HF_HOME, HF_ENDPOINT=f"http://127.0.0.1:{HUB_PORT}", HF_HUB_DISABLE_XET="1")
 
 # Fast generation settings for every test job: 64x64 is the tiny model's native size.
 FAST = {"steps": 2, "guidance": 5.0, "width": 64, "height": 64, "device": "cpu"}

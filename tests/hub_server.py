@@ -36,7 +36,7 @@ class Repo:
 
 
 class HubServer:
-    def __init__(self):
+    def __init__(self, port: int = 0):
         self.repos: dict[str, Repo] = {}
         self.downloads: Counter = Counter()  # (repo, commit, path) -> GETs of file contents
         self.tokens = {"hf_test_token"}
@@ -52,7 +52,7 @@ class HubServer:
             def do_GET(self):
                 hub._serve(self, body=True)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 

@@ -11,7 +11,7 @@ import pytest
 from fleetgen.errors import ConfigError
 from jobs.config import JobConfig, validate
 from jobs.driver import run_job
-from tests.conftest import FAST, write_prompts
+from tests.conftest import FAST, HUB_PORT, write_prompts
 from tests.hub_server import HubServer, Repo
 from workers.tiny_model import write_tiny_model
 
@@ -20,22 +20,10 @@ pytestmark = pytest.mark.ray
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    """The server, with HF_ENDPOINT pointing at it (the driver forwards it to the workers), and
-    HF_HUB_DISABLE_XET so that files come over plain HTTP as this server serves them."""
-    root = tmp_path_factory.mktemp("hub")
-    with HubServer() as server:
-        saved = {k: os.environ.get(k) for k in ("HF_ENDPOINT", "HF_HUB_DISABLE_XET")}
-        os.environ.update(HF_ENDPOINT=server.url, HF_HUB_DISABLE_XET="1")
-        import huggingface_hub.constants as constants
-
-        endpoint, constants.ENDPOINT = constants.ENDPOINT, server.url  # read at import by the client
-        yield server, root
-        constants.ENDPOINT = endpoint
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    """The server on the port HF_ENDPOINT names (tests/conftest.py; the driver forwards it to the workers)."""
+    with HubServer(port=HUB_PORT) as server:
+        assert os.environ["HF_ENDPOINT"] == server.url
+        yield server, tmp_path_factory.mktemp("hub")
 
 
 def _repo(hub, root, name: str, gated: bool = False) -> Repo:

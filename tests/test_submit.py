@@ -34,9 +34,9 @@ def _env() -> dict:
     return env
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ray_head():
-    """`ray start --head --block` on 127.0.0.1: terminating that process stops what it started."""
+    """`ray start --head --block` on 127.0.0.1, shared by this module's jobs; stopped with what it started."""
     ports = {name: _free_port() for name in ("port", "dashboard-port", "ray-client-server-port",
                                              "dashboard-agent-listen-port", "metrics-export-port")}
     temp = tempfile.mkdtemp(prefix="rayh", dir="/tmp")  # short: Ray's socket paths are length-limited
