@@ -196,7 +196,8 @@ class Worker:
             for row_id, error in failed.items():
                 records[row_id].update(status="error", error=error)
             failures += len(failed)
-            yield BatchDone(shard.id, name, len(made), len(failed))
+            filtered = sum(m.data is None for m in made)  # flagged by a safety checker: not stored
+            yield BatchDone(shard.id, name, len(made) - filtered, len(failed) + filtered)
         if todo and failures == len(todo):
             raise ShardError(f"Shard {shard.id}: every row failed in the pipeline; first error: "
                              f"{records[todo[0].id]['error']}")
@@ -255,7 +256,7 @@ class Worker:
         if self.spec.strict_prompts:
             record.update(status="error", error=f"prompt is {n} tokens; the text encoder takes {limit} (`--strict-prompts`)")
         else:
-            record["warning"] = f"prompt truncated to {limit} of {n} tokens"
+            record["warning"] = "; ".join(filter(None, [record["warning"], f"prompt truncated to {limit} of {n} tokens"]))
 
     def _generate(self, batch: list[Row]) -> tuple[list[_Made], dict[str, str]]:
         """Run one pipeline call; if it raises, run its rows one at a time so that one bad row
