@@ -32,7 +32,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTa
 from cluster.actor import FleetWorker
 from cluster.fleet import format_asks
 from cluster.metrics import failed_counter
-from fleetgen.errors import ClusterError
+from fleetgen.errors import ClusterError, one_line
 from fleetgen.units import format_size
 from workers.shard import Shard
 from workers.worker import BatchDone, ShardResult, WorkerSpec
@@ -129,10 +129,8 @@ PoolEvent = (WorkerPlaced | WorkerReady | WorkerFailed | WorkerLost | WorkerUnre
 
 
 def _message(err: Exception) -> str:
-    if isinstance(err, RayTaskError) and err.cause is not None:
-        err = err.cause
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
+    """The error a worker raised (not Ray's wrapper around it), on one line."""
+    return one_line(err.cause if isinstance(err, RayTaskError) and err.cause is not None else err)
 
 
 @dataclass

@@ -38,3 +38,9 @@ class ShardError(FleetgenError):
 
 class ClusterError(FleetgenError):
     """Ray could not be reached or could not run the workers."""
+
+
+def one_line(err: BaseException) -> str:
+    """`TypeName: first line of the message`, for error messages that quote another library's error."""
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"

@@ -11,18 +11,15 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from fleetgen.errors import ConfigError
+from fleetgen.errors import ConfigError, one_line
 from jobs.config import JobConfig
-from workers.families import Family, detect, read_family
+from workers.families import FAMILIES, Family, detect, read_family
+from workers.pipeline import is_hub_id
 from workers.shard import Columns
 
 # Hub settings that travel from the driver to every worker (as their runtime env), so a worker on
 # any node reaches the same hub, with the user's token for gated models.
 HUB_ENV = ("HF_ENDPOINT", "HF_TOKEN", "HF_HUB_OFFLINE")
-
-
-def is_hub_id(model: str) -> bool:
-    return not Path(model).expanduser().exists()
 
 
 def pin_revision(config: JobConfig, pinned: str | None) -> tuple[JobConfig, str | None]:
@@ -49,7 +46,7 @@ def pin_revision(config: JobConfig, pinned: str | None) -> tuple[JobConfig, str 
         raise ConfigError(f"`--revision` `{wanted}` does not exist in `{m}`.") from err
     except Exception as err:  # noqa: BLE001 - no network, a proxy, a timeout: one clear message
         raise ConfigError(f"Could not reach the hub ({constants.ENDPOINT}) to resolve `--model` `{m}`: "
-                          f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. Check the network, "
+                          f"{one_line(err)}. Check the network, "
                           "or pass a local pipeline directory.") from err
     note = f"{m} pinned to commit {sha}"
     if pinned and not config.revision:
@@ -66,12 +63,12 @@ def model_family(model: str, revision: str | None = None) -> Family:
 
         index = json.loads(Path(hf_hub_download(model, "model_index.json", revision=revision)).read_text())
         transformer = None
-        if index.get("transformer"):
+        if index.get("_class_name") in FAMILIES["flux"].pipelines:  # dev or schnell: its guidance embedding says
             transformer = json.loads(Path(hf_hub_download(model, "transformer/config.json",
                                                           revision=revision)).read_text())
     except Exception as err:  # noqa: BLE001 - any hub failure is the same to the user: say which and why
         raise ConfigError(f"Could not read model_index.json of `--model` `{model}` from the hub: "
-                          f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. Check the id, "
+                          f"{one_line(err)}. Check the id, "
                           "the network, and HF_TOKEN for gated models, or pass a local pipeline directory.") from err
     return detect(index, transformer)
 

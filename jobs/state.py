@@ -21,6 +21,7 @@ from fleetgen.errors import StorageError
 from jobs.config import JobConfig
 from jobs.sharding import InputFile
 from workers.layout import FLEET, JOB, SHARDS, SUCCESS, SUMMARY, WORKERS, manifest_key
+from workers.pipeline import is_hub_id
 from workers.shard import Columns
 from workers.storage import Output
 
@@ -31,8 +32,10 @@ _JOB_OBJECTS = (JOB, SUMMARY, SUCCESS, FLEET, SHARDS, WORKERS, "images", "data")
 def model_identity(model: str, revision: str | None = None, variant: str | None = None) -> str:
     """A local directory by its absolute path (so `./m` and `/abs/m` agree), a hub id with the
     commit it was pinned to; and the weights variant."""
-    path = Path(model).expanduser()
-    name = str(path.resolve()) if path.exists() else f"{model}@{revision}" if revision else model
+    if is_hub_id(model):
+        name = f"{model}@{revision}" if revision else model
+    else:
+        name = str(Path(model).expanduser().resolve())
     return f"{name} (variant {variant})" if variant else name
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from fleetgen.errors import ConfigError, FleetgenError
+from fleetgen.errors import ConfigError, FleetgenError, one_line
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # --dtype names
 
@@ -38,6 +38,11 @@ def describe_device(device: torch.device) -> dict:
     return {"type": "cpu", "name": f"cpu ({os.cpu_count()} cores)", "total_bytes": None, "free_bytes": None}
 
 
+def is_hub_id(model: str) -> bool:
+    """Anything that is not an existing local path is a hub id."""
+    return not Path(model).expanduser().exists()
+
+
 def load_pipeline(model: str, dtype: torch.dtype, trust_remote_code: bool = False, revision: str | None = None,
                   variant: str | None = None, worker: str = "worker"):
     """`DiffusionPipeline.from_pretrained` for a local directory or a hub id (at `revision`, through
@@ -48,7 +53,7 @@ def load_pipeline(model: str, dtype: torch.dtype, trust_remote_code: bool = Fals
 
     diffusers_logging.disable_progress_bar()
     transformers_logging.disable_progress_bar()
-    source = model if Path(model).expanduser().exists() else fetch_snapshot(model, revision, variant, worker)
+    source = fetch_snapshot(model, revision, variant, worker) if is_hub_id(model) else model
     try:
         pipe = DiffusionPipeline.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code,
                                                  variant=variant)
@@ -82,8 +87,7 @@ def fetch_snapshot(model: str, revision: str | None, variant: str | None, worker
         print(f"[fleetgen] {worker}: {what} ready ({time.perf_counter() - started:.1f} s)", flush=True)
         return str(path)
     except Exception as err:  # noqa: BLE001 - whatever the hub said, name the model
-        raise FleetgenError(f"Could not download `{model}` at {revision or 'main'}: {type(err).__name__}: "
-                            f"{str(err).splitlines()[0] if str(err) else ''}") from err
+        raise FleetgenError(f"Could not download `{model}` at {revision or 'main'}: {one_line(err)}") from err
     finally:
         lock.release()
 
