@@ -37,6 +37,20 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed-column", help="default seed (used when present)")
     g.add_argument("--negative-prompt-column", help="default negative_prompt (used when present)")
     g.add_argument("--rows-per-shard", type=int, help="rows per shard (default 256)")
+    g = p.add_argument_group("dataset synthesis (part of the job fingerprint)")
+    g.add_argument("--prompt-template", help="build each prompt from columns, e.g. 'a {style} photo of a {label}' "
+                   "(the manifest keeps the rendered prompt and the template)")
+    g.add_argument("--images-per-prompt", type=int, help="images per row (default 1); ids become <id>-<k>, each with "
+                   "its own stable seed; a `num_images` column overrides it per row")
+    g.add_argument("--lora", action="append", metavar="PATH_OR_ID[:SCALE]",
+                   help="a LoRA adapter on every image (repeatable); a row's `lora` column replaces them for that row")
+    g.add_argument("--keep-columns", help="carry only these input columns into the outputs, e.g. label,style "
+                   "(default: every column)")
+    g.add_argument("--drop-columns", help="carry every input column but these")
+    for role, default in (("steps", "steps"), ("guidance", "guidance"), ("width", "width"), ("height", "height"),
+                          ("num-images", "num_images"), ("lora", "lora"), ("lora-scale", "lora_scale")):
+        g.add_argument(f"--{role}-column", help=f"per-row {role.replace('-', ' ')} (default `{default}`, used when "
+                       "present; `none` to ignore it)")
     g = p.add_argument_group("execution")
     g.add_argument("--workers", "--max-workers", type=int, dest="max_workers",
                    help="at most this many workers (default: locally one per GPU, else CPUs / --cpu-threads; "
@@ -66,6 +80,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overwrite", action="store_true", default=None, help="replace a different job at --output")
     g.add_argument("--strict-prompts", action="store_true", default=None,
                    help="a prompt longer than the text encoder takes is an error row (default: truncate, noted per row)")
+    g.add_argument("--retry-errors", action="store_true", default=None,
+                   help="also redo the error rows of committed shards; their ok images are kept as they are")
     g.add_argument("--trust-remote-code", action="store_true", default=None,
                    help="allow the model repo to run its own code (off by default)")
 

@@ -3,6 +3,7 @@ before anything starts."""
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from dataclasses import asdict, dataclass, fields, replace
@@ -11,14 +12,16 @@ from pathlib import Path
 from fleetgen.errors import ConfigError
 from fleetgen.units import parse_size
 from offload.planner import OFFLOAD_CHOICES
+from workers.batches import MAX_IMAGES_PER_ROW, Adapter, template_fields
 from workers.layout import IMAGE_FORMATS, OUTPUT_FORMATS
 from workers.pipeline import DTYPES as PIPELINE_DTYPES
 from workers.pipeline import size_multiple
-from workers.shard import Columns
+from workers.shard import SETTING_ROLES, Columns
 from workers.worker import GenerationSettings
 
 DEVICES = re.compile(r"auto|cpu|cuda(:\d+)?")
 DTYPES = ("auto", *PIPELINE_DTYPES)
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # org/name
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,19 @@ class JobConfig:
     id_column: str = "id"  # used when present; else ids come from row positions
     seed_column: str = "seed"  # used when present
     negative_prompt_column: str = "negative_prompt"  # used when present
+    # per-row settings: each column, when the input has it, overrides the job's setting for its row
+    steps_column: str = "steps"
+    guidance_column: str = "guidance"
+    width_column: str = "width"
+    height_column: str = "height"
+    num_images_column: str = "num_images"  # images for the row (overrides --images-per-prompt)
+    lora_column: str = "lora"  # a LoRA path or hub id for the row (replaces --lora); "" for none
+    lora_scale_column: str = "lora_scale"
+    images_per_prompt: int = 1  # images per row; ids become `<id>-<k>`, seeds (job seed, id, k)
+    prompt_template: str | None = None  # e.g. "a {style} photo of a {label}": the prompt from columns
+    lora: tuple[str, ...] = ()  # LoRA adapters on every image, each PATH_OR_ID[:SCALE]
+    keep_columns: str | None = None  # carry only these input columns into the outputs (a,b,c)
+    drop_columns: str | None = None  # carry every input column but these
     rows_per_shard: int = 256  # rows per unit of work and of commit; a row group is split into such ranges
     # execution: may change between a run and its resume
     workers: int | None = None  # actors; default one per GPU, else one per `cpu_threads` CPUs (same as max_workers)
@@ -66,6 +82,7 @@ class JobConfig:
     overwrite: bool = False  # replace a different job found at `output`
     trust_remote_code: bool = False  # let the model repo run its own code (off: never)
     strict_prompts: bool = False  # over-long prompts are error rows instead of being truncated
+    retry_errors: bool = False  # also redo the error rows of committed shards (ok images stay as they are)
 
     def settings(self) -> GenerationSettings:
         """What every image shares, once the family's defaults are resolved (jobs/models.py)."""
@@ -74,7 +91,8 @@ class JobConfig:
         return GenerationSettings(
             steps=self.steps, guidance=self.guidance, width=self.width, height=self.height, seed=self.seed,
             image_format=self.image_format, output_format=self.output_format, family=self.family,
-            true_cfg_scale=self.true_cfg_scale,
+            true_cfg_scale=self.true_cfg_scale, images_per_prompt=self.images_per_prompt,
+            prompt_template=self.prompt_template, loras=tuple(parse_lora(v) for v in self.lora),
         )
 
     def budgets(self) -> tuple[int | None, int | None]:
@@ -89,7 +107,14 @@ class JobConfig:
         return [parse_size(v.strip(), "--worker-memory") for v in self.worker_memory.split(",")]
 
     def columns(self) -> Columns:
-        return Columns(self.prompt_column, self.id_column, self.seed_column, self.negative_prompt_column)
+        """The column names asked for; `jobs.sharding.resolve_columns` checks them against the input."""
+        return Columns(self.prompt_column, self.id_column, self.seed_column, self.negative_prompt_column,
+                       **{role: getattr(self, f"{role}_column") for role in SETTING_ROLES})
+
+    def column_list(self, name: str) -> list[str] | None:
+        """`keep_columns` or `drop_columns` as a list (None when not given)."""
+        value = getattr(self, name)
+        return None if value is None else [c.strip() for c in value.split(",") if c.strip()]
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -97,6 +122,29 @@ class JobConfig:
 
 FIELDS = {f.name: f for f in fields(JobConfig)}
 _REQUIRED = ("input", "output", "model")
+
+
+def parse_lora(value: str) -> Adapter:
+    """`PATH_OR_ID[:SCALE]`; a local path is made absolute (workers do not share the driver's
+    working directory)."""
+    source, scale = value, 1.0
+    head, sep, tail = value.rpartition(":")
+    if sep:
+        try:
+            source, scale = head, float(tail)
+        except ValueError:
+            pass  # not a scale: part of the path
+    if not source:
+        raise ConfigError(f"`--lora` must be PATH_OR_ID[:SCALE], got `{value}`.")
+    if not math.isfinite(scale):
+        raise ConfigError(f"`--lora` `{value}`: the scale must be a finite number.")
+    local = Path(source).expanduser()
+    if local.exists():
+        source = str(local.resolve())
+    elif source.startswith(("/", "./", "../", "~")) or source.endswith((".safetensors", ".bin")) \
+            or not HUB_ID.fullmatch(source):
+        raise ConfigError(f"`--lora` `{source}` is neither an existing file or directory nor a hub id like `org/name`.")
+    return Adapter(source, scale)
 
 
 def _check(ok: bool, message: str) -> None:
@@ -158,8 +206,21 @@ def validate(config: JobConfig) -> JobConfig:
         limit = c.max_workers or c.workers
         _check(limit in (None, len(budgets)), f"`--workers` is {limit} but `--worker-memory` lists "
                                               f"{len(budgets)} budgets (one worker per budget).")
-    names = [c.prompt_column, c.id_column, c.seed_column, c.negative_prompt_column]
+    names = [c.prompt_column, c.id_column, c.seed_column, c.negative_prompt_column,
+             *(getattr(c, f"{role}_column") for role in SETTING_ROLES)]
     _check(len(set(names)) == len(names), f"Column options must name different columns, got {names}.")
+    _check(1 <= c.images_per_prompt <= MAX_IMAGES_PER_ROW,
+           f"`--images-per-prompt` must be 1 to {MAX_IMAGES_PER_ROW}, got `{c.images_per_prompt}`.")
+    if c.prompt_template is not None:
+        try:
+            template_fields(c.prompt_template)
+        except ValueError as err:
+            raise ConfigError(f"`--prompt-template` `{c.prompt_template}`: {err}; name columns like "
+                              "`a {style} photo of a {label}`.") from err
+    _check(c.keep_columns is None or c.drop_columns is None,
+           "`--keep-columns` and `--drop-columns` both choose the carried columns: pass one of them.")
+    for value in c.lora:
+        parse_lora(value)
     return c
 
 
@@ -167,9 +228,13 @@ def _coerce(name: str, value: object, source: str) -> object:
     """Type-check one setting from a TOML file (CLI values are typed by argparse)."""
     kind = FIELDS[name].type
     wanted = {"int": int, "float": (int, float), "str": str, "bool": bool, "int | None": int, "str | None": str,
-              "float | None": (int, float)}[kind]
-    if isinstance(value, bool) and kind != "bool" or not isinstance(value, wanted):
-        raise ConfigError(f"`{name}` in {source} must be {kind.replace(' | None', '')}, got `{value!r}`.")
+              "float | None": (int, float), "tuple[str, ...]": list}[kind]
+    if isinstance(value, bool) and kind != "bool" or not isinstance(value, wanted) or (
+            kind.startswith("tuple") and not all(isinstance(v, str) for v in value)):
+        shown = "a list of strings" if kind.startswith("tuple") else kind.replace(" | None", "")
+        raise ConfigError(f"`{name}` in {source} must be {shown}, got `{value!r}`.")
+    if kind.startswith("tuple"):
+        return tuple(value)
     return float(value) if kind.startswith("float") else value
 
 
@@ -193,7 +258,7 @@ def load_toml(path: str) -> dict:
 def make_config(options: dict, config_file: str | None = None) -> JobConfig:
     """Options given on the command line override the file; absent ones (None) fall through."""
     values = load_toml(config_file) if config_file else {}
-    values.update({k: v for k, v in options.items() if v is not None})
+    values.update({k: tuple(v) if isinstance(v, list) else v for k, v in options.items() if v is not None})
     missing = [n for n in _REQUIRED if not values.get(n)]
     if missing:
         raise ConfigError(f"{', '.join(_option(n) for n in missing)} required (on the command line or in `--config`).")

@@ -16,15 +16,24 @@ import signal
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fleetgen.errors import ClusterError, InputError
 from jobs.config import JobConfig
+from jobs.dataset import describe_columns, write_card
 from jobs.fleet import FleetRecord
 from jobs.lock import OutputLock
-from jobs.models import HUB_ENV, describe, pin_revision, resolve_defaults
+from jobs.models import HUB_ENV, MAX_ADAPTERS, describe, pin_revision, resolve_adapters, resolve_defaults
 from jobs.progress import Progress
-from jobs.sharding import check_unique_ids, list_input_files, plan_shards, read_footer, resolve_columns
+from jobs.sharding import (
+    check_unique_ids,
+    distinct_strings,
+    largest,
+    list_input_files,
+    plan_shards,
+    read_footer,
+    resolve_columns,
+)
 from jobs.state import claim_output, committed_shards, fingerprint, pinned_revision, read_manifests
 from workers.layout import SUCCESS, SUMMARY
 from workers.shard import Shard
@@ -74,10 +83,14 @@ def run_job(config: JobConfig, progress_stream=None, progress_interval: float = 
     files = [read_footer(url) for url in list_input_files(config.input)]
     if sum(f.num_rows for f in files) == 0:
         raise InputError(f"`--input` {config.input} has no rows ({len(files)} file(s), all empty).")
-    columns = resolve_columns(files, config.columns())
+    columns = resolve_columns(files, config.columns(), config.prompt_template, config.column_list("keep_columns"),
+                              config.column_list("drop_columns"))
     config, pin_note = pin_revision(config, pinned_revision(output, config.model))
     config, family, sources = resolve_defaults(config, columns)
     check_unique_ids(files, columns)
+    adapters = resolve_adapters(config, columns, distinct_strings(files, columns.lora, MAX_ADAPTERS))
+    plan_size = (max(config.width, largest(files, columns.width) or 0),
+                 max(config.height, largest(files, columns.height) or 0))
     shards = plan_shards(files, config.rows_per_shard)
     stop = stop or threading.Event()
     lock = OutputLock(output)
@@ -88,19 +101,26 @@ def run_job(config: JobConfig, progress_stream=None, progress_interval: float = 
         _sweep(output)
         done = committed_shards(output)
         todo = [s for s in shards if s.id not in done]
-        progress = Progress(len(shards), sum(s.length for s in shards), shards_done=len(shards) - len(todo),
-                            rows_done=sum(s.length for s in shards if s.id in done),
+        retry = _with_errors(output, [s for s in shards if s.id in done]) if config.retry_errors else []
+        redone = {s.id for s in retry}  # counted as to do again
+        progress = Progress(len(shards), sum(s.length for s in shards), shards_done=len(shards) - len(todo) - len(retry),
+                            rows_done=sum(s.length for s in shards if s.id in done and s.id not in redone),
                             stream=progress_stream, interval=progress_interval)
         progress.log(describe(config, family, sources))
         if pin_note:
             progress.log(pin_note)
         if note:
             progress.log(note)
+        progress.log(describe_columns(config, columns, adapters))
         if len(todo) < len(shards):
             progress.log(f"resuming: {len(shards) - len(todo)} of {len(shards)} shards already committed")
+        if config.retry_errors:
+            progress.log(f"--retry-errors: {len(retry)} committed shard(s) have error rows; only those rows are redone")
+        todo += retry
         fleet = FleetRecord(output)
         try:
-            failures, workers = _dispatch(config, columns, todo, progress, stop, fleet) if todo else ([], [])
+            failures, workers = _dispatch(config, columns, todo, progress, stop, fleet, adapters,
+                                          plan_size) if todo else ([], [])
         except ClusterError as err:
             # Work done before the fleet was lost is still committed: say so in the summary. A job
             # that never placed a worker leaves nothing but job.json.
@@ -109,7 +129,9 @@ def run_job(config: JobConfig, progress_stream=None, progress_interval: float = 
                 _finish(output, shards, todo, started, progress, [], [], stop, error=str(err))
             raise
         fleet.flush()
-        return _finish(output, shards, todo, started, progress, failures, workers, stop)
+        summary = _finish(output, shards, todo, started, progress, failures, workers, stop)
+        write_card(output, config, family, columns, files[0].schema, summary)
+        return summary
     finally:
         lock.release()
 
@@ -166,8 +188,14 @@ def _stop_on_signals(stop: threading.Event, progress: Progress):
             signal.signal(sig, old)
 
 
+def _with_errors(output: Output, committed: list[Shard]) -> list[Shard]:
+    """Committed shards whose manifest has error rows, to be redone (only those rows) by `--retry-errors`."""
+    statuses = read_manifests(output, [s.id for s in committed], ["status"])
+    return [replace(s, retry_errors=True) for s in committed if any(r["status"] == "error" for r in statuses[s.id])]
+
+
 def _dispatch(config: JobConfig, columns, todo: list[Shard], progress: Progress, stop: threading.Event,
-              fleet: FleetRecord) -> tuple[list[dict], list[dict]]:
+              fleet: FleetRecord, adapters=(), plan_size=None) -> tuple[list[dict], list[dict]]:
     """Run `todo` on a pool of actors that follows the cluster; returns (failed shards, per-worker table)."""
     from cluster import WorkerPool, connect, disconnect, size_fleet
 
@@ -189,6 +217,7 @@ def _dispatch(config: JobConfig, columns, todo: list[Shard], progress: Progress,
                     threads=sizing.threads, trust_remote_code=config.trust_remote_code, offload=config.offload,
                     gpu_memory=budgets[i % len(budgets)] if budgets else gpu_memory, host_memory=host_memory,
                     strict_prompts=config.strict_prompts, revision=config.revision, variant=config.variant,
+                    adapters=adapters, plan_size=plan_size,
                 )
 
             progress.log(f"{sizing.describe()}; {len(todo)} shard(s) to generate")

@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from fleetgen.errors import ConfigError, one_line
-from jobs.config import JobConfig
+from jobs.config import JobConfig, parse_lora
 from workers.families import FAMILIES, Family, detect, read_family
 from workers.pipeline import is_hub_id
 from workers.shard import Columns
@@ -96,3 +96,30 @@ def describe(config: JobConfig, family: Family, sources: dict) -> str:
     if config.true_cfg_scale:
         parts.append(f"true CFG scale {config.true_cfg_scale:g}")
     return f"model family {family.name} ({', '.join(family.pipelines) or 'any pipeline'}): {', '.join(parts)}"
+
+
+MAX_ADAPTERS = 32  # every worker loads every adapter of the job up front and holds it in memory
+
+
+def resolve_adapters(config: JobConfig, columns: Columns, column_values: list[str]) -> tuple[tuple[str, str], ...]:
+    """Every LoRA the job can apply: `--lora` flags and the distinct values of the `lora` column,
+    as (named, where a worker loads it from). Refused here, before any worker starts: a value that
+    is neither an existing path nor a hub id, more than MAX_ADAPTERS, a pipeline without LoRA."""
+    found = {a.source: a.source for a in config.settings().loras}
+    for value in column_values:
+        if not value.strip():
+            continue  # "" means no adapter for the row
+        try:
+            found.setdefault(value, parse_lora(value).source)
+        except ConfigError as err:
+            raise ConfigError(f"Column `{columns.lora}`: {str(err).removeprefix('`--lora` ')}") from err
+    if len(found) > MAX_ADAPTERS:
+        raise ConfigError(f"The job names more than {MAX_ADAPTERS} LoRA adapters (flags and column `{columns.lora}`); "
+                          "every worker loads all of them. Split the job by adapter.")
+    if found and not is_hub_id(config.model):
+        import diffusers
+
+        cls = json.loads((Path(config.model).expanduser() / "model_index.json").read_text()).get("_class_name", "")
+        if hasattr(diffusers, cls) and not hasattr(getattr(diffusers, cls), "load_lora_weights"):
+            raise ConfigError(f"`--lora`: {cls} cannot load LoRA adapters (diffusers has no LoRA loader for it).")
+    return tuple(found.items())

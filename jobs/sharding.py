@@ -16,7 +16,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from fleetgen.errors import InputError
-from workers.shard import Columns, Shard
+from workers.batches import template_fields
+from workers.layout import RESERVED_COLUMNS
+from workers.shard import ROLES, Columns, Shard
 from workers.storage import url_to_fs
 
 
@@ -63,42 +65,122 @@ def read_footer(url: str) -> InputFile:
     return InputFile(url=url, size=size, row_groups=groups, schema=schema)
 
 
-_KINDS = {
-    "prompt": (pa.types.is_string, pa.types.is_large_string, pa.types.is_string_view),
-    "negative_prompt": (pa.types.is_string, pa.types.is_large_string, pa.types.is_string_view, pa.types.is_null),
-    "seed": (pa.types.is_integer, pa.types.is_null),
-    "id": (pa.types.is_string, pa.types.is_large_string, pa.types.is_integer),
+_STRING = (pa.types.is_string, pa.types.is_large_string, pa.types.is_string_view, pa.types.is_null)
+_INT = (pa.types.is_integer, pa.types.is_null)
+_NUMBER = (pa.types.is_integer, pa.types.is_floating, pa.types.is_null)
+_KINDS = {  # role: (type checks, what the type must be)
+    "prompt": (_STRING[:3], "a string"),
+    "negative_prompt": (_STRING, "a string"),
+    "seed": (_INT, "an integer"),
+    "id": ((*_STRING[:3], pa.types.is_integer), "a string or integer"),
+    "steps": (_INT, "an integer"),
+    "guidance": (_NUMBER, "a number"),
+    "width": (_INT, "an integer"),
+    "height": (_INT, "an integer"),
+    "num_images": (_INT, "an integer"),
+    "lora": (_STRING, "a string (a LoRA path or hub id)"),
+    "lora_scale": (_NUMBER, "a number"),
 }
 
 
-def resolve_columns(files: list[InputFile], wanted: Columns) -> Columns:
-    """Check the prompt column and types in every file; optional columns are kept only when
-    every file has them (a column in some files but not others is schema drift: an error)."""
+def _in_every_file(files: list[InputFile], name: str, what: str) -> bool:
+    """Whether every file has column `name` (False: none has it); some but not all is schema drift."""
+    have = [f for f in files if name in f.schema.names]
+    if 0 < len(have) < len(files):
+        f = next(f for f in files if name not in f.schema.names)
+        raise InputError(f"{what} `{name}` is in {have[0].url} but not in {f.url}: all input files must have the "
+                         "same columns.")
+    return bool(have)
+
+
+def resolve_columns(files: list[InputFile], wanted: Columns, template: str | None = None,
+                    keep: list[str] | None = None, drop: list[str] | None = None) -> Columns:
+    """Check the columns the job reads against every file, and choose the columns carried through.
+
+    The prompt column (or, with a template, every column the template names) must be in every
+    file; an optional role's column is used when every file has it. Every other column is carried
+    into the manifests and outputs with its type, unless `keep`/`drop` say otherwise."""
     first = files[0]
+    listed = ", ".join(first.schema.names)
     resolved = {}
-    for role in ("prompt", "id", "seed", "negative_prompt"):
+    fields = template_fields(template) if template is not None else []
+    for name in fields:
+        if not _in_every_file(files, name, "Template column"):
+            raise InputError(f"`--prompt-template` names column `{name}`, which {first.url} does not have "
+                             f"(columns: {listed}).")
+    for role in ROLES:
         name = getattr(wanted, role)
-        have = [f for f in files if name in f.schema.names]
-        if role == "prompt" and len(have) < len(files):
-            f = next(f for f in files if name not in f.schema.names)
-            raise InputError(
-                f"Input column `{name}` not found in {f.url} (columns: {', '.join(f.schema.names)}). "
-                "Pass `--prompt-column NAME`."
-            )
-        if 0 < len(have) < len(files):
-            f = next(f for f in files if name not in f.schema.names)
-            raise InputError(f"Column `{name}` is in {first.url if have[0] is first else have[0].url} "
-                             f"but not in {f.url}: all input files must have the same columns.")
-        if not have:
+        if role == "prompt" and template is not None:
+            resolved[role] = None  # the template builds the prompt
+            continue
+        present = _in_every_file(files, name, "Column")
+        if role == "prompt" and not present:
+            raise InputError(f"Input column `{name}` not found in {first.url} (columns: {listed}). "
+                             "Pass `--prompt-column NAME`, or build prompts with `--prompt-template`.")
+        if not present:
             resolved[role] = None
             continue
+        checks, must = _KINDS[role]
         for f in files:
             kind = f.schema.field(name).type
-            if not any(check(kind) for check in _KINDS[role]):
-                raise InputError(f"Column `{name}` in {f.url} has type {kind}; the {role} column must be "
-                                 f"{'an integer' if role == 'seed' else 'a string' if role != 'id' else 'a string or integer'}.")
+            if not any(check(kind) for check in checks):
+                raise InputError(f"Column `{name}` in {f.url} has type {kind}; the {role.replace('_', ' ')} column "
+                                 f"must be {must}.")
         resolved[role] = name
-    return Columns(**resolved)
+    roles = {n for n in resolved.values() if n}
+    for option, names in (("--keep-columns", keep), ("--drop-columns", drop)):
+        unknown = [n for n in names or [] if n not in first.schema.names]
+        if unknown:
+            raise InputError(f"`{option}` names `{unknown[0]}`, which {first.url} does not have (columns: {listed}).")
+    carry = [n for n in first.schema.names if n not in roles and (keep is None or n in keep) and n not in (drop or [])]
+    for name in carry:
+        _in_every_file(files, name, "Column")
+        if name in RESERVED_COLUMNS:
+            raise InputError(f"Input column `{name}` would be carried into the outputs, which have a `{name}` column "
+                             f"of their own. Pass `--drop-columns {name}` (a template can still read it), or rename it.")
+    return Columns(**resolved, carry=tuple(carry), template_fields=tuple(fields))
+
+
+def largest(files: list[InputFile], column: str | None) -> int | None:
+    """The largest value of an integer column, from the row groups' statistics (read from the
+    footers already in hand) where they have them, else from the column itself."""
+    if column is None:
+        return None
+    best = None
+    for f in files:
+        fs, path = url_to_fs(f.url)
+        with fs.open(path, "rb") as fh:
+            pf = pq.ParquetFile(fh)
+            index = pf.schema_arrow.get_field_index(column)
+            for g in range(pf.metadata.num_row_groups):
+                stats = pf.metadata.row_group(g).column(index).statistics
+                if stats is not None and stats.has_min_max:
+                    top = stats.max
+                elif stats is not None and stats.null_count == pf.metadata.row_group(g).num_rows:
+                    continue
+                else:
+                    top = pc.max(pf.read_row_group(g, columns=[column]).column(0)).as_py()
+                if top is not None:
+                    best = top if best is None else max(best, top)
+    return best
+
+
+def distinct_strings(files: list[InputFile], column: str | None, limit: int) -> list[str]:
+    """The distinct non-null values of a string column (at most `limit`+1 are kept: more is an error
+    for the caller to word)."""
+    if column is None:
+        return []
+    seen: dict[str, None] = {}
+    for f in files:
+        fs, path = url_to_fs(f.url)
+        with fs.open(path, "rb") as fh:
+            pf = pq.ParquetFile(fh)
+            for g in range(pf.metadata.num_row_groups):
+                values = pc.unique(pf.read_row_group(g, columns=[column]).column(0).drop_null())
+                seen.update(dict.fromkeys(values.to_pylist()))
+                if len(seen) > limit:
+                    return list(seen)
+    return list(seen)
 
 
 def plan_shards(files: list[InputFile], rows_per_shard: int) -> list[Shard]:

@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -20,13 +21,13 @@ from fleetgen import __version__
 from fleetgen.errors import StorageError
 from jobs.config import JobConfig
 from jobs.sharding import InputFile
-from workers.layout import FLEET, JOB, SHARDS, SUCCESS, SUMMARY, WORKERS, manifest_key
+from workers.layout import CARD, FLEET, JOB, SHARDS, SUCCESS, SUMMARY, WIDS_INDEX, WORKERS, manifest_key
 from workers.pipeline import is_hub_id
 from workers.shard import Columns
 from workers.storage import Output
 
 # What --overwrite removes: everything fleetgen writes, nothing else under OUT.
-_JOB_OBJECTS = (JOB, SUMMARY, SUCCESS, FLEET, SHARDS, WORKERS, "images", "data")
+_JOB_OBJECTS = (JOB, SUMMARY, SUCCESS, FLEET, CARD, WIDS_INDEX, SHARDS, WORKERS, "images", "data")
 
 
 def model_identity(model: str, revision: str | None = None, variant: str | None = None) -> str:
@@ -51,13 +52,14 @@ def pinned_revision(output: Output, model: str) -> str | None:
 def fingerprint(config: JobConfig, files: list[InputFile], columns: Columns) -> dict:
     """Everything that changes which images a job makes. Execution settings (workers, batch,
     device) are left out: a job may resume on other hardware."""
-    settings = config.settings().__dict__
-    return {
+    settings = asdict(config.settings())
+    record = {
         "input": [{"url": f.url, "bytes": f.size, "rows": f.num_rows} for f in files],
         "model": model_identity(config.model, config.revision, config.variant),
         "generation": {**settings, "rows_per_shard": config.rows_per_shard},
-        "columns": columns.__dict__,
+        "columns": asdict(columns),
     }
+    return json.loads(json.dumps(record))  # as job.json holds it (tuples are lists there), to compare
 
 
 def _differences(old: dict, new: dict) -> list[str]:

@@ -5,7 +5,14 @@ import pytest
 from fleetgen.errors import InputError
 from jobs.sharding import list_input_files, plan_shards, read_footer, resolve_columns
 from tests.conftest import write_prompts
-from workers.shard import Columns, read_shard, shard_rows
+from workers.batches import Look, Recipe, shard_images
+from workers.shard import SETTING_ROLES, Columns, read_shard
+
+NO_SETTINGS = dict.fromkeys(SETTING_ROLES)  # an input with no per-row setting columns
+
+
+def shard_rows(shard, table, columns, job_seed):
+    return shard_images(shard, table, columns, Recipe(Look(64, 64, 2, 5.0), seed=job_seed))
 
 
 def footers(url):
@@ -27,8 +34,8 @@ def test_big_row_group_splits_into_row_ranges(tmp_path):
     shards = plan_shards(files, rows_per_shard=300)
     assert [(s.offset, s.length) for s in shards] == [(0, 300), (300, 300), (600, 300), (900, 100)]
     # a worker reads exactly its rows
-    rows = shard_rows(shards[3], read_shard(shards[3], Columns(id=None, seed=None, negative_prompt=None)),
-                      Columns(id=None, seed=None, negative_prompt=None), job_seed=0)
+    rows = shard_rows(shards[3], read_shard(shards[3], Columns(id=None, seed=None, negative_prompt=None, **NO_SETTINGS)),
+                      Columns(id=None, seed=None, negative_prompt=None, **NO_SETTINGS), job_seed=0)
     assert [r.prompt for r in rows] == [f"p{i}" for i in range(900, 1000)]
     assert rows[0].id == "00000-000000900"
 
@@ -67,7 +74,7 @@ def test_nulls_become_error_rows_and_seeds_are_used(tmp_path):
                   id=["r0", "r1", "r2", "../r3"])
     files = footers(str(tmp_path / "p.parquet"))
     cols = resolve_columns(files, Columns())
-    assert cols == Columns("prompt", "id", "seed", None)
+    assert cols == Columns("prompt", "id", "seed", None, **NO_SETTINGS)
     shard = plan_shards(files, 10)[0]
     rows = shard_rows(shard, read_shard(shard, cols), cols, job_seed=3)
     assert [r.error is None for r in rows] == [True, False, False, False]

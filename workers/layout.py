@@ -16,6 +16,8 @@ SUCCESS = "_SUCCESS"  # only when every shard committed
 SHARDS = "shards"  # shard manifests: their presence is the shard's commit
 WORKERS = "workers"
 LOCK = "_LOCK"  # the running driver's name and heartbeat (jobs/lock.py)
+CARD = "README.md"  # the dataset card (jobs/dataset.py), rewritten at the end of every run
+WIDS_INDEX = "wids-index.json"  # webdataset output: every shard's URL and sample count, for `wids`
 FLEET = "fleet.json"  # the workers as the driver last saw them, and the latest fleet events (jobs/fleet.py)
 
 IMAGE_FORMATS = {"png": "png", "jpeg": "jpg", "webp": "webp"}  # --image-format -> file extension
@@ -52,12 +54,15 @@ def data_key(shard_id: str, output_format: str) -> str:
     return f"data/{shard_id}.{'tar' if output_format == 'webdataset' else 'parquet'}"
 
 
-# One row per input row, ok or error. `image` is the object holding the image; `member` the name
-# inside it for webdataset tars (null otherwise).
+# One row per image, ok or error (a row of the input gives one image, or several with
+# `--images-per-prompt`/`num_images`), followed by the input columns carried through. `image` is the
+# object holding the image; `member` the name inside it for webdataset tars (null otherwise).
 MANIFEST_SCHEMA = pa.schema(
     [
-        ("id", pa.string()),
-        ("prompt", pa.string()),
+        ("id", pa.string()),  # the image id: the row id, or `<row id>-<k>` when rows make several images
+        ("row_id", pa.string()),  # the input row's id
+        ("image_index", pa.int32()),  # k: which of its row's images
+        ("prompt", pa.string()),  # as generated (rendered from the template when there is one)
         ("negative_prompt", pa.string()),
         ("seed", pa.int64()),
         ("status", pa.string()),  # "ok" | "error" | "filtered" (flagged by the pipeline's safety checker)
@@ -71,9 +76,17 @@ MANIFEST_SCHEMA = pa.schema(
         ("height", pa.int32()),
         ("steps", pa.int32()),
         ("guidance", pa.float32()),
+        ("lora", pa.list_(pa.string())),  # the LoRA adapters applied, as the job or the row named them
+        ("lora_scale", pa.list_(pa.float32())),  # their scales, in the same order
+        ("template", pa.string()),  # the prompt template the prompt was rendered from (null: none)
         ("batch", pa.int32()),  # images in the pipeline call that made this one
         ("worker", pa.string()),
         ("device", pa.string()),
         ("seconds", pa.float32()),  # this image's share of its batch's wall time
     ]
 )
+
+
+# What the manifest and the image records already use: an input column of one of these names can
+# be carried only under another name (or dropped with `--drop-columns`).
+RESERVED_COLUMNS = frozenset([*MANIFEST_SCHEMA.names, "model", "__key__", "__url__"])

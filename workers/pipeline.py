@@ -110,3 +110,49 @@ def size_multiple(model: str) -> tuple[int, str] | None:
         cfg = json.loads((root / denoiser / "config.json").read_text()) if (root / denoiser / "config.json").exists() else {}
         patch = 2 if cls.startswith("Flux") else int(cfg.get("patch_size") or 1)  # Flux packs 2x2 latents
     return scale * patch, f"VAE scale {scale} x patch {patch}"
+
+
+def pipe_size_multiple(pipe) -> int:
+    """What image sizes must be a multiple of for a loaded pipeline (as `size_multiple` for a
+    directory): the VAE's scale factor times the denoiser's patch (Flux packs 2x2 latents)."""
+    scale = int(getattr(pipe, "vae_scale_factor", None) or 8)
+    denoiser = getattr(pipe, "transformer", None)
+    if denoiser is None:
+        return scale
+    if type(denoiser).__name__.startswith("Flux"):
+        return scale * 2
+    return scale * int(getattr(denoiser.config, "patch_size", None) or 1)
+
+
+def load_adapters(pipe, sources: tuple[tuple[str, str], ...], worker: str = "worker") -> dict[str, str]:
+    """Load every LoRA the job can use, once, before the pipeline is planned and offloaded (so their
+    bytes are planned for, and group offloading covers them). `sources`: (as the job or a row names
+    it, where to load it from). Returns {as named: adapter name}."""
+    if not sources:
+        return {}
+    if not hasattr(pipe, "load_lora_weights"):
+        raise ConfigError(f"`--lora`: {type(pipe).__name__} cannot load LoRA adapters (diffusers has no LoRA "
+                          "loader for it).")
+    names = {}
+    for i, (source, location) in enumerate(sources):
+        name = f"lora{i}"
+        try:
+            pipe.load_lora_weights(location, adapter_name=name)
+        except Exception as err:  # noqa: BLE001 - a missing file, a hub error, a LoRA for another model
+            raise FleetgenError(f"Could not load LoRA `{source}`: {one_line(err)}") from err
+        names[source] = name
+    print(f"[fleetgen] {worker}: loaded {len(names)} LoRA adapter(s)", flush=True)
+    activate_adapters(pipe, names, ())
+    return names
+
+
+def activate_adapters(pipe, names: dict[str, str], adapters) -> None:
+    """Make `adapters` (sources with scales) the active LoRA set; none: LoRA layers off. Switching
+    only sets scales in the adapter layers: no weights move, offloading hooks stay as they are."""
+    if not names:
+        return
+    if not adapters:
+        pipe.disable_lora()
+        return
+    pipe.enable_lora()
+    pipe.set_adapters([names[a.source] for a in adapters], adapter_weights=[a.scale for a in adapters])

@@ -24,6 +24,8 @@ from workers.storage import Output
 # For `datasets.load_dataset("parquet", ...)`: the `image` struct decodes as an Image feature.
 _HF_FEATURES = {
     "id": {"dtype": "string", "_type": "Value"},
+    "row_id": {"dtype": "string", "_type": "Value"},
+    "image_index": {"dtype": "int32", "_type": "Value"},
     "prompt": {"dtype": "string", "_type": "Value"},
     "negative_prompt": {"dtype": "string", "_type": "Value"},
     "seed": {"dtype": "int64", "_type": "Value"},
@@ -32,12 +34,16 @@ _HF_FEATURES = {
     "height": {"dtype": "int32", "_type": "Value"},
     "steps": {"dtype": "int32", "_type": "Value"},
     "guidance": {"dtype": "float32", "_type": "Value"},
+    "lora": {"feature": {"dtype": "string", "_type": "Value"}, "_type": "List"},
+    "lora_scale": {"feature": {"dtype": "float32", "_type": "Value"}, "_type": "List"},
     "sha256": {"dtype": "string", "_type": "Value"},
     "nsfw": {"dtype": "bool", "_type": "Value"},
 }
 PARQUET_SCHEMA = pa.schema(
     [
         ("id", pa.string()),
+        ("row_id", pa.string()),
+        ("image_index", pa.int32()),
         ("prompt", pa.string()),
         ("negative_prompt", pa.string()),
         ("seed", pa.int64()),
@@ -46,6 +52,8 @@ PARQUET_SCHEMA = pa.schema(
         ("height", pa.int32()),
         ("steps", pa.int32()),
         ("guidance", pa.float32()),
+        ("lora", pa.list_(pa.string())),
+        ("lora_scale", pa.list_(pa.float32())),
         ("sha256", pa.string()),
         ("nsfw", pa.bool_()),  # the safety checker's verdict where the pipeline has one (flagged images are not stored)
     ],
@@ -54,8 +62,12 @@ PARQUET_SCHEMA = pa.schema(
 
 
 class Sink(Protocol):
-    def add(self, batch: list[tuple[str, bytes, dict]]) -> list[tuple[str, str | None]]:
-        """Store `(id, image bytes, metadata)` items; return `(object key, member)` for each."""
+    def add(self, batch: list[tuple[str, bytes, dict]], carried: pa.Table | None) -> list[tuple[str, str | None]]:
+        """Store `(id, image bytes, metadata)` items, with their rows' carried input columns
+        (`carried`, one row per item, or None); return `(object key, member)` for each."""
+
+    def keep_existing(self) -> None:
+        """A retry of a committed shard's error rows: put what the shard's object holds first."""
 
     def close(self) -> None:
         """Finish the shard's objects (after the last batch)."""
@@ -65,17 +77,20 @@ class Sink(Protocol):
 
 
 class FilesSink:
-    def __init__(self, output: Output, shard_id: str, image_format: str):
+    def __init__(self, output: Output, shard_id: str, image_format: str, carried: pa.Schema | None = None):
         self.output, self.shard_id, self.image_format = output, shard_id, image_format
         output.sweep_tmp(f"images/{shard_id}")  # a killed earlier attempt's half-written files
 
-    def add(self, batch):
+    def add(self, batch, carried=None):
         keys = []
         for row_id, data, _meta in batch:
             key = image_key(self.shard_id, row_id, self.image_format)
             self.output.put(key, data)
             keys.append((key, None))
         return keys
+
+    def keep_existing(self) -> None:
+        pass  # one object per image: the kept ones are not touched
 
     def close(self) -> None:
         pass
@@ -85,7 +100,8 @@ class FilesSink:
 
 
 class WebDatasetSink:
-    def __init__(self, output: Output, shard_id: str, image_format: str):
+    def __init__(self, output: Output, shard_id: str, image_format: str, carried: pa.Schema | None = None):
+        self.output = output
         self.key = data_key(shard_id, "webdataset")
         self.ext = IMAGE_FORMATS[image_format]
         self.stream = output.open_write(self.key)
@@ -96,13 +112,20 @@ class WebDatasetSink:
         info.size, info.mtime, info.mode = len(data), 0, 0o644  # mtime 0: same bytes on a retry
         self.tar.addfile(info, io.BytesIO(data))
 
-    def add(self, batch):
+    def add(self, batch, carried=None):
         keys = []
-        for row_id, data, meta in batch:
+        extra = carried.to_pylist() if carried is not None else [{}] * len(batch)
+        for (row_id, data, meta), columns in zip(batch, extra, strict=True):
             self._member(f"{row_id}.{self.ext}", data)
-            self._member(f"{row_id}.json", json.dumps(meta, sort_keys=True).encode())
+            # default=str: dates, decimals and the like become strings in the sample's JSON
+            self._member(f"{row_id}.json", json.dumps({**meta, **columns}, sort_keys=True, default=str).encode())
             keys.append((self.key, f"{row_id}.{self.ext}"))
         return keys
+
+    def keep_existing(self) -> None:
+        with tarfile.open(fileobj=io.BytesIO(self.output.get(self.key)), mode="r:") as old:
+            for info in old:
+                self._member(info.name, old.extractfile(info).read())
 
     def close(self) -> None:
         self.tar.close()
@@ -112,21 +135,36 @@ class WebDatasetSink:
         Output.discard(self.stream)
 
 
+def parquet_schema(carried: pa.Schema | None) -> pa.Schema:
+    """`PARQUET_SCHEMA` followed by the carried input columns, as typed in the input."""
+    if carried is None:
+        return PARQUET_SCHEMA
+    return pa.schema([*PARQUET_SCHEMA, *carried], metadata=PARQUET_SCHEMA.metadata)
+
+
 class ParquetSink:
-    def __init__(self, output: Output, shard_id: str, image_format: str):
+    def __init__(self, output: Output, shard_id: str, image_format: str, carried: pa.Schema | None = None):
+        self.output = output
         self.key = data_key(shard_id, "parquet")
         self.ext = IMAGE_FORMATS[image_format]
+        self.schema = parquet_schema(carried)
         self.stream = output.open_write(self.key)
-        self.writer = pq.ParquetWriter(self.stream, PARQUET_SCHEMA)
+        self.writer = pq.ParquetWriter(self.stream, self.schema)
 
-    def add(self, batch):
+    def add(self, batch, carried=None):
         rows = [
             {**{k: meta[k] for k in PARQUET_SCHEMA.names if k in meta},
              "image": {"bytes": data, "path": f"{row_id}.{self.ext}"}}
             for row_id, data, meta in batch
         ]
-        self.writer.write_table(pa.Table.from_pylist(rows, schema=PARQUET_SCHEMA))
+        table = pa.Table.from_pylist(rows, schema=PARQUET_SCHEMA)
+        if carried is not None:
+            table = pa.Table.from_arrays([*table.columns, *carried.columns], schema=self.schema)
+        self.writer.write_table(table)
         return [(self.key, None)] * len(batch)
+
+    def keep_existing(self) -> None:
+        self.writer.write_table(pq.read_table(io.BytesIO(self.output.get(self.key))).cast(self.schema))
 
     def close(self) -> None:
         self.writer.close()
@@ -139,5 +177,7 @@ class ParquetSink:
 SINKS = {"files": FilesSink, "webdataset": WebDatasetSink, "parquet": ParquetSink}
 
 
-def open_sink(output: Output, shard_id: str, output_format: str, image_format: str) -> Sink:
-    return SINKS[output_format](output, shard_id, image_format)
+def open_sink(output: Output, shard_id: str, output_format: str, image_format: str,
+              carried: pa.Schema | None = None) -> Sink:
+    """`carried`: the input columns carried into each image's record, as typed in the input."""
+    return SINKS[output_format](output, shard_id, image_format, carried)

@@ -288,3 +288,25 @@ def build_tiny_flux(seed: int = 0, guidance_embeds: bool = False):
 TINY_FAMILIES = {"sd": build_tiny_pipeline, "sdxl": build_tiny_sdxl, "sd3": build_tiny_sd3,
                  "flux": lambda seed: build_tiny_flux(seed, guidance_embeds=True), "flux-schnell": build_tiny_flux,
                  "pixart-sigma": build_tiny_pixart_sigma, "sana": build_tiny_sana}
+
+
+def write_tiny_lora(path: str | Path, model_dir: str | Path, seed: int = 0, rank: int = 4) -> Path:
+    """Write a random LoRA for the tiny `sd` pipeline at `model_dir` (its UNet's attention
+    projections) as a diffusers LoRA file, loadable with `load_lora_weights(path)`. Both LoRA
+    matrices are random, so an adapter visibly changes the images."""
+    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    unet = UNet2DConditionModel.from_pretrained(Path(model_dir) / "unet")
+    unet.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in unet.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    StableDiffusionPipeline.save_lora_weights(path.parent, unet_lora_layers=get_peft_model_state_dict(unet),
+                                              weight_name=path.name, safe_serialization=True)
+    return path

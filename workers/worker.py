@@ -20,13 +20,22 @@ import torch
 from fleetgen import __version__
 from fleetgen.errors import FleetgenError, ShardError
 from offload import OffloadStats, apply, pipeline_modules, profile_pipeline
+from workers.batches import Adapter, Image, Look, Recipe, group_images, shard_images
 from workers.families import FAMILIES, GENERIC, call_kwargs, prompt_limit, takes_negative_prompt
 from workers.fit import choose_plan, leaner_plan
 from workers.layout import MANIFEST_SCHEMA, manifest_key, worker_key
-from workers.pipeline import describe_device, load_pipeline, resolve_device, resolve_dtype
+from workers.pipeline import (
+    activate_adapters,
+    describe_device,
+    load_adapters,
+    load_pipeline,
+    pipe_size_multiple,
+    resolve_device,
+    resolve_dtype,
+)
 from workers.probe import probe
 from workers.seeds import generators
-from workers.shard import Columns, Row, Shard, read_shard, shard_rows
+from workers.shard import Columns, Shard, read_shard
 from workers.sinks import open_sink
 from workers.storage import Output
 
@@ -46,6 +55,14 @@ class GenerationSettings:
     output_format: str = "files"  # files | webdataset | parquet
     family: str = "sd"  # pipeline family (workers/families.py): how the pipeline is called
     true_cfg_scale: float | None = None  # Flux: > 1 applies negative prompts (true CFG)
+    images_per_prompt: int = 1  # images per row (a row's `num_images` column overrides it)
+    prompt_template: str | None = None  # builds each prompt from columns, e.g. "a {style} photo of a {label}"
+    loras: tuple[Adapter, ...] = ()  # adapters on every image (a row's `lora` column replaces them)
+
+    def recipe(self, size_multiple: int = 8) -> Recipe:
+        return Recipe(Look(self.width, self.height, self.steps, self.guidance, self.loras), seed=self.seed,
+                      images_per_prompt=self.images_per_prompt, template=self.prompt_template,
+                      size_multiple=size_multiple, dotless_ids=self.output_format == "webdataset")
 
 
 @dataclass(frozen=True)
@@ -68,6 +85,8 @@ class WorkerSpec:
     strict_prompts: bool = False  # a prompt longer than the text encoder takes is an error, not truncated
     revision: str | None = None  # hub models: the commit the driver pinned
     variant: str | None = None  # weights variant, e.g. fp16
+    adapters: tuple[tuple[str, str], ...] = ()  # every LoRA the job uses (flags, `lora` column): (as named, location)
+    plan_size: tuple[int, int] | None = None  # the largest (width, height) in the job, planned for
 
 
 @dataclass(frozen=True)
@@ -109,16 +128,21 @@ class Worker:
         self.pipe = load_pipeline(spec.model, self.dtype, spec.trust_remote_code, revision=spec.revision,
                                   variant=spec.variant, worker=spec.name)
         self._takes_negative = takes_negative_prompt(self.pipe)
+        # Adapters before profiling and offloading: their bytes are planned for and offloaded with their layers.
+        self.adapters = load_adapters(self.pipe, spec.adapters, spec.name)
+        self._active: tuple[Adapter, ...] | None = None
+        self.recipe = spec.settings.recipe(pipe_size_multiple(self.pipe))
         self.profile = profile_pipeline(self.pipe, spec.model)
         self.probe = probe(self.device, self.dtype)
         s = spec.settings
-        self._fit = {"offload": spec.offload, "width": s.width, "height": s.height, "steps": s.steps,
+        width, height = spec.plan_size or (s.width, s.height)
+        self._fit = {"offload": spec.offload, "width": width, "height": height, "steps": s.steps,
                      "cfg": self.family.doubles_batch(s.guidance, s.true_cfg_scale), "host_memory": spec.host_memory}
         self.plan = choose_plan(self.profile, self.device, self.probe, max_batch=spec.max_batch,
                                 gpu_memory=spec.gpu_memory, **self._fit)
         self.placed = apply(self.pipe, self.plan, self.profile, self.device, tag=spec.name)
         if self.device.type == "cuda":  # kernels, allocator and stream prefetch order settle on a first call
-            self.pipe(**self._kwargs(["warm up"], [None], steps=1, generator=None))
+            self.pipe(**self._kwargs(["warm up"], [None], Look(width, height, 1, s.guidance), generator=None))
             torch.cuda.reset_peak_memory_stats(self.device)
         self.offload_stats = OffloadStats(pipeline_modules(self.pipe), self.device)
         self.batch_size = self.plan.batch_size
@@ -168,89 +192,129 @@ class Worker:
         Images are written as they are made; the manifest is written last and is the commit. A
         `speculative` attempt (a second try at a straggling shard) holds its images until it
         finishes and writes them only if no other attempt committed meanwhile; a normal attempt
-        stops at its next batch once another has committed. The first commit wins.
+        stops at its next batch once another has committed. The first commit wins. A shard with
+        `retry_errors` is committed already: only its error images are made again, the rest of its
+        manifest and its stored images are kept as they are, and a new manifest is committed.
         """
         started = time.perf_counter()
-        s, name = self.spec.settings, self.spec.name
-        rows = shard_rows(shard, read_shard(shard, self.spec.columns), self.spec.columns, s.seed)
-        records = {r.id: self._record(r) for r in rows}
-        for r in rows:
-            if r.error is None:
-                self._check_length(r, records[r.id])
-        todo = [r for r in rows if records[r.id]["status"] == "ok"]
-        sink = None if speculative else open_sink(self.output, shard.id, s.output_format, s.image_format)
+        name = self.spec.name
+        table = read_shard(shard, self.spec.columns)
+        images = shard_images(shard, table, self.spec.columns, self.recipe)
+        records = {im.id: self._record(im) for im in images}
+        for im in images:
+            if im.error is None:
+                self._check_length(im, records[im.id])
+        base, kept = self._keep_committed(shard, records) if shard.retry_errors else (None, set())
+        redo = {im.id for im in images if records[im.id]["status"] == "ok" and im.id not in kept}
+        todo = [im for im in images if im.id in redo]
+        sink = None if speculative else self._open_sink(shard, table, base)
         held: list[_Made] = []  # a speculative attempt's images, written only if it wins
-        failures = i = 0
-        while i < len(todo):
-            if sink is not None and self._committed(shard):
-                sink.abort()
-                yield ShardResult(shard.id, name, 0, 0, time.perf_counter() - started, committed_by_other=True)
-                return
-            batch = todo[i : i + self.batch_size]
-            i += len(batch)
-            made, failed = self._generate(batch)
-            if sink is None:
-                held += made
-            else:
-                self._store(sink, made, records)
-            for row_id, error in failed.items():
-                records[row_id].update(status="error", error=error)
-            failures += len(failed)
-            filtered = sum(m.data is None for m in made)  # flagged by a safety checker: not stored
-            yield BatchDone(shard.id, name, len(made) - filtered, len(failed) + filtered)
-        if todo and failures == len(todo):
+        failures = 0
+        for group in group_images(todo):
+            i = 0
+            while i < len(group):
+                if sink is not None and self._committed(shard, base):
+                    sink.abort()
+                    yield ShardResult(shard.id, name, 0, 0, time.perf_counter() - started, committed_by_other=True)
+                    return
+                batch = group[i : i + self.batch_size]
+                i += len(batch)
+                made, failed = self._generate(batch)
+                if sink is None:
+                    held += made
+                else:
+                    self._store(sink, made, records, table)
+                for image_id, error in failed.items():
+                    records[image_id].update(status="error", error=error)
+                failures += len(failed)
+                filtered = sum(m.data is None for m in made)  # flagged by a safety checker: not stored
+                yield BatchDone(shard.id, name, len(made) - filtered, len(failed) + filtered)
+        if todo and failures == len(todo) and base is None:
             raise ShardError(f"Shard {shard.id}: every row failed in the pipeline; first error: "
                              f"{records[todo[0].id]['error']}")
-        if self._committed(shard):
+        if self._committed(shard, base):
             if sink is not None:
                 sink.abort()
             yield ShardResult(shard.id, name, 0, 0, time.perf_counter() - started, committed_by_other=True)
             return
         if sink is None:
-            sink = open_sink(self.output, shard.id, s.output_format, s.image_format)
-            self._store(sink, held, records)
+            sink = self._open_sink(shard, table, base)
+            self._store(sink, held, records, table)
         sink.close()
-        self._commit(shard, list(records.values()))
-        ok = sum(r["status"] == "ok" for r in records.values())
+        self._commit(shard, [records[im.id] for im in images], table, [im.row for im in images])
+        fresh = [r for i, r in records.items() if i not in kept]  # what this attempt decided
+        ok = sum(r["status"] == "ok" for r in fresh)
         self.stats["shards"] += 1
         self.stats["images"] += ok
-        self.stats["errors"] += len(rows) - ok
+        self.stats["errors"] += len(fresh) - ok
         self.write_info()
-        yield ShardResult(shard.id, name, ok, len(rows) - ok, time.perf_counter() - started)
+        yield ShardResult(shard.id, name, ok, len(fresh) - ok, time.perf_counter() - started)
 
-    def _committed(self, shard: Shard) -> bool:
-        return self.output.exists(manifest_key(shard.id))
+    def _open_sink(self, shard: Shard, table: pa.Table, base: bytes | None):
+        s, carry = self.spec.settings, self.spec.columns.carry
+        carried = table.select(list(carry)).schema.remove_metadata() if carry else None
+        sink = open_sink(self.output, shard.id, s.output_format, s.image_format, carried)
+        if base is not None:
+            sink.keep_existing()  # a retry: the shard's stored images stay, byte for byte
+        return sink
 
-    @staticmethod
-    def _store(sink, made: list[_Made], records: dict) -> None:
+    def _keep_committed(self, shard: Shard, records: dict) -> tuple[bytes, set[str]]:
+        """For a retry: take every committed record that is not an error as it is (its image stays
+        where it is stored). Returns the committed manifest's bytes (if they change meanwhile,
+        another attempt committed first) and the ids kept."""
+        try:
+            base = self.output.get(manifest_key(shard.id))
+        except FileNotFoundError as err:
+            raise ShardError(f"Shard {shard.id} has no committed manifest to retry the error rows of.") from err
+        kept = set()
+        for old in pq.read_table(io.BytesIO(base), columns=MANIFEST_SCHEMA.names).to_pylist():
+            if old["id"] in records and old["status"] != "error":
+                records[old["id"]] = old
+                kept.add(old["id"])
+        return base, kept
+
+    def _committed(self, shard: Shard, base: bytes | None = None) -> bool:
+        if base is None:
+            return self.output.exists(manifest_key(shard.id))
+        try:
+            return self.output.get(manifest_key(shard.id)) != base
+        except FileNotFoundError:
+            return False
+
+    def _store(self, sink, made: list[_Made], records: dict, table: pa.Table) -> None:
         kept = [m for m in made if m.data is not None]
-        stored = sink.add([(m.id, m.data, m.meta) for m in kept]) if kept else []
-        for m, (key, member) in zip(kept, stored, strict=True):
-            records[m.id].update(m.record, image=key, member=member)
+        if kept:
+            carry = self.spec.columns.carry
+            carried = table.select(list(carry)).take([m.row for m in kept]) if carry else None
+            stored = sink.add([(m.id, m.data, m.meta) for m in kept], carried)
+            for m, (key, member) in zip(kept, stored, strict=True):
+                records[m.id].update(m.record, image=key, member=member)
         for m in made:
             if m.data is None:
                 records[m.id].update(m.record)
 
-    def _record(self, row: Row) -> dict:
-        s = self.spec.settings
+    def _record(self, im: Image) -> dict:
+        look = im.look
         return {
-            "id": row.id, "prompt": row.prompt, "negative_prompt": row.negative_prompt, "seed": row.seed,
-            "status": "error" if row.error else "ok", "error": row.error, "warning": None, "image": None, "member": None,
-            "nsfw": None,
-            "sha256": None, "width": s.width, "height": s.height, "steps": s.steps, "guidance": s.guidance,
+            "id": im.id, "row_id": im.row_id, "image_index": im.index, "prompt": im.prompt,
+            "negative_prompt": im.negative_prompt, "seed": im.seed,
+            "status": "error" if im.error else "ok", "error": im.error, "warning": None, "image": None, "member": None,
+            "nsfw": None, "sha256": None, "width": look.width, "height": look.height, "steps": look.steps,
+            "guidance": look.guidance, "lora": [a.source for a in look.adapters],
+            "lora_scale": [a.scale for a in look.adapters], "template": self.recipe.template,
             "batch": None, "worker": self.spec.name, "device": self.info["device"]["name"], "seconds": None,
         }
 
-    def _check_length(self, row: Row, record: dict) -> None:
+    def _check_length(self, im: Image, record: dict) -> None:
         """Prompts longer than the text encoder that reads the whole prompt takes (T5 or Gemma
-        where the family has one, else CLIP) are truncated by the pipeline: say so per row, or
-        make it an error row with `--strict-prompts`."""
-        if row.negative_prompt and not self._takes_negative:
+        where the family has one, else CLIP) are truncated by the pipeline: say so per image, or
+        make it an error with `--strict-prompts`."""
+        if im.negative_prompt and not self._takes_negative:
             record["warning"] = f"negative prompt ignored: {type(self.pipe).__name__} takes none"
         tokenizer, limit = prompt_limit(self.pipe, self.family)
         if tokenizer is None or not limit:
             return
-        n = len(tokenizer(row.prompt, truncation=False).input_ids)
+        n = len(tokenizer(im.prompt, truncation=False).input_ids)
         if n <= limit:
             return
         if self.spec.strict_prompts:
@@ -258,9 +322,9 @@ class Worker:
         else:
             record["warning"] = "; ".join(filter(None, [record["warning"], f"prompt truncated to {limit} of {n} tokens"]))
 
-    def _generate(self, batch: list[Row]) -> tuple[list[_Made], dict[str, str]]:
-        """Run one pipeline call; if it raises, run its rows one at a time so that one bad row
-        costs only itself. Returns what was made and `{row id: error message}`."""
+    def _generate(self, batch: list[Image]) -> tuple[list[_Made], dict[str, str]]:
+        """Run one pipeline call; if it raises, run its images one at a time so that one bad row
+        costs only itself. Returns what was made and `{image id: error message}`."""
         try:
             return self._call(batch), {}
         except torch.OutOfMemoryError as err:
@@ -276,8 +340,8 @@ class Worker:
             if len(batch) == 1:
                 return [], {batch[0].id: f"{type(err).__name__}: {err}"}
         made, failed = [], {}
-        for row in batch:
-            m, f = self._generate([row])
+        for im in batch:
+            m, f = self._generate([im])
             made += m
             failed.update(f)
         return made, failed
@@ -313,39 +377,48 @@ class Worker:
         self.placed = apply(self.pipe, new_plan, self.profile, self.device, tag=self.spec.name)
         self.offload_stats = OffloadStats(pipeline_modules(self.pipe), self.device)
 
-    def _kwargs(self, prompts: list[str], negatives: list[str | None], steps: int, generator) -> dict:
-        s = self.spec.settings
-        return call_kwargs(self.pipe, self.family, prompts, negatives, steps=steps, guidance=s.guidance, width=s.width,
-                           height=s.height, true_cfg_scale=s.true_cfg_scale, generator=generator)
+    def _kwargs(self, prompts: list[str], negatives: list[str | None], look: Look, generator) -> dict:
+        return call_kwargs(self.pipe, self.family, prompts, negatives, steps=look.steps, guidance=look.guidance,
+                           width=look.width, height=look.height, true_cfg_scale=self.spec.settings.true_cfg_scale,
+                           generator=generator)
 
-    def _call(self, batch: list[Row]) -> list[_Made]:
-        s = self.spec.settings
+    def _call(self, batch: list[Image]) -> list[_Made]:
+        s, look = self.spec.settings, batch[0].look
         started = time.perf_counter()
-        out = self.pipe(**self._kwargs([r.prompt for r in batch], [r.negative_prompt for r in batch], s.steps,
-                                       generators([r.seed for r in batch])))
-        # A safety checker (SD 1.x) blacks out what it flags: such rows are `filtered`, not stored.
+        if look.adapters != self._active:  # between batches only: a batch shares its look
+            activate_adapters(self.pipe, self.adapters, look.adapters)
+            self._active = look.adapters
+        out = self.pipe(**self._kwargs([im.prompt for im in batch], [im.negative_prompt for im in batch], look,
+                                       generators([im.seed for im in batch])))
+        # A safety checker (SD 1.x) blacks out what it flags: such images are `filtered`, not stored.
         flags = getattr(out, "nsfw_content_detected", None) or [None] * len(batch)
         made = []
-        for row, image, flagged in zip(batch, out.images, flags, strict=True):
+        for im, image, flagged in zip(batch, out.images, flags, strict=True):
             if flagged:
-                made.append(_Made(row.id, None, {}, {"status": "filtered", "nsfw": True, "batch": len(batch),
-                                                     "error": "flagged by the pipeline's safety checker; not stored"}))
+                made.append(_Made(im.id, im.row, None, {}, {"status": "filtered", "nsfw": True, "batch": len(batch),
+                                                            "error": "flagged by the pipeline's safety checker; not stored"}))
                 continue
             data = encode(image, s.image_format)
             digest = hashlib.sha256(data).hexdigest()
-            meta = {"id": row.id, "prompt": row.prompt, "negative_prompt": row.negative_prompt, "seed": row.seed,
-                    "width": s.width, "height": s.height, "steps": s.steps, "guidance": s.guidance,
-                    "sha256": digest, "nsfw": flagged, "model": self.spec.model}
-            made.append(_Made(row.id, data, meta, {"sha256": digest, "batch": len(batch), "nsfw": flagged}))
+            meta = {"id": im.id, "row_id": im.row_id, "image_index": im.index, "prompt": im.prompt,
+                    "negative_prompt": im.negative_prompt, "seed": im.seed, "width": look.width, "height": look.height,
+                    "steps": look.steps, "guidance": look.guidance, "lora": [a.source for a in look.adapters],
+                    "lora_scale": [a.scale for a in look.adapters], "sha256": digest, "nsfw": flagged,
+                    "model": self.spec.model}
+            made.append(_Made(im.id, im.row, data, meta, {"sha256": digest, "batch": len(batch), "nsfw": flagged}))
         seconds = time.perf_counter() - started
         self.stats["generate_seconds"] += seconds
         for m in made:
             m.record["seconds"] = seconds / len(batch)
         return made
 
-    def _commit(self, shard: Shard, records: list[dict]) -> None:
+    def _commit(self, shard: Shard, records: list[dict], table: pa.Table, rows: list[int]) -> None:
+        """The manifest: one row per image, then the carried input columns of each image's row."""
+        manifest = pa.Table.from_pylist(records, schema=MANIFEST_SCHEMA)
+        for name in self.spec.columns.carry:
+            manifest = manifest.append_column(table.schema.field(name), table.column(name).take(rows))
         buf = io.BytesIO()
-        pq.write_table(pa.Table.from_pylist(records, schema=MANIFEST_SCHEMA), buf)
+        pq.write_table(manifest, buf)
         self.output.put(manifest_key(shard.id), buf.getvalue())
 
     def close(self) -> None:
@@ -357,6 +430,7 @@ class Worker:
 @dataclass
 class _Made:
     id: str
+    row: int  # its row in the shard's table
     data: bytes | None  # the encoded image; None when the safety checker filtered it
     meta: dict  # what webdataset/parquet output stores beside it
     record: dict

@@ -1,0 +1,201 @@
+"""Rows → images → batches: a pure function of a shard's table and the job's settings.
+
+Each input row gives one image, or N (`--images-per-prompt`, or the row's `num_images`), each with
+its own settings: the job's, overridden per row by setting columns (`steps`, `guidance`, `width`,
+`height`, `lora`, `lora_scale`). Images whose settings match (`Look`) can share a pipeline call, so
+a shard's images are grouped by look, in order of first appearance, and each group is cut into
+batches. A row that cannot be generated gives error images with the reason, never an exception.
+
+Image ids are the row id, or `<row id>-<k>` when a job makes several images per row (the suffix
+after the last `-` is k, so two rows' images never share an id). Seeds: the row's `seed` (+ k),
+else a stable hash of (job seed, image id).
+"""
+
+from __future__ import annotations
+
+import math
+import string
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from workers.layout import unsafe_id_reason
+from workers.seeds import MAX_SEED, derive_seed
+from workers.shard import Columns, Shard
+
+MAX_STEPS = 1000  # schedulers are trained on 1000 timesteps; more is a typo
+MAX_SIDE = 8192  # pixels; no released text-to-image model generates larger, so more is a typo
+MAX_IMAGES_PER_ROW = 1000  # images of one row stay in one shard: a bound on a shard's size
+
+
+@dataclass(frozen=True)
+class Adapter:
+    source: str  # LoRA path or hub id, as the job or the row named it
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class Look:
+    """What the images of one pipeline call share."""
+
+    width: int
+    height: int
+    steps: int
+    guidance: float
+    adapters: tuple[Adapter, ...] = ()
+
+
+@dataclass(frozen=True)
+class Image:
+    """One image to make (or an error in its place)."""
+
+    id: str  # object key part: the row id, or `<row id>-<k>`
+    row_id: str
+    index: int  # k: which of its row's images
+    row: int  # position of its row in the shard's table (to carry the row's columns)
+    prompt: str | None
+    negative_prompt: str | None
+    seed: int | None
+    look: Look
+    error: str | None  # why it cannot be generated; None when it can
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The job-wide settings images start from (part of the job fingerprint)."""
+
+    look: Look
+    seed: int = 0  # job seed
+    images_per_prompt: int = 1
+    template: str | None = None  # e.g. "a {style} photo of a {label}"; None: the prompt column
+    size_multiple: int = 8  # what width and height must be a multiple of (the model's VAE scale x patch)
+    dotless_ids: bool = False  # webdataset output: readers split `<id>.<ext>` at the first dot
+
+    def suffixed(self, columns: Columns) -> bool:
+        """Whether image ids carry `-<k>`: in any job that can make several images per row."""
+        return self.images_per_prompt > 1 or columns.num_images is not None
+
+
+def template_fields(template: str) -> list[str]:
+    """The column names `template` reads; raises ValueError for what str.format would not fill
+    from columns (positional `{}` or `{0}`, attribute or index access, bad braces)."""
+    names = []
+    for _text, name, _spec, _conv in string.Formatter().parse(template):
+        if name is None:
+            continue
+        if not name or name.isdigit() or any(c in name for c in ".["):
+            raise ValueError(f"`{{{name}}}` is not a column name")
+        names.append(name)
+    return list(dict.fromkeys(names))
+
+
+def _number(value, kind: str, name: str, low: float, high: float) -> tuple[object, str | None]:
+    """A per-row setting: (value, None), (None, None) for null, or (None, why it is invalid)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None, None
+    if isinstance(value, bool) or (kind == "int" and not float(value).is_integer()) or not math.isfinite(value):
+        return None, f"{name} `{value}` is not {'an integer' if kind == 'int' else 'a finite number'}"
+    value = int(value) if kind == "int" else float(value)
+    if not low <= value <= high:
+        return None, f"{name} `{value}` is out of range [{low:g}, {high:g}]"
+    return value, None
+
+
+def _look(values: dict, recipe: Recipe) -> tuple[Look, int, str | None]:
+    """The row's look and image count from its setting columns; the first invalid one is the error."""
+    base, errors = recipe.look, []
+
+    def get(role, kind, low, high, default):
+        v, err = _number(values.get(role), kind, role, low, high)
+        errors.append(err)
+        return default if v is None else v
+
+    steps = get("steps", "int", 1, MAX_STEPS, base.steps)
+    guidance = get("guidance", "float", 0, 1e4, base.guidance)
+    width = get("width", "int", 1, MAX_SIDE, base.width)
+    height = get("height", "int", 1, MAX_SIDE, base.height)
+    count = get("num_images", "int", 1, MAX_IMAGES_PER_ROW, recipe.images_per_prompt)
+    scale = get("lora_scale", "float", -100, 100, None)
+    for name, side in (("width", width), ("height", height)):
+        if side % recipe.size_multiple:
+            errors.append(f"{name} `{side}` is not a multiple of {recipe.size_multiple}, which the model needs")
+    adapters = base.adapters
+    lora = values.get("lora")
+    if lora is not None:  # the row's adapter replaces the job's; "" means none
+        adapters = (Adapter(lora, 1.0 if scale is None else scale),) if lora.strip() else ()
+    elif scale is not None:
+        adapters = tuple(Adapter(a.source, scale) for a in adapters)
+    error = next((e for e in errors if e), None)
+    return Look(width, height, steps, guidance, adapters), count, error
+
+
+def _as_seed(value: object) -> tuple[int | None, str | None]:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None, None  # null seed: derived from the job seed
+    if isinstance(value, bool) or not float(value).is_integer():
+        return None, f"seed `{value}` is not an integer"
+    seed = int(value)
+    if not 0 <= seed <= MAX_SEED:
+        return None, f"seed `{seed}` is out of range [0, 2**63-1]"
+    return seed, None
+
+
+def _prompt(data: dict, i: int, columns: Columns, recipe: Recipe) -> tuple[str | None, str | None]:
+    if recipe.template is None:
+        prompt = data[columns.prompt][i]
+    else:
+        values = {f: data[f][i] for f in columns.template_fields}
+        missing = [f for f, v in values.items() if v is None]
+        if missing:
+            return None, f"template column `{missing[0]}` is null"
+        prompt = recipe.template.format_map(values)
+    if prompt is None or not str(prompt).strip():
+        return prompt, "prompt is null or empty"
+    return prompt, None
+
+
+def _row_id(shard: Shard, data: dict, i: int, columns: Columns) -> str:
+    if columns.id:
+        raw = data[columns.id][i]
+        return "" if raw is None else str(raw)
+    return f"{shard.file_index:05d}-{shard.row_group_start + shard.offset + i:09d}"  # position in the input
+
+
+def shard_images(shard: Shard, table: pa.Table, columns: Columns, recipe: Recipe) -> list[Image]:
+    """A shard's images, in row order then k; error images where a row cannot be generated."""
+    data = {name: table.column(name).to_pylist() for name in columns.present()}
+    roles = columns.roles()
+    suffixed = recipe.suffixed(columns)
+    images = []
+    for i in range(table.num_rows):
+        row_id = _row_id(shard, data, i, columns)
+        values = {role: data[name][i] for role, name in roles.items()}
+        look, count, error = _look(values, recipe)
+        seed, seed_error = _as_seed(values.get("seed")) if columns.seed else (None, None)
+        prompt, prompt_error = _prompt(data, i, columns, recipe)
+        negative = values.get("negative_prompt")
+        row_error = unsafe_id_reason(row_id) or seed_error or error or prompt_error
+        if row_error is None and recipe.dotless_ids and "." in row_id:
+            row_error = f"id `{row_id}` has a `.`: webdataset readers take what follows the first dot as the extension"
+        for k in range(count if error is None or count else 1):
+            image_id = f"{row_id}-{k}" if suffixed else row_id
+            image_error = row_error or (unsafe_id_reason(image_id) if suffixed else None)
+            image_seed = None
+            if image_error is None:
+                image_seed = (seed + k) & MAX_SEED if seed is not None else derive_seed(recipe.seed, image_id)
+            images.append(Image(image_id, row_id, k, i, prompt, negative, image_seed, look, image_error))
+    return images
+
+
+def group_images(images: list[Image]) -> list[list[Image]]:
+    """Images that can be generated, grouped by look in order of first appearance."""
+    groups: dict[Look, list[Image]] = {}
+    for image in images:
+        if image.error is None:
+            groups.setdefault(image.look, []).append(image)
+    return list(groups.values())
+
+
+def make_batches(images: list[Image], batch_size: int) -> list[list[Image]]:
+    """Pipeline calls of at most `batch_size` images that share a look."""
+    return [g[i : i + batch_size] for g in group_images(images) for i in range(0, len(g), batch_size)]
