@@ -296,7 +296,7 @@ def _follow(events, todo: list[Shard], progress: Progress, fleet: FleetRecord) -
             progress.log(f"waiting {event.seconds:.0f} s for {event.pending} worker(s) to be placed "
                          f"(each asks {event.asks}); an autoscaler may be starting nodes")
         elif isinstance(event, BatchDone):
-            rows = min(event.images + event.errors, lengths[event.shard_id] - counted[event.shard_id])
+            rows = min(event.rows, lengths[event.shard_id] - counted[event.shard_id])
             counted[event.shard_id] += rows
             progress.update(images=event.images, errors=event.errors, rows=rows)
         elif isinstance(event, ShardSpeculated):

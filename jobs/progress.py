@@ -25,6 +25,7 @@ class Progress:
         self.interval = interval if not self.tty else 0.25  # seconds between redraws
         self.shards_total, self.rows_total = shards_total, rows_total
         self.shards_done, self.rows_done = shards_done, rows_done
+        self._rows_at_start = rows_done  # rows/s for the ETA counts this run's rows only
         self.failed = self.errors = self.made = 0  # made: images made by this run
         self.speculated = 0  # straggling shards given to a second worker
         self.started = time.monotonic()
@@ -35,7 +36,7 @@ class Progress:
         if not self.made:
             self.started = time.monotonic()
 
-    def update(self, images: int = 0, errors: int = 0, shards: int = 0, failed: int = 0, rows: int = 0) -> None:
+    def update(self, images: int = 0, errors: int = 0, shards: int = 0, failed: int = 0, rows: float = 0) -> None:
         self.made += images
         self.errors += errors
         self.rows_done += rows
@@ -49,9 +50,10 @@ class Progress:
     def line(self) -> str:
         elapsed = max(time.monotonic() - self.started, 1e-9)
         rate = self.made / elapsed
+        rows_rate = (self.rows_done - self._rows_at_start) / elapsed  # rows, not images: a row may make several
         left = self.rows_total - self.rows_done
-        eta = _duration(left / rate) if rate > 0 and left > 0 else "-"
-        text = (f"shards {self.shards_done}/{self.shards_total}  rows {self.rows_done}/{self.rows_total}  "
+        eta = _duration(left / rows_rate) if rows_rate > 0 and left > 0 else "-"
+        text = (f"shards {self.shards_done}/{self.shards_total}  rows {int(self.rows_done)}/{self.rows_total}  "
                 f"{rate:.2f} img/s  ETA {eta}")
         if self.errors or self.failed:
             text += f"  ({self.errors} row errors, {self.failed} shards failed)"

@@ -115,10 +115,10 @@ def _candidates(c: ComponentProfile, device: DeviceSpec, offload: str) -> list[P
     if device.streams:
         block.append(Placement("block", 1, stream=True))
         leaf.append(Placement("leaf", stream=True))
-    disk = [Placement("block", 1, disk=True)]
-    forced = {"block": block, "leaf": leaf, "disk": disk}
+    disk = [] if c.adapters else [Placement("block", 1, disk=True)]  # LoRA + disk: wrong images (notes)
+    forced = {"block": block, "leaf": leaf, "disk": disk or [Placement("block", 1, disk=True)]}
     if offload in forced:
-        return forced[offload]
+        return forced[offload]  # `--offload disk` with adapters is refused by offload.apply, naming why
     return [Placement("resident"), *(block + disk if c.blocks else []), *leaf]
 
 

@@ -35,6 +35,7 @@ class ComponentProfile:
     block_modules: tuple[str, ...]  # passed to apply_group_offloading so text encoders split by layer
     tied: bool  # shares a weight between modules (refused with leaf level + disk)
     hidden: int  # width of the main activations (for activation estimates)
+    adapters: bool = False  # holds LoRA layers (never offloaded to disk: diffusers computes wrong images)
 
     def block_floor(self, k: int) -> int:
         """Device bytes while running at block level with `k` blocks per group."""
@@ -129,6 +130,7 @@ def profile_component(name: str, module: torch.nn.Module, dtype_bytes: int) -> C
         per_step=name in PER_STEP, blocks=tuple(blocks), unmatched=total - sum(blocks),
         largest_leaf=max(leaf_sizes, default=0), leaves=len(leaves), non_leaf=max(0, total - sum(leaf_sizes)),
         block_modules=block_modules, tied=len(ids) != len(set(ids)), hidden=hidden,
+        adapters=bool(getattr(module, "peft_config", None)),
     )
 
 

@@ -266,3 +266,17 @@ def test_plan_command_on_a_pipeline_directory(tiny_model, capsys):
                  "--host-memory", "1GiB"]) == 0
     text = capsys.readouterr().out
     assert "text_encoder CLIPTextModel" in text and "1GiB: " in text and "nothing fits" not in text
+
+
+def test_components_with_lora_adapters_are_never_planned_to_disk(profiles):
+    """Disk offload with LoRA layers computes wrong images (notes): the planner leaves it out for a
+    component that holds adapters, and says so when nothing else fits."""
+    from dataclasses import replace
+
+    prof = profiles["sdxl"]
+    tight = DeviceSpec(budget=8 * GiB, host_budget=GiB)
+    assert "disk" in plan(prof, tight, Workload()).modes["unet"]
+    lora = replace(prof, components={**prof.components, "unet": replace(prof.components["unet"], adapters=True)})
+    assert "disk" not in plan(lora, DeviceSpec(budget=8 * GiB, host_budget=64 * GiB), Workload()).modes["unet"]
+    with pytest.raises(OffloadError):
+        plan(lora, tight, Workload())

@@ -130,6 +130,10 @@ def load_adapters(pipe, sources: tuple[tuple[str, str], ...], worker: str = "wor
     it, where to load it from). Returns {as named: adapter name}."""
     if not sources:
         return {}
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        raise ConfigError("`--lora` needs peft, which diffusers loads adapters with: pip install 'fleetgen[lora]'.")
     if not hasattr(pipe, "load_lora_weights"):
         raise ConfigError(f"`--lora`: {type(pipe).__name__} cannot load LoRA adapters (diffusers has no LoRA "
                           "loader for it).")

@@ -21,24 +21,9 @@ import pyarrow.parquet as pq
 from workers.layout import IMAGE_FORMATS, data_key, image_key
 from workers.storage import Output
 
-# For `datasets.load_dataset("parquet", ...)`: the `image` struct decodes as an Image feature.
-_HF_FEATURES = {
-    "id": {"dtype": "string", "_type": "Value"},
-    "row_id": {"dtype": "string", "_type": "Value"},
-    "image_index": {"dtype": "int32", "_type": "Value"},
-    "prompt": {"dtype": "string", "_type": "Value"},
-    "negative_prompt": {"dtype": "string", "_type": "Value"},
-    "seed": {"dtype": "int64", "_type": "Value"},
-    "image": {"_type": "Image"},
-    "width": {"dtype": "int32", "_type": "Value"},
-    "height": {"dtype": "int32", "_type": "Value"},
-    "steps": {"dtype": "int32", "_type": "Value"},
-    "guidance": {"dtype": "float32", "_type": "Value"},
-    "lora": {"feature": {"dtype": "string", "_type": "Value"}, "_type": "List"},
-    "lora_scale": {"feature": {"dtype": "float32", "_type": "Value"}, "_type": "List"},
-    "sha256": {"dtype": "string", "_type": "Value"},
-    "nsfw": {"dtype": "bool", "_type": "Value"},
-}
+# For `datasets.load_dataset`: the `image` struct decodes as an Image feature. Only it is named here;
+# `datasets` takes every other column's feature from its Arrow type (carried columns included).
+_HF_FEATURES = {"image": {"_type": "Image"}}
 PARQUET_SCHEMA = pa.schema(
     [
         ("id", pa.string()),

@@ -10,6 +10,7 @@ import os
 import platform
 import socket
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -97,6 +98,7 @@ class BatchDone:
     worker: str
     images: int
     errors: int
+    rows: float = 0.0  # input rows this call finished: each image is 1/N of a row that makes N
 
 
 @dataclass(frozen=True)
@@ -207,6 +209,7 @@ class Worker:
         base, kept = self._keep_committed(shard, records) if shard.retry_errors else (None, set())
         redo = {im.id for im in images if records[im.id]["status"] == "ok" and im.id not in kept}
         todo = [im for im in images if im.id in redo]
+        counts = Counter(im.row for im in images)  # images per row, for progress in rows
         sink = None if speculative else self._open_sink(shard, table, base)
         held: list[_Made] = []  # a speculative attempt's images, written only if it wins
         failures = 0
@@ -228,7 +231,8 @@ class Worker:
                     records[image_id].update(status="error", error=error)
                 failures += len(failed)
                 filtered = sum(m.data is None for m in made)  # flagged by a safety checker: not stored
-                yield BatchDone(shard.id, name, len(made) - filtered, len(failed) + filtered)
+                yield BatchDone(shard.id, name, len(made) - filtered, len(failed) + filtered,
+                                rows=sum(1 / counts[im.row] for im in batch))
         if todo and failures == len(todo) and base is None:
             raise ShardError(f"Shard {shard.id}: every row failed in the pipeline; first error: "
                              f"{records[todo[0].id]['error']}")
