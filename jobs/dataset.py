@@ -85,7 +85,7 @@ def write_card(output: Output, config: JobConfig, family: Family, columns: Colum
     lines = [
         header + f"# {output.url.rstrip('/').rsplit('/', 1)[-1]}",
         "",
-        f"Images generated with [fleetgen](https://github.com/) from `{config.input}` by `{model}`.",
+        f"Images generated with fleetgen from `{config.input}` by `{model}`.",
         "",
         f"**{ok} images**, {errors} error rows, {filtered} filtered by the safety checker; "
         f"{summary.shards_committed} of {summary.shards_total} shards committed"

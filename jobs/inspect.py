@@ -20,7 +20,7 @@ def _json(out: Output, key: str) -> dict | None:
         return None
 
 
-def job_state(url: str, manifest_columns: tuple[str, ...] = ("status",)) -> dict:
+def job_state(url: str, manifest_columns: tuple[str, ...] = ("status", "row_id")) -> dict:
     """What OUT says about its job: counts from the manifests, the running driver (if its
     heartbeat is fresh), per-worker figures, failures, and an ETA from the workers' rates."""
     out = Output(url)
@@ -35,13 +35,15 @@ def job_state(url: str, manifest_columns: tuple[str, ...] = ("status",)) -> dict
     lock = _json(out, LOCK)
     running = bool(lock) and time.time() - lock.get("heartbeat", 0) < STALE
     rate = sum((w.get("stats") or {}).get("images_per_second") or 0 for w in workers) if running else 0
-    left = total_rows - len(rows)
+    # A row may make several images (one manifest row each): rows done are the distinct row ids.
+    rows_done = sum(len({r.get("row_id", i) for i, r in enumerate(manifests[shard])}) for shard in committed)
+    left = (total_rows - rows_done) * (len(rows) / rows_done if rows_done else 1)  # images still to make
     summary = _json(out, SUMMARY)
     return {
         "url": out.url, "job": job, "complete": out.exists(SUCCESS), "running": running,
         "driver": lock.get("owner") if running else None,
         "shards_total": job.get("shards_total") or -(-total_rows // job["fingerprint"]["generation"]["rows_per_shard"]),
-        "shards_committed": len(committed), "rows_total": total_rows, "rows_done": len(rows),
+        "shards_committed": len(committed), "rows_total": total_rows, "rows_done": rows_done,
         "images_ok": sum(r["status"] == "ok" for r in rows), "images_filtered": sum(r["status"] == "filtered" for r in rows),
         "images_error": sum(r["status"] not in ("ok", "filtered") for r in rows),
         "failures": (summary or {}).get("failures", []), "workers": workers, "fleet": _json(out, FLEET),

@@ -105,7 +105,7 @@ def resolve_adapters(config: JobConfig, columns: Columns, column_values: list[st
     """Every LoRA the job can apply: `--lora` flags and the distinct values of the `lora` column,
     as (named, where a worker loads it from). Refused here, before any worker starts: a value that
     is neither an existing path nor a hub id, more than MAX_ADAPTERS, a pipeline without LoRA."""
-    found = {a.source: a.source for a in config.settings().loras}
+    found = {a.source: a.source for a in (parse_lora(v) for v in config.lora)}
     for value in column_values:
         if not value.strip():
             continue  # "" means no adapter for the row

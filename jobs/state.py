@@ -126,4 +126,9 @@ def read_manifests(output: Output, shard_ids: list[str], columns: list[str]) -> 
     if not paths:
         return {}
     blobs = output.fs.cat(list(paths))
-    return {paths[p]: pq.read_table(io.BytesIO(b), columns=columns).to_pylist() for p, b in blobs.items()}
+    out = {}
+    for p, b in blobs.items():
+        manifest = pq.ParquetFile(io.BytesIO(b))
+        have = set(manifest.schema_arrow.names)  # manifests of older versions lack newer columns
+        out[paths[p]] = manifest.read(columns=[c for c in columns if c in have]).to_pylist()
+    return out

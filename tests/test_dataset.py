@@ -286,3 +286,28 @@ def test_retry_errors_redoes_exactly_the_error_rows(ray_cluster, tiny_model, tmp
     third = run_job(validate(JobConfig(**{**config.to_dict(), "strict_prompts": False, "retry_errors": True})),
                     progress_stream=io.StringIO())
     assert third.images_ok == 6 and third.shards_skipped == 2
+
+
+def test_driver_reads_sizes_from_footers_and_adapters_from_the_column(tmp_path, tiny_model):
+    """What the driver learns before any worker starts: the largest size (planned for, from row
+    group statistics) and every adapter a row names (refused when it is neither a path nor a hub id)."""
+    from jobs.models import resolve_adapters
+    from jobs.sharding import distinct_strings, largest
+
+    lora = tmp_path / "a.safetensors"
+    lora.write_bytes(b"")
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": ["x"] * 6, "width": pa.array([64, None, 256, 64, 128, None], pa.int32()),
+                             "lora": [str(lora), None, "", "org/style", str(lora), None]}), path, row_group_size=2)
+    files = [read_footer(str(path))]
+    assert largest(files, "width") == 256 and largest(files, None) is None
+    values = distinct_strings(files, "lora", 32)
+    assert sorted(values) == sorted([str(lora), "", "org/style"])
+    config = JobConfig(input=str(path), output="o", model=tiny_model, lora=("org/base:0.5",))
+    cols = Columns(lora="lora")
+    assert resolve_adapters(config, cols, values) == (("org/base", "org/base"), (str(lora), str(lora)),
+                                                       ("org/style", "org/style"))
+    with pytest.raises(ConfigError, match="Column `lora`: `nope.safetensors` is neither an existing file"):
+        resolve_adapters(config, cols, ["nope.safetensors"])
+    with pytest.raises(ConfigError, match="more than 32 LoRA adapters"):
+        resolve_adapters(config, cols, [f"org/l{i}" for i in range(33)])
