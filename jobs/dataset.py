@@ -111,21 +111,24 @@ def write_card(output: Output, config: JobConfig, family: Family, columns: Colum
         "",
         "## Loading it",
         "",
-        *_how_to_load(output.url, fmt),
+        *_how_to_load(output.url, fmt, sorted(s for s, c in counts.items() if c["ok"])),
     ]
     output.put(CARD, "\n".join(lines).encode() + b"\n")
 
 
-def _how_to_load(url: str, fmt: str) -> list[str]:
+def _how_to_load(url: str, fmt: str, shards: list[str]) -> list[str]:
     manifests = ["```python", "import pyarrow.dataset as ds", f'manifest = ds.dataset("{url}/shards", format="parquet")'
                  '.to_table().to_pandas()  # every image, ok or error, with its settings and columns', "```"]
     if fmt == "parquet":
         return ["```python", "import datasets", f'ds = datasets.load_dataset("{url}", split="train")  '
                 "# `image` is an Image feature", "```", "", *manifests]
     if fmt == "webdataset":
-        return ["```python", "import webdataset as wds", f'ds = wds.WebDataset("{url}/data/shard-{{00000..N}}.tar")'
-                '.decode("pil")  # samples: png/jpg/webp + json', "", "import wids",
+        first, last = (shards[0], shards[-1]) if shards else ("shard-00000", "shard-00000")
+        span = first.removeprefix("shard-") + ".." + last.removeprefix("shard-")
+        return ["```python", "import webdataset as wds", f'ds = wds.WebDataset("{url}/data/shard-{{{span}}}.tar")'
+                '.decode("pil")  # samples: png/jpg/webp + json (committed shards)', "", "import wids",
                 f'ds = wids.ShardListDataset("{url}/wids-index.json")  # random access, sizes from the index', "```",
-                "", *manifests]
+                "", *(["From an object store, webdataset reads `pipe:` URLs (e.g. `pipe:aws s3 cp URL -`)."]
+                      if "://" in url and not url.startswith("file://") else []), "", *manifests]
     return [f"Images are objects under `{url}/images/<shard>/<id>.<ext>`; the manifests name each image's object "
             "(column `image`).", "", *manifests]
