@@ -95,8 +95,8 @@ class FleetWorker:
                                "or pass `--device cpu` to compute on CPU on purpose.")
         return [f"{what}; computing on CPU as `--device cpu` says."]
 
-    def iter_shard(self, shard: Shard, speculative: bool = False) -> Iterator[BatchDone | ShardResult]:
-        yield from self.worker.iter_shard(shard, speculative)
+    def iter_shard(self, shard: Shard) -> Iterator[BatchDone | ShardResult]:
+        yield from self.worker.iter_shard(shard)
 
     def close(self) -> None:
         """Release the pipeline and what offloading holds (disk-offload directories included)."""

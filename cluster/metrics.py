@@ -37,8 +37,8 @@ class MeteredWorker(Worker):
                                "since the worker started", tag_keys=TAGS)
         self._peak = Gauge("fleetgen_peak_device_bytes", "Peak device memory allocated", tag_keys=TAGS)
 
-    def iter_shard(self, shard: Shard, speculative: bool = False) -> Iterator[BatchDone | ShardResult]:
-        for event in super().iter_shard(shard, speculative):
+    def iter_shard(self, shard: Shard) -> Iterator[BatchDone | ShardResult]:
+        for event in super().iter_shard(shard):
             if isinstance(event, BatchDone):
                 if event.images:
                     self._images.inc(event.images, tags=self._tags)

@@ -286,8 +286,8 @@ class _Run:
             for ref in ready:
                 yield from self._answer(calls[ref], ref) if ref in calls else self._stream(ref)
 
-    def _start_attempt(self, actor: _Actor, shard: Shard, now: float, speculative: bool = False) -> None:
-        ref = actor.handle.iter_shard.remote(shard, speculative)
+    def _start_attempt(self, actor: _Actor, shard: Shard, now: float) -> None:
+        ref = actor.handle.iter_shard.remote(shard)
         actor.state, self.running[ref], self.began[ref] = "busy", (actor.name, shard), now
         self.live[shard.id] = self.live.get(shard.id, 0) + 1
 
@@ -303,7 +303,7 @@ class _Run:
             first = min(stragglers, key=self.began.__getitem__)
             actor, shard = idle.pop(0), self.running[first][1]
             self.speculated.add(shard.id)
-            self._start_attempt(actor, shard, now, speculative=True)
+            self._start_attempt(actor, shard, now)  # its own staging: the first commit wins
             yield ShardSpeculated(shard.id, actor.name, now - self.began[first])
 
     def _follow_work(self) -> Iterator[PoolEvent]:

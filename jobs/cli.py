@@ -118,6 +118,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("output")
     r = sub.add_parser("report", help="write OUT/report.html: sample images, per-worker table and charts, failures")
     r.add_argument("output")
+    v = sub.add_parser("verify", help="check every stored image against the manifests; find orphans and leftovers")
+    v.add_argument("output")
+    v.add_argument("--deep", action="store_true", help="hash every image (default: sizes, and a sample hashed)")
+    v.add_argument("--fix", action="store_true", help="remove orphans and leftovers; un-commit shards with missing "
+                   "or wrong images so that a rerun redoes them")
+    v.add_argument("--json", help="also write the report here")
     return p
 
 
@@ -178,6 +184,18 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if all("error" not in r for r in rows) else EXIT_INCOMPLETE
         if args.command == "status":
             return _status(args.output)
+        if args.command == "verify":
+            from jobs.verify import verify
+
+            report = verify(args.output, deep=args.deep, fix=args.fix,
+                            progress=lambda line: print(f"[fleetgen] {line}", file=sys.stderr, flush=True))
+            print(report.text())
+            if args.json:
+                import json
+                from pathlib import Path
+
+                Path(args.json).write_text(json.dumps(report.to_dict(), indent=2))
+            return 0 if report.clean else EXIT_INCOMPLETE
         if args.command == "report":
             from jobs.report import write_report
 

@@ -35,6 +35,7 @@ from jobs.sharding import (
     resolve_columns,
 )
 from jobs.state import claim_output, committed_shards, fingerprint, pinned_revision, read_manifests
+from workers.commit import finish_attempts
 from workers.layout import SUCCESS, SUMMARY
 from workers.shard import Shard
 from workers.storage import Output
@@ -149,10 +150,11 @@ def _finish(output: Output, shards, todo, started, progress, failures, workers, 
 
 
 def _sweep(output: Output) -> None:
-    """Remove temporary files of writers that died, where whole objects of the job live. (Each
-    shard attempt sweeps its own images/<shard>/ before writing there.)"""
-    for prefix in ("shards", "data"):
-        output.sweep_tmp(prefix)
+    """Where no shard attempt runs (before the workers start, after they are closed): finish the
+    commit of attempts that won but died moving their objects, remove every other attempt's
+    staging (workers/commit.py), and temporary files of local writers that died."""
+    finish_attempts(output)
+    output.sweep_tmp("shards")  # (objects elsewhere reach their keys by a rename or a copy: never partial)
 
 
 def _summarise(output: Output, shards: list[Shard], todo: int, started: float, failures, workers, stopped) -> JobSummary:

@@ -1,7 +1,8 @@
 """One driver per output location: `OUT/_LOCK` names its owner and carries a heartbeat.
 
 A second driver on the same output refuses, naming the first. A lock whose heartbeat is older
-than `STALE` seconds belongs to a driver that died (SIGKILL, lost node) and is taken over.
+than `STALE` seconds belongs to a driver that died (SIGKILL, lost node) and is taken over; a lock
+of a driver on this same host whose process no longer exists is taken over at once.
 Object stores give no atomic create-if-absent through fsspec, so after writing the lock we read
 it back: of two drivers starting together, the one whose write landed last wins, the other
 refuses.
@@ -25,6 +26,21 @@ STALE = 60.0  # seconds without a heartbeat after which a lock is taken over
 SETTLE = 0.5  # seconds between writing the lock and reading it back
 
 
+def _gone(held: dict) -> bool:
+    """Whether the lock's driver ran on this host and its process is gone (other hosts: unknown,
+    the heartbeat decides)."""
+    pid = held.get("pid")
+    if held.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # exists, another user's
+    return False
+
+
 class OutputLock:
     def __init__(self, output: Output):
         self.output = output
@@ -35,8 +51,8 @@ class OutputLock:
         self._thread: threading.Thread | None = None
 
     def _record(self) -> bytes:
-        return json.dumps({"token": self.token, "owner": self.owner, "started": self.started,
-                           "heartbeat": time.time()}).encode()
+        return json.dumps({"token": self.token, "owner": self.owner, "host": socket.gethostname(), "pid": os.getpid(),
+                           "started": self.started, "heartbeat": time.time()}).encode()
 
     def _current(self) -> dict | None:
         try:
@@ -52,13 +68,16 @@ class OutputLock:
         held = self._current()
         if held and held.get("token") != self.token:
             age = time.time() - held.get("heartbeat", 0)
-            if age < STALE:
+            if _gone(held):
+                note = f"took over the lock of {held.get('owner')}: that process no longer exists on this host"
+            elif age < STALE:
                 raise StorageError(
                     f"{self.output.url} is in use by another fleetgen driver ({held.get('owner')}, started "
                     f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(held.get('started', 0)))}, last heartbeat "
                     f"{age:.0f} s ago). Wait for it to finish, or if it is gone, delete {self.output.key_url(LOCK)}."
                 )
-            note = f"took over a stale lock of {held.get('owner')} (no heartbeat for {age:.0f} s)"
+            else:
+                note = f"took over a stale lock of {held.get('owner')} (no heartbeat for {age:.0f} s)"
         self.output.put(LOCK, self._record())
         time.sleep(SETTLE)
         held = self._current()

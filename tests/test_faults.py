@@ -118,15 +118,17 @@ def test_driver_stopped_or_killed_then_rerun_resumes(chaos_input, tiny_model, tm
         assert not (out / "_LOCK").exists()  # released on the way out
     else:
         assert proc.returncode == -signal.SIGKILL
-        lock = json.loads((out / "_LOCK").read_text())  # a dead driver's lock, heartbeat going stale
-        lock["heartbeat"] -= 3600
-        (out / "_LOCK").write_text(json.dumps(lock))
+        lock = json.loads((out / "_LOCK").read_text())  # a dead driver's lock, its heartbeat still fresh
+        assert lock["pid"] == proc.pid
     assert not (out / "_SUCCESS").exists()
     committed_before = {p.name for p in (out / "shards").glob("*.parquet")}
     assert len(committed_before) < 20
 
-    again = run_job(job(prompts, tiny_model, out), progress_stream=io.StringIO())
+    log = io.StringIO()
+    again = run_job(job(prompts, tiny_model, out), progress_stream=log)  # at once: the lock's process is gone
     assert again.complete and again.shards_skipped == len(committed_before)
+    if sig == signal.SIGKILL:
+        assert f"pid {proc.pid}: that process no longer exists on this host" in log.getvalue()
     assert check(out, clean) == {"rows": 160, "missing": 0, "duplicates": 0, "stray_objects": 0, "sha_mismatches": 0,
                                 "tmp_files": 0}
 

@@ -15,6 +15,7 @@ SUMMARY = "summary.json"  # counts, failures, per-worker table; written at the e
 SUCCESS = "_SUCCESS"  # only when every shard committed
 SHARDS = "shards"  # shard manifests: their presence is the shard's commit
 WORKERS = "workers"
+STAGING = "_attempts"  # each shard attempt's objects until it wins the commit (workers/commit.py)
 LOCK = "_LOCK"  # the running driver's name and heartbeat (jobs/lock.py)
 CARD = "README.md"  # the dataset card (jobs/dataset.py), rewritten at the end of every run
 WIDS_INDEX = "wids-index.json"  # webdataset output: every shard's URL and sample count, for `wids`
@@ -71,6 +72,7 @@ MANIFEST_SCHEMA = pa.schema(
         ("image", pa.string()),
         ("member", pa.string()),
         ("sha256", pa.string()),
+        ("size", pa.int64()),  # bytes of the stored image (what `fleetgen verify` checks without --deep)
         ("nsfw", pa.bool_()),  # the safety checker's verdict, where the pipeline has one
         ("width", pa.int32()),
         ("height", pa.int32()),

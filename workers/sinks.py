@@ -4,8 +4,9 @@ files       one object per image:             OUT/images/<shard>/<id>.<ext>
 webdataset  one tar per shard, <id>.<ext> + <id>.json members:  OUT/data/<shard>.tar
 parquet     one Parquet file per shard, a row group per batch:  OUT/data/<shard>.parquet
 
-Keys are deterministic, so a retried shard overwrites its own objects. The shard manifest (the
-commit) is written by the worker after `close()`.
+Keys are deterministic. A sink writes under its attempt's staging prefix; the shard manifest (the
+commit) is written by the worker after `close()`, and only the winning attempt's objects move to
+their keys (workers/commit.py).
 """
 
 from __future__ import annotations
@@ -62,15 +63,15 @@ class Sink(Protocol):
 
 
 class FilesSink:
-    def __init__(self, output: Output, shard_id: str, image_format: str, carried: pa.Schema | None = None):
-        self.output, self.shard_id, self.image_format = output, shard_id, image_format
-        output.sweep_tmp(f"images/{shard_id}")  # a killed earlier attempt's half-written files
+    def __init__(self, output: Output, shard_id: str, image_format: str, carried: pa.Schema | None = None,
+                 prefix: str = ""):
+        self.output, self.shard_id, self.image_format, self.prefix = output, shard_id, image_format, prefix
 
     def add(self, batch, carried=None):
         keys = []
         for row_id, data, _meta in batch:
             key = image_key(self.shard_id, row_id, self.image_format)
-            self.output.put(key, data)
+            self.output.put(self.prefix + key, data)
             keys.append((key, None))
         return keys
 
@@ -81,15 +82,16 @@ class FilesSink:
         pass
 
     def abort(self) -> None:
-        pass  # each image object is already whole; the next attempt overwrites it
+        pass  # each image object is whole; the attempt's staging is removed with them
 
 
 class WebDatasetSink:
-    def __init__(self, output: Output, shard_id: str, image_format: str, carried: pa.Schema | None = None):
+    def __init__(self, output: Output, shard_id: str, image_format: str, carried: pa.Schema | None = None,
+                 prefix: str = ""):
         self.output = output
         self.key = data_key(shard_id, "webdataset")
         self.ext = IMAGE_FORMATS[image_format]
-        self.stream = output.open_write(self.key)
+        self.stream = output.open_write(prefix + self.key)
         self.tar = tarfile.open(fileobj=self.stream, mode="w|", format=tarfile.PAX_FORMAT)
 
     def _member(self, name: str, data: bytes) -> None:
@@ -128,12 +130,13 @@ def parquet_schema(carried: pa.Schema | None) -> pa.Schema:
 
 
 class ParquetSink:
-    def __init__(self, output: Output, shard_id: str, image_format: str, carried: pa.Schema | None = None):
+    def __init__(self, output: Output, shard_id: str, image_format: str, carried: pa.Schema | None = None,
+                 prefix: str = ""):
         self.output = output
         self.key = data_key(shard_id, "parquet")
         self.ext = IMAGE_FORMATS[image_format]
         self.schema = parquet_schema(carried)
-        self.stream = output.open_write(self.key)
+        self.stream = output.open_write(prefix + self.key)
         self.writer = pq.ParquetWriter(self.stream, self.schema)
 
     def add(self, batch, carried=None):
@@ -157,12 +160,15 @@ class ParquetSink:
 
     def abort(self) -> None:
         Output.discard(self.stream)
+        self.writer.is_open = False  # its footer must not be written to the discarded stream when collected
 
 
 SINKS = {"files": FilesSink, "webdataset": WebDatasetSink, "parquet": ParquetSink}
 
 
 def open_sink(output: Output, shard_id: str, output_format: str, image_format: str,
-              carried: pa.Schema | None = None) -> Sink:
-    """`carried`: the input columns carried into each image's record, as typed in the input."""
-    return SINKS[output_format](output, shard_id, image_format, carried)
+              carried: pa.Schema | None = None, prefix: str = "") -> Sink:
+    """`carried`: the input columns carried into each image's record, as typed in the input.
+    Objects are written at `prefix` + their final key (an attempt's staging, workers/commit.py);
+    `add` returns the final keys."""
+    return SINKS[output_format](output, shard_id, image_format, carried, prefix)

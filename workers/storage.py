@@ -7,6 +7,7 @@ package to install.
 
 from __future__ import annotations
 
+import os
 import posixpath
 import time
 import uuid
@@ -56,6 +57,14 @@ class Output:
         self.fs, self.root = url_to_fs(self.url)
         self.root = self.root.rstrip("/")
         self.local = _is_local(self.fs)
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        self.s3 = bool({"s3", "s3a"} & set(protocols))
+
+    @property
+    def atomic_create(self) -> bool:
+        """Whether `create` is atomic here: local disks (a hard link) and S3 (a conditional PUT,
+        If-None-Match). Elsewhere it is a check, then a write."""
+        return self.local or self.s3
 
     def path(self, key: str) -> str:
         return posixpath.join(self.root, key) if key else self.root
@@ -94,6 +103,71 @@ class Output:
 
         self._retry("write", key, write)
 
+    def create(self, key: str, data: bytes) -> bool:
+        """Write `key` only if it does not exist; False when it does (another writer was first).
+        Atomic where `atomic_create` says so."""
+        path = self.path(key)
+
+        def write() -> bool:
+            if self.local:
+                self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+                tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex[:8]}"
+                with self.fs.open(tmp, "wb") as f:
+                    f.write(data)
+                try:
+                    os.link(tmp, path)  # fails if `path` exists: the atomic create-if-absent of POSIX
+                    return True
+                except FileExistsError:
+                    return False
+                finally:
+                    os.remove(tmp)
+            if self.s3:
+                try:
+                    self.fs.pipe_file(path, data, mode="create")
+                    return True
+                except FileExistsError:  # 412 Precondition Failed
+                    return False
+            if self.fs.exists(path):
+                return False
+            self.fs.pipe_file(path, data)
+            return True
+
+        return self._retry("create", key, write)
+
+    def move(self, src: str, dst: str) -> None:
+        """Move an object to another key, replacing what is there (local: a rename; object stores:
+        copy, then delete)."""
+        def move() -> None:
+            if self.local:
+                self.fs.makedirs(posixpath.dirname(self.path(dst)), exist_ok=True)
+            self.fs.mv(self.path(src), self.path(dst))
+
+        self._retry("move", src, move)
+
+    def prune(self, prefix: str) -> None:
+        """Remove `prefix/` and its parents up to the root while they are empty directories (local
+        disks keep empty directories; object stores have none)."""
+        if not self.local:
+            return
+        while prefix:
+            try:
+                os.rmdir(self.path(prefix))
+            except OSError:  # not empty, or gone
+                return
+            prefix = posixpath.dirname(prefix)
+
+    def find(self, prefix: str) -> list[str]:
+        """Keys of every object under `prefix/`, recursively, sorted."""
+        base = self.path(prefix)
+        try:
+            found = self.fs.find(base)
+        except FileNotFoundError:
+            return []
+        except OSError as err:
+            raise StorageError(f"Could not list {self.key_url(prefix)}: {err}") from err
+        root = self.root.rstrip("/") + "/"
+        return sorted(p[len(root):] if p.startswith(root) else p for p in (posixpath.normpath(f) for f in found))
+
     def sweep_tmp(self, prefix: str) -> int:
         """Remove temporary files a killed writer left under `prefix/` (local disks only: object
         stores never show a partial object). Returns how many."""
@@ -123,7 +197,9 @@ class Output:
         """Abandon a stream from `open_write`: nothing appears at its key."""
         discard = getattr(stream, "discard", None)
         if discard is not None:
-            discard()  # local: removes the temporary file; fsspec buffered files: aborts the upload
+            discard()  # local: removes the temporary file; fsspec buffered files: aborts the (multipart) upload
+            if hasattr(stream, "closed") and not isinstance(stream, _RenameOnClose):
+                stream.closed = True  # so that garbage collection does not flush (and complete) it
 
     def get(self, key: str) -> bytes:
         """The object's bytes; `FileNotFoundError` when absent."""

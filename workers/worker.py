@@ -10,6 +10,7 @@ import os
 import platform
 import socket
 import time
+import uuid
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from fleetgen import __version__
 from fleetgen.errors import FleetgenError, ShardError
 from offload import OffloadStats, apply, pipeline_modules, profile_pipeline
 from workers.batches import Adapter, Image, Look, Recipe, group_images, shard_images
+from workers.commit import ATTEMPT_KEY, commit_manifest, discard, promote, staging
 from workers.families import FAMILIES, GENERIC, call_kwargs, prompt_limit, takes_negative_prompt
 from workers.fit import choose_plan, leaner_plan
 from workers.layout import MANIFEST_SCHEMA, manifest_key, worker_key
@@ -188,18 +190,18 @@ class Worker:
         *_, result = self.iter_shard(shard)
         return result
 
-    def iter_shard(self, shard: Shard, speculative: bool = False) -> Iterator[BatchDone | ShardResult]:
+    def iter_shard(self, shard: Shard) -> Iterator[BatchDone | ShardResult]:
         """Generate `shard`, yielding a `BatchDone` per pipeline call, then the `ShardResult`.
 
-        Images are written as they are made; the manifest is written last and is the commit. A
-        `speculative` attempt (a second try at a straggling shard) holds its images until it
-        finishes and writes them only if no other attempt committed meanwhile; a normal attempt
-        stops at its next batch once another has committed. The first commit wins. A shard with
+        Images are written as they are made, under this attempt's own staging prefix; the
+        manifest is written last and is the commit (workers/commit.py): the first attempt to
+        commit wins, moves its objects to their final keys, and a losing attempt never touches
+        them. An attempt stops at its next batch once another has committed. A shard with
         `retry_errors` is committed already: only its error images are made again, the rest of its
         manifest and its stored images are kept as they are, and a new manifest is committed.
         """
         started = time.perf_counter()
-        name = self.spec.name
+        name, attempt = self.spec.name, uuid.uuid4().hex[:12]
         table = read_shard(shard, self.spec.columns)
         images = shard_images(shard, table, self.spec.columns, self.recipe)
         records = {im.id: self._record(im) for im in images}
@@ -210,42 +212,42 @@ class Worker:
         redo = {im.id for im in images if records[im.id]["status"] == "ok" and im.id not in kept}
         todo = [im for im in images if im.id in redo]
         counts = Counter(im.row for im in images)  # images per row, for progress in rows
-        sink = None if speculative else self._open_sink(shard, table, base)
-        held: list[_Made] = []  # a speculative attempt's images, written only if it wins
-        failures = 0
-        for group in group_images(todo):
-            i = 0
-            while i < len(group):
-                if sink is not None and self._committed(shard, base):
-                    sink.abort()
-                    yield ShardResult(shard.id, name, 0, 0, time.perf_counter() - started, committed_by_other=True)
-                    return
-                batch = group[i : i + self.batch_size]
-                i += len(batch)
-                made, failed = self._generate(batch)
-                if sink is None:
-                    held += made
-                else:
+        sink = self._open_sink(shard, table, base, attempt)
+        won = False
+        try:
+            failures = 0
+            for group in group_images(todo):
+                i = 0
+                while i < len(group):
+                    if self._committed(shard, base):
+                        self._give_up(sink, shard, attempt)
+                        yield ShardResult(shard.id, name, 0, 0, time.perf_counter() - started, committed_by_other=True)
+                        return
+                    batch = group[i : i + self.batch_size]
+                    i += len(batch)
+                    made, failed = self._generate(batch)
                     self._store(sink, made, records, table)
-                for image_id, error in failed.items():
-                    records[image_id].update(status="error", error=error)
-                failures += len(failed)
-                filtered = sum(m.data is None for m in made)  # flagged by a safety checker: not stored
-                yield BatchDone(shard.id, name, len(made) - filtered, len(failed) + filtered,
-                                rows=sum(1 / counts[im.row] for im in batch))
-        if todo and failures == len(todo) and base is None:
-            raise ShardError(f"Shard {shard.id}: every row failed in the pipeline; first error: "
-                             f"{records[todo[0].id]['error']}")
-        if self._committed(shard, base):
-            if sink is not None:
-                sink.abort()
-            yield ShardResult(shard.id, name, 0, 0, time.perf_counter() - started, committed_by_other=True)
-            return
-        if sink is None:
-            sink = self._open_sink(shard, table, base)
-            self._store(sink, held, records, table)
-        sink.close()
-        self._commit(shard, [records[im.id] for im in images], table, [im.row for im in images])
+                    for image_id, error in failed.items():
+                        records[image_id].update(status="error", error=error)
+                    failures += len(failed)
+                    filtered = sum(m.data is None for m in made)  # flagged by a safety checker: not stored
+                    yield BatchDone(shard.id, name, len(made) - filtered, len(failed) + filtered,
+                                    rows=sum(1 / counts[im.row] for im in batch))
+            if todo and failures == len(todo) and base is None:
+                raise ShardError(f"Shard {shard.id}: every row failed in the pipeline; first error: "
+                                 f"{records[todo[0].id]['error']}")
+            sink.close()
+            final = [records[im.id] for im in images]
+            won = commit_manifest(self.output, shard.id, self._manifest(final, table, [im.row for im in images], attempt),
+                                  base)
+            if not won:
+                self._give_up(sink, shard, attempt)
+                yield ShardResult(shard.id, name, 0, 0, time.perf_counter() - started, committed_by_other=True)
+                return
+            promote(self.output, shard.id, attempt, {r["image"] for r in final if r["image"]})
+        finally:
+            if not won:  # lost, failed, or stopped (the generator closed): nothing of it stays
+                self._give_up(sink, shard, attempt)
         fresh = [r for i, r in records.items() if i not in kept]  # what this attempt decided
         ok = sum(r["status"] == "ok" for r in fresh)
         self.stats["shards"] += 1
@@ -254,10 +256,15 @@ class Worker:
         self.write_info()
         yield ShardResult(shard.id, name, ok, len(fresh) - ok, time.perf_counter() - started)
 
-    def _open_sink(self, shard: Shard, table: pa.Table, base: bytes | None):
+    def _give_up(self, sink, shard: Shard, attempt: str) -> None:
+        """This attempt lost, failed or was stopped: abort what it opened, remove its staging."""
+        sink.abort()
+        discard(self.output, shard.id, attempt)
+
+    def _open_sink(self, shard: Shard, table: pa.Table, base: bytes | None, attempt: str):
         s, carry = self.spec.settings, self.spec.columns.carry
         carried = table.select(list(carry)).schema.remove_metadata() if carry else None
-        sink = open_sink(self.output, shard.id, s.output_format, s.image_format, carried)
+        sink = open_sink(self.output, shard.id, s.output_format, s.image_format, carried, staging(shard.id, attempt))
         if base is not None:
             sink.keep_existing()  # a retry: the shard's stored images stay, byte for byte
         return sink
@@ -303,7 +310,7 @@ class Worker:
             "id": im.id, "row_id": im.row_id, "image_index": im.index, "prompt": im.prompt,
             "negative_prompt": im.negative_prompt, "seed": im.seed,
             "status": "error" if im.error else "ok", "error": im.error, "warning": None, "image": None, "member": None,
-            "nsfw": None, "sha256": None, "width": look.width, "height": look.height, "steps": look.steps,
+            "nsfw": None, "sha256": None, "size": None, "width": look.width, "height": look.height, "steps": look.steps,
             "guidance": look.guidance, "lora": [a.source for a in look.adapters],
             "lora_scale": [a.scale for a in look.adapters], "template": self.recipe.template,
             "batch": None, "worker": self.spec.name, "device": self.info["device"]["name"], "seconds": None,
@@ -409,21 +416,24 @@ class Worker:
                     "steps": look.steps, "guidance": look.guidance, "lora": [a.source for a in look.adapters],
                     "lora_scale": [a.scale for a in look.adapters], "sha256": digest, "nsfw": flagged,
                     "model": self.spec.model}
-            made.append(_Made(im.id, im.row, data, meta, {"sha256": digest, "batch": len(batch), "nsfw": flagged}))
+            made.append(_Made(im.id, im.row, data, meta, {"sha256": digest, "size": len(data), "batch": len(batch),
+                                                          "nsfw": flagged}))
         seconds = time.perf_counter() - started
         self.stats["generate_seconds"] += seconds
         for m in made:
             m.record["seconds"] = seconds / len(batch)
         return made
 
-    def _commit(self, shard: Shard, records: list[dict], table: pa.Table, rows: list[int]) -> None:
-        """The manifest: one row per image, then the carried input columns of each image's row."""
+    def _manifest(self, records: list[dict], table: pa.Table, rows: list[int], attempt: str) -> bytes:
+        """The manifest: one row per image, then the carried input columns of each image's row;
+        its metadata names the attempt whose objects it names."""
         manifest = pa.Table.from_pylist(records, schema=MANIFEST_SCHEMA)
         for name in self.spec.columns.carry:
             manifest = manifest.append_column(table.schema.field(name), table.column(name).take(rows))
+        manifest = manifest.replace_schema_metadata({ATTEMPT_KEY: attempt.encode()})
         buf = io.BytesIO()
         pq.write_table(manifest, buf)
-        self.output.put(manifest_key(shard.id), buf.getvalue())
+        return buf.getvalue()
 
     def close(self) -> None:
         self.offload_stats.close()

@@ -1,0 +1,270 @@
+"""`fleetgen verify OUT [--deep] [--fix]`: every stored byte against the manifests.
+
+Shard by shard (memory bounded by one shard), it checks that each image a committed manifest names
+is stored where the manifest says (a file, a webdataset tar member, a parquet row) with the size and
+sha256 it records, and finds what no manifest names:
+
+    missing    an image the manifest names is not stored
+    mismatch   stored, but its size (always) or sha256 (--deep: every image; else a sample) differs
+    orphan     an object no committed manifest names (an image file, a shard's data object)
+    leftover   an attempt's staging (`_attempts/`) or a temporary file of a writer that died
+
+`--fix` removes orphans and leftovers, and un-commits shards with missing or mismatched images (their
+manifests and objects go, and `_SUCCESS`), so that rerunning the job redoes exactly those shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import posixpath
+import tarfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pyarrow.parquet as pq
+
+from fleetgen.errors import StorageError
+from jobs.lock import STALE
+from jobs.state import committed_shards
+from workers.commit import finish_attempts
+from workers.layout import JOB, LOCK, SHARDS, STAGING, SUCCESS, manifest_key
+from workers.storage import TMP_MARK, Output
+
+KINDS = ("missing", "mismatch", "orphan", "leftover")
+SAMPLE_EVERY = 16  # without --deep, every 16th image of a shard (and its first) is hashed
+EXAMPLES = 5  # per kind, in the report
+
+
+@dataclass
+class VerifyReport:
+    url: str
+    deep: bool
+    shards: int = 0  # committed shards checked
+    images: int = 0  # images the manifests name
+    hashed: int = 0  # images whose sha256 was computed
+    bytes_read: int = 0
+    seconds: float = 0.0
+    counts: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    examples: dict = field(default_factory=lambda: {k: [] for k in KINDS})
+    uncommitted: list = field(default_factory=list)  # shards whose manifests --fix removed
+    removed: int = 0  # objects --fix removed
+
+    @property
+    def clean(self) -> bool:
+        return not any(self.counts.values())
+
+    def add(self, kind: str, where: str, detail: str = "") -> None:
+        self.counts[kind] += 1
+        if len(self.examples[kind]) < EXAMPLES:
+            self.examples[kind].append(f"{where}{': ' + detail if detail else ''}")
+
+    def text(self) -> str:
+        rate = f"{self.images / self.seconds:.0f} images/s, {self.bytes_read / self.seconds / 1e6:.1f} MB/s" \
+            if self.seconds else ""
+        lines = [f"verified {self.url}: {self.shards} committed shards, {self.images} images "
+                 f"({self.hashed} hashed{', every byte' if self.deep else ', a sample'}) in {self.seconds:.1f} s ({rate})"]
+        for kind in KINDS:
+            if self.counts[kind]:
+                lines.append(f"{self.counts[kind]} {kind}: " + "; ".join(self.examples[kind]))
+        if self.uncommitted:
+            lines.append(f"--fix: un-committed {len(self.uncommitted)} shard(s) ({', '.join(self.uncommitted[:5])}"
+                         f"{', ...' if len(self.uncommitted) > 5 else ''}); rerun the job to redo them")
+        if self.removed:
+            lines.append(f"--fix: removed {self.removed} orphan, leftover or un-committed object(s) and prefix(es)")
+        lines.append("clean" if self.clean else "PROBLEMS FOUND")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("url", "deep", "shards", "images", "hashed", "bytes_read", "seconds",
+                                              "counts", "examples", "uncommitted", "removed")} | {"clean": self.clean}
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class _Checker:
+    def __init__(self, output: Output, report: VerifyReport, deep: bool):
+        self.output, self.report, self.deep = output, report, deep
+        self.orphans: list[str] = []  # keys --fix removes
+
+    def _compare(self, shard: str, row: dict, data: bytes | None, size: int | None, i: int) -> bool:
+        """One image: False when it is missing or differs (recorded)."""
+        where = f"{shard}/{row['id']}"
+        if size is None:
+            self.report.add("missing", where, row["image"] + (f" [{row['member']}]" if row["member"] else ""))
+            return False
+        if row.get("size") is not None and size != row["size"]:
+            self.report.add("mismatch", where, f"{size} bytes stored, {row['size']} in the manifest")
+            return False
+        if self.deep or i % SAMPLE_EVERY == 0:
+            if data is None:
+                data = self.output.get(row["image"])
+            self.report.hashed += 1
+            self.report.bytes_read += len(data)
+            if _sha(data) != row["sha256"]:
+                self.report.add("mismatch", where, "sha256 differs from the manifest")
+                return False
+        return True
+
+    def files(self, shard: str, rows: list[dict]) -> bool:
+        sizes = {}
+        try:
+            found = self.output.fs.find(self.output.path(f"images/{shard}"), detail=True)
+        except FileNotFoundError:
+            found = {}
+        root = self.output.root.rstrip("/") + "/"
+        for path, info in found.items():
+            key = posixpath.normpath(path)
+            sizes[key[len(root):] if key.startswith(root) else key] = info.get("size")
+        ok = True
+        named = set()
+        for i, row in enumerate(rows):
+            named.add(row["image"])
+            ok &= self._compare(shard, row, None, sizes.get(row["image"]), i)
+        for key in sizes.keys() - named:
+            self.report.add("leftover" if TMP_MARK in key else "orphan", key)
+            self.orphans.append(key)
+        return ok
+
+    def webdataset(self, shard: str, rows: list[dict]) -> bool:
+        key = rows[0]["image"]
+        members = {}
+        sampled = self._sampled(rows)
+        try:
+            with self.output.fs.open(self.output.path(key), "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
+                for info in tar:  # headers only, unless the member is hashed
+                    read = self.deep or info.name in sampled
+                    members[info.name] = (info.size, tar.extractfile(info).read() if read else None)
+        except FileNotFoundError:
+            pass
+        except (tarfile.TarError, OSError) as err:
+            self.report.add("mismatch", key, f"not a readable tar: {err}")
+            return False
+        ok = True
+        for i, row in enumerate(rows):
+            size, data = members.get(row["member"], (None, None))
+            ok &= self._compare(shard, row, data, size, i)
+        return ok
+
+    def parquet(self, shard: str, rows: list[dict]) -> bool:
+        key = rows[0]["image"]
+        try:
+            with self.output.fs.open(self.output.path(key), "rb") as f:
+                table = pq.read_table(f, columns=["id", "image"] if self.deep else ["id"])
+        except FileNotFoundError:
+            table = None
+        except Exception as err:  # noqa: BLE001 - a torn or foreign file: whatever pyarrow says
+            self.report.add("mismatch", key, f"not a readable parquet file: {err}")
+            return False
+        stored = {}
+        if table is not None:
+            images = table.column("image").to_pylist() if self.deep else [None] * table.num_rows
+            for rid, image in zip(table.column("id").to_pylist(), images, strict=True):
+                data = image["bytes"] if image else None
+                stored[rid] = (len(data) if data is not None else -1, data)
+        sampled = self._sampled(rows)
+        if table is not None and not self.deep and sampled:  # the sample's bytes, by id
+            with self.output.fs.open(self.output.path(key), "rb") as f:
+                sample = pq.read_table(f, columns=["id", "image"], filters=[("id", "in", sorted(sampled))])
+            for rid, image in zip(sample.column("id").to_pylist(), sample.column("image").to_pylist(), strict=True):
+                stored[rid] = (len(image["bytes"]), image["bytes"])
+        ok = True
+        for i, row in enumerate(rows):
+            size, data = stored.get(row["id"], (None, None))
+            if size == -1:  # present, bytes not read (not deep, not sampled): trust the manifest's size
+                size = row.get("size")
+            ok &= self._compare(shard, row, data, size, i)
+        return ok
+
+    @staticmethod
+    def _sampled(rows: list[dict]) -> set[str]:
+        """The images hashed without --deep (tar members or ids): the first and every 16th."""
+        return {r["member"] or r["id"] for i, r in enumerate(rows) if i % SAMPLE_EVERY == 0}
+
+
+def verify(url: str, deep: bool = False, fix: bool = False, progress: Callable[[str], None] | None = None,
+           interval: float = 5.0) -> VerifyReport:
+    output = Output(url)
+    if not output.exists(JOB):
+        raise StorageError(f"{url} holds no fleetgen job (no {JOB}).")
+    if fix and _running(output):
+        raise StorageError(f"{url} is in use by a running driver ({LOCK} has a fresh heartbeat): `--fix` only "
+                           "works on a job that is not running.")
+    started = last = time.monotonic()
+    report = VerifyReport(url=output.url, deep=deep)
+    checker = _Checker(output, report, deep)
+    if fix:  # first, complete commits whose objects were still being moved (their staging is whole)
+        finish_attempts(output)
+    committed = sorted(committed_shards(output))
+    columns = ["id", "status", "image", "member", "sha256", "size"]
+    for n, shard in enumerate(committed, 1):
+        manifest = pq.ParquetFile(io.BytesIO(output.get(manifest_key(shard))))
+        have = [c for c in columns if c in manifest.schema_arrow.names]
+        rows = [r for r in manifest.read(columns=have).to_pylist() if r["status"] == "ok" and r.get("image")]
+        report.shards += 1
+        report.images += len(rows)
+        ok = True
+        if rows:
+            image = rows[0]["image"]
+            kind = "files" if image.startswith("images/") else "webdataset" if image.endswith(".tar") else "parquet"
+            ok = getattr(checker, kind)(shard, rows)
+        if not ok and fix:  # un-committed: its objects go too, the rerun writes them again
+            output.remove(manifest_key(shard))
+            report.uncommitted.append(shard)
+            checker.orphans += sorted({f"images/{shard}"} | {r["image"] for r in rows if not r["image"].startswith("images/")})
+        if progress and time.monotonic() - last >= interval:
+            last = time.monotonic()
+            progress(f"verify: {n}/{len(committed)} shards, {report.images} images, "
+                     f"{sum(report.counts.values())} problems")
+    _stray(output, set(committed), report, checker.orphans)
+    if fix:
+        for key in checker.orphans:
+            output.remove(key)
+        report.removed = len(checker.orphans)
+        if report.uncommitted:
+            output.remove(SUCCESS)
+    report.seconds = round(time.monotonic() - started, 3)
+    return report
+
+
+def _stray(output: Output, committed: set[str], report: VerifyReport, orphans: list[str]) -> None:
+    """Objects of shards that are not committed, staging and temporary files."""
+    for name in _names(output, "data"):
+        shard = name.split(".", 1)[0]
+        if TMP_MARK in name:
+            report.add("leftover", f"data/{name}")
+            orphans.append(f"data/{name}")
+        elif shard not in committed:
+            report.add("orphan", f"data/{name}", "its shard is not committed")
+            orphans.append(f"data/{name}")
+    for shard in output.list("images"):
+        if shard not in committed:
+            report.add("orphan", f"images/{shard}/", "its shard is not committed")
+            orphans.append(f"images/{shard}")
+    for name in _names(output, SHARDS):
+        if TMP_MARK in name:
+            report.add("leftover", f"{SHARDS}/{name}")
+            orphans.append(f"{SHARDS}/{name}")
+    for shard in output.list(STAGING):
+        if output.find(f"{STAGING}/{shard}"):
+            report.add("leftover", f"{STAGING}/{shard}/", "an attempt's staging")
+        orphans.append(f"{STAGING}/{shard}")
+
+
+def _names(output: Output, prefix: str) -> list[str]:
+    try:
+        return [posixpath.basename(p) for p in output.fs.ls(output.path(prefix), detail=False, refresh=True)]
+    except FileNotFoundError:
+        return []
+
+
+def _running(output: Output) -> bool:
+    try:
+        held = json.loads(output.get(LOCK))
+    except (FileNotFoundError, ValueError):
+        return False
+    return time.time() - held.get("heartbeat", 0) < STALE

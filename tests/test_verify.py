@@ -1,0 +1,222 @@
+"""Every byte accounted for: `fleetgen verify` finds each kind of problem and `--fix` + a rerun
+repairs it; the commit protocol keeps a losing, failing or redone attempt from touching a winner's
+bytes. Workers run in-process (no Ray): the same code a job runs per shard."""
+
+import io
+import json
+import os
+import socket
+import tarfile
+import time
+
+import pyarrow.parquet as pq
+import pytest
+
+from fleetgen.errors import ShardError
+from jobs.cli import main
+from jobs.sharding import plan_shards, read_footer, resolve_columns
+from jobs.verify import verify
+from tests.conftest import write_prompts
+from workers.commit import ATTEMPT_KEY, attempt_of
+from workers.shard import Columns
+from workers.worker import GenerationSettings, ShardResult, Worker, WorkerSpec
+
+PROMPTS = [f"a lighthouse number {i}" for i in range(6)]
+
+
+def setup_job(tmp_path, model, out, output_format, prompts=PROMPTS, max_batch=3, **kw):
+    """A worker and the two shards of a 6-row input, with the job record verify looks for."""
+    path = write_prompts(tmp_path / f"p-{len(prompts)}.parquet", prompts, id=[f"r{i}" for i in range(len(prompts))])
+    files = [read_footer(str(path))]
+    settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64, output_format=output_format)
+    worker = Worker(WorkerSpec("w0", model, str(out), settings, resolve_columns(files, Columns()), max_batch=max_batch,
+                               device="cpu", threads=1, **kw))
+    if str(out).startswith("s3://"):
+        worker.output.put("job.json", b"{}")
+    else:
+        os.makedirs(out, exist_ok=True)
+        (out / "job.json").write_text("{}")
+    return worker, plan_shards(files, 3)
+
+
+def files_under(out):
+    return sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+
+
+def damage(out, fmt):
+    """One missing image, one image with a flipped byte, one orphan, and leftovers."""
+    if fmt == "files":
+        (out / "images" / "shard-00000" / "r1.png").unlink()
+        p = out / "images" / "shard-00001" / "r4.png"
+        data = bytearray(p.read_bytes())
+        data[60] ^= 1
+        p.write_bytes(bytes(data))
+        (out / "images" / "shard-00001" / "stray.png").write_bytes(b"x")
+    elif fmt == "webdataset":
+        for shard, drop, flip in (("shard-00000", "r1.png", None), ("shard-00001", None, "r4.png")):
+            path = out / "data" / f"{shard}.tar"
+            with tarfile.open(path) as tar:
+                members = [(m, tar.extractfile(m).read()) for m in tar]
+            with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+                for m, data in members:
+                    if m.name == drop:
+                        continue
+                    if m.name == flip:
+                        data = bytes([data[0] ^ 1]) + data[1:]
+                    tar.addfile(m, io.BytesIO(data))
+        (out / "data" / "shard-00007.tar").write_bytes(b"orphan")
+    else:
+        import pyarrow.compute as pc
+
+        table = pq.read_table(out / "data" / "shard-00000.parquet")
+        pq.write_table(table.filter(pc.not_equal(table.column("id"), "r1")), out / "data" / "shard-00000.parquet")
+        (out / "data" / "shard-00007.parquet").write_bytes(b"orphan")
+    (out / "shards" / "shard-00009.parquet.tmp-0123abcd").write_bytes(b"torn")
+    (out / "_attempts" / "shard-00001" / "0f0f0f0f0f0f").mkdir(parents=True)
+    (out / "_attempts" / "shard-00001" / "0f0f0f0f0f0f" / "x").write_bytes(b"staged")
+
+
+@pytest.mark.parametrize("fmt", ["files", "webdataset", "parquet"])
+def test_verify_finds_each_problem_and_fix_plus_rerun_repairs_it(tiny_model, tmp_path, fmt):
+    out = tmp_path / "out"
+    worker, shards = setup_job(tmp_path, tiny_model, out, fmt)
+    for shard in shards:
+        worker.run_shard(shard)
+    clean = verify(str(out), deep=True)
+    assert clean.clean and clean.images == 6 and clean.hashed == 6, clean.text()
+    damage(out, fmt)
+
+    shallow = verify(str(out))
+    assert shallow.counts["missing"] == 1 and shallow.examples["missing"][0].startswith("shard-00000/r1")
+    assert shallow.counts["leftover"] == 2 and shallow.counts["orphan"] >= 1
+    deep = verify(str(out), deep=True)
+    assert deep.counts["missing"] == 1
+    assert deep.counts["mismatch"] == (1 if fmt != "parquet" else 0), deep.text()  # the flipped byte: --deep only
+    code = main(["verify", str(out), "--deep", "--fix", "--json", str(tmp_path / "v.json")])
+    assert code == 1 and json.loads((tmp_path / "v.json").read_text())["clean"] is False
+    fixed = json.loads((tmp_path / "v.json").read_text())
+    assert fixed["uncommitted"] == (["shard-00000", "shard-00001"] if fmt != "parquet" else ["shard-00000"])
+    assert not (out / "_attempts").exists()
+    assert verify(str(out), deep=True).clean  # nothing left but shards to redo
+    for shard in shards:  # the rerun: shards without a manifest are redone
+        if not (out / "shards" / f"{shard.id}.parquet").exists():
+            worker.run_shard(shard)
+    after = verify(str(out), deep=True)
+    assert after.clean and after.images == 6, after.text()
+
+
+def test_a_losing_attempt_never_replaces_the_winners_bytes(tiny_model, tmp_path):
+    """Two attempts at one shard with different batch sizes (so their bytes differ), interleaved:
+    the loser writes a batch after the winner committed; only the winner's bytes are stored."""
+    out = tmp_path / "out"
+    slow, shards = setup_job(tmp_path, tiny_model, out, "files", max_batch=1)
+    fast, _ = setup_job(tmp_path, tiny_model, out, "files", max_batch=3)
+    loser = slow.iter_shard(shards[0])
+    assert next(loser).images == 1  # the loser's first image is made (in its staging)
+    *_, won = fast.iter_shard(shards[0])
+    assert won.ok == 3 and not won.committed_by_other
+    winner_bytes = {p: (out / p).read_bytes() for p in files_under(out) if p.startswith("images/")}
+    assert any(p.startswith("_attempts/") for p in files_under(out))  # the loser's staging, still running
+    assert next(loser).committed_by_other  # it sees the commit at its next batch and stops
+    loser.close()
+    assert not (out / "_attempts" / "shard-00000").exists() or not any((out / "_attempts").rglob("*.png"))
+    assert {p: (out / p).read_bytes() for p in files_under(out) if p.startswith("images/")} == winner_bytes
+    manifest = (out / "shards" / "shard-00000.parquet").read_bytes()
+    assert attempt_of(manifest) and pq.read_schema(io.BytesIO(manifest)).metadata[ATTEMPT_KEY]
+    assert {r["batch"] for r in pq.read_table(out / "shards").to_pylist()} == {3}
+    assert verify(str(out), deep=True).clean
+
+    # Both attempts reach the commit: the second's manifest create fails, it removes its staging.
+    again = setup_job(tmp_path, tiny_model, tmp_path / "two", "files", max_batch=1)[0]
+    other = setup_job(tmp_path, tiny_model, tmp_path / "two", "files", max_batch=3)[0]
+    a = again.iter_shard(shards[1])
+    events = [next(a) for _ in range(3)]  # all three of its batches made, not yet committed
+    assert all(not isinstance(e, ShardResult) for e in events)
+    assert not other.run_shard(shards[1]).committed_by_other
+    assert next(a).committed_by_other
+    assert {r["batch"] for r in pq.read_table(tmp_path / "two" / "shards").to_pylist()} == {3}
+    assert verify(str(tmp_path / "two"), deep=True).clean
+
+
+@pytest.mark.parametrize("fmt", ["webdataset", "parquet"])
+def test_an_attempt_failing_every_row_on_s3_leaves_the_committed_bytes(s3_server, tiny_model, tmp_path, fmt):
+    import s3fs
+
+    fs = s3fs.S3FileSystem()
+    bucket = f"fleetgen-verify-{fmt}"
+    fs.mkdir(bucket)
+    out = f"s3://{bucket}/out"
+    worker, shards = setup_job(tmp_path, tiny_model, out, fmt)
+    bad, _ = setup_job(tmp_path, tiny_model, out, fmt)
+    assert worker.output.atomic_create
+
+    def broken(module, args, kwargs):
+        raise RuntimeError("the GPU fell off the bus")
+
+    bad.pipe.unet.register_forward_pre_hook(broken, with_kwargs=True)
+    failing = bad.iter_shard(shards[0])
+    assert next(failing).errors == 3  # its one batch failed, row by row; it has not reached its commit
+    worker.run_shard(shards[0])  # meanwhile another attempt commits
+    key = f"{bucket}/out/data/shard-00000.{'tar' if fmt == 'webdataset' else 'parquet'}"
+    before = fs.cat(key)
+    with pytest.raises(ShardError, match="every row failed"):
+        next(failing)  # ... and the failing one raises: what it opened is aborted, its staging removed
+    fs.invalidate_cache()
+    assert fs.cat(key) == before
+    assert not fs.exists(f"{bucket}/out/_attempts") or not fs.find(f"{bucket}/out/_attempts")
+    assert not fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")
+    # A manifest create that loses on S3 is a conditional PUT (If-None-Match), not a check-then-write.
+    assert not worker.output.create("shards/shard-00000.parquet", b"late")
+    assert verify(out, deep=True).clean
+
+
+def test_a_redone_shard_leaves_no_image_of_a_row_that_became_an_error(tiny_model, tmp_path):
+    out = tmp_path / "out"
+    long = " ".join(["a very long prompt about a red fox"] * 20)  # > 77 CLIP tokens
+    worker, shards = setup_job(tmp_path, tiny_model, out, "files", prompts=["a cat", long, "a dog"])
+    worker.run_shard(shards[0])
+    assert (out / "images" / "shard-00000" / "r1.png").exists()
+    (out / "shards" / "shard-00000.parquet").unlink()  # e.g. `verify --fix` un-committed it
+    strict, _ = setup_job(tmp_path, tiny_model, out, "files", prompts=["a cat", long, "a dog"], strict_prompts=True)
+    result = strict.run_shard(shards[0])
+    assert (result.ok, result.errors) == (2, 1)
+    assert not (out / "images" / "shard-00000" / "r1.png").exists()
+    assert verify(str(out), deep=True).clean
+
+
+def test_a_winner_that_died_moving_its_objects_is_finished_by_fix(tiny_model, tmp_path):
+    """The commit landed, the move did not: verify names the missing images and the staging;
+    `--fix` finishes the move (the staging is whole) instead of redoing the shard."""
+    out = tmp_path / "out"
+    worker, shards = setup_job(tmp_path, tiny_model, out, "files")
+    worker.run_shard(shards[0])
+    attempt = attempt_of((out / "shards" / "shard-00000.parquet").read_bytes())
+    staged = out / "_attempts" / "shard-00000" / attempt
+    (staged / "images").mkdir(parents=True)
+    (out / "images" / "shard-00000").rename(staged / "images" / "shard-00000")
+    report = verify(str(out))
+    assert report.counts["missing"] == 3 and report.counts["leftover"] == 1
+    fixed = verify(str(out), deep=True, fix=True)
+    assert fixed.clean and not fixed.uncommitted, fixed.text()
+    assert len(list((out / "images" / "shard-00000").glob("*.png"))) == 3
+
+
+def test_a_lock_of_a_dead_driver_on_this_host_is_taken_over_at_once(tmp_path):
+    from jobs.lock import OutputLock
+    from workers.storage import Output
+
+    dead = os.fork()
+    if dead == 0:
+        os._exit(0)
+    os.waitpid(dead, 0)  # a pid that no longer exists
+    output = Output(str(tmp_path))
+    (tmp_path / "_LOCK").write_text(json.dumps({"token": "x", "owner": f"{socket.gethostname()} pid {dead}",
+                                                "host": socket.gethostname(), "pid": dead, "started": time.time(),
+                                                "heartbeat": time.time()}))
+    lock = OutputLock(output)
+    assert "no longer exists on this host" in lock.acquire()
+    lock.release()
+    (tmp_path / "_LOCK").write_text(json.dumps({"token": "y", "owner": "elsewhere pid 1", "host": "elsewhere",
+                                                "pid": 1, "started": time.time(), "heartbeat": time.time()}))
+    with pytest.raises(Exception, match="in use by another fleetgen driver"):
+        OutputLock(output).acquire()

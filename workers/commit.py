@@ -1,0 +1,102 @@
+"""The shard commit: the first attempt to commit wins, and a losing attempt can never replace the
+winner's bytes.
+
+Every attempt of a shard writes its objects under a staging prefix of its own,
+`_attempts/<shard>/<attempt>/<final key>`, which no other attempt writes. It commits by creating the
+shard's manifest `shards/<shard>.parquet` only if it is absent — atomically on local disks (a hard
+link) and S3 (a conditional PUT); elsewhere a check, then a write — and the manifest records the
+attempt that won. Only the winner then moves its staged objects to their final keys (`images/...`,
+`data/...`) and removes objects under the shard's image prefix that its manifest does not name (left
+by an earlier commit of the shard that a redo replaced). A loser removes its staging.
+
+A crash between the commit and the end of the move leaves staging behind: `finish_attempts`, run
+where no attempt is running (the driver's start and end, `fleetgen verify --fix`), completes the
+move for the attempt the manifest names and removes every other staging.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pyarrow.parquet as pq
+
+from workers.layout import STAGING, manifest_key
+from workers.storage import Output
+
+ATTEMPT_KEY = b"fleetgen.attempt"  # manifest metadata: the attempt whose objects the manifest names
+
+
+def staging(shard_id: str, attempt: str) -> str:
+    """The prefix (ending in `/`) an attempt writes its objects under."""
+    return f"{STAGING}/{shard_id}/{attempt}/"
+
+
+def attempt_of(manifest: bytes) -> str | None:
+    metadata = pq.read_schema(io.BytesIO(manifest)).metadata or {}
+    value = metadata.get(ATTEMPT_KEY)
+    return value.decode() if value else None
+
+
+def commit_manifest(output: Output, shard_id: str, manifest: bytes, base: bytes | None = None) -> bool:
+    """Commit `manifest`; False when another attempt committed first. `base`: the manifest a retry
+    of error rows started from, replaced only if it is still there (a check, then a write: the
+    retry runs under the job's lock, one attempt per shard unless a straggler is speculated)."""
+    key = manifest_key(shard_id)
+    if base is None:
+        return output.create(key, manifest)
+    try:
+        if output.get(key) != base:
+            return False
+    except FileNotFoundError:
+        return False
+    output.put(key, manifest)
+    return True
+
+
+def promote(output: Output, shard_id: str, attempt: str, named: set[str]) -> int:
+    """The winner's staged objects to their final keys; then objects under `images/<shard>/` that
+    the manifest does not name (`named`) are removed, and the staging. Returns objects moved."""
+    prefix = staging(shard_id, attempt)
+    staged = output.find(prefix.rstrip("/"))
+    for key in staged:
+        output.move(key, key[len(prefix):])
+    for key in output.find(f"images/{shard_id}"):
+        if key not in named:
+            output.remove(key)
+    discard(output, shard_id, attempt)
+    return len(staged)
+
+
+def discard(output: Output, shard_id: str, attempt: str) -> None:
+    """A losing or failed attempt: its staging goes."""
+    output.remove(staging(shard_id, attempt).rstrip("/"))
+    output.prune(f"{STAGING}/{shard_id}")
+
+
+def named_objects(manifest: bytes) -> set[str]:
+    """The final keys a manifest names (its `image` column)."""
+    table = pq.read_table(io.BytesIO(manifest), columns=["image"])
+    return {k for k in table.column("image").to_pylist() if k}
+
+
+def finish_attempts(output: Output) -> tuple[int, int]:
+    """Where no attempt is running: finish the move of every committed attempt whose staging is
+    still there, remove every other staging. Returns (attempts finished, attempts removed)."""
+    finished = removed = 0
+    for shard_id in output.list(STAGING):
+        try:
+            manifest = output.get(manifest_key(shard_id))
+        except FileNotFoundError:
+            manifest = None
+        winner = attempt_of(manifest) if manifest else None
+        for attempt in output.list(f"{STAGING}/{shard_id}"):
+            if attempt == winner:
+                promote(output, shard_id, attempt, named_objects(manifest))
+                finished += 1
+            else:
+                discard(output, shard_id, attempt)
+                removed += 1
+        output.remove(f"{STAGING}/{shard_id}")
+    output.remove(STAGING)  # local disks keep empty directories
+    return finished, removed
+
