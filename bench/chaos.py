@@ -65,7 +65,12 @@ def manifest_rows(out: Path) -> list[dict]:
 
 
 def check(out: Path, clean: dict[str, str]) -> dict:
+    """The manifests against a clean run's, and every stored byte against the manifests
+    (`fleetgen verify --deep`)."""
+    from jobs.verify import verify
+
     rows = manifest_rows(out)
+    verified = verify(str(out), deep=True)
     ids = [r["id"] for r in rows]
     files = sorted(p.relative_to(out).as_posix() for p in (out / "images").rglob("*") if p.is_file())
     return {
@@ -73,6 +78,7 @@ def check(out: Path, clean: dict[str, str]) -> dict:
         "stray_objects": len(set(files) - {r["image"] for r in rows}),
         "sha_mismatches": sum(clean.get(r["id"]) != r["sha256"] for r in rows),
         "tmp_files": len(list(out.rglob("*.tmp-*"))),  # half-written files of killed writers, anywhere
+        "verify_deep": "clean" if verified.clean else verified.counts,
     }
 
 

@@ -17,6 +17,7 @@ from bench.chaos import Killer, check, manifest_rows
 from fleetgen.errors import InputError, StorageError
 from jobs.config import JobConfig, validate
 from jobs.driver import run_job
+from jobs.verify import verify
 from tests.conftest import FAST, write_prompts
 
 pytestmark = pytest.mark.ray
@@ -49,7 +50,7 @@ def test_chaos_workers_killed_at_random_moments(chaos_input, tiny_model, tmp_pat
     assert len(killer.killed) == 4, "the job ended before every kill landed: make it longer"
     assert summary.complete and summary.images_ok == 160
     assert check(tmp_path / "out", clean) == {"rows": 160, "missing": 0, "duplicates": 0, "stray_objects": 0,
-                                              "sha_mismatches": 0, "tmp_files": 0}
+                                              "sha_mismatches": 0, "tmp_files": 0, "verify_deep": "clean"}
     assert not list((tmp_path / "out").rglob("*.tmp-*"))
     pids_now = {json.loads(f.read_text())["pid"] for f in (tmp_path / "out" / "workers").glob("*.json")}
     assert not pids_now & {k["pid"] for k in killer.killed}  # the workers that finished were restarted ones
@@ -130,7 +131,7 @@ def test_driver_stopped_or_killed_then_rerun_resumes(chaos_input, tiny_model, tm
     if sig == signal.SIGKILL:
         assert f"pid {proc.pid}: that process no longer exists on this host" in log.getvalue()
     assert check(out, clean) == {"rows": 160, "missing": 0, "duplicates": 0, "stray_objects": 0, "sha_mismatches": 0,
-                                "tmp_files": 0}
+                                "tmp_files": 0, "verify_deep": "clean"}
 
 
 def test_second_driver_refuses_naming_the_first(tiny_model, tmp_path, ray_cluster):
@@ -214,4 +215,5 @@ def test_straggler_is_given_to_an_idle_worker_and_output_is_unchanged(tiny_model
                      if p.is_file() and p.parts[-2] in ("images", "data", "shard-00000", "shard-00001"))
     expected = sorted(p.relative_to(tmp_path / "clean").as_posix() for p in (tmp_path / "clean").rglob("*")
                       if p.is_file() and p.parts[-2] in ("images", "data", "shard-00000", "shard-00001"))
-    assert written == expected  # no stray objects, no temporary files
+    assert written == expected  # no stray objects, no temporary files, no attempt's staging
+    assert verify(str(tmp_path / "out"), deep=True).clean
