@@ -21,13 +21,13 @@ from fleetgen import __version__
 from fleetgen.errors import StorageError
 from jobs.config import JobConfig
 from jobs.sharding import InputFile
-from workers.layout import CARD, FLEET, JOB, SHARDS, SUCCESS, SUMMARY, WIDS_INDEX, WORKERS, manifest_key
+from workers.layout import CARD, FLEET, JOB, SHARDS, STAGING, SUCCESS, SUMMARY, WIDS_INDEX, WORKERS, manifest_key
 from workers.pipeline import is_hub_id
 from workers.shard import Columns
 from workers.storage import Output
 
 # What --overwrite removes: everything fleetgen writes, nothing else under OUT.
-_JOB_OBJECTS = (JOB, SUMMARY, SUCCESS, FLEET, CARD, WIDS_INDEX, SHARDS, WORKERS, "images", "data")
+_JOB_OBJECTS = (JOB, SUMMARY, SUCCESS, FLEET, CARD, WIDS_INDEX, SHARDS, WORKERS, STAGING, "images", "data")
 
 
 def model_identity(model: str, revision: str | None = None, variant: str | None = None) -> str:
