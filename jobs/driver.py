@@ -31,7 +31,7 @@ from jobs.sharding import (
     largest,
     list_input_files,
     plan_shards,
-    read_footer,
+    read_footers,
     resolve_columns,
 )
 from jobs.state import claim_output, committed_shards, fingerprint, pinned_revision, read_manifests
@@ -81,7 +81,7 @@ def run_job(config: JobConfig, progress_stream=None, progress_interval: float = 
     shards get `config.stop_grace` seconds to commit, then are abandoned (redone by a rerun)."""
     started = time.monotonic()
     output = Output(config.output)
-    files = [read_footer(url) for url in list_input_files(config.input)]
+    files = read_footers(list_input_files(config.input))
     if sum(f.num_rows for f in files) == 0:
         raise InputError(f"`--input` {config.input} has no rows ({len(files)} file(s), all empty).")
     columns = resolve_columns(files, config.columns(), config.prompt_template, config.column_list("keep_columns"),

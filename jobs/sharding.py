@@ -9,6 +9,7 @@ and `rows_per_shard` always give the same ids (that is what makes resume work).
 from __future__ import annotations
 
 import glob as globlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -184,17 +185,29 @@ def distinct_strings(files: list[InputFile], column: str | None, limit: int) -> 
 
 
 def plan_shards(files: list[InputFile], rows_per_shard: int) -> list[Shard]:
+    """Every shard of the input, in order. Ids have one width for the whole job (at least 5
+    digits, more past 99,999 shards), so that they sort as they are numbered."""
+    total = sum(-(-rows // rows_per_shard) for f in files for rows in f.row_groups)
+    width = max(5, len(str(total - 1)))
     shards = []
     for file_index, f in enumerate(files):
         start = 0
         for group, rows in enumerate(f.row_groups):
             for offset in range(0, rows, rows_per_shard):
                 shards.append(Shard(
-                    id=f"shard-{len(shards):05d}", path=f.url, file_index=file_index, row_group=group,
+                    id=f"shard-{len(shards):0{width}d}", path=f.url, file_index=file_index, row_group=group,
                     row_group_start=start, offset=offset, length=min(rows_per_shard, rows - offset),
                 ))
             start += rows
     return shards
+
+
+def read_footers(urls: list[str], threads: int = 16) -> list[InputFile]:
+    """Every file's footer, fetched concurrently (object stores answer each in tens of ms), in order."""
+    if len(urls) == 1:
+        return [read_footer(urls[0])]
+    with ThreadPoolExecutor(max_workers=min(threads, len(urls))) as pool:
+        return list(pool.map(read_footer, urls))
 
 
 def check_unique_ids(files: list[InputFile], columns: Columns, examples: int = 3) -> None:

@@ -3,7 +3,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from fleetgen.errors import InputError
-from jobs.sharding import list_input_files, plan_shards, read_footer, resolve_columns
+from jobs.sharding import InputFile, list_input_files, plan_shards, read_footer, resolve_columns
 from tests.conftest import write_prompts
 from workers.batches import Look, Recipe, shard_images
 from workers.shard import SETTING_ROLES, Columns, read_shard
@@ -134,3 +134,21 @@ def test_all_files_empty_is_refused(tmp_path, tiny_model):
     write_prompts(tmp_path / "a.parquet", [])
     with pytest.raises(InputError, match=r"has no rows \(1 file\(s\), all empty\)"):
         run_job(JobConfig(input=str(tmp_path / "a.parquet"), output=str(tmp_path / "o"), model=tiny_model))
+
+
+def test_shard_ids_have_one_width_for_the_job():
+    """Past 99,999 shards the ids widen, all of them, so they still sort as numbered."""
+    big = InputFile(url="x.parquet", size=0, row_groups=(100_001,), schema=pa.schema([("prompt", pa.string())]))
+    ids = [s.id for s in plan_shards([big], 1)]
+    assert ids[0] == "shard-000000" and ids[-1] == "shard-100000" and ids == sorted(ids)
+    small = InputFile(url="x.parquet", size=0, row_groups=(10,), schema=big.schema)
+    assert [s.id for s in plan_shards([small], 5)] == ["shard-00000", "shard-00001"]
+
+
+def test_footers_are_read_concurrently_in_order(tmp_path):
+    from jobs.sharding import read_footers
+
+    for i in range(5):
+        write_prompts(tmp_path / f"f{i}.parquet", [f"p{j}" for j in range(i + 1)])
+    files = read_footers(list_input_files(str(tmp_path)))
+    assert [f.num_rows for f in files] == [1, 2, 3, 4, 5]
