@@ -209,3 +209,41 @@ def test_long_prompts_are_truncated_and_noted_or_refused(tiny_model, tmp_path, s
         assert rows["long"]["error"] == "prompt is 122 tokens; the text encoder takes 77 (`--strict-prompts`)"
     else:
         assert rows["long"]["status"] == "ok" and rows["long"]["warning"] == "prompt truncated to 77 of 122 tokens"
+
+
+def test_encoding_and_storing_overlap_the_next_pipeline_call(tiny_model, tmp_path):
+    """The writer thread stores batch k while the pipeline makes batch k+1; at most WRITE_AHEAD
+    batches wait for it; the commit waits for all of them."""
+    import threading
+    import time as clock
+
+    from workers.worker import WRITE_AHEAD
+
+    path = write_prompts(tmp_path / "p.parquet", [f"prompt {i}" for i in range(8)], id=[f"i{i}" for i in range(8)])
+    files = [read_footer(str(path))]
+    worker = make_worker(tiny_model, tmp_path / "out", max_batch=1)
+    events, store = [], worker._encode_and_store
+    pipe = worker.pipe
+
+    def call(**kwargs):
+        events.append(("call", kwargs["prompt"][0], clock.monotonic()))
+        return pipe(**kwargs)
+
+    def slow_store(*args):
+        clock.sleep(0.3)  # a slow store: the pipeline must not wait for it (up to WRITE_AHEAD batches)
+        store(*args)
+        events.append(("stored", args[1][0].id, clock.monotonic(), threading.current_thread().name))
+
+    worker.pipe = call
+    worker._encode_and_store = slow_store
+    result = worker.run_shard(plan_shards(files, 100)[0])
+    assert (result.ok, result.errors) == (8, 0)
+    calls = [e for e in events if e[0] == "call"]
+    stored = [e for e in events if e[0] == "stored"]
+    assert all(e[3].startswith("fleetgen-writer") for e in stored)
+    assert calls[1][2] < stored[0][2]  # the second image was being made before the first was stored
+    for k, (_, _, at) in enumerate(calls):  # back-pressure: call k waits until batch k - WRITE_AHEAD - 1 is stored
+        if k > WRITE_AHEAD:
+            assert at >= stored[k - WRITE_AHEAD - 1][2]
+    rows = manifest(tmp_path / "out").to_pylist()
+    assert len(rows) == 8 and all(r["sha256"] and r["size"] for r in rows)  # committed after every store

@@ -11,8 +11,9 @@ import platform
 import socket
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -42,6 +43,7 @@ from workers.shard import Columns, Shard, read_shard
 from workers.sinks import open_sink
 from workers.storage import Output
 
+WRITE_AHEAD = 2  # batches handed to the writer thread before the pipeline waits: one being written, one queued
 _ENCODE_ARGS = {"png": {"format": "PNG"}, "jpeg": {"format": "JPEG", "quality": 95}, "webp": {"format": "WEBP", "quality": 95}}
 
 
@@ -150,6 +152,7 @@ class Worker:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.offload_stats = OffloadStats(pipeline_modules(self.pipe), self.device)
         self.batch_size = self.plan.batch_size
+        self._writer = _Writer()
         self.step_downs: list[dict] = []
         self.stats = {"shards": 0, "images": 0, "errors": 0, "generate_seconds": 0.0}
         self.info = {
@@ -226,16 +229,18 @@ class Worker:
                     batch = group[i : i + self.batch_size]
                     i += len(batch)
                     made, failed = self._generate(batch)
-                    self._store(sink, made, records, table)
+                    # Encoding, hashing and storing run on the writer thread while the device makes the next batch.
+                    self._writer.submit(self._encode_and_store, sink, made, records, table)
                     for image_id, error in failed.items():
                         records[image_id].update(status="error", error=error)
                     failures += len(failed)
-                    filtered = sum(m.data is None for m in made)  # flagged by a safety checker: not stored
+                    filtered = sum(m.picture is None for m in made)  # flagged by a safety checker: not stored
                     yield BatchDone(shard.id, name, len(made) - filtered, len(failed) + filtered,
                                     rows=sum(1 / counts[im.row] for im in batch))
             if todo and failures == len(todo) and base is None:
                 raise ShardError(f"Shard {shard.id}: every row failed in the pipeline; first error: "
                                  f"{records[todo[0].id]['error']}")
+            self._writer.drain()  # every image written before the commit
             sink.close()
             final = [records[im.id] for im in images]
             won = commit_manifest(self.output, shard.id, self._manifest(final, table, [im.row for im in images], attempt),
@@ -258,6 +263,7 @@ class Worker:
 
     def _give_up(self, sink, shard: Shard, attempt: str) -> None:
         """This attempt lost, failed or was stopped: abort what it opened, remove its staging."""
+        self._writer.cancel()  # the writer thread lets go of the sink first
         sink.abort()
         discard(self.output, shard.id, attempt)
 
@@ -291,6 +297,18 @@ class Worker:
             return self.output.get(manifest_key(shard.id)) != base
         except FileNotFoundError:
             return False
+
+    def _encode_and_store(self, sink, made: list[_Made], records: dict, table: pa.Table) -> None:
+        """On the writer thread: encode and hash each image, then store the batch."""
+        s = self.spec.settings
+        for m in made:
+            if m.picture is not None:
+                m.data = encode(m.picture, s.image_format)
+                m.picture = None  # the decoded image is not held longer than needed
+                digest = hashlib.sha256(m.data).hexdigest()
+                m.meta["sha256"] = digest
+                m.record.update(sha256=digest, size=len(m.data))
+        self._store(sink, made, records, table)
 
     def _store(self, sink, made: list[_Made], records: dict, table: pa.Table) -> None:
         kept = [m for m in made if m.data is not None]
@@ -394,7 +412,7 @@ class Worker:
                            generator=generator)
 
     def _call(self, batch: list[Image]) -> list[_Made]:
-        s, look = self.spec.settings, batch[0].look
+        look = batch[0].look
         started = time.perf_counter()
         if look.adapters != self._active:  # between batches only: a batch shares its look
             activate_adapters(self.pipe, self.adapters, look.adapters)
@@ -409,15 +427,11 @@ class Worker:
                 made.append(_Made(im.id, im.row, None, {}, {"status": "filtered", "nsfw": True, "batch": len(batch),
                                                             "error": "flagged by the pipeline's safety checker; not stored"}))
                 continue
-            data = encode(image, s.image_format)
-            digest = hashlib.sha256(data).hexdigest()
             meta = {"id": im.id, "row_id": im.row_id, "image_index": im.index, "prompt": im.prompt,
                     "negative_prompt": im.negative_prompt, "seed": im.seed, "width": look.width, "height": look.height,
                     "steps": look.steps, "guidance": look.guidance, "lora": [a.source for a in look.adapters],
-                    "lora_scale": [a.scale for a in look.adapters], "sha256": digest, "nsfw": flagged,
-                    "model": self.spec.model}
-            made.append(_Made(im.id, im.row, data, meta, {"sha256": digest, "size": len(data), "batch": len(batch),
-                                                          "nsfw": flagged}))
+                    "lora_scale": [a.scale for a in look.adapters], "nsfw": flagged, "model": self.spec.model}
+            made.append(_Made(im.id, im.row, image, meta, {"batch": len(batch), "nsfw": flagged}))
         seconds = time.perf_counter() - started
         self.stats["generate_seconds"] += seconds
         for m in made:
@@ -436,6 +450,7 @@ class Worker:
         return buf.getvalue()
 
     def close(self) -> None:
+        self._writer.close()
         self.offload_stats.close()
         self.placed.close()
         self.pipe = None
@@ -445,6 +460,44 @@ class Worker:
 class _Made:
     id: str
     row: int  # its row in the shard's table
-    data: bytes | None  # the encoded image; None when the safety checker filtered it
+    picture: object | None  # the decoded image until the writer encodes it; None when the safety checker filtered it
     meta: dict  # what webdataset/parquet output stores beside it
     record: dict
+    data: bytes | None = None  # the encoded image (set by the writer)
+
+
+class _Writer:
+    """One background thread that encodes, hashes and stores a worker's images while the device
+    makes the next batch. At most `depth` batches wait for it: a slow store slows the pipeline
+    (back-pressure) instead of filling memory with decoded images. Errors surface in the caller."""
+
+    def __init__(self, depth: int = WRITE_AHEAD):
+        self.depth, self.pending = depth, deque()
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fleetgen-writer")
+
+    def submit(self, fn, *args) -> None:
+        if self.depth == 0:  # inline, on the caller's thread (what bench/worker_overlap.py compares with)
+            fn(*args)
+            return
+        while len(self.pending) >= self.depth:
+            self.pending.popleft().result()
+        self.pending.append(self.pool.submit(fn, *args))
+
+    def drain(self) -> None:
+        """Wait for every batch handed over; raises the first error."""
+        while self.pending:
+            self.pending.popleft().result()
+
+    def cancel(self) -> None:
+        """Drop batches not started, wait for the one running; errors are ignored (giving up)."""
+        while self.pending:
+            future = self.pending.popleft()
+            if not future.cancel():
+                try:
+                    future.result()
+                except Exception:  # noqa: BLE001, S110 - the attempt is being abandoned anyway
+                    pass
+
+    def close(self) -> None:
+        self.cancel()
+        self.pool.shutdown(wait=True)
