@@ -12,7 +12,7 @@ import json
 import pyarrow as pa
 
 from jobs.config import JobConfig
-from jobs.state import committed_shards, read_manifests
+from jobs.state import shard_counts
 from workers.families import Family
 from workers.layout import CARD, MANIFEST_SCHEMA, WIDS_INDEX, data_key
 from workers.shard import SETTING_ROLES, Columns
@@ -28,16 +28,6 @@ def describe_columns(config: JobConfig, columns: Columns, adapters) -> str:
     parts.append(f"{len(adapters)} LoRA adapter(s)")
     parts.append(f"carried columns: {', '.join(columns.carry)}" if columns.carry else "no columns carried")
     return "; ".join(parts)
-
-
-def shard_counts(output: Output) -> dict[str, dict[str, int]]:
-    """{shard: {"ok": n, "error": n, "filtered": n}} over the committed manifests."""
-    shards = sorted(committed_shards(output))
-    out = {}
-    for shard, rows in read_manifests(output, shards, ["status"]).items():
-        statuses = [r["status"] for r in rows]
-        out[shard] = {k: statuses.count(k) for k in ("ok", "error", "filtered")}
-    return out
 
 
 def write_wids_index(output: Output, counts: dict[str, dict[str, int]]) -> None:

@@ -34,7 +34,14 @@ from jobs.sharding import (
     read_footers,
     resolve_columns,
 )
-from jobs.state import claim_output, committed_shards, fingerprint, pinned_revision, read_manifests
+from jobs.state import (
+    claim_output,
+    committed_shards,
+    fingerprint,
+    pinned_revision,
+    shard_counts,
+    write_counts_index,
+)
 from workers.commit import finish_attempts
 from workers.layout import SUCCESS, SUMMARY
 from workers.shard import Shard
@@ -158,14 +165,17 @@ def _sweep(output: Output) -> None:
 
 
 def _summarise(output: Output, shards: list[Shard], todo: int, started: float, failures, workers, stopped) -> JobSummary:
-    """Counts from the committed manifests themselves: the truth, whatever this run did."""
-    committed = committed_shards(output) & {s.id for s in shards}
-    counts = read_manifests(output, sorted(committed), ["status"])
-    statuses = [row["status"] for rows in counts.values() for row in rows]
+    """Counts from the committed manifests themselves (their footers, or the counts index where it
+    is current): the truth, whatever this run did. The index is then rewritten for the next reader."""
+    all_counts = shard_counts(output)
+    write_counts_index(output, all_counts)
+    ids = {s.id for s in shards}
+    counts = [c for s, c in all_counts.items() if s in ids]
+    total = {k: sum(c[k] for c in counts) for k in ("ok", "error", "filtered", "images")}
     return JobSummary(
-        output=output.url, shards_total=len(shards), shards_committed=len(committed),
-        shards_skipped=len(shards) - todo, images_ok=statuses.count("ok"), images_filtered=statuses.count("filtered"),
-        images_error=len(statuses) - statuses.count("ok") - statuses.count("filtered"),
+        output=output.url, shards_total=len(shards), shards_committed=len(counts),
+        shards_skipped=len(shards) - todo, images_ok=total["ok"], images_filtered=total["filtered"],
+        images_error=total["images"] - total["ok"] - total["filtered"],
         seconds=round(time.monotonic() - started, 3),
         failures=failures, workers=workers, stopped=stopped,
     )
@@ -192,8 +202,8 @@ def _stop_on_signals(stop: threading.Event, progress: Progress):
 
 def _with_errors(output: Output, committed: list[Shard]) -> list[Shard]:
     """Committed shards whose manifest has error rows, to be redone (only those rows) by `--retry-errors`."""
-    statuses = read_manifests(output, [s.id for s in committed], ["status"])
-    return [replace(s, retry_errors=True) for s in committed if any(r["status"] == "error" for r in statuses[s.id])]
+    counts = shard_counts(output)
+    return [replace(s, retry_errors=True) for s in committed if counts.get(s.id, {}).get("error")]
 
 
 def _dispatch(config: JobConfig, columns, todo: list[Shard], progress: Progress, stop: threading.Event,

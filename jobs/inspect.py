@@ -8,7 +8,7 @@ import time
 from fleetgen.errors import FleetgenError
 from jobs.fleet import fleet_lines
 from jobs.lock import STALE
-from jobs.state import committed_shards, read_manifests
+from jobs.state import read_manifests, shard_counts
 from workers.layout import FLEET, JOB, LOCK, SUCCESS, SUMMARY, WORKERS
 from workers.storage import Output
 
@@ -20,32 +20,34 @@ def _json(out: Output, key: str) -> dict | None:
         return None
 
 
-def job_state(url: str, manifest_columns: tuple[str, ...] = ("status", "row_id")) -> dict:
-    """What OUT says about its job: counts from the manifests, the running driver (if its
-    heartbeat is fresh), per-worker figures, failures, and an ETA from the workers' rates."""
+def job_state(url: str, manifest_columns: tuple[str, ...] | None = None) -> dict:
+    """What OUT says about its job: counts from the manifests' footers (or the counts index), the
+    running driver (if its heartbeat is fresh), per-worker figures, failures, and an ETA from the
+    workers' rates. `manifest_columns`: also read these columns of every manifest row (`report`)."""
     out = Output(url)
     job = _json(out, JOB)
     if job is None:
         raise FleetgenError(f"{url} holds no fleetgen job (no {JOB}).")
-    committed = sorted(committed_shards(out))
-    manifests = read_manifests(out, committed, list(manifest_columns))
-    rows = [r for shard in committed for r in manifests[shard]]
+    counts = shard_counts(out)
+    committed = sorted(counts)
+    manifests = read_manifests(out, committed, list(manifest_columns)) if manifest_columns else {}
+    rows = [r for shard in committed for r in manifests.get(shard, [])]
     total_rows = sum(f["rows"] for f in job["fingerprint"]["input"])
     workers = [w for w in (_json(out, f"{WORKERS}/{name}") for name in out.list(WORKERS, ".json")) if w]
     lock = _json(out, LOCK)
     running = bool(lock) and time.time() - lock.get("heartbeat", 0) < STALE
     rate = sum((w.get("stats") or {}).get("images_per_second") or 0 for w in workers) if running else 0
-    # A row may make several images (one manifest row each): rows done are the distinct row ids.
-    rows_done = sum(len({r.get("row_id", i) for i, r in enumerate(manifests[shard])}) for shard in committed)
-    left = (total_rows - rows_done) * (len(rows) / rows_done if rows_done else 1)  # images still to make
+    rows_done = sum(c["rows"] for c in counts.values())  # a row may make several images
+    images = sum(c["images"] for c in counts.values())
+    left = (total_rows - rows_done) * (images / rows_done if rows_done else 1)  # images still to make
     summary = _json(out, SUMMARY)
     return {
         "url": out.url, "job": job, "complete": out.exists(SUCCESS), "running": running,
         "driver": lock.get("owner") if running else None,
         "shards_total": job.get("shards_total") or -(-total_rows // job["fingerprint"]["generation"]["rows_per_shard"]),
         "shards_committed": len(committed), "rows_total": total_rows, "rows_done": rows_done,
-        "images_ok": sum(r["status"] == "ok" for r in rows), "images_filtered": sum(r["status"] == "filtered" for r in rows),
-        "images_error": sum(r["status"] not in ("ok", "filtered") for r in rows),
+        "images_ok": sum(c["ok"] for c in counts.values()), "images_filtered": sum(c["filtered"] for c in counts.values()),
+        "images_error": sum(c["images"] - c["ok"] - c["filtered"] for c in counts.values()),
         "failures": (summary or {}).get("failures", []), "workers": workers, "fleet": _json(out, FLEET),
         "workers_failed": (summary or {}).get("workers_failed", []),
         "eta_seconds": left / rate if rate and left else None, "rows": rows,

@@ -12,22 +12,37 @@ import json
 import os
 import platform
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fleetgen import __version__
 from fleetgen.errors import StorageError
 from jobs.config import JobConfig
 from jobs.sharding import InputFile
-from workers.layout import CARD, FLEET, JOB, SHARDS, STAGING, SUCCESS, SUMMARY, WIDS_INDEX, WORKERS, manifest_key
+from workers.commit import COUNTS_KEY
+from workers.layout import (
+    CARD,
+    COUNTS_INDEX,
+    FLEET,
+    JOB,
+    SHARDS,
+    STAGING,
+    SUCCESS,
+    SUMMARY,
+    WIDS_INDEX,
+    WORKERS,
+    manifest_key,
+)
 from workers.pipeline import is_hub_id
 from workers.shard import Columns
-from workers.storage import Output
+from workers.storage import TMP_MARK, Output
 
 # What --overwrite removes: everything fleetgen writes, nothing else under OUT.
-_JOB_OBJECTS = (JOB, SUMMARY, SUCCESS, FLEET, CARD, WIDS_INDEX, SHARDS, WORKERS, STAGING, "images", "data")
+_JOB_OBJECTS = (JOB, SUMMARY, SUCCESS, FLEET, CARD, WIDS_INDEX, COUNTS_INDEX, SHARDS, WORKERS, STAGING, "images", "data")
 
 
 def model_identity(model: str, revision: str | None = None, variant: str | None = None) -> str:
@@ -132,3 +147,68 @@ def read_manifests(output: Output, shard_ids: list[str], columns: list[str]) -> 
         have = set(manifest.schema_arrow.names)  # manifests of older versions lack newer columns
         out[paths[p]] = manifest.read(columns=[c for c in columns if c in have]).to_pylist()
     return out
+
+
+def list_manifests(output: Output) -> dict[str, str]:
+    """{shard: version} of every committed manifest, from one listing of `shards/` (the version, size
+    and modification time or ETag, changes when a manifest is replaced, e.g. by `--retry-errors`)."""
+    try:
+        entries = output.fs.ls(output.path(SHARDS), detail=True, refresh=True)
+    except FileNotFoundError:
+        return {}
+    out = {}
+    for e in entries:
+        name = e["name"].rstrip("/").rsplit("/", 1)[-1]
+        if name.endswith(".parquet") and TMP_MARK not in name:
+            stamp = e.get("ETag") or e.get("mtime") or e.get("LastModified") or e.get("updated")
+            out[name.removesuffix(".parquet")] = f"{e.get('size')}:{stamp}"
+    return out
+
+
+_COUNTS_SCHEMA = pa.schema([("shard", pa.string()), ("version", pa.string()), ("rows", pa.int64()),
+                            ("images", pa.int64()), ("ok", pa.int64()), ("error", pa.int64()),
+                            ("filtered", pa.int64())])
+COUNTS_FIELDS = ("rows", "images", "ok", "error", "filtered")
+
+
+def _footer_counts(output: Output, shard: str) -> dict:
+    """A manifest's counts from its footer (older manifests without them: from its status column)."""
+    with output.fs.open(output.path(manifest_key(shard)), "rb") as f:
+        manifest = pq.ParquetFile(f)
+        raw = (manifest.schema_arrow.metadata or {}).get(COUNTS_KEY)
+        if raw:
+            return json.loads(raw)
+        statuses = manifest.read(columns=["status"]).column("status").to_pylist()
+    ids = {"ok": statuses.count("ok"), "error": statuses.count("error"), "filtered": statuses.count("filtered")}
+    return {"rows": len(statuses), "images": len(statuses), **ids}
+
+
+def shard_counts(output: Output, threads: int = 32) -> dict[str, dict]:
+    """{shard: {"rows", "images", "ok", "error", "filtered"}} for every committed shard, without
+    reading manifest rows: `OUT/counts.parquet` (written at the end of each run) holds the counts of
+    the manifests it saw, keyed by their version in the listing; only manifests committed or
+    replaced since are opened, and then only their footers, concurrently."""
+    listing = list_manifests(output)
+    cached: dict[str, dict] = {}
+    try:
+        index = pq.read_table(io.BytesIO(output.get(COUNTS_INDEX)))
+        for row in index.to_pylist():
+            if listing.get(row["shard"]) == row["version"]:
+                cached[row["shard"]] = {k: row[k] for k in COUNTS_FIELDS}
+    except (FileNotFoundError, pa.ArrowException):
+        pass  # none yet, or from another version: counted from the footers
+    todo = sorted(set(listing) - set(cached))
+    if todo:
+        with ThreadPoolExecutor(max_workers=min(threads, len(todo))) as pool:
+            cached.update(zip(todo, pool.map(lambda s: _footer_counts(output, s), todo), strict=True))
+    return {s: cached[s] for s in sorted(listing)}
+
+
+def write_counts_index(output: Output, counts: dict[str, dict]) -> None:
+    """`OUT/counts.parquet`: the counts of every committed manifest at its current version."""
+    listing = list_manifests(output)
+    rows = [{"shard": s, "version": listing[s], **{k: c.get(k, 0) for k in COUNTS_FIELDS}}
+            for s, c in counts.items() if s in listing]
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows, schema=_COUNTS_SCHEMA), buf)
+    output.put(COUNTS_INDEX, buf.getvalue())

@@ -220,3 +220,30 @@ def test_a_lock_of_a_dead_driver_on_this_host_is_taken_over_at_once(tmp_path):
                                                 "pid": 1, "started": time.time(), "heartbeat": time.time()}))
     with pytest.raises(Exception, match="in use by another fleetgen driver"):
         OutputLock(output).acquire()
+
+
+def test_counts_come_from_footers_and_the_index_never_from_manifest_rows(tiny_model, tmp_path):
+    """The driver, `status` and the card count from each manifest's footer, and from
+    `OUT/counts.parquet` for manifests whose version (size, mtime/ETag) it recorded."""
+    from jobs.state import shard_counts, write_counts_index
+    from workers.storage import Output
+
+    out = tmp_path / "out"
+    long = " ".join(["a very long prompt about a red fox"] * 20)
+    worker, shards = setup_job(tmp_path, tiny_model, out, "files", prompts=["a", "b", long, "c", "d", "e"],
+                               strict_prompts=True)
+    for shard in shards:
+        worker.run_shard(shard)
+    output = Output(str(out))
+    counts = shard_counts(output)
+    assert counts == {"shard-00000": {"rows": 3, "images": 3, "ok": 2, "error": 1, "filtered": 0},
+                      "shard-00001": {"rows": 3, "images": 3, "ok": 3, "error": 0, "filtered": 0}}
+    write_counts_index(output, counts)
+    manifest = out / "shards" / "shard-00000.parquet"
+    st = manifest.stat()
+    manifest.write_bytes(b"\0" * st.st_size)  # unreadable, same size and mtime: never opened
+    os.utime(manifest, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert shard_counts(output) == counts
+    os.utime(manifest, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # another version: read again
+    with pytest.raises(Exception):  # noqa: B017 - pyarrow's error for a file of zeros
+        shard_counts(output)

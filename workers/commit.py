@@ -24,6 +24,14 @@ from workers.layout import STAGING, manifest_key
 from workers.storage import Output
 
 ATTEMPT_KEY = b"fleetgen.attempt"  # manifest metadata: the attempt whose objects the manifest names
+COUNTS_KEY = b"fleetgen.counts"  # manifest metadata: {"rows", "images", "ok", "error", "filtered"}, read from the footer
+
+
+def counts_of(records: list[dict], rows: int) -> dict:
+    """What a manifest's footer says about its shard, so that jobs/ can count without its rows."""
+    statuses = [r["status"] for r in records]
+    return {"rows": rows, "images": len(records), "ok": statuses.count("ok"), "error": statuses.count("error"),
+            "filtered": statuses.count("filtered")}
 
 
 def staging(shard_id: str, attempt: str) -> str:

@@ -18,6 +18,7 @@ WORKERS = "workers"
 STAGING = "_attempts"  # each shard attempt's objects until it wins the commit (workers/commit.py)
 LOCK = "_LOCK"  # the running driver's name and heartbeat (jobs/lock.py)
 CARD = "README.md"  # the dataset card (jobs/dataset.py), rewritten at the end of every run
+COUNTS_INDEX = "counts.parquet"  # per committed shard: its counts, keyed by the manifest's version (jobs/state.py)
 WIDS_INDEX = "wids-index.json"  # webdataset output: every shard's URL and sample count, for `wids`
 FLEET = "fleet.json"  # the workers as the driver last saw them, and the latest fleet events (jobs/fleet.py)
 

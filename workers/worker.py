@@ -24,7 +24,7 @@ from fleetgen import __version__
 from fleetgen.errors import FleetgenError, ShardError
 from offload import OffloadStats, apply, pipeline_modules, profile_pipeline
 from workers.batches import Adapter, Image, Look, Recipe, group_images, shard_images
-from workers.commit import ATTEMPT_KEY, commit_manifest, discard, promote, staging
+from workers.commit import ATTEMPT_KEY, COUNTS_KEY, commit_manifest, counts_of, discard, promote, staging
 from workers.families import FAMILIES, GENERIC, call_kwargs, prompt_limit, takes_negative_prompt
 from workers.fit import choose_plan, leaner_plan
 from workers.layout import MANIFEST_SCHEMA, manifest_key, worker_key
@@ -444,7 +444,8 @@ class Worker:
         manifest = pa.Table.from_pylist(records, schema=MANIFEST_SCHEMA)
         for name in self.spec.columns.carry:
             manifest = manifest.append_column(table.schema.field(name), table.column(name).take(rows))
-        manifest = manifest.replace_schema_metadata({ATTEMPT_KEY: attempt.encode()})
+        counts = counts_of(records, table.num_rows)
+        manifest = manifest.replace_schema_metadata({ATTEMPT_KEY: attempt.encode(), COUNTS_KEY: json.dumps(counts)})
         buf = io.BytesIO()
         pq.write_table(manifest, buf)
         return buf.getvalue()
