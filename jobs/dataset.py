@@ -48,9 +48,10 @@ def _type(t: pa.DataType) -> str:
 
 
 def write_card(output: Output, config: JobConfig, family: Family, columns: Columns, schema: pa.Schema,
-               summary) -> None:
-    """`OUT/README.md`: a dataset card, and the wids index for webdataset output."""
-    counts = shard_counts(output)
+               summary, counts: dict[str, dict] | None = None) -> None:
+    """`OUT/README.md`: a dataset card, and the wids index for webdataset output. `counts`: every
+    committed shard's counts (jobs.state.shard_counts), when the caller has them."""
+    counts = shard_counts(output) if counts is None else counts
     fmt = config.output_format
     if fmt == "webdataset":
         write_wids_index(output, counts)

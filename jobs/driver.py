@@ -38,6 +38,7 @@ from jobs.state import (
     claim_output,
     committed_shards,
     fingerprint,
+    list_manifests,
     pinned_revision,
     shard_counts,
     write_counts_index,
@@ -137,23 +138,26 @@ def run_job(config: JobConfig, progress_stream=None, progress_interval: float = 
                 _finish(output, shards, todo, started, progress, [], [], stop, error=str(err))
             raise
         fleet.flush()
-        summary = _finish(output, shards, todo, started, progress, failures, workers, stop)
-        write_card(output, config, family, columns, files[0].schema, summary)
+        summary, counts = _finish(output, shards, todo, started, progress, failures, workers, stop)
+        write_card(output, config, family, columns, files[0].schema, summary, counts)
         return summary
     finally:
         lock.release()
 
 
-def _finish(output: Output, shards, todo, started, progress, failures, workers, stop, error: str | None = None):
+def _finish(output: Output, shards, todo, started, progress, failures, workers, stop,
+            error: str | None = None) -> tuple[JobSummary, dict[str, dict]]:
+    """Sweep, summarise, write summary.json (and _SUCCESS); returns the summary and every committed
+    shard's counts."""
     _sweep(output)  # what workers killed mid-write (by a fault, or by the pool's shutdown) left
     progress.close()
-    summary = _summarise(output, shards, len(todo), started, failures, workers, stop.is_set())
+    summary, counts = _summarise(output, shards, len(todo), started, failures, workers, stop.is_set())
     summary.speculative_attempts = progress.speculated
     summary.error = error
     output.put(SUMMARY, json.dumps(summary.to_dict(), indent=2).encode())
     if summary.complete:
         output.put(SUCCESS, b"")
-    return summary
+    return summary, counts
 
 
 def _sweep(output: Output) -> None:
@@ -164,11 +168,13 @@ def _sweep(output: Output) -> None:
     output.sweep_tmp("shards")  # (objects elsewhere reach their keys by a rename or a copy: never partial)
 
 
-def _summarise(output: Output, shards: list[Shard], todo: int, started: float, failures, workers, stopped) -> JobSummary:
+def _summarise(output: Output, shards: list[Shard], todo: int, started: float, failures, workers,
+               stopped) -> tuple[JobSummary, dict[str, dict]]:
     """Counts from the committed manifests themselves (their footers, or the counts index where it
     is current): the truth, whatever this run did. The index is then rewritten for the next reader."""
-    all_counts = shard_counts(output)
-    write_counts_index(output, all_counts)
+    listing = list_manifests(output)  # one listing serves the counts, the index and the card
+    all_counts = shard_counts(output, listing)
+    write_counts_index(output, all_counts, listing)
     ids = {s.id for s in shards}
     counts = [c for s, c in all_counts.items() if s in ids]
     total = {k: sum(c[k] for c in counts) for k in ("ok", "error", "filtered", "images")}
@@ -178,7 +184,7 @@ def _summarise(output: Output, shards: list[Shard], todo: int, started: float, f
         images_error=total["images"] - total["ok"] - total["filtered"],
         seconds=round(time.monotonic() - started, 3),
         failures=failures, workers=workers, stopped=stopped,
-    )
+    ), all_counts
 
 
 @contextmanager

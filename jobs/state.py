@@ -183,12 +183,12 @@ def _footer_counts(output: Output, shard: str) -> dict:
     return {"rows": len(statuses), "images": len(statuses), **ids}
 
 
-def shard_counts(output: Output, threads: int = 32) -> dict[str, dict]:
+def shard_counts(output: Output, listing: dict[str, str] | None = None, threads: int = 32) -> dict[str, dict]:
     """{shard: {"rows", "images", "ok", "error", "filtered"}} for every committed shard, without
     reading manifest rows: `OUT/counts.parquet` (written at the end of each run) holds the counts of
     the manifests it saw, keyed by their version in the listing; only manifests committed or
     replaced since are opened, and then only their footers, concurrently."""
-    listing = list_manifests(output)
+    listing = list_manifests(output) if listing is None else listing
     cached: dict[str, dict] = {}
     try:
         index = pq.read_table(io.BytesIO(output.get(COUNTS_INDEX)))
@@ -204,9 +204,9 @@ def shard_counts(output: Output, threads: int = 32) -> dict[str, dict]:
     return {s: cached[s] for s in sorted(listing)}
 
 
-def write_counts_index(output: Output, counts: dict[str, dict]) -> None:
+def write_counts_index(output: Output, counts: dict[str, dict], listing: dict[str, str] | None = None) -> None:
     """`OUT/counts.parquet`: the counts of every committed manifest at its current version."""
-    listing = list_manifests(output)
+    listing = list_manifests(output) if listing is None else listing
     rows = [{"shard": s, "version": listing[s], **{k: c.get(k, 0) for k in COUNTS_FIELDS}}
             for s, c in counts.items() if s in listing]
     buf = io.BytesIO()
