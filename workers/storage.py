@@ -93,15 +93,19 @@ class Output:
 
         def write() -> None:
             if self.local:
-                self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
-                tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex[:8]}"
-                with self.fs.open(tmp, "wb") as f:
-                    f.write(data)
-                self.fs.mv(tmp, path)
+                self.fs.mv(self._local_tmp(path, data), path)
             else:
                 self.fs.pipe_file(path, data)
 
         self._retry("write", key, write)
+
+    def _local_tmp(self, path: str, data: bytes) -> str:
+        """`data` in a temporary file beside `path` (local disks), to be renamed or linked there."""
+        self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+        tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex[:8]}"
+        with self.fs.open(tmp, "wb") as f:
+            f.write(data)
+        return tmp
 
     def create(self, key: str, data: bytes) -> bool:
         """Write `key` only if it does not exist; False when it does (another writer was first).
@@ -110,10 +114,7 @@ class Output:
 
         def write() -> bool:
             if self.local:
-                self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
-                tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex[:8]}"
-                with self.fs.open(tmp, "wb") as f:
-                    f.write(data)
+                tmp = self._local_tmp(path, data)
                 try:
                     os.link(tmp, path)  # fails if `path` exists: the atomic create-if-absent of POSIX
                     return True
