@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import time
 
 from fleetgen.errors import FleetgenError
 from jobs.fleet import fleet_lines
-from jobs.lock import STALE
+from jobs.lock import live_lock
 from jobs.state import read_manifests, shard_counts
-from workers.layout import FLEET, JOB, LOCK, SUCCESS, SUMMARY, WORKERS
+from workers.layout import FLEET, JOB, SUCCESS, SUMMARY, WORKERS
 from workers.storage import Output
 
 
@@ -34,8 +33,8 @@ def job_state(url: str, manifest_columns: tuple[str, ...] | None = None) -> dict
     rows = [r for shard in committed for r in manifests.get(shard, [])]
     total_rows = sum(f["rows"] for f in job["fingerprint"]["input"])
     workers = [w for w in (_json(out, f"{WORKERS}/{name}") for name in out.list(WORKERS, ".json")) if w]
-    lock = _json(out, LOCK)
-    running = bool(lock) and time.time() - lock.get("heartbeat", 0) < STALE
+    lock = live_lock(out) or {}
+    running = bool(lock)
     rate = sum((w.get("stats") or {}).get("images_per_second") or 0 for w in workers) if running else 0
     rows_done = sum(c["rows"] for c in counts.values())  # a row may make several images
     images = sum(c["images"] for c in counts.values())

@@ -26,6 +26,15 @@ STALE = 60.0  # seconds without a heartbeat after which a lock is taken over
 SETTLE = 0.5  # seconds between writing the lock and reading it back
 
 
+def live_lock(output: Output) -> dict | None:
+    """The lock of a driver whose heartbeat is fresh (a running job), else None."""
+    try:
+        held = json.loads(output.get(LOCK))
+    except (FileNotFoundError, ValueError):
+        return None
+    return held if time.time() - held.get("heartbeat", 0) < STALE else None
+
+
 def _gone(held: dict) -> bool:
     """Whether the lock's driver ran on this host and its process is gone (other hosts: unknown,
     the heartbeat decides)."""

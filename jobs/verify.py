@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
-import posixpath
 import tarfile
 import time
 from collections.abc import Callable
@@ -27,7 +25,7 @@ from dataclasses import dataclass, field
 import pyarrow.parquet as pq
 
 from fleetgen.errors import StorageError
-from jobs.lock import STALE
+from jobs.lock import live_lock
 from jobs.state import committed_shards
 from workers.commit import finish_attempts
 from workers.layout import JOB, LOCK, SHARDS, STAGING, SUCCESS, manifest_key
@@ -111,15 +109,7 @@ class _Checker:
         return True
 
     def files(self, shard: str, rows: list[dict]) -> bool:
-        sizes = {}
-        try:
-            found = self.output.fs.find(self.output.path(f"images/{shard}"), detail=True)
-        except FileNotFoundError:
-            found = {}
-        root = self.output.root.rstrip("/") + "/"
-        for path, info in found.items():
-            key = posixpath.normpath(path)
-            sizes[key[len(root):] if key.startswith(root) else key] = info.get("size")
+        sizes = self.output.sizes(f"images/{shard}")
         ok = True
         named = set()
         for i, row in enumerate(rows):
@@ -191,7 +181,7 @@ def verify(url: str, deep: bool = False, fix: bool = False, progress: Callable[[
     output = Output(url)
     if not output.exists(JOB):
         raise StorageError(f"{url} holds no fleetgen job (no {JOB}).")
-    if fix and _running(output):
+    if fix and live_lock(output):
         raise StorageError(f"{url} is in use by a running driver ({LOCK} has a fresh heartbeat): `--fix` only "
                            "works on a job that is not running.")
     started = last = time.monotonic()
@@ -233,7 +223,7 @@ def verify(url: str, deep: bool = False, fix: bool = False, progress: Callable[[
 
 def _stray(output: Output, committed: set[str], report: VerifyReport, orphans: list[str]) -> None:
     """Objects of shards that are not committed, staging and temporary files."""
-    for name in _names(output, "data"):
+    for name in output.list("data", temporary=True):
         shard = name.split(".", 1)[0]
         if TMP_MARK in name:
             report.add("leftover", f"data/{name}")
@@ -245,7 +235,7 @@ def _stray(output: Output, committed: set[str], report: VerifyReport, orphans: l
         if shard not in committed:
             report.add("orphan", f"images/{shard}/", "its shard is not committed")
             orphans.append(f"images/{shard}")
-    for name in _names(output, SHARDS):
+    for name in output.list(SHARDS, temporary=True):
         if TMP_MARK in name:
             report.add("leftover", f"{SHARDS}/{name}")
             orphans.append(f"{SHARDS}/{name}")
@@ -255,16 +245,3 @@ def _stray(output: Output, committed: set[str], report: VerifyReport, orphans: l
         orphans.append(f"{STAGING}/{shard}")
 
 
-def _names(output: Output, prefix: str) -> list[str]:
-    try:
-        return [posixpath.basename(p) for p in output.fs.ls(output.path(prefix), detail=False, refresh=True)]
-    except FileNotFoundError:
-        return []
-
-
-def _running(output: Output) -> bool:
-    try:
-        held = json.loads(output.get(LOCK))
-    except (FileNotFoundError, ValueError):
-        return False
-    return time.time() - held.get("heartbeat", 0) < STALE

@@ -159,15 +159,19 @@ class Output:
 
     def find(self, prefix: str) -> list[str]:
         """Keys of every object under `prefix/`, recursively, sorted."""
-        base = self.path(prefix)
+        return sorted(self.sizes(prefix))
+
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """{key: bytes} of every object under `prefix/`, recursively, from one listing."""
         try:
-            found = self.fs.find(base)
+            found = self.fs.find(self.path(prefix), detail=True)
         except FileNotFoundError:
-            return []
+            return {}
         except OSError as err:
             raise StorageError(f"Could not list {self.key_url(prefix)}: {err}") from err
         root = self.root.rstrip("/") + "/"
-        return sorted(p[len(root):] if p.startswith(root) else p for p in (posixpath.normpath(f) for f in found))
+        keys = {posixpath.normpath(p): info.get("size") for p, info in found.items()}
+        return {p[len(root):] if p.startswith(root) else p: size for p, size in keys.items()}
 
     def sweep_tmp(self, prefix: str) -> int:
         """Remove temporary files a killed writer left under `prefix/` (local disks only: object
@@ -215,8 +219,9 @@ class Output:
     def exists(self, key: str) -> bool:
         return self.fs.exists(self.path(key))
 
-    def list(self, prefix: str, suffix: str = "") -> list[str]:
-        """Names (not keys) of the objects directly under `prefix/` ending in `suffix`, sorted."""
+    def list(self, prefix: str, suffix: str = "", temporary: bool = False) -> list[str]:
+        """Names (not keys) of the objects directly under `prefix/` ending in `suffix`, sorted;
+        temporary files of local writers only with `temporary`."""
         try:
             entries = self.fs.ls(self.path(prefix), detail=False, refresh=True)
         except FileNotFoundError:
@@ -224,7 +229,7 @@ class Output:
         except OSError as err:
             raise StorageError(f"Could not list {self.key_url(prefix)}: {err}") from err
         names = (posixpath.basename(e.rstrip("/")) for e in entries)
-        return sorted(n for n in names if n.endswith(suffix) and TMP_MARK not in n)
+        return sorted(n for n in names if n.endswith(suffix) and (temporary or TMP_MARK not in n))
 
     def remove(self, key: str) -> None:
         """Remove an object or a whole prefix; absent is fine."""
