@@ -15,10 +15,11 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
-from fleetgen.errors import ClusterError, InputError
+from fleetgen.errors import ClusterError, InputError, StorageError
 from jobs.config import JobConfig
 from jobs.dataset import describe_columns, write_card
 from jobs.fleet import FleetRecord
@@ -26,7 +27,6 @@ from jobs.lock import OutputLock
 from jobs.models import HUB_ENV, MAX_ADAPTERS, describe, pin_revision, resolve_adapters, resolve_defaults
 from jobs.progress import Progress
 from jobs.sharding import (
-    check_unique_ids,
     distinct_strings,
     largest,
     list_input_files,
@@ -36,7 +36,6 @@ from jobs.sharding import (
 )
 from jobs.state import (
     claim_output,
-    committed_shards,
     fingerprint,
     list_manifests,
     pinned_revision,
@@ -44,7 +43,7 @@ from jobs.state import (
     write_counts_index,
 )
 from workers.commit import finish_attempts
-from workers.layout import SUCCESS, SUMMARY
+from workers.layout import SUCCESS, SUMMARY, manifest_key
 from workers.shard import Shard
 from workers.storage import Output
 from workers.worker import BatchDone, ShardResult, WorkerSpec
@@ -96,7 +95,6 @@ def run_job(config: JobConfig, progress_stream=None, progress_interval: float = 
                               config.column_list("drop_columns"))
     config, pin_note = pin_revision(config, pinned_revision(output, config.model))
     config, family, sources = resolve_defaults(config, columns)
-    check_unique_ids(files, columns)
     adapters = resolve_adapters(config, columns, distinct_strings(files, columns.lora, MAX_ADAPTERS))
     plan_size = (max(config.width, largest(files, columns.width) or 0),
                  max(config.height, largest(files, columns.height) or 0))
@@ -108,12 +106,12 @@ def run_job(config: JobConfig, progress_stream=None, progress_interval: float = 
         claim_output(output, config, fingerprint(config, files, columns), shards_total=len(shards),
                      family={**family.to_dict(), "sources": sources})
         _sweep(output)
-        done = committed_shards(output)
-        todo = [s for s in shards if s.id not in done]
-        retry = _with_errors(output, [s for s in shards if s.id in done]) if config.retry_errors else []
+        listing = list_manifests(output)  # the run's one listing of shards/: the end adds what this run committed
+        todo = [s for s in shards if s.id not in listing]
+        retry = _with_errors(output, [s for s in shards if s.id in listing], listing) if config.retry_errors else []
         redone = {s.id for s in retry}  # counted as to do again
         progress = Progress(len(shards), sum(s.length for s in shards), shards_done=len(shards) - len(todo) - len(retry),
-                            rows_done=sum(s.length for s in shards if s.id in done and s.id not in redone),
+                            rows_done=sum(s.length for s in shards if s.id in listing and s.id not in redone),
                             stream=progress_stream, interval=progress_interval)
         progress.log(describe(config, family, sources))
         if pin_note:
@@ -127,31 +125,32 @@ def run_job(config: JobConfig, progress_stream=None, progress_interval: float = 
             progress.log(f"--retry-errors: {len(retry)} committed shard(s) have error rows; only those rows are redone")
         todo += retry
         fleet = FleetRecord(output)
+        committed: dict[str, ShardResult] = {}  # what this run committed, as its workers reported it
         try:
             failures, workers = _dispatch(config, columns, todo, progress, stop, fleet, adapters,
-                                          plan_size) if todo else ([], [])
+                                          plan_size, committed) if todo else ([], [])
         except ClusterError as err:
             # Work done before the fleet was lost is still committed: say so in the summary. A job
             # that never placed a worker leaves nothing but job.json.
             if fleet.workers:
                 fleet.flush()
-                _finish(output, shards, todo, started, progress, [], [], stop, error=str(err))
+                _finish(output, shards, todo, started, progress, [], [], stop, listing, committed, error=str(err))
             raise
         fleet.flush()
-        summary, counts = _finish(output, shards, todo, started, progress, failures, workers, stop)
+        summary, counts = _finish(output, shards, todo, started, progress, failures, workers, stop, listing, committed)
         write_card(output, config, family, columns, files[0].schema, summary, counts)
         return summary
     finally:
         lock.release()
 
 
-def _finish(output: Output, shards, todo, started, progress, failures, workers, stop,
-            error: str | None = None) -> tuple[JobSummary, dict[str, dict]]:
+def _finish(output: Output, shards, todo, started, progress, failures, workers, stop, listing: dict[str, str],
+            committed: dict[str, ShardResult], error: str | None = None) -> tuple[JobSummary, dict[str, dict]]:
     """Sweep, summarise, write summary.json (and _SUCCESS); returns the summary and every committed
     shard's counts."""
     _sweep(output)  # what workers killed mid-write (by a fault, or by the pool's shutdown) left
     progress.close()
-    summary, counts = _summarise(output, shards, len(todo), started, failures, workers, stop.is_set())
+    summary, counts = _summarise(output, shards, todo, started, failures, workers, stop.is_set(), listing, committed)
     summary.speculative_attempts = progress.speculated
     summary.error = error
     output.put(SUMMARY, json.dumps(summary.to_dict(), indent=2).encode())
@@ -168,19 +167,29 @@ def _sweep(output: Output) -> None:
     output.sweep_tmp("shards")  # (objects elsewhere reach their keys by a rename or a copy: never partial)
 
 
-def _summarise(output: Output, shards: list[Shard], todo: int, started: float, failures, workers,
-               stopped) -> tuple[JobSummary, dict[str, dict]]:
-    """Counts from the committed manifests themselves (their footers, or the counts index where it
-    is current): the truth, whatever this run did. The index is then rewritten for the next reader."""
-    listing = list_manifests(output)  # one listing serves the counts, the index and the card
-    all_counts = shard_counts(output, listing)
+def _summarise(output: Output, shards: list[Shard], todo: list[Shard], started: float, failures, workers,
+               stopped, listing: dict[str, str], committed: dict[str, ShardResult]) -> tuple[JobSummary, dict[str, dict]]:
+    """Counts of every committed manifest, without listing shards/ again: the start's listing, plus
+    the version and counts each commit of this run reported, plus a look at the manifest of each
+    shard this run attempted whose report did not arrive (a worker lost after its commit, or an
+    attempt that lost the race reported first). Counts not reported come from the counts index where
+    it is current, else from the manifests' footers. The index is then rewritten for the next reader."""
+    listing = dict(listing)
+    known = {}
+    for shard_id, result in committed.items():
+        listing[shard_id], known[shard_id] = result.version, result.counts
+    unreported = [s.id for s in todo if s.id not in committed]
+    for shard_id, version in zip(unreported, _versions(output, unreported), strict=True):
+        if version is not None:
+            listing[shard_id] = version
+    all_counts = shard_counts(output, listing, known=known)
     write_counts_index(output, all_counts, listing)
     ids = {s.id for s in shards}
     counts = [c for s, c in all_counts.items() if s in ids]
     total = {k: sum(c[k] for c in counts) for k in ("ok", "error", "filtered", "images")}
     return JobSummary(
         output=output.url, shards_total=len(shards), shards_committed=len(counts),
-        shards_skipped=len(shards) - todo, images_ok=total["ok"], images_filtered=total["filtered"],
+        shards_skipped=len(shards) - len(todo), images_ok=total["ok"], images_filtered=total["filtered"],
         images_error=total["images"] - total["ok"] - total["filtered"],
         seconds=round(time.monotonic() - started, 3),
         failures=failures, workers=workers, stopped=stopped,
@@ -206,14 +215,29 @@ def _stop_on_signals(stop: threading.Event, progress: Progress):
             signal.signal(sig, old)
 
 
-def _with_errors(output: Output, committed: list[Shard]) -> list[Shard]:
+def _versions(output: Output, shard_ids: list[str], threads: int = 32) -> list[str | None]:
+    """Each shard's manifest version, None where it has none (concurrent: one request each)."""
+    def version(shard_id: str) -> str | None:
+        try:
+            return output.version(manifest_key(shard_id))
+        except (FileNotFoundError, StorageError):
+            return None
+
+    if not shard_ids:
+        return []
+    with ThreadPoolExecutor(max_workers=min(threads, len(shard_ids))) as pool:
+        return list(pool.map(version, shard_ids))
+
+
+def _with_errors(output: Output, committed: list[Shard], listing: dict[str, str]) -> list[Shard]:
     """Committed shards whose manifest has error rows, to be redone (only those rows) by `--retry-errors`."""
-    counts = shard_counts(output)
+    counts = shard_counts(output, listing)
     return [replace(s, retry_errors=True) for s in committed if counts.get(s.id, {}).get("error")]
 
 
 def _dispatch(config: JobConfig, columns, todo: list[Shard], progress: Progress, stop: threading.Event,
-              fleet: FleetRecord, adapters=(), plan_size=None) -> tuple[list[dict], list[dict]]:
+              fleet: FleetRecord, adapters=(), plan_size=None,
+              committed: dict[str, ShardResult] | None = None) -> tuple[list[dict], list[dict]]:
     """Run `todo` on a pool of actors that follows the cluster; returns (failed shards, per-worker table)."""
     from cluster import WorkerPool, connect, disconnect, size_fleet
 
@@ -242,7 +266,8 @@ def _dispatch(config: JobConfig, columns, todo: list[Shard], progress: Progress,
             pool = WorkerPool(spec_for, sizing.options, sizing.max_workers, max_attempts=config.max_attempts,
                               max_restarts=config.max_restarts, placement_timeout=config.placement_timeout,
                               env_vars={k: os.environ[k] for k in HUB_ENV if k in os.environ})
-            return _follow(pool.run(todo, stop=stop, grace=config.stop_grace), todo, progress, fleet)
+            return _follow(pool.run(todo, stop=stop, grace=config.stop_grace), todo, progress, fleet,
+                           {} if committed is None else committed)
     finally:
         if pool is not None:
             # Under `ray job stop` the driver has seconds before SIGKILL: close briefly, then kill.
@@ -251,7 +276,8 @@ def _dispatch(config: JobConfig, columns, todo: list[Shard], progress: Progress,
         disconnect()
 
 
-def _follow(events, todo: list[Shard], progress: Progress, fleet: FleetRecord) -> tuple[list[dict], list[dict]]:
+def _follow(events, todo: list[Shard], progress: Progress, fleet: FleetRecord,
+            committed: dict[str, ShardResult]) -> tuple[list[dict], list[dict]]:
     """Turn the pool's events into progress, the fleet record, the failure list and the per-worker table."""
     from cluster import (
         ShardFailed,
@@ -322,6 +348,8 @@ def _follow(events, todo: list[Shard], progress: Progress, fleet: FleetRecord) -
             progress.log(f"straggler: {event.shard_id} has run {event.running_seconds:.0f} s; also given to "
                          f"idle {event.worker} (first commit wins)")
         elif isinstance(event, ShardResult):
+            if event.version is not None:
+                committed[event.shard_id] = event
             table[event.worker]["images"] += event.ok
             table[event.worker]["seconds"] += event.seconds
             progress.update(shards=1, rows=lengths[event.shard_id] - counted[event.shard_id])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import glob as globlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -29,6 +29,7 @@ class InputFile:
     size: int  # bytes
     row_groups: tuple[int, ...]  # rows per row group
     schema: pa.Schema
+    metadata: pq.FileMetaData | None = field(default=None, compare=False, repr=False)  # the footer (statistics)
 
     @property
     def num_rows(self) -> int:
@@ -63,7 +64,7 @@ def read_footer(url: str) -> InputFile:
     except (pa.ArrowInvalid, OSError) as err:
         raise InputError(f"`--input` file {url} is not a readable Parquet file: {err}") from err
     groups = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
-    return InputFile(url=url, size=size, row_groups=groups, schema=schema)
+    return InputFile(url=url, size=size, row_groups=groups, schema=schema, metadata=meta)
 
 
 _STRING = (pa.types.is_string, pa.types.is_large_string, pa.types.is_string_view, pa.types.is_null)
@@ -149,20 +150,21 @@ def largest(files: list[InputFile], column: str | None) -> int | None:
         return None
     best = None
     for f in files:
-        fs, path = url_to_fs(f.url)
-        with fs.open(path, "rb") as fh:
-            pf = pq.ParquetFile(fh)
-            index = pf.schema_arrow.get_field_index(column)
-            for g in range(pf.metadata.num_row_groups):
-                stats = pf.metadata.row_group(g).column(index).statistics
-                if stats is not None and stats.has_min_max:
-                    top = stats.max
-                elif stats is not None and stats.null_count == pf.metadata.row_group(g).num_rows:
-                    continue
-                else:
-                    top = pc.max(pf.read_row_group(g, columns=[column]).column(0)).as_py()
-                if top is not None:
-                    best = top if best is None else max(best, top)
+        meta = f.metadata or read_footer(f.url).metadata
+        # the Parquet leaf column (list or struct columns before it make its index differ from Arrow's)
+        index = next(i for i in range(meta.num_columns) if meta.schema.column(i).path == column)
+        for g in range(meta.num_row_groups):
+            stats = meta.row_group(g).column(index).statistics
+            if stats is not None and stats.has_min_max:
+                top = stats.max
+            elif stats is not None and stats.null_count == meta.row_group(g).num_rows:
+                continue
+            else:  # no statistics: read the column of this row group
+                fs, path = url_to_fs(f.url)
+                with fs.open(path, "rb") as fh:
+                    top = pc.max(pq.ParquetFile(fh).read_row_group(g, columns=[column]).column(0)).as_py()
+            if top is not None:
+                best = top if best is None else max(best, top)
     return best
 
 
@@ -208,22 +210,3 @@ def read_footers(urls: list[str], threads: int = 16) -> list[InputFile]:
         return [read_footer(urls[0])]
     with ThreadPoolExecutor(max_workers=min(threads, len(urls))) as pool:
         return list(pool.map(read_footer, urls))
-
-
-def check_unique_ids(files: list[InputFile], columns: Columns, examples: int = 3) -> None:
-    """Ids name objects: two rows with one id would overwrite each other's image. Reads only the
-    id column."""
-    if not columns.id:
-        return
-    tables = []
-    for f in files:
-        fs, path = url_to_fs(f.url)
-        with fs.open(path, "rb") as fh:
-            tables.append(pq.read_table(fh, columns=[columns.id]).column(0).cast(pa.string()))
-    ids = pa.chunked_array([c for t in tables for c in t.chunks], type=pa.string())
-    counts = pc.value_counts(ids.drop_null())
-    dups = counts.filter(pc.greater(counts.field("counts"), 1))
-    if len(dups):
-        shown = ", ".join(f"`{d['values']}` ({d['counts']}x)" for d in dups.to_pylist()[:examples])
-        raise InputError(f"Column `{columns.id}` must hold unique ids: {len(dups)} repeat, e.g. {shown}. "
-                         "Remove the duplicates, or pass `--id-column` naming a unique column.")

@@ -39,7 +39,7 @@ from workers.layout import (
 )
 from workers.pipeline import is_hub_id
 from workers.shard import Columns
-from workers.storage import TMP_MARK, Output
+from workers.storage import TMP_MARK, Output, version_of
 
 # What --overwrite removes: everything fleetgen writes, nothing else under OUT.
 _JOB_OBJECTS = (JOB, SUMMARY, SUCCESS, FLEET, CARD, WIDS_INDEX, COUNTS_INDEX, SHARDS, WORKERS, STAGING, "images", "data")
@@ -160,8 +160,7 @@ def list_manifests(output: Output) -> dict[str, str]:
     for e in entries:
         name = e["name"].rstrip("/").rsplit("/", 1)[-1]
         if name.endswith(".parquet") and TMP_MARK not in name:
-            stamp = e.get("ETag") or e.get("mtime") or e.get("LastModified") or e.get("updated")
-            out[name.removesuffix(".parquet")] = f"{e.get('size')}:{stamp}"
+            out[name.removesuffix(".parquet")] = version_of(e)
     return out
 
 
@@ -183,17 +182,19 @@ def _footer_counts(output: Output, shard: str) -> dict:
     return {"rows": len(statuses), "images": len(statuses), **ids}
 
 
-def shard_counts(output: Output, listing: dict[str, str] | None = None, threads: int = 32) -> dict[str, dict]:
+def shard_counts(output: Output, listing: dict[str, str] | None = None, threads: int = 32,
+                 known: dict[str, dict] | None = None) -> dict[str, dict]:
     """{shard: {"rows", "images", "ok", "error", "filtered"}} for every committed shard, without
     reading manifest rows: `OUT/counts.parquet` (written at the end of each run) holds the counts of
     the manifests it saw, keyed by their version in the listing; only manifests committed or
-    replaced since are opened, and then only their footers, concurrently."""
+    replaced since are opened, and then only their footers, concurrently; `known`: counts the
+    caller has already (a worker reported them with the version in `listing`)."""
     listing = list_manifests(output) if listing is None else listing
-    cached: dict[str, dict] = {}
+    cached: dict[str, dict] = {s: c for s, c in (known or {}).items() if s in listing}
     try:
         index = pq.read_table(io.BytesIO(output.get(COUNTS_INDEX)))
         for row in index.to_pylist():
-            if listing.get(row["shard"]) == row["version"]:
+            if listing.get(row["shard"]) == row["version"] and row["shard"] not in cached:
                 cached[row["shard"]] = {k: row[k] for k in COUNTS_FIELDS}
     except (FileNotFoundError, pa.ArrowException):
         pass  # none yet, or from another version: counted from the footers

@@ -297,10 +297,14 @@ def test_driver_reads_sizes_from_footers_and_adapters_from_the_column(tmp_path, 
     lora = tmp_path / "a.safetensors"
     lora.write_bytes(b"")
     path = tmp_path / "p.parquet"
-    pq.write_table(pa.table({"prompt": ["x"] * 6, "width": pa.array([64, None, 256, 64, 128, None], pa.int32()),
+    pq.write_table(pa.table({"prompt": ["x"] * 6, "tags": [[1, 2]] * 6,  # a list column: leaf indices shift
+                             "width": pa.array([64, None, 256, 64, 128, None], pa.int32()),
                              "lora": [str(lora), None, "", "org/style", str(lora), None]}), path, row_group_size=2)
     files = [read_footer(str(path))]
     assert largest(files, "width") == 256 and largest(files, None) is None
+    pq.write_table(pa.table({"prompt": ["y"], "tags": [[3]], "width": pa.array([512], pa.int32()), "lora": [None]}),
+                   tmp_path / "q.parquet", write_statistics=False)  # no statistics: the column is read
+    assert largest([*files, read_footer(str(tmp_path / "q.parquet"))], "width") == 512
     values = distinct_strings(files, "lora", 32)
     assert sorted(values) == sorted([str(lora), "", "org/style"])
     config = JobConfig(input=str(path), output="o", model=tiny_model, lora=("org/base:0.5",))

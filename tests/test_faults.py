@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from bench.chaos import Killer, check, manifest_rows
-from fleetgen.errors import InputError, StorageError
+from fleetgen.errors import StorageError
 from jobs.config import JobConfig, validate
 from jobs.driver import run_job
 from jobs.verify import verify
@@ -181,12 +181,20 @@ def test_pathological_row_costs_only_itself(tiny_model, tmp_path):
     assert all(rows[i]["status"] == "ok" for i in ("fox", "owl", "cat"))
 
 
-def test_duplicate_ids_are_refused_before_any_work(tiny_model, tmp_path):
-    prompts = write_prompts(tmp_path / "p.parquet", ["a", "b", "c", "d"], id=["x", "y", "x", "z"])
-    with pytest.raises(InputError) as err:
-        run_job(job(prompts, tiny_model, tmp_path / "out"), progress_stream=io.StringIO())
-    assert "Column `id` must hold unique ids: 1 repeat, e.g. `x` (2x)" in str(err.value)
-    assert not (tmp_path / "out").exists()
+def test_ids_repeated_across_shards_overwrite_nothing_and_within_a_shard_fail_it(tiny_model, tmp_path):
+    """Keys are shard-scoped: `a` in shards 0 and 1 gives two images; `h` twice in shard 2 fails
+    that shard (naming the rows) and nothing else."""
+    ids = ["a", "b", "c", "d", "a", "e", "f", "g", "h", "i", "h", "j"]
+    prompts = write_prompts(tmp_path / "p.parquet", [f"prompt {i}" for i in range(12)], id=ids)
+    summary = run_job(job(prompts, tiny_model, tmp_path / "out", rows_per_shard=4, max_attempts=1),
+                      progress_stream=io.StringIO())
+    assert (summary.shards_committed, summary.images_ok) == (2, 8)
+    [failure] = summary.failures
+    assert failure["shard"] == "shard-00002"
+    assert "1 id(s) of column `id` repeat within the shard (`h` at rows 8, 10;" in failure["error"]
+    assert (tmp_path / "out" / "images" / "shard-00000" / "a.png").read_bytes() != (
+        tmp_path / "out" / "images" / "shard-00001" / "a.png").read_bytes()
+    assert verify(str(tmp_path / "out"), deep=True).clean
 
 
 def test_missing_bucket_fails_fast_naming_the_url(s3_server, tiny_model, tmp_path):

@@ -12,7 +12,9 @@ from fleetgen.errors import StorageError
 from jobs.cli import main
 from jobs.config import JobConfig, validate
 from jobs.driver import run_job
+from jobs.state import list_manifests
 from tests.conftest import FAST, write_prompts
+from workers.storage import Output
 
 pytestmark = pytest.mark.ray
 
@@ -76,6 +78,9 @@ def test_resume_redoes_only_missing_shards(ray_cluster, tiny_model, prompts, tmp
     assert sorted(p.name for p in (out / "images" / "shard-00002").iterdir()) == [
         "00000-000000006.png", "00000-000000007.png", "00000-000000008.png"]
 
+    index = pq.read_table(out / "counts.parquet")  # the versions workers reported are the listing's
+    assert dict(zip(index["shard"].to_pylist(), index["version"].to_pylist(), strict=True)) == list_manifests(
+        Output(str(out)))
     # all committed: no workers start, nothing is generated
     done = run_job(job(prompts, tiny_model, out, workers=2), progress_stream=io.StringIO())
     assert done.complete and done.shards_skipped == 4 and done.workers == []
@@ -116,8 +121,17 @@ def test_cli_errors_exit_2_with_message(tmp_path, tiny_model, capsys):
     assert "`--steps` must be a positive integer, got `0`." in capsys.readouterr().err
 
 
-def test_s3_input_and_output(ray_cluster, s3_server, tiny_model, tmp_path):
+def test_s3_input_and_output(ray_cluster, s3_server, tiny_model, tmp_path, monkeypatch):
+    """... and the driver counts without listing shards/ again or opening a manifest: each commit
+    reports its counts and its manifest's version, which is the version a listing shows."""
     import s3fs
+
+    import jobs.state
+
+    def never(output, shard):
+        raise AssertionError(f"the driver opened the manifest of {shard}")
+
+    monkeypatch.setattr(jobs.state, "_footer_counts", never)
 
     fs = s3fs.S3FileSystem()
     fs.mkdir("fleetgen-test")
@@ -133,6 +147,9 @@ def test_s3_input_and_output(ray_cluster, s3_server, tiny_model, tmp_path):
     rows = pq.read_table("fleetgen-test/out/shards", filesystem=fs).to_pylist()
     for r in rows:
         assert hashlib.sha256(fs.cat(f"fleetgen-test/out/{r['image']}")).hexdigest() == r["sha256"]
+    index = pq.read_table("fleetgen-test/out/counts.parquet", filesystem=fs)
+    assert dict(zip(index["shard"].to_pylist(), index["version"].to_pylist(), strict=True)) == list_manifests(
+        Output("s3://fleetgen-test/out"))
     # resume on S3: everything committed, nothing to do
     assert run_job(cfg, progress_stream=io.StringIO()).shards_skipped == 2
 

@@ -40,6 +40,55 @@ def test_big_row_group_splits_into_row_ranges(tmp_path):
     assert rows[0].id == "00000-000000900"
 
 
+def test_a_shard_reads_its_row_group_only_as_far_as_its_last_row(tmp_path, monkeypatch):
+    """Rows are exact across decoded batches, and the pages after a shard's end are never fetched."""
+    import workers.shard as shard_module
+
+    prompts = [f"a prompt that takes some bytes, number {i}" for i in range(40_000)]
+    table = pa.table({"prompt": prompts, "id": [f"i{i}" for i in range(40_000)]})
+    pq.write_table(table, tmp_path / "p.parquet", data_page_size=32 * 1024,
+                   use_dictionary=False, compression="none")  # one row group, pages of 32 KiB
+    shards = plan_shards(footers(str(tmp_path / "p.parquet")), rows_per_shard=3_000)
+    cols = Columns(seed=None, negative_prompt=None, **NO_SETTINGS)
+    monkeypatch.setattr(shard_module, "READ_BATCH", 1_000)  # shards cross batch boundaries
+    fetched = {}
+    real = shard_module.url_to_fs
+
+    class Counting:
+        def __init__(self, f):
+            self.f, self.bytes = f, 0
+
+        def read(self, n=-1):
+            data = self.f.read(n)
+            self.bytes += len(data)
+            return data
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            fetched["bytes"] = self.bytes
+            self.f.close()
+
+    class CountingFS:
+        def __init__(self, fs):
+            self.fs = fs
+
+        def open(self, path, mode):
+            return Counting(self.fs.open(path, mode))
+
+    monkeypatch.setattr(shard_module, "url_to_fs", lambda url: (CountingFS(real(url)[0]), real(url)[1]))
+    for shard in (shards[0], shards[5], shards[-1]):
+        table = read_shard(shard, cols)
+        assert table.column("prompt").to_pylist() == prompts[shard.offset : shard.offset + shard.length]
+        if shard is shards[0]:
+            first = fetched["bytes"]
+    assert first < fetched["bytes"] / 4  # the first shard stops early; the last reads the whole group
+
+
 def test_shard_ids_are_stable_across_plans(tmp_path):
     write_prompts(tmp_path / "a.parquet", [f"a{i}" for i in range(7)], row_group_size=3)
     write_prompts(tmp_path / "b.parquet", [f"b{i}" for i in range(5)])

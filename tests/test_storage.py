@@ -27,3 +27,32 @@ def test_storage_retries_a_transient_fault_and_names_the_url_of_a_persistent_one
     (tmp_path / "out" / "images" / "s" / "b.png.tmp-1234abcd").write_bytes(b"half")
     assert out.sweep_tmp("images/s") == 1
     assert sorted(p.name for p in (tmp_path / "out" / "images" / "s").iterdir()) == ["a.png"]
+
+
+def test_removing_a_prefix_on_s3_goes_page_by_page(s3_server, monkeypatch):
+    """`--overwrite` and `verify --fix` remove prefixes of any size: keys are listed a page at a time
+    and each page deleted in one request; neighbours sharing the name's start stay."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem()
+    fs.mkdir("remove-pages")
+    out = Output("s3://remove-pages/out")
+    for i in range(23):
+        out.put(f"images/shard-{i % 3}/{i}.png", b"x")
+    out.put("images", b"an object at the prefix's own key")
+    out.put("images2/keep.png", b"y")
+    out.put("data/keep.tar", b"z")
+    monkeypatch.setattr(storage, "S3_PAGE", 5)
+    calls = []
+    real = out.fs.call_s3
+
+    def counting(method, **kwargs):
+        calls.append((method, len(kwargs.get("Delete", {}).get("Objects", []))))
+        return real(method, **kwargs)
+
+    monkeypatch.setattr(out.fs, "call_s3", counting)
+    out.remove("images")
+    assert [m for m, _ in calls].count("list_objects_v2") == 5  # 23 keys, 5 a page
+    assert max(n for m, n in calls if m == "delete_objects") == 5
+    assert sorted(out.find("")) == ["data/keep.tar", "images2/keep.png"]
+    out.remove("images")  # absent: fine

@@ -247,3 +247,32 @@ def test_counts_come_from_footers_and_the_index_never_from_manifest_rows(tiny_mo
     os.utime(manifest, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # another version: read again
     with pytest.raises(Exception):  # noqa: B017 - pyarrow's error for a file of zeros
         shard_counts(output)
+
+
+def test_the_end_of_a_run_counts_from_reports_and_looks_only_at_unreported_shards(tiny_model, tmp_path, monkeypatch):
+    """The driver's summary adds what workers reported to its start listing; a shard attempted
+    without a report (its worker lost after the commit) is looked at (its manifest's version, then
+    its footer); shards not attempted come from the start listing."""
+    import jobs.state
+    from jobs.driver import _summarise
+    from jobs.state import list_manifests
+    from workers.storage import Output
+
+    out = tmp_path / "out"
+    worker, shards = setup_job(tmp_path, tiny_model, out, "files", prompts=["a", "b", "c", "d", "e", "f"])
+    first = worker.run_shard(shards[0])
+    output = Output(str(out))
+    start = list_manifests(output)
+    reported = worker.run_shard(shards[1])
+    assert reported.version == list_manifests(output)["shard-00001"] and reported.counts["ok"] == 3
+    opened = []
+    real = jobs.state._footer_counts
+    monkeypatch.setattr(jobs.state, "_footer_counts", lambda o, s: opened.append(s) or real(o, s))
+    summary, counts = _summarise(output, shards, [shards[1]], 0.0, [], [], False, start, {"shard-00001": reported})
+    assert summary.shards_committed == 2 and summary.images_ok == 6 and opened == ["shard-00000"]
+    assert first.version == start["shard-00000"]
+    opened.clear()
+    (out / "counts.parquet").unlink()
+    summary, counts = _summarise(output, shards, shards, 0.0, [], [], False, {}, {})  # no report arrived
+    assert summary.shards_committed == 2 and summary.images_ok == 6 and sorted(opened) == ["shard-00000", "shard-00001"]
+    assert counts["shard-00001"] == reported.counts

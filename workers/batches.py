@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from fleetgen.errors import InputError
 from workers.layout import unsafe_id_reason
 from workers.seeds import MAX_SEED, derive_seed
 from workers.shard import Columns, Shard
@@ -161,14 +162,32 @@ def _row_id(shard: Shard, data: dict, i: int, columns: Columns) -> str:
     return f"{shard.file_index:05d}-{shard.row_group_start + shard.offset + i:09d}"  # position in the input
 
 
+def _repeated_ids(shard: Shard, data: dict, columns: Columns, examples: int = 3) -> InputError:
+    """Ids name a shard's objects (`images/<shard>/<id>.png`, tar members, manifest rows): two rows
+    of one shard with one id would overwrite each other, so the shard is refused. Across shards an
+    id may repeat: every key is under its shard's name."""
+    rows: dict[str, list[int]] = {}
+    for i in range(len(data[columns.id])):
+        rows.setdefault(_row_id(shard, data, i, columns), []).append(shard.row_group_start + shard.offset + i)
+    repeats = {k: v for k, v in rows.items() if len(v) > 1}
+    shown = "; ".join(f"`{k}` at rows {', '.join(map(str, v[:4]))}" for k, v in list(repeats.items())[:examples])
+    return InputError(f"Shard {shard.id}: {len(repeats)} id(s) of column `{columns.id}` repeat within the shard "
+                      f"({shown}; rows of {shard.path}). Ids name a shard's images, so they must be unique within a "
+                      "shard (across shards they may repeat). Remove the duplicates, or pass `--id-column` naming a "
+                      "unique column.")
+
+
 def shard_images(shard: Shard, table: pa.Table, columns: Columns, recipe: Recipe) -> list[Image]:
     """A shard's images, in row order then k; error images where a row cannot be generated."""
     data = {name: table.column(name).to_pylist() for name in columns.present()}
     roles = columns.roles()
     suffixed = recipe.suffixed(columns)
     images = []
+    first: dict[str, int] = {}  # row id -> its first row
     for i in range(table.num_rows):
         row_id = _row_id(shard, data, i, columns)
+        if first.setdefault(row_id, i) != i:
+            raise _repeated_ids(shard, data, columns)
         values = {role: data[name][i] for role, name in roles.items()}
         look, count, error = _look(values, recipe)
         seed, seed_error = _as_seed(values.get("seed")) if columns.seed else (None, None)

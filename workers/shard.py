@@ -61,12 +61,31 @@ class Columns:
         return list(dict.fromkeys([*self.roles().values(), *self.template_fields, *self.carry]))
 
 
+READ_BATCH = 65_536  # rows decoded at a time when a shard is part of a bigger row group
+
+
 def read_shard(shard: Shard, columns: Columns) -> pa.Table:
-    """Only this shard's row group and columns are read."""
+    """Only this shard's columns, and its row group only as far as its last row: a reader cannot
+    seek to a row inside a row group (pyarrow exposes no page index), so the group's pages are
+    streamed from its start and reading stops at the shard's end; pages past it are never fetched."""
     fs, path = url_to_fs(shard.path)
+    end = shard.offset + shard.length
     try:
         with fs.open(path, "rb") as f:
-            table = pq.ParquetFile(f).read_row_group(shard.row_group, columns=columns.present())
+            pf = pq.ParquetFile(f, pre_buffer=False, buffer_size=1 << 16)
+            if shard.offset == 0 and shard.length == pf.metadata.row_group(shard.row_group).num_rows:
+                return pf.read_row_group(shard.row_group, columns=columns.present())
+            batches, first, seen = [], None, 0
+            for batch in pf.iter_batches(READ_BATCH, row_groups=[shard.row_group], columns=columns.present()):
+                if seen + batch.num_rows > shard.offset:
+                    first = seen if first is None else first
+                    batches.append(batch)
+                seen += batch.num_rows
+                if seen >= end:
+                    break
     except (OSError, pa.ArrowException) as err:
         raise InputError(f"Could not read row group {shard.row_group} of {shard.path}: {err}") from err
-    return table.slice(shard.offset, shard.length)
+    if first is None or seen < end:
+        raise InputError(f"Row group {shard.row_group} of {shard.path} has {seen} rows; shard {shard.id} needs "
+                         f"rows {shard.offset}-{end - 1} of it (the file changed since the job started?).")
+    return pa.Table.from_batches(batches).slice(shard.offset - first, shard.length)

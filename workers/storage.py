@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import shutil
 import time
 import uuid
 from collections.abc import Callable
@@ -25,6 +26,7 @@ BACKOFF = 0.5  # seconds before the first retry, doubling
 # Errors no retry can fix: fail at once, naming the URL.
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError)
 
+S3_PAGE = 1000  # keys per listing page, and the most one DeleteObjects request takes
 TMP_MARK = ".tmp-"  # in the name of a local file being written; renamed away when complete
 
 _BACKEND_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
@@ -42,6 +44,13 @@ def url_to_fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
         ) from err
     except ValueError as err:
         raise StorageError(f"`{url}` is not a URL fsspec understands: {err}") from err
+
+
+def version_of(entry: dict) -> str:
+    """An object's version from a listing entry or `info()`: its size and ETag (object stores) or
+    modification time (local disks); it changes when the object is replaced."""
+    stamp = entry.get("ETag") or entry.get("mtime") or entry.get("LastModified") or entry.get("updated")
+    return f"{entry.get('size')}:{stamp}"
 
 
 def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
@@ -216,6 +225,10 @@ class Output:
         except OSError:
             return self._retry("read", key, lambda: self.fs.cat_file(path))
 
+    def version(self, key: str) -> str:
+        """The object's version (`version_of`), as a listing of its prefix would give it."""
+        return version_of(self._retry("look at", key, lambda: self.fs.info(self.path(key))))
+
     def exists(self, key: str) -> bool:
         return self.fs.exists(self.path(key))
 
@@ -232,15 +245,38 @@ class Output:
         return sorted(n for n in names if n.endswith(suffix) and (temporary or TMP_MARK not in n))
 
     def remove(self, key: str) -> None:
-        """Remove an object or a whole prefix; absent is fine."""
+        """Remove an object or a whole prefix; absent is fine. A prefix goes page by page as it is
+        listed (local disks: a directory walk; S3: 1,000 keys per listing page, deleted in one
+        request), so memory does not grow with the number of objects; elsewhere fsspec lists the
+        prefix first."""
         path = self.path(key)
         try:
-            if self.fs.exists(path):
+            if self.local:
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                elif os.path.lexists(path):
+                    os.remove(path)
+            elif self.s3:
+                self._remove_s3(path)
+            elif self.fs.exists(path):
                 self.fs.rm(path, recursive=True)
         except FileNotFoundError:
             pass
         except OSError as err:
             raise StorageError(f"Could not remove {self.key_url(key)}: {err}") from err
+
+    def _remove_s3(self, path: str) -> None:
+        bucket, key, _ = self.fs.split_path(path)
+        page: dict = {"NextContinuationToken": None}
+        while "NextContinuationToken" in page:
+            token = page["NextContinuationToken"]
+            page = self.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=f"{key}/", MaxKeys=S3_PAGE,
+                                   **({"ContinuationToken": token} if token else {}))
+            objects = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if objects:
+                self.fs.call_s3("delete_objects", Bucket=bucket, Delete={"Objects": objects, "Quiet": True})
+        self.fs.call_s3("delete_object", Bucket=bucket, Key=key)  # the object at the key itself (absent: a no-op)
+        self.fs.invalidate_cache(path)
 
 
 class _RenameOnClose:

@@ -113,6 +113,8 @@ class ShardResult:
     errors: int
     seconds: float  # wall time of the whole shard, reading to commit
     committed_by_other: bool = False  # another attempt of this shard committed first; this one wrote nothing more
+    counts: dict | None = None  # the committed manifest's counts (its footer's), so the driver need not read it
+    version: str | None = None  # the committed manifest's version, as a listing of shards/ would show it
 
 
 def encode(image, image_format: str) -> bytes:
@@ -243,12 +245,14 @@ class Worker:
             self._writer.drain()  # every image written before the commit
             sink.close()
             final = [records[im.id] for im in images]
-            won = commit_manifest(self.output, shard.id, self._manifest(final, table, [im.row for im in images], attempt),
-                                  base)
+            shard_counts = counts_of(final, table.num_rows)
+            won = commit_manifest(self.output, shard.id, self._manifest(final, table, [im.row for im in images], attempt,
+                                                                        shard_counts), base)
             if not won:
                 self._give_up(sink, shard, attempt)
                 yield ShardResult(shard.id, name, 0, 0, time.perf_counter() - started, committed_by_other=True)
                 return
+            version = self.output.version(manifest_key(shard.id))  # before the move: nothing else replaces it
             promote(self.output, shard.id, attempt, {r["image"] for r in final if r["image"]})
         finally:
             if not won:  # lost, failed, or stopped (the generator closed): nothing of it stays
@@ -259,7 +263,8 @@ class Worker:
         self.stats["images"] += ok
         self.stats["errors"] += len(fresh) - ok
         self.write_info()
-        yield ShardResult(shard.id, name, ok, len(fresh) - ok, time.perf_counter() - started)
+        yield ShardResult(shard.id, name, ok, len(fresh) - ok, time.perf_counter() - started, counts=shard_counts,
+                          version=version)
 
     def _give_up(self, sink, shard: Shard, attempt: str) -> None:
         """This attempt lost, failed or was stopped: abort what it opened, remove its staging."""
@@ -438,13 +443,12 @@ class Worker:
             m.record["seconds"] = seconds / len(batch)
         return made
 
-    def _manifest(self, records: list[dict], table: pa.Table, rows: list[int], attempt: str) -> bytes:
+    def _manifest(self, records: list[dict], table: pa.Table, rows: list[int], attempt: str, counts: dict) -> bytes:
         """The manifest: one row per image, then the carried input columns of each image's row;
         its metadata names the attempt whose objects it names."""
         manifest = pa.Table.from_pylist(records, schema=MANIFEST_SCHEMA)
         for name in self.spec.columns.carry:
             manifest = manifest.append_column(table.schema.field(name), table.column(name).take(rows))
-        counts = counts_of(records, table.num_rows)
         manifest = manifest.replace_schema_metadata({ATTEMPT_KEY: attempt.encode(), COUNTS_KEY: json.dumps(counts)})
         buf = io.BytesIO()
         pq.write_table(manifest, buf)
