@@ -40,6 +40,7 @@ from workers.worker import BatchDone, ShardResult, WorkerSpec
 RemoteWorker = ray.remote(FleetWorker)
 POLL = 0.5  # seconds between looks at actors that are restarting or unavailable
 CLOSE_TIMEOUT = 10.0  # seconds a released worker gets to close before it is killed
+GATHER_ABOVE, GATHER = 64, 0.02  # above this many calls in flight, the loop lets 20 ms of events gather per pass
 WAITING_NOTE = 15.0  # seconds between progress notes while no worker is placed
 # What Ray 2.60 says in an ActorUnavailableError when the actor's process is gone and being restarted
 # (core_worker: "The actor is temporarily unavailable: IOError: The actor was restarted").
@@ -128,6 +129,19 @@ PoolEvent = (WorkerPlaced | WorkerReady | WorkerFailed | WorkerLost | WorkerUnre
              | BatchDone | ShardResult | ShardFailed | ShardSpeculated)
 
 
+class RayActors:
+    """How the pool starts and ends workers: a Ray actor each, running `FleetWorker`. A simulation
+    passes its own (bench/pool_sim.py), with handles that answer the same calls."""
+
+    def create(self, spec: WorkerSpec, options: dict, env_vars: dict[str, str], max_restarts: int):
+        env = {"runtime_env": {"env_vars": env_vars}} if env_vars else {}
+        return RemoteWorker.options(**options, **env, max_restarts=max_restarts, max_task_retries=0).remote(
+            spec, options)
+
+    def kill(self, handle) -> None:
+        ray.kill(handle, no_restart=True)
+
+
 def _message(err: Exception) -> str:
     """The error a worker raised (not Ray's wrapper around it), on one line."""
     return one_line(err.cause if isinstance(err, RayTaskError) and err.cause is not None else err)
@@ -149,8 +163,9 @@ class _Actor:
 class WorkerPool:
     def __init__(self, spec_for: Callable[[int], WorkerSpec], actor_options: dict, max_workers: int,
                  max_attempts: int = 3, max_restarts: int = 2, placement_timeout: float = 300.0,
-                 env_vars: dict[str, str] | None = None):
+                 env_vars: dict[str, str] | None = None, actors: RayActors | None = None):
         self.spec_for = spec_for  # the spec of the i-th actor created
+        self.factory = actors or RayActors()
         self.options = actor_options
         self.env_vars = env_vars or {}  # set in every worker's process (its runtime env), e.g. the hub token
         self.max_workers = max_workers
@@ -169,9 +184,7 @@ class WorkerPool:
         name = f"w{self.created}"
         spec = self.spec_for(self.created)
         self.created += 1
-        env = {"runtime_env": {"env_vars": self.env_vars}} if self.env_vars else {}
-        handle = RemoteWorker.options(**self.options, **env, max_restarts=self.max_restarts,
-                                      max_task_retries=0).remote(spec, self.options)
+        handle = self.factory.create(spec, self.options, self.env_vars, self.max_restarts)
         actor = _Actor(name, handle)
         actor.call = handle.where.remote()
         self.actors[name] = actor
@@ -183,7 +196,7 @@ class WorkerPool:
             ref = actor.handle.close.remote()
             self.closing[ref], self.close_deadline[ref] = actor.handle, time.monotonic() + CLOSE_TIMEOUT
         else:  # placing or loading: nothing to close, or busy loading
-            ray.kill(actor.handle, no_restart=True)
+            self.factory.kill(actor.handle)
         return WorkerReleased(actor.name, reason)
 
     def _reap_closing(self, now: float) -> None:
@@ -192,7 +205,7 @@ class WorkerPool:
         done, _ = ray.wait(list(self.closing), num_returns=len(self.closing), timeout=0)
         for ref in [*done, *[r for r, t in self.close_deadline.items() if t <= now]]:
             if ref in self.closing:
-                ray.kill(self.closing.pop(ref), no_restart=True)
+                self.factory.kill(self.closing.pop(ref))
                 del self.close_deadline[ref]
 
     def _ask(self, actor: _Actor, now: float) -> None:
@@ -230,11 +243,11 @@ class WorkerPool:
             if actor.state in ("idle", "failed", "busy", "unavailable"):
                 refs[actor.handle.close.remote()] = actor.handle
             else:
-                ray.kill(actor.handle, no_restart=True)
+                self.factory.kill(actor.handle)
         if refs and timeout > 0:
             ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
         for handle in refs.values():
-            ray.kill(handle, no_restart=True)
+            self.factory.kill(handle)
         self.actors, self.closing, self.close_deadline = {}, {}, {}
 
     def __enter__(self) -> WorkerPool:
@@ -255,6 +268,7 @@ class _Run:
         self.began: dict[ray.ObjectRefGenerator, float] = {}
         self.live: dict[str, int] = {}  # shard -> attempts running now (an unavailable actor's included)
         self.done: set[str] = set()  # shards committed (by whichever attempt)
+        self.reported: set[str] = set()  # shards whose winning attempt's result was passed on
         self.speculated: set[str] = set()
         self.errors: list[str] = []  # why actors could not run, for the error when none is left
         self.stopping_since: float | None = None
@@ -282,7 +296,12 @@ class _Run:
             if not calls and not self.running:
                 time.sleep(POLL)
                 continue
-            ready, _ = ray.wait([*calls, *self.running], num_returns=1, timeout=POLL)
+            refs = [*calls, *self.running]
+            ready, _ = ray.wait(refs, num_returns=1, timeout=POLL)
+            if ready and len(refs) > 1:  # then everything ready by now: one pass of the loop serves them all
+                if len(refs) > GATHER_ABOVE:
+                    time.sleep(GATHER)  # a wait costs ~1 µs per ref: let a big fleet's events gather first
+                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
             for ref in ready:
                 yield from self._answer(calls[ref], ref) if ref in calls else self._stream(ref)
 
@@ -351,7 +370,7 @@ class _Run:
         else:
             del self.pool.actors[actor.name]
             self.pool.spent += 1
-            ray.kill(actor.handle, no_restart=True)
+            self.pool.factory.kill(actor.handle)
             self.errors.append(f"{actor.name}: died {actor.deaths} times ({_message(err)})")
         yield WorkerLost(actor.name, _message(err), restarting)
 
@@ -386,10 +405,14 @@ class _Run:
                 actor.state = "idle"
             yield from self._requeue_or_fail(shard, _message(err))
             return
-        if isinstance(event, ShardResult):
-            if shard.id in self.done:
-                return  # the other attempt's result came first
-            self.done.add(shard.id)
+        if isinstance(event, ShardResult):  # an attempt's last item: the worker takes its next shard now
+            del self.running[ref]
+            self.live[shard.id] -= 1
+            actor.state = "idle"
+            self.done.add(shard.id)  # committed (by this attempt, or by another one first)
+            if event.committed_by_other or shard.id in self.reported:
+                return  # the winner reports the commit (its counts and manifest version), once
+            self.reported.add(shard.id)
         elif shard.id in self.done:
             return  # progress of an attempt that has lost
         yield event
