@@ -85,5 +85,30 @@ class AppliedOffload:
         self.dirs = []
 
 
+# Every hook diffusers' group offloading registers (0.42.1: the lazy prefetch hook and the layer
+# execution tracker come with streams), removed last-registered first.
+OFFLOAD_HOOKS = ("lazy_prefetch_group_offloading", "layer_execution_tracker", "group_offloading")
+
+
+def unapply(pipe, placed: AppliedOffload | None = None) -> None:
+    """Undo a plan: every offloading hook removed (its groups offloaded), every module back on the
+    CPU, disk files removed; the pipeline is as it was loaded, ready for another plan."""
+    from diffusers.hooks import HookRegistry
+
+    if placed is not None:
+        placed.close()
+    for module in pipeline_modules(pipe).values():
+        registry = HookRegistry.check_if_exists_or_initialize(module)
+        for name in OFFLOAD_HOOKS:
+            registry.remove_hook(name, recurse=True)
+        module.to("cpu")
+
+
+def offload_hooks(pipe) -> int:
+    """How many offloading hooks the pipeline's modules carry (0 after `unapply`)."""
+    return sum(name in OFFLOAD_HOOKS for m in pipeline_modules(pipe).values() for sub in m.modules()
+               for name in getattr(getattr(sub, "_diffusers_hook", None), "hooks", {}))
+
+
 def apply(pipe, plan: OffloadPlan, profile: PipelineProfile, device: torch.device, tag: str = "w") -> AppliedOffload:
     return AppliedOffload(pipe, plan, profile, device, tag)

@@ -42,3 +42,24 @@ def test_streams_on_cuda_give_the_same_latents():
     ref = run({})
     streamed = run({"transformer": Placement("block", 1, stream=True), "text_encoder_2": Placement("leaf", stream=True)})
     assert (abs(ref - streamed)).max() == 0
+
+
+def test_gpu_check_dry_run_takes_every_path_on_cpu(tmp_path):
+    """`make gpu-check-dry`: the GPU check's own code at tiny size on CPU (its gpu tests skip), so
+    the script a GPU session runs once cannot rot."""
+    out = tmp_path / "gpu-check.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["gpu_tests"]["returncode"] == 5 or "skipped" in result["gpu_tests"]["summary"]
+    for model in ("sdxl", "flux.1-dev"):
+        rows = {r["run"]: r for r in result["rows"] if r["model"] == model}
+        assert rows["all resident"]["images"] == 2 and rows["all resident"]["batch"] >= 2
+        measured = [r for r in rows.values() if "images" in r and r["run"].endswith("(scaled)")]
+        assert len(measured) >= 4 and all(r["images"] == 2 and r["images_per_second"] > 0 for r in measured)
+        assert all(r["seconds_per_image"]["measured"] > 0 for r in measured)
+        oom = rows["forced OOM"]
+        assert oom["ok"] and oom["images"] == 8 and oom["hooks_after_close"] == 0
+        assert set(oom["final_modes"].values()) != {"resident"}
+    assert "forced OOM" in proc.stdout and "s/image" in proc.stdout

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from fleetgen.errors import OffloadError
 from offload import DeviceSpec, OffloadPlan, PipelineProfile, Workload, plan, resident_plan
 
 HOST_SHARE = 0.8  # of available host RAM a worker may fill with offloaded copies
@@ -39,11 +40,32 @@ def choose_plan(profile: PipelineProfile, device: torch.device, probe: dict, *, 
 def leaner_plan(profile: PipelineProfile, current: OffloadPlan, device: torch.device, probe: dict, *,
                 offload: str, host_memory: int | None, width: int, height: int, steps: int, cfg: bool) -> OffloadPlan:
     """After an out-of-memory error at batch 1: plan for ever smaller budgets until the placement
-    changes; `OffloadError` when even the leanest plan does not fit."""
-    budget = current.budget or probe.get("free_bytes") or probe["host_available_bytes"]
+    changes; `OffloadError` when even the leanest plan does not fit. A step that goes from the
+    current placement straight to "nothing fits" (where activations, not weights, fill the budget)
+    is bisected for the budgets between, where a leaner placement may still fit."""
+    high = current.budget or probe.get("free_bytes") or probe["host_available_bytes"]
     work = _workload(offload, 1, width, height, steps, cfg)
+
+    def at(budget: int) -> OffloadPlan:
+        return plan(profile, device_spec(device, probe, budget, host_memory), work)
+
     while True:
-        budget = int(budget * STEP_DOWN)
-        leaner = plan(profile, device_spec(device, probe, budget, host_memory), work)
+        budget = int(high * STEP_DOWN)
+        try:
+            leaner = at(budget)
+        except OffloadError:
+            low = budget  # nothing fits here; the current placement fits at `high`
+            while high - low > max(1, high // 1000):
+                middle = (low + high) // 2
+                try:
+                    leaner = at(middle)
+                except OffloadError:
+                    low = middle
+                    continue
+                if leaner.placements != current.placements:
+                    return leaner
+                high = middle
+            raise
         if leaner.placements != current.placements:
             return leaner
+        high = budget

@@ -42,6 +42,22 @@ SIZES = {
 }
 
 
+def _evaluated(builder):
+    """Builders return pipelines in eval mode, as `from_pretrained` does (T5's dropout is on in
+    train mode: two calls with one seed would differ)."""
+    import functools
+
+    @functools.wraps(builder)
+    def build(*args, **kwargs):
+        pipe = builder(*args, **kwargs)
+        for module in pipe.components.values():
+            if isinstance(module, torch.nn.Module):
+                module.eval()
+        return pipe
+
+    return build
+
+
 def _tokenizer(model_max_length: int = 77):
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
@@ -66,6 +82,7 @@ def _tokenizer(model_max_length: int = 77):
     )
 
 
+@_evaluated
 def build_tiny_pipeline(seed: int = 0, size: str = "tiny"):
     """Return a `StableDiffusionPipeline` with random weights, identical for the same `seed`/`size`."""
     from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
@@ -171,6 +188,7 @@ def _vae(seed: int, **kw):
                          latent_channels=4, norm_num_groups=32, sample_size=32, **kw)
 
 
+@_evaluated
 def build_tiny_sdxl(seed: int = 0):
     """SDXL at tiny size: two CLIP encoders (the second with projection), a text-time UNet."""
     from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
@@ -191,6 +209,7 @@ def build_tiny_sdxl(seed: int = 0):
                                      tokenizer_2=tokenizer_2, unet=unet, scheduler=scheduler, add_watermarker=False)
 
 
+@_evaluated
 def build_tiny_sd3(seed: int = 0):
     """SD3 at tiny size: two CLIP encoders with projection and a T5 (tokenizer_3 reads 256 tokens)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
@@ -209,6 +228,7 @@ def build_tiny_sd3(seed: int = 0):
     )
 
 
+@_evaluated
 def build_tiny_pixart_sigma(seed: int = 0):
     """PixArt-Σ at tiny size: a T5 encoder (300 tokens) and an ada-norm-single DiT."""
     from diffusers import DDIMScheduler, PixArtSigmaPipeline, PixArtTransformer2DModel
@@ -224,6 +244,7 @@ def build_tiny_pixart_sigma(seed: int = 0):
                                transformer=transformer, scheduler=DDIMScheduler())
 
 
+@_evaluated
 def build_tiny_sana(seed: int = 0):
     """Sana at tiny size: a Gemma-2 text encoder (300 tokens), a linear DiT and a DC-AE."""
     from diffusers import AutoencoderDC, FlowMatchEulerDiscreteScheduler, SanaPipeline, SanaTransformer2DModel
@@ -250,6 +271,7 @@ def build_tiny_sana(seed: int = 0):
                         scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0))
 
 
+@_evaluated
 def build_tiny_flux(seed: int = 0, guidance_embeds: bool = False):
     """A Flux-like pipeline at tiny size (2 double + 4 single blocks, CLIP + T5 text encoders);
     with `guidance_embeds` a FLUX.1-dev (guidance-distilled), without a FLUX.1-schnell."""
@@ -310,3 +332,42 @@ def write_tiny_lora(path: str | Path, model_dir: str | Path, seed: int = 0, rank
     StableDiffusionPipeline.save_lora_weights(path.parent, unet_lora_layers=get_peft_model_state_dict(unet),
                                               weight_name=path.name, safe_serialization=True)
     return path
+
+
+def build_random_pipeline(architecture: str, device: torch.device | str, dtype: torch.dtype, seed: int = 0):
+    """A shipped architecture (offload/architectures: `sdxl`, `flux.1-dev`, ...) at its real size with
+    random weights, built directly on `device` (then left there: the caller moves it), for measuring
+    real sizes with no checkpoint. Tokenizers are the small in-memory ones above (their ids fit any
+    vocabulary); schedulers take their defaults."""
+    import json
+
+    import diffusers
+
+    from offload.architectures import _component_class, resolve
+
+    root = resolve(architecture)
+    index = json.loads((root / "model_index.json").read_text())
+    cls = getattr(diffusers, index["_class_name"])
+    components, previous = {}, torch.get_default_dtype()
+    torch.manual_seed(seed)
+    try:
+        torch.set_default_dtype(dtype)  # initialised in `dtype`: no full-precision copy at any time
+        for name, spec in index.items():
+            if name.startswith("_") or not isinstance(spec, list):
+                continue
+            module_cls = _component_class(*spec)
+            config = json.loads((root / name / "config.json").read_text())
+            with torch.device(device):
+                if spec[0] == "diffusers":
+                    components[name] = module_cls.from_config(config).eval()
+                else:
+                    components[name] = module_cls(module_cls.config_class.from_dict(config)).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+        if name in components:
+            t5 = "T5" in type(components[name]).__name__
+            components[name.replace("text_encoder", "tokenizer")] = _tokenizer(model_max_length=512 if t5 else 77)
+    scheduler = "EulerDiscreteScheduler" if "unet" in components else "FlowMatchEulerDiscreteScheduler"
+    kwargs = {"add_watermarker": False} if cls.__name__.startswith("StableDiffusionXL") else {}
+    return cls(scheduler=getattr(diffusers, scheduler)(), **components, **kwargs)

@@ -23,6 +23,7 @@ import torch
 from fleetgen import __version__
 from fleetgen.errors import FleetgenError, ShardError
 from offload import OffloadStats, apply, pipeline_modules, profile_pipeline
+from offload.apply import unapply
 from workers.batches import Adapter, Image, Look, Recipe, group_images, shard_images
 from workers.commit import ATTEMPT_KEY, COUNTS_KEY, commit_manifest, counts_of, discard, promote, staging
 from workers.families import FAMILIES, GENERIC, call_kwargs, prompt_limit, takes_negative_prompt
@@ -124,7 +125,9 @@ def encode(image, image_format: str) -> bytes:
 
 
 class Worker:
-    def __init__(self, spec: WorkerSpec):
+    def __init__(self, spec: WorkerSpec, pipe=None):
+        """`pipe`: a pipeline already built (bench/gpu_check.py's random weights at real sizes)
+        instead of loading `spec.model`; `close()` leaves it as it came (no offloading hooks)."""
         started = time.perf_counter()
         self.spec = spec
         if spec.threads:
@@ -133,8 +136,11 @@ class Worker:
         self.device = resolve_device(spec.device)
         self.dtype = resolve_dtype(spec.dtype, self.device, self.family.dtype)
         self.output = Output(spec.output)
-        self.pipe = load_pipeline(spec.model, self.dtype, spec.trust_remote_code, revision=spec.revision,
-                                  variant=spec.variant, worker=spec.name)
+        self._given = pipe is not None
+        self.pipe = pipe if pipe is not None else load_pipeline(
+            spec.model, self.dtype, spec.trust_remote_code, revision=spec.revision, variant=spec.variant,
+            worker=spec.name)
+        self.pipe.set_progress_bar_config(disable=True)
         self._takes_negative = takes_negative_prompt(self.pipe)
         # Adapters before profiling and offloading: their bytes are planned for and offloaded with their layers.
         self.adapters = load_adapters(self.pipe, spec.adapters, spec.name)
@@ -401,13 +407,8 @@ class Worker:
         return True
 
     def _reapply(self, new_plan) -> None:
-        from diffusers.hooks import HookRegistry
-
         self.offload_stats.close()
-        self.placed.close()
-        for module in pipeline_modules(self.pipe).values():
-            HookRegistry.check_if_exists_or_initialize(module).remove_hook("group_offloading", recurse=True)
-            module.to("cpu")
+        unapply(self.pipe, self.placed)  # every hook, the stream ones included
         self.placed = apply(self.pipe, new_plan, self.profile, self.device, tag=self.spec.name)
         self.offload_stats = OffloadStats(pipeline_modules(self.pipe), self.device)
 
@@ -457,7 +458,10 @@ class Worker:
     def close(self) -> None:
         self._writer.close()
         self.offload_stats.close()
-        self.placed.close()
+        if self._given:
+            unapply(self.pipe, self.placed)
+        else:
+            self.placed.close()
         self.pipe = None
 
 
