@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[s3,test]'
 	touch $@
 
-.PHONY: demo test lint bench
+.PHONY: demo test lint bench gpu-check gpu-check-dry gpu-wheelhouse
 demo: $(VENV)/.installed
 	$(VENV)/bin/fleetgen demo --output demo-output
 
@@ -22,3 +22,16 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) bench/overhead.py
+
+# The GPU check (bench/gpu_check.py). On a CUDA machine with torch: `make gpu-check` (with the
+# overlay from `make gpu-wheelhouse` on PYTHONPATH where diffusers & co. are missing; see README).
+PYTHON ?= python3
+GPU_PYTHON ?= 3.11
+gpu-check:
+	$(PYTHON) bench/gpu_check.py --json gpu-check.json
+
+gpu-check-dry: $(VENV)/.installed
+	$(PY) bench/gpu_check.py --dry --json gpu-check-dry.json
+
+gpu-wheelhouse: $(VENV)/.installed
+	$(PY) bench/gpu_wheelhouse.py --python $(GPU_PYTHON) --out gpu-overlay.tar.xz

@@ -163,6 +163,7 @@ class Run:
                 simulated = denoiser.register_forward_pre_hook(oom_while_resident)
             result = worker.run_shard(shards[0])
             info = worker.describe()
+            row["first_errors"] = manifest_errors(worker, shards[0])
             row.update(images=result.ok, errors=result.errors, step_downs=info["step_downs"],
                        final_modes=info["plan"]["modes"], final_batch=info["batch_size"],
                        offload_hooks=offload_hooks(self.pipe), simulated=not self.cuda)
@@ -175,6 +176,18 @@ class Run:
         row["ok"] = (row["images"] == 8 and not row["errors"] and any("batch" in str(s["to"]) for s in row["step_downs"])
                      and any(isinstance(s["to"], dict) for s in row["step_downs"]) and row["hooks_after_close"] == 0)
         return row
+
+
+def manifest_errors(worker: Worker, shard, limit: int = 3) -> list[str]:
+    """The first error messages of a shard's committed manifest."""
+    import io
+
+    import pyarrow.parquet as pq
+
+    from workers.layout import manifest_key
+
+    table = pq.read_table(io.BytesIO(worker.output.get(manifest_key(shard.id))), columns=["error"])
+    return [e for e in table.column("error").to_pylist() if e][:limit]
 
 
 def gpu_tests() -> dict:
