@@ -7,7 +7,7 @@ import json
 from fleetgen.errors import FleetgenError
 from jobs.fleet import fleet_lines
 from jobs.lock import live_lock
-from jobs.state import read_manifests, shard_counts
+from jobs.state import shard_counts
 from workers.layout import FLEET, JOB, SUCCESS, SUMMARY, WORKERS
 from workers.storage import Output
 
@@ -19,18 +19,16 @@ def _json(out: Output, key: str) -> dict | None:
         return None
 
 
-def job_state(url: str, manifest_columns: tuple[str, ...] | None = None) -> dict:
+def job_state(url: str) -> dict:
     """What OUT says about its job: counts from the manifests' footers (or the counts index), the
     running driver (if its heartbeat is fresh), per-worker figures, failures, and an ETA from the
-    workers' rates. `manifest_columns`: also read these columns of every manifest row (`report`)."""
+    workers' rates. No manifest rows are read (`report` reads a sample)."""
     out = Output(url)
     job = _json(out, JOB)
     if job is None:
         raise FleetgenError(f"{url} holds no fleetgen job (no {JOB}).")
     counts = shard_counts(out)
     committed = sorted(counts)
-    manifests = read_manifests(out, committed, list(manifest_columns)) if manifest_columns else {}
-    rows = [r for shard in committed for r in manifests.get(shard, [])]
     total_rows = sum(f["rows"] for f in job["fingerprint"]["input"])
     workers = [w for w in (_json(out, f"{WORKERS}/{name}") for name in out.list(WORKERS, ".json")) if w]
     lock = live_lock(out) or {}
@@ -49,7 +47,7 @@ def job_state(url: str, manifest_columns: tuple[str, ...] | None = None) -> dict
         "images_error": sum(c["images"] - c["ok"] - c["filtered"] for c in counts.values()),
         "failures": (summary or {}).get("failures", []), "workers": workers, "fleet": _json(out, FLEET),
         "workers_failed": (summary or {}).get("workers_failed", []),
-        "eta_seconds": left / rate if rate and left else None, "rows": rows,
+        "eta_seconds": left / rate if rate and left else None, "counts": counts,
     }
 
 

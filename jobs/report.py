@@ -13,10 +13,12 @@ import pyarrow.parquet as pq
 
 from fleetgen.units import format_size
 from jobs.inspect import job_state
+from jobs.state import read_manifests
 from workers.layout import IMAGE_FORMATS
 from workers.storage import Output
 
 SAMPLE = 24  # images on the contact sheet
+ERRORS = 50  # rows that are not ok, listed
 _MIME = {"png": "image/png", "jpg": "image/jpeg", "webp": "image/webp"}
 _COLUMNS = ("id", "prompt", "seed", "status", "error", "warning", "image", "member", "worker")
 
@@ -57,18 +59,44 @@ def _bars(title: str, items: list[tuple[str, float, str]], limit: list[float] | 
             f'font-size="12" font-family="sans-serif">{"".join(rows)}</svg></figure>')
 
 
+def sample_images(out: Output, counts: dict[str, dict], n: int = SAMPLE) -> list[dict]:
+    """About `n` ok images spread over the job: the manifests of at most `n` committed shards,
+    evenly spaced, are read (never every manifest), and ok rows taken evenly from each."""
+    shards = [s for s in sorted(counts) if counts[s]["ok"]]
+    k = min(n, len(shards))
+    picked = [shards[round(i * (len(shards) - 1) / max(1, k - 1))] for i in range(k)]  # first to last
+    manifests = read_manifests(out, picked, list(_COLUMNS))
+    per = -(-n // len(picked)) if picked else 0
+    rows = []
+    for shard in picked:
+        ok = [r for r in manifests[shard] if r["status"] == "ok"]
+        rows += ok[:: max(1, len(ok) // per)][:per]
+    return rows[:n]
+
+
+def not_ok_rows(out: Output, counts: dict[str, dict], n: int = ERRORS, batch: int = 32) -> list[dict]:
+    """The first `n` rows that are not ok, reading only manifests whose counts have such rows."""
+    shards = [s for s in sorted(counts) if counts[s]["images"] > counts[s]["ok"]]
+    rows: list[dict] = []
+    for i in range(0, len(shards), batch):
+        manifests = read_manifests(out, shards[i : i + batch], list(_COLUMNS))
+        rows += [r for s in shards[i : i + batch] for r in manifests[s] if r["status"] != "ok"]
+        if len(rows) >= n:
+            break
+    return rows[:n]
+
+
 def write_report(url: str) -> str:
-    """Write OUT/report.html; returns its URL."""
-    state = job_state(url, _COLUMNS)
+    """Write OUT/report.html; returns its URL. Reads a sample of manifests, not all of them."""
+    state = job_state(url)
     out = Output(url)
-    ok = [r for r in state["rows"] if r["status"] == "ok"]
-    step = max(1, len(ok) // SAMPLE)
+    sample = sample_images(out, state["counts"])
     cache: dict = {}
     ext = IMAGE_FORMATS[state["job"]["fingerprint"]["generation"]["image_format"]]
     cards = "".join(
         f'<figure class="card"><img src="{_src(out, r, cache, ext)}" alt="{html.escape(r["id"])}">'
         f'<figcaption><b>{html.escape(r["id"])}</b> seed {r["seed"]}<br>{html.escape(r["prompt"] or "")}</figcaption></figure>'
-        for r in ok[::step][:SAMPLE]
+        for r in sample
     )
     workers = state["workers"]
     table_rows = []
@@ -94,7 +122,7 @@ def write_report(url: str) -> str:
                         limit=budgets)
         moved = [sum(c["bytes_onloaded"] for c in ((w.get("offload") or {}).get("components") or {}).values()) for w in workers]
         charts += _bars("bytes moved host→device", [(w["worker"], m, format_size(m)) for w, m in zip(workers, moved, strict=True)])
-    errors = [r for r in state["rows"] if r["status"] != "ok"][:50]
+    errors = not_ok_rows(out, state["counts"])
     failures = "".join(f"<tr><td>{html.escape(f['shard'])}</td><td>{f['attempts']}</td><td>{html.escape(f['error'])}</td></tr>"
                        for f in state["failures"])
     error_rows = "".join(f"<tr><td>{html.escape(r['id'])}</td><td>{html.escape(r['error'] or '')}</td></tr>" for r in errors)
@@ -120,7 +148,7 @@ table {{ border-collapse: collapse; font-size: 13px; }} td, th {{ border: 1px so
 {charts}
 <h2>Failures</h2>
 <table><tr><th>shard</th><th>attempts</th><th>error</th></tr>{failures or '<tr><td colspan="3">none</td></tr>'}</table>
-<h3>Row errors (first 50)</h3>
+<h3>Row errors (first {ERRORS})</h3>
 <table><tr><th>id</th><th>error</th></tr>{error_rows or '<tr><td colspan="2">none</td></tr>'}</table>
 <script>
 window.addEventListener("load", () => {{

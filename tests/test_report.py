@@ -80,3 +80,41 @@ def test_status_of_a_stopped_job_says_how_to_resume(tmp_path, capsys):
     assert "shards 0/2 committed, rows 0/10" in text
     assert main(["status", str(tmp_path / "nothing")]) == 2
     assert "holds no fleetgen job" in capsys.readouterr().err
+
+
+def test_report_reads_a_sample_of_manifests_not_all(tmp_path, monkeypatch):
+    """400 committed shards: the contact sheet reads 24 manifests spread over the job, the error
+    list only manifests whose counts have errors, and stops at 50 rows."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import jobs.report
+    from jobs.report import not_ok_rows, sample_images
+    from workers.commit import COUNTS_KEY
+    from workers.layout import MANIFEST_SCHEMA
+    from workers.storage import Output
+
+    (tmp_path / "shards").mkdir()
+    counts = {}
+    for i in range(400):
+        errors = 2 if i % 10 == 3 else 0  # 40 shards with 2 error rows each
+        rows = [{"id": f"{i}-{k}", "row_id": f"{i}-{k}", "status": "error" if k < errors else "ok", "prompt": "p",
+                 "error": "bad" if k < errors else None, "image": None if k < errors else f"images/shard-{i:05d}/{k}.png"}
+                for k in range(5)]
+        counts[f"shard-{i:05d}"] = {"rows": 5, "images": 5, "ok": 5 - errors, "error": errors, "filtered": 0}
+        table = pa.Table.from_pylist(rows, schema=MANIFEST_SCHEMA).replace_schema_metadata(
+            {COUNTS_KEY: json.dumps(counts[f"shard-{i:05d}"])})
+        pq.write_table(table, tmp_path / "shards" / f"shard-{i:05d}.parquet")
+    read = []
+    real = jobs.report.read_manifests
+    monkeypatch.setattr(jobs.report, "read_manifests", lambda out, ids, cols: read.extend(ids) or real(out, ids, cols))
+    out = Output(str(tmp_path))
+    sample = sample_images(out, counts)
+    assert len(sample) == 24 and len(read) == 24 and all(r["status"] == "ok" for r in sample)
+    assert int(read[0][6:]) < 20 and int(read[-1][6:]) > 380  # spread over the job
+    read.clear()
+    errors = not_ok_rows(out, counts)
+    assert len(errors) == 50 and all(r["status"] == "error" for r in errors)
+    assert len(read) == 32 and all(int(s[6:]) % 10 == 3 for s in read)  # 25 manifests hold 50: one batch of 32
