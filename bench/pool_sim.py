@@ -9,6 +9,8 @@ actor gives it (one stream, one event per batch). Measured on the workers' side:
   busy          the fraction of each worker's time from its first shard's start to its last
                 shard's end spent inside shards (goal ≥ 98 % at 1 s per batch)
   driver cpu    the driver process's CPU time over the run's wall time (of one core)
+  shard time    how long a shard took inside its worker (ideal: batches x batch seconds; the excess
+                is the fake hosts emitting events on a machine the whole simulation shares)
   dispatch      the gap between a worker's shard ending and its next shard starting (the
                 round trip through the pool's loop), median / p99 / max
 
@@ -21,8 +23,10 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,7 +35,7 @@ import ray
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cluster.pool import RayActors, WorkerPool  # noqa: E402
+from cluster.pool import RayActors, ShardSpeculated, WorkerPool  # noqa: E402
 from workers.shard import Shard  # noqa: E402
 from workers.worker import BatchDone, ShardResult  # noqa: E402
 
@@ -40,8 +44,8 @@ from workers.worker import BatchDone, ShardResult  # noqa: E402
 class SimHost:
     """Serves virtual workers: each shard is `batches` sleeps of `batch_seconds`, one event each."""
 
-    def __init__(self, batch_seconds: float, batches: int):
-        self.batch_seconds, self.batches = batch_seconds, batches
+    def __init__(self, batch_seconds: float, batches: int, ledger: str):
+        self.batch_seconds, self.batches, self.ledger = batch_seconds, batches, ledger
         self.spans: dict[int, list[tuple[float, float]]] = {}  # worker -> (start, end) of each shard
 
     async def where(self, index: int) -> dict:
@@ -51,12 +55,24 @@ class SimHost:
         return {"pid": os.getpid(), "worker": index}
 
     async def iter_shard(self, index: int, shard: Shard):
-        start = time.time()
+        """As a worker does: a batch at a time, stopping once another attempt has committed (a
+        speculative copy of a straggler); the commit creates a marker only if absent."""
+        start, marker = time.time(), os.path.join(self.ledger, shard.id)
         for _ in range(self.batches):
+            if os.path.exists(marker):
+                self.spans.setdefault(index, []).append((start, time.time()))
+                yield ShardResult(shard.id, f"w{index}", 0, 0, time.time() - start, committed_by_other=True)
+                return
             await asyncio.sleep(self.batch_seconds)
             yield BatchDone(shard.id, f"w{index}", 1, 0, rows=shard.length / self.batches)
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+            won = True
+        except FileExistsError:
+            won = False
         self.spans.setdefault(index, []).append((start, time.time()))
-        yield ShardResult(shard.id, f"w{index}", self.batches, 0, time.time() - start)
+        yield ShardResult(shard.id, f"w{index}", self.batches if won else 0, 0, time.time() - start,
+                          committed_by_other=not won, version="sim" if won else None)
 
     async def close(self, index: int) -> None:
         return None
@@ -85,8 +101,8 @@ class VirtualWorker:
 class SimActors(RayActors):
     """The pool's worker factory: virtual workers spread over `hosts` async actors."""
 
-    def __init__(self, hosts: int, batch_seconds: float, batches: int):
-        self.hosts = [SimHost.options(max_concurrency=100_000, num_cpus=0).remote(batch_seconds, batches)
+    def __init__(self, hosts: int, batch_seconds: float, batches: int, ledger: str):
+        self.hosts = [SimHost.options(max_concurrency=100_000, num_cpus=0).remote(batch_seconds, batches, ledger)
                       for _ in range(hosts)]
         self.made = 0
 
@@ -107,19 +123,22 @@ class SimActors(RayActors):
 
 def simulate(workers: int, batch_seconds: float, batches: int, shards_per_worker: int, hosts: int) -> dict:
     """Run `workers * shards_per_worker` shards on `workers` virtual workers; returns the measures."""
-    actors = SimActors(hosts, batch_seconds, batches)
+    ledger = tempfile.mkdtemp(prefix="fleetgen-pool-sim-")  # the "committed" markers
+    actors = SimActors(hosts, batch_seconds, batches, ledger)
     ray.get([h.spans_of.remote() for h in actors.hosts])  # hosts up before the clock starts
     shards = [Shard(f"shard-{i:07d}", "sim", 0, 0, 0, 0, batches) for i in range(workers * shards_per_worker)]
     pool = WorkerPool(lambda i: None, {}, workers, actors=actors)
-    started, cpu, events, batches_seen, results = time.time(), time.process_time(), 0, 0, set()
+    started, cpu, events, batches_seen, results, speculated = time.time(), time.process_time(), 0, 0, set(), 0
     for event in pool.run(shards):
         events += 1
         batches_seen += isinstance(event, BatchDone)
         if isinstance(event, ShardResult):
             results.add(event.shard_id)
+        speculated += isinstance(event, ShardSpeculated)
     wall, cpu = time.time() - started, time.process_time() - cpu
     pool.close(timeout=5)
     spans = actors.spans()
+    shutil.rmtree(ledger, ignore_errors=True)
     busy = inside = 0.0
     gaps = []
     for worker_spans in spans.values():
@@ -128,11 +147,17 @@ def simulate(workers: int, batch_seconds: float, batches: int, shards_per_worker
         busy += worker_spans[-1][1] - worker_spans[0][0]
         gaps += [b[0] - a[1] for a, b in zip(worker_spans, worker_spans[1:], strict=False)]
     gaps.sort()
+    starts = [sp[0][0] for sp in spans.values()]
+    ends = [sp[-1][1] for sp in spans.values()]
     ideal = shards_per_worker * batches * batch_seconds
     return {
         "workers": workers, "hosts": hosts, "batch_seconds": batch_seconds, "batches_per_shard": batches,
-        "shards": len(shards), "events": events, "batch_events": batches_seen, "shards_reported": len(results), "wall_seconds": round(wall, 2),
+        "shards": len(shards), "speculated": speculated, "events": events, "batch_events": batches_seen, "shards_reported": len(results), "wall_seconds": round(wall, 2),
         "ideal_seconds": round(ideal, 2), "workers_that_ran": len(spans),
+        "first_shard_started_s": round(min(starts) - started, 2) if starts else None,
+        "last_worker_started_s": round(max(starts) - started, 2) if starts else None,
+        "last_shard_ended_s": round(max(ends) - started, 2) if ends else None,
+        "mean_shard_seconds": round(inside / max(1, sum(len(v) for v in spans.values())), 3),  # ideal: batches x batch
         "busy_fraction": round(inside / busy, 4) if busy else None,
         "driver_cpu_fraction": round(cpu / wall, 3),  # of one core, the pool's loop and Ray's client in the driver
         "dispatch_ms": {"median": round(1000 * statistics.median(gaps), 1) if gaps else None,

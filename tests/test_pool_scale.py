@@ -11,6 +11,7 @@ pytestmark = pytest.mark.ray
 def test_a_hundred_fake_workers_wait_for_work_under_3_percent_of_the_time(ray_cluster):
     result = simulate(workers=100, batch_seconds=1.0, batches=3, shards_per_worker=2, hosts=2)
     assert result["workers_that_ran"] == 100
-    assert (result["batch_events"], result["shards_reported"]) == (200 * 3, 200)  # every event came through
+    assert result["shards_reported"] == 200 and result["batch_events"] >= 200 * 3  # every event came through
+    assert result["wall_seconds"] < result["ideal_seconds"] + 3  # stragglers' copies stop at the first commit
     assert result["busy_fraction"] >= 0.97, result
     assert result["dispatch_ms"]["p99"] < 500, result
