@@ -48,6 +48,7 @@ from workers.shard import Shard
 from workers.storage import Output
 from workers.worker import BatchDone, ShardResult, WorkerSpec
 
+PROBE_AT_MOST = 1000  # shards attempted without a report that the end of a run looks at one by one
 CLOSE_TIMEOUT = 10.0  # seconds workers get to close (remove offload directories) at the end
 STOPPING_CLOSE = 0.5  # the same under SIGTERM: `ray job stop` SIGKILLs the driver 3 s after it by default
 
@@ -171,17 +172,22 @@ def _summarise(output: Output, shards: list[Shard], todo: list[Shard], started: 
                stopped, listing: dict[str, str], committed: dict[str, ShardResult]) -> tuple[JobSummary, dict[str, dict]]:
     """Counts of every committed manifest, without listing shards/ again: the start's listing, plus
     the version and counts each commit of this run reported, plus a look at the manifest of each
-    shard this run attempted whose report did not arrive (a worker lost after its commit, or an
-    attempt that lost the race reported first). Counts not reported come from the counts index where
+    shard this run attempted whose report did not arrive (a worker lost after its commit), or one
+    listing where there are many (not while stopping). Counts not reported come from the counts index where
     it is current, else from the manifests' footers. The index is then rewritten for the next reader."""
     listing = dict(listing)
     known = {}
     for shard_id, result in committed.items():
         listing[shard_id], known[shard_id] = result.version, result.counts
     unreported = [s.id for s in todo if s.id not in committed]
-    for shard_id, version in zip(unreported, _versions(output, unreported), strict=True):
-        if version is not None:
-            listing[shard_id] = version
+    if stopped:
+        pass  # `ray job stop` gives seconds: what was reported is what the summary says; a rerun sees the rest
+    elif len(unreported) > PROBE_AT_MOST:  # a run that ended early (a lost fleet): one listing beats many looks
+        listing.update(list_manifests(output))
+    else:
+        for shard_id, version in zip(unreported, _versions(output, unreported), strict=True):
+            if version is not None:
+                listing[shard_id] = version
     all_counts = shard_counts(output, listing, known=known)
     write_counts_index(output, all_counts, listing)
     ids = {s.id for s in shards}

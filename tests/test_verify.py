@@ -253,6 +253,7 @@ def test_the_end_of_a_run_counts_from_reports_and_looks_only_at_unreported_shard
     """The driver's summary adds what workers reported to its start listing; a shard attempted
     without a report (its worker lost after the commit) is looked at (its manifest's version, then
     its footer); shards not attempted come from the start listing."""
+    import jobs.driver
     import jobs.state
     from jobs.driver import _summarise
     from jobs.state import list_manifests
@@ -276,3 +277,8 @@ def test_the_end_of_a_run_counts_from_reports_and_looks_only_at_unreported_shard
     summary, counts = _summarise(output, shards, shards, 0.0, [], [], False, {}, {})  # no report arrived
     assert summary.shards_committed == 2 and summary.images_ok == 6 and sorted(opened) == ["shard-00000", "shard-00001"]
     assert counts["shard-00001"] == reported.counts
+    summary, _ = _summarise(output, shards, shards, 0.0, [], [], True, {}, {})  # stopping: no looking around
+    assert summary.shards_committed == 0
+    monkeypatch.setattr(jobs.driver, "PROBE_AT_MOST", 1)  # many unreported: one listing instead
+    summary, _ = _summarise(output, shards, shards, 0.0, [], [], False, {}, {})
+    assert summary.shards_committed == 2
