@@ -13,6 +13,9 @@ earlier run left it. Then, each as a fresh process, with wall time and the drive
   rerun            `fleetgen run` again: every shard committed, no worker starts
   status           `fleetgen status OUT` with the counts index; without it (footers only) up to
                    `--footers-up-to` rows
+  report           `fleetgen report OUT` (a sample of 24 manifests; the images are links here)
+  verify           `fleetgen verify OUT` up to `--footers-up-to` rows: it reads every manifest (the
+                   synthetic shards have no images, so it reports every one missing)
   status before    with `--before DIR`, the `status` of an earlier checkout on the same output
 
     python bench/scale.py [--rows 1000000 10000000 100000000] [--json out.json]
@@ -154,6 +157,9 @@ def main() -> None:
             assert (out / "shards" / f"{last}.parquet").exists(), "the last shard was not generated"
             result["rerun"] = timed(run)
             result["status"] = timed([*fleetgen, "status", str(out)])
+            result["report"] = timed([*fleetgen, "report", str(out)])
+            if rows <= args.footers_up_to:  # verify reads every manifest (and finds every image missing here)
+                result["verify"] = timed([*fleetgen, "verify", str(out)])
             if rows <= args.footers_up_to:
                 (out / "counts.parquet").unlink()
                 result["status_without_index"] = timed([*fleetgen, "status", str(out)])
