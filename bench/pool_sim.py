@@ -13,6 +13,8 @@ actor gives it (one stream, one event per batch). Measured on the workers' side:
                 is the fake hosts emitting events on a machine the whole simulation shares)
   dispatch      the gap between a worker's shard ending and its next shard starting (the
                 round trip through the pool's loop), median / p99 / max
+  driver part   of that gap, the driver's own: from the shard's result reaching the driver to
+                the driver sending that worker its next shard
 
     python bench/pool_sim.py [--workers 1000] [--batch-seconds 1.0] [--batches 8] [--shards-per-worker 4]
 """
@@ -82,20 +84,22 @@ class SimHost:
 
 
 class _Call:
-    def __init__(self, host, method: str, index: int):
-        self.method, self.index = getattr(host, method), index
+    def __init__(self, host, method: str, index: int, submitted: list | None = None):
+        self.method, self.index, self.submitted = getattr(host, method), index, submitted
 
     def remote(self, *args):
+        if self.submitted is not None:
+            self.submitted.append((self.index, time.time()))
         return self.method.remote(self.index, *args)
 
 
 class VirtualWorker:
     """A handle that answers the pool's calls on its host, as an actor handle would."""
 
-    def __init__(self, host, index: int):
+    def __init__(self, host, index: int, submitted: list):
         self.index = index
         for method in ("where", "start", "iter_shard", "close"):
-            setattr(self, method, _Call(host, method, index))
+            setattr(self, method, _Call(host, method, index, submitted if method == "iter_shard" else None))
 
 
 class SimActors(RayActors):
@@ -105,9 +109,10 @@ class SimActors(RayActors):
         self.hosts = [SimHost.options(max_concurrency=100_000, num_cpus=0).remote(batch_seconds, batches, ledger)
                       for _ in range(hosts)]
         self.made = 0
+        self.submitted: list[tuple[int, float]] = []  # (worker, when the driver sent it a shard)
 
     def create(self, spec, options, env_vars, max_restarts):
-        worker = VirtualWorker(self.hosts[self.made % len(self.hosts)], self.made)
+        worker = VirtualWorker(self.hosts[self.made % len(self.hosts)], self.made, self.submitted)
         self.made += 1
         return worker
 
@@ -121,6 +126,14 @@ class SimActors(RayActors):
         return out
 
 
+def _quantiles(values: list[float]) -> dict:
+    values = sorted(values)
+    if not values:
+        return {}
+    return {"median": round(1000 * statistics.median(values), 1), "p99": round(1000 * values[int(0.99 * (len(values) - 1))], 1),
+            "max": round(1000 * values[-1], 1)}
+
+
 def simulate(workers: int, batch_seconds: float, batches: int, shards_per_worker: int, hosts: int) -> dict:
     """Run `workers * shards_per_worker` shards on `workers` virtual workers; returns the measures."""
     ledger = tempfile.mkdtemp(prefix="fleetgen-pool-sim-")  # the "committed" markers
@@ -129,11 +142,18 @@ def simulate(workers: int, batch_seconds: float, batches: int, shards_per_worker
     shards = [Shard(f"shard-{i:07d}", "sim", 0, 0, 0, 0, batches) for i in range(workers * shards_per_worker)]
     pool = WorkerPool(lambda i: None, {}, workers, actors=actors)
     started, cpu, events, batches_seen, results, speculated = time.time(), time.process_time(), 0, 0, set(), 0
+    reported: dict[int, float] = {}  # worker -> when its last shard's result reached the driver
+    driver_gaps = []
     for event in pool.run(shards):
         events += 1
         batches_seen += isinstance(event, BatchDone)
         if isinstance(event, ShardResult):
             results.add(event.shard_id)
+            reported[int(event.worker[1:])] = time.time()
+        while actors.submitted:  # the driver's part of a gap: from a result to the worker's next shard
+            worker, when = actors.submitted.pop()
+            if worker in reported:
+                driver_gaps.append(when - reported.pop(worker))
         speculated += isinstance(event, ShardSpeculated)
     wall, cpu = time.time() - started, time.process_time() - cpu
     pool.close(timeout=5)
@@ -160,6 +180,7 @@ def simulate(workers: int, batch_seconds: float, batches: int, shards_per_worker
         "mean_shard_seconds": round(inside / max(1, sum(len(v) for v in spans.values())), 3),  # ideal: batches x batch
         "busy_fraction": round(inside / busy, 4) if busy else None,
         "driver_cpu_fraction": round(cpu / wall, 3),  # of one core, the pool's loop and Ray's client in the driver
+        "driver_dispatch_ms": _quantiles(driver_gaps),
         "dispatch_ms": {"median": round(1000 * statistics.median(gaps), 1) if gaps else None,
                         "p99": round(1000 * gaps[int(0.99 * (len(gaps) - 1))], 1) if gaps else None,
                         "max": round(1000 * gaps[-1], 1) if gaps else None},
