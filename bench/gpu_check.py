@@ -166,7 +166,8 @@ class Run:
             row["first_errors"] = manifest_errors(worker, shards[0])
             row.update(images=result.ok, errors=result.errors, step_downs=info["step_downs"],
                        final_modes=info["plan"]["modes"], final_batch=info["batch_size"],
-                       offload_hooks=offload_hooks(self.pipe), simulated=not self.cuda)
+                       offload_hooks=offload_hooks(self.pipe), simulated=not self.cuda,
+                       final_streams=any("stream" in m for m in info["plan"]["modes"].values()))
         finally:
             if simulated is not None:
                 simulated.remove()

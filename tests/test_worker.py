@@ -69,6 +69,20 @@ def test_files_output_and_manifest(tiny_model, shard_input, tmp_path):
     assert stats["stats"]["images"] == 3 and stats["plan"]["batch_size"] == 2
 
 
+@pytest.mark.parametrize("depth", [0, 2])
+def test_progress_counts_every_image_whether_stored_inline_or_behind(tiny_model, shard_input, tmp_path, depth):
+    """The writer drops each picture once encoded: a batch's images are counted before it takes
+    them (inline, depth 0, it always has by then; behind, it may have: a race CI once lost)."""
+    from workers.worker import _Writer
+
+    shard, _ = shard_input
+    worker = make_worker(tiny_model, tmp_path)
+    worker._writer = _Writer(depth)
+    events = list(worker.iter_shard(shard))
+    assert [(e.images, e.errors) for e in events[:-1]] == [(2, 0), (1, 0)]
+    assert (events[-1].ok, events[-1].errors) == (3, 2)
+
+
 def test_same_shard_twice_gives_same_bytes(tiny_model, shard_input, tmp_path):
     shard, _ = shard_input
     worker = make_worker(tiny_model, tmp_path / "a")

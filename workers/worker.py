@@ -237,12 +237,13 @@ class Worker:
                     batch = group[i : i + self.batch_size]
                     i += len(batch)
                     made, failed = self._generate(batch)
+                    # Counted before the writer thread takes the batch: it drops each picture once encoded.
+                    filtered = sum(m.picture is None for m in made)  # flagged by a safety checker: not stored
                     # Encoding, hashing and storing run on the writer thread while the device makes the next batch.
                     self._writer.submit(self._encode_and_store, sink, made, records, table)
                     for image_id, error in failed.items():
                         records[image_id].update(status="error", error=error)
                     failures += len(failed)
-                    filtered = sum(m.picture is None for m in made)  # flagged by a safety checker: not stored
                     yield BatchDone(shard.id, name, len(made) - filtered, len(failed) + filtered,
                                     rows=sum(1 / counts[im.row] for im in batch))
             if todo and failures == len(todo) and base is None:
