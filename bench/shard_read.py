@@ -52,6 +52,22 @@ class Counting:
         self.f.close()
 
 
+def counting(url_to_fs, opened: list):
+    """`url_to_fs` whose filesystems open `Counting` files, each appended to `opened`."""
+
+    def wrapped(url):
+        fs, path = url_to_fs(url)
+
+        class FS:
+            def open(self, p, mode):
+                opened.append(Counting(fs.open(p, mode)))
+                return opened[-1]
+
+        return FS(), path
+
+    return wrapped
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=1 << 20)
@@ -67,18 +83,7 @@ def main() -> None:
         columns = Columns(seed=None, negative_prompt=None)
         opened = []
         real = shard_module.url_to_fs
-
-        def counting_fs(url):
-            fs, p = real(url)
-
-            class FS:
-                def open(self, path, mode):
-                    opened.append(Counting(fs.open(path, mode)))
-                    return opened[-1]
-
-            return FS(), p
-
-        shard_module.url_to_fs = counting_fs
+        counting_fs = shard_module.url_to_fs = counting(real, opened)
         result = {"rows_in_group": args.rows, "file_bytes": path.stat().st_size, "shards_sampled": len(picked)}
         for name in ("whole_group", "streamed"):
             opened.clear()

@@ -2,6 +2,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from bench.shard_read import counting
 from fleetgen.errors import InputError
 from jobs.sharding import InputFile, list_input_files, plan_shards, read_footer, resolve_columns
 from tests.conftest import write_prompts
@@ -51,42 +52,13 @@ def test_a_shard_reads_its_row_group_only_as_far_as_its_last_row(tmp_path, monke
     shards = plan_shards(footers(str(tmp_path / "p.parquet")), rows_per_shard=3_000)
     cols = Columns(seed=None, negative_prompt=None, **NO_SETTINGS)
     monkeypatch.setattr(shard_module, "READ_BATCH", 1_000)  # shards cross batch boundaries
-    fetched = {}
-    real = shard_module.url_to_fs
-
-    class Counting:
-        def __init__(self, f):
-            self.f, self.bytes = f, 0
-
-        def read(self, n=-1):
-            data = self.f.read(n)
-            self.bytes += len(data)
-            return data
-
-        def __getattr__(self, name):
-            return getattr(self.f, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            fetched["bytes"] = self.bytes
-            self.f.close()
-
-    class CountingFS:
-        def __init__(self, fs):
-            self.fs = fs
-
-        def open(self, path, mode):
-            return Counting(self.fs.open(path, mode))
-
-    monkeypatch.setattr(shard_module, "url_to_fs", lambda url: (CountingFS(real(url)[0]), real(url)[1]))
+    opened = []
+    monkeypatch.setattr(shard_module, "url_to_fs", counting(shard_module.url_to_fs, opened))
     for shard in (shards[0], shards[5], shards[-1]):
         table = read_shard(shard, cols)
         assert table.column("prompt").to_pylist() == prompts[shard.offset : shard.offset + shard.length]
-        if shard is shards[0]:
-            first = fetched["bytes"]
-    assert first < fetched["bytes"] / 4  # the first shard stops early; the last reads the whole group
+    first, last = opened[0].bytes, opened[-1].bytes
+    assert first < last / 4  # the first shard stops early; the last reads the whole group
 
 
 def test_shard_ids_are_stable_across_plans(tmp_path):
