@@ -152,9 +152,9 @@ def largest(files: list[InputFile], column: str | None) -> int | None:
     for f in files:
         meta = f.metadata or read_footer(f.url).metadata
         # the Parquet leaf column (list or struct columns before it make its index differ from Arrow's)
-        index = next(i for i in range(meta.num_columns) if meta.schema.column(i).path == column)
+        index = next((i for i in range(meta.num_columns) if meta.schema.column(i).path == column), None)
         for g in range(meta.num_row_groups):
-            stats = meta.row_group(g).column(index).statistics
+            stats = meta.row_group(g).column(index).statistics if index is not None else None
             if stats is not None and stats.has_min_max:
                 top = stats.max
             elif stats is not None and stats.null_count == meta.row_group(g).num_rows:

@@ -56,3 +56,14 @@ def test_removing_a_prefix_on_s3_goes_page_by_page(s3_server, monkeypatch):
     assert max(n for m, n in calls if m == "delete_objects") == 5
     assert sorted(out.find("")) == ["data/keep.tar", "images2/keep.png"]
     out.remove("images")  # absent: fine
+    # a key S3 refuses to delete comes back inside a 200 answer: it must not pass silently
+    out.put("data/locked.tar", b"z")
+
+    def refusing(method, **kwargs):
+        if method == "delete_objects":
+            return {"Errors": [{"Key": kwargs["Delete"]["Objects"][0]["Key"], "Code": "AccessDenied", "Message": "no"}]}
+        return real(method, **kwargs)
+
+    monkeypatch.setattr(out.fs, "call_s3", refusing)
+    with pytest.raises(StorageError, match="Could not remove s3://remove-pages/out/data: .*AccessDenied"):
+        out.remove("data")

@@ -274,7 +274,11 @@ class Output:
                                    **({"ContinuationToken": token} if token else {}))
             objects = [{"Key": o["Key"]} for o in page.get("Contents", [])]
             if objects:
-                self.fs.call_s3("delete_objects", Bucket=bucket, Delete={"Objects": objects, "Quiet": True})
+                done = self.fs.call_s3("delete_objects", Bucket=bucket, Delete={"Objects": objects, "Quiet": True})
+                if done.get("Errors"):  # per-key failures come back in a 200 answer, not as an exception
+                    first = done["Errors"][0]
+                    raise OSError(f"{len(done['Errors'])} key(s) not deleted, e.g. {first.get('Key')}: "
+                                  f"{first.get('Code')} {first.get('Message')}")
         self.fs.call_s3("delete_object", Bucket=bucket, Key=key)  # the object at the key itself (absent: a no-op)
         self.fs.invalidate_cache(path)
 
