@@ -21,8 +21,6 @@ import threading
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
@@ -60,24 +58,40 @@ class Killer(threading.Thread):
             self.killed.append({"worker": worker, "pid": pids[worker], "at": time.monotonic()})
 
 
-def manifest_rows(out: Path) -> list[dict]:
-    return pq.read_table(out / "shards", columns=["id", "status", "sha256", "image"]).to_pylist()
+def manifest_rows(out: Path | str) -> list[dict]:
+    """Every committed manifest's rows, local or on an object store."""
+    from jobs.state import list_manifests, read_manifests
+    from workers.storage import Output
+
+    output = Output(str(out))
+    manifests = read_manifests(output, sorted(list_manifests(output)), ["id", "status", "sha256", "image"])
+    return [r for rows in manifests.values() for r in rows]
 
 
-def check(out: Path, clean: dict[str, str]) -> dict:
-    """The manifests against a clean run's, and every stored byte against the manifests
-    (`fleetgen verify --deep`)."""
+# What fleetgen keeps under OUT besides the images and data objects its manifests name.
+_BOOKKEEPING = ("job.json", "summary.json", "_SUCCESS", "fleet.json", "README.md", "counts.parquet", "wids-index.json",
+                "report.html")
+
+
+def check(out: Path | str, clean: dict[str, str]) -> dict:
+    """The manifests against a clean run's, and every stored object against the manifests
+    (`fleetgen verify --deep`): every row exactly once, no object that no manifest names (staging
+    included), no half-written temporary file. Local paths and object stores alike."""
     from jobs.verify import verify
+    from workers.storage import TMP_MARK, Output
 
     rows = manifest_rows(out)
     verified = verify(str(out), deep=True)
     ids = [r["id"] for r in rows]
-    files = sorted(p.relative_to(out).as_posix() for p in (out / "images").rglob("*") if p.is_file())
+    keys = Output(str(out)).find("")
+    named = {r["image"] for r in rows if r["image"]}
+    stray = [k for k in keys if k not in named and k not in _BOOKKEEPING and TMP_MARK not in k
+             and not k.startswith(("shards/", "workers/"))]
     return {
         "rows": len(rows), "missing": len(set(clean) - set(ids)), "duplicates": len(ids) - len(set(ids)),
-        "stray_objects": len(set(files) - {r["image"] for r in rows}),
+        "stray_objects": len(stray),
         "sha_mismatches": sum(clean.get(r["id"]) != r["sha256"] for r in rows),
-        "tmp_files": len(list(out.rglob("*.tmp-*"))),  # half-written files of killed writers, anywhere
+        "tmp_files": sum(TMP_MARK in k for k in keys),  # half-written files of killed writers, anywhere
         "verify_deep": "clean" if verified.clean else verified.counts,
     }
 

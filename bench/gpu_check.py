@@ -181,13 +181,11 @@ class Run:
 
 def manifest_errors(worker: Worker, shard, limit: int = 3) -> list[str]:
     """The first error messages of a shard's committed manifest."""
-    import io
 
-    import pyarrow.parquet as pq
 
     from workers.layout import manifest_key
 
-    table = pq.read_table(io.BytesIO(worker.output.get(manifest_key(shard.id))), columns=["error"])
+    table = worker.output.read_parquet(manifest_key(shard.id), ["error"])
     return [e for e in table.column("error").to_pylist() if e][:limit]
 
 

@@ -123,6 +123,7 @@ class Waiting:
     pending: int
     seconds: float
     asks: str  # what each asks Ray for
+    hint: str = ""  # e.g. GPUs asked on a cluster whose nodes have none
 
 
 PoolEvent = (WorkerPlaced | WorkerReady | WorkerFailed | WorkerLost | WorkerUnreachable | WorkerReleased | Waiting
@@ -230,10 +231,21 @@ class WorkerPool:
                 f"{k} {format_size(v) if k in ('memory', 'object_store_memory') else f'{v:g}'}"
                 for k, v in sorted(n["Resources"].items()) if not k.startswith("node:"))
             for n in nodes)
+        hint = self._gpu_hint(nodes)
+        hint = f" {hint}" if hint else ""
         return (f"No worker could be placed in {waited:.0f} s (`--placement-timeout`): each asks for {asks}. "
-                f"The cluster's {len(nodes)} node(s): {sizes or 'none'}. Lower what a worker asks "
+                f"The cluster's {len(nodes)} node(s): {sizes or 'none'}.{hint} Lower what a worker asks "
                 "(`--host-memory`, `--gpus-per-worker`, `--cpu-threads`), or give the cluster node types that have it; "
                 "an autoscaler starts only the node types it is configured with.")
+
+    def _gpu_hint(self, nodes: list[dict] | None = None) -> str:
+        """What to do when workers ask for GPUs and no node of the cluster has one (an autoscaler may
+        still be starting one: the hint says both)."""
+        nodes = [n for n in ray.nodes() if n.get("Alive")] if nodes is None else nodes
+        if self.options.get("num_gpus") and not any(n["Resources"].get("GPU") for n in nodes):
+            return ("No node has a GPU yet: to run on CPUs, pass `--device cpu`; else the cluster needs GPU node "
+                    "types (an autoscaler starts them for pending workers).")
+        return ""
 
     def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
         """Close every worker (offload directories removed), waiting at most `timeout` seconds for
@@ -349,7 +361,8 @@ class _Run:
                 raise ClusterError(self.pool._unplaceable(now - self.unplaced_since))
             if now - self.noted >= WAITING_NOTE:
                 self.noted = now
-                yield Waiting(len(self._in("placing")), now - self.unplaced_since, format_asks(self.pool.options))
+                yield Waiting(len(self._in("placing")), now - self.unplaced_since, format_asks(self.pool.options),
+                              self.pool._gpu_hint())
 
     def _requeue_or_fail(self, shard: Shard, error: str) -> Iterator[PoolEvent]:
         self.live[shard.id] -= 1

@@ -10,6 +10,7 @@ from fleetgen.errors import FleetgenError
 
 EXIT_INCOMPLETE = 1  # the job ran but not every shard committed
 EXIT_ERROR = 2  # bad input, config or environment: nothing (more) was generated
+FAILURES_SHOWN = 5  # failed shards listed on screen; summary.json has every one
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
@@ -94,8 +95,8 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="tiny model + sample prompts + local Ray, on CPU")
     d.add_argument("--output", default="demo-output", help="directory for model, prompts and images")
     t = sub.add_parser("tiny-model", help="write a small random-weight pipeline to DIR")
-    t.add_argument("dir")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("dir", help="directory to write the pipeline to (created; loadable with from_pretrained)")
+    t.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     t.add_argument("--size", choices=["tiny", "small"], default="tiny", help="tiny ≈ 1.7 M params, small ≈ 85 M (sd only)")
     t.add_argument("--family", choices=["sd", "sdxl", "sd3", "flux", "flux-schnell", "pixart-sigma", "sana"], default="sd",
                    help="the pipeline family to build (real diffusers classes, random weights)")
@@ -104,25 +105,28 @@ def _parser() -> argparse.ArgumentParser:
                     help="shipped architecture (sd-1.5, sdxl, sd3-medium, flux.1-dev) or a pipeline directory")
     pl.add_argument("--gpu-memory", action="append", required=True, help="a budget, e.g. 24GiB; repeat for more")
     pl.add_argument("--host-memory", help="host RAM per worker for offloaded copies (default 80%% of this machine's)")
-    pl.add_argument("--width", type=int, default=1024)
-    pl.add_argument("--height", type=int, default=1024)
+    pl.add_argument("--width", type=int, default=1024, help="pixels to plan for (default 1024)")
+    pl.add_argument("--height", type=int, default=1024, help="pixels to plan for (default 1024)")
     pl.add_argument("--steps", type=int, help="default: the model family's")
     pl.add_argument("--guidance", type=float, help="default: the model family's")
     pl.add_argument("--true-cfg-scale", type=float, help="Flux: true CFG scale (> 1 doubles the denoiser's batch)")
-    pl.add_argument("--max-batch", type=int, default=8)
-    pl.add_argument("--offload", choices=["auto", "none", "block", "leaf", "disk"], default="auto")
+    pl.add_argument("--max-batch", type=int, default=8, help="largest batch the plan may choose (default 8)")
+    pl.add_argument("--offload", choices=["auto", "none", "block", "leaf", "disk"], default="auto",
+                    help="placements the plan may use (default auto: any)")
     pl.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: the model family's")
     pl.add_argument("--bandwidth", type=float, default=20.0, help="host→device GB/s to assume (default 20)")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     s = sub.add_parser("status", help="progress of a running or finished job, from its output location")
-    s.add_argument("output")
+    s.add_argument("output", metavar="OUT", help="the job's output location (`--output` of the run), any fsspec URL")
     r = sub.add_parser("report", help="write OUT/report.html: sample images, per-worker table and charts, failures")
-    r.add_argument("output")
+    r.add_argument("output", metavar="OUT", help="the job's output location (`--output` of the run), any fsspec URL")
     v = sub.add_parser("verify", help="check every stored image against the manifests; find orphans and leftovers")
-    v.add_argument("output")
+    v.add_argument("output", metavar="OUT", help="the job's output location (`--output` of the run), any fsspec URL")
     v.add_argument("--deep", action="store_true", help="hash every image (default: sizes, and a sample hashed)")
     v.add_argument("--fix", action="store_true", help="remove orphans and leftovers; un-commit shards with missing "
                    "or wrong images so that a rerun redoes them")
+    v.add_argument("--force", action="store_true", help="with --fix: repair even when most images look missing "
+                   "(by default --fix then changes nothing: a wrong location is likelier than lost images)")
     v.add_argument("--json", help="also write the report here")
     return p
 
@@ -134,13 +138,17 @@ def _run(config) -> int:
     filtered = f", {summary.images_filtered} filtered by the safety checker" if summary.images_filtered else ""
     print(f"{summary.images_ok} images ({summary.images_error} row errors{filtered}) in {summary.output} "
           f"— {summary.shards_committed}/{summary.shards_total} shards committed in {summary.seconds:.1f} s")
-    for f in summary.failures:
+    for f in summary.failures[:FAILURES_SHOWN]:
         print(f"FAILED {f['shard']} after {f['attempts']} attempt(s): {f['error']}", file=sys.stderr)
+    if len(summary.failures) > FAILURES_SHOWN:
+        print(f"... and {len(summary.failures) - FAILURES_SHOWN} more (all of them in summary.json)", file=sys.stderr)
     if summary.failures:
         print(f"{len(summary.failures)} shard(s) failed; rerun the same command to retry only those.", file=sys.stderr)
     if summary.stopped:
         print("stopped before the end; rerun the same command to resume.", file=sys.stderr)
-    return 0 if summary.complete else EXIT_INCOMPLETE
+    if summary.error:
+        print(f"fleetgen: error: {summary.error}", file=sys.stderr)
+    return summary.exit_code
 
 
 def _status(url: str) -> int:
@@ -187,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "verify":
             from jobs.verify import verify
 
-            report = verify(args.output, deep=args.deep, fix=args.fix,
+            report = verify(args.output, deep=args.deep, fix=args.fix, force=args.force,
                             progress=lambda line: print(f"[fleetgen] {line}", file=sys.stderr, flush=True))
             print(report.text())
             if args.json:

@@ -14,9 +14,10 @@ from fleetgen.units import parse_size
 from offload.planner import OFFLOAD_CHOICES
 from workers.batches import MAX_IMAGES_PER_ROW, Adapter, template_fields
 from workers.layout import IMAGE_FORMATS, OUTPUT_FORMATS
+from workers.model_dir import is_hub_id, size_multiple
 from workers.pipeline import DTYPES as PIPELINE_DTYPES
-from workers.pipeline import size_multiple
 from workers.shard import SETTING_ROLES, Columns
+from workers.storage import resolve_url
 from workers.worker import GenerationSettings
 
 DEVICES = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -253,6 +254,17 @@ def load_toml(path: str) -> dict:
             raise ConfigError(f"Unknown setting `{key}` in {path}. Known settings: {', '.join(FIELDS)}.")
         out[name] = _coerce(name, value, path)
     return out
+
+
+def resolve_paths(config: JobConfig) -> JobConfig:
+    """`--input`, `--output` and a local `--model` as one spelling each, made once on the driver:
+    local paths absolute and real (`./x`, `../x`, `~/x`, `file:///x`, symlinks, trailing slashes
+    all name the same place), so that every key is built from the same root and workers, whose
+    working directory is not the driver's, reach the same files."""
+    model = config.model
+    if not is_hub_id(model):
+        model = resolve_url(model)
+    return replace(config, input=resolve_url(config.input), output=resolve_url(config.output), model=model)
 
 
 def make_config(options: dict, config_file: str | None = None) -> JobConfig:

@@ -37,7 +37,7 @@ def write_wids_index(output: Output, counts: dict[str, dict[str, int]]) -> None:
     for shard in sorted(counts):
         key = data_key(shard, "webdataset")
         if counts[shard]["ok"]:
-            shardlist.append({"url": key, "nsamples": counts[shard]["ok"], "filesize": output.fs.size(output.path(key))})
+            shardlist.append({"url": key, "nsamples": counts[shard]["ok"], "filesize": output.size(key)})
     index = {"__kind__": "wids-shard-index-v1", "wids_version": 1, "name": output.url.rstrip("/").rsplit("/", 1)[-1],
              "shardlist": shardlist}
     output.put(WIDS_INDEX, json.dumps(index, indent=2).encode())

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 from fleetgen.errors import ClusterError, InputError, StorageError
-from jobs.config import JobConfig
+from jobs.config import JobConfig, resolve_paths
 from jobs.dataset import describe_columns, write_card
 from jobs.fleet import FleetRecord
 from jobs.lock import OutputLock
@@ -45,7 +45,7 @@ from jobs.state import (
 from workers.commit import finish_attempts
 from workers.layout import SUCCESS, SUMMARY, manifest_key
 from workers.shard import Shard
-from workers.storage import Output
+from workers.storage import STORAGE_ENV, Output
 from workers.worker import BatchDone, ShardResult, WorkerSpec
 
 PROBE_AT_MOST = 1000  # shards attempted without a report that the end of a run looks at one by one
@@ -67,20 +67,37 @@ class JobSummary:
     workers: list[dict] = field(default_factory=list)
     stopped: bool = False  # SIGTERM/SIGINT (e.g. `ray job stop`) ended the run early
     speculative_attempts: int = 0  # straggling shards also given to an idle worker
-    error: str | None = None  # why the run ended early (e.g. no worker could be placed any more)
+    error: str | None = None  # why the run ended early (no worker could be placed, the store failed)
+    error_exit: int = 2  # the exit code `error` gives: 2 nothing could run, 1 the store failed (a rerun resumes)
 
     @property
     def complete(self) -> bool:
-        return self.shards_committed == self.shards_total
+        return self.shards_committed == self.shards_total and not self.error
 
     @property
     def exit_code(self) -> int:
         """What `fleetgen run` exits with: 0 complete, 1 incomplete (rerun resumes), 2 an error."""
-        return 2 if self.error else 0 if self.complete else 1
+        return self.error_exit if self.error else 0 if self.complete else 1
 
     def to_dict(self) -> dict:
         failed = [{"worker": w["worker"], "error": w["failed"]} for w in self.workers if w.get("failed")]
         return {"complete": self.complete, "exit_code": self.exit_code, **self.__dict__, "workers_failed": failed}
+
+
+@dataclass
+class _Run:
+    """One run of a job: what the driver knows as it goes, for the end of the run to summarise."""
+
+    output: Output
+    shards: list[Shard]
+    todo: list[Shard]
+    listing: dict[str, str]  # the run's one listing of shards/ (at its start)
+    progress: Progress
+    stop: threading.Event
+    started: float = field(default_factory=time.monotonic)
+    committed: dict[str, ShardResult] = field(default_factory=dict)  # what this run committed, as reported
+    failures: list[dict] = field(default_factory=list)
+    workers: list[dict] = field(default_factory=list)
 
 
 def run_job(config: JobConfig, progress_stream=None, progress_interval: float = 5.0,
@@ -88,7 +105,9 @@ def run_job(config: JobConfig, progress_stream=None, progress_interval: float = 
     """Run (or resume) the job. SIGTERM/SIGINT, or `stop` being set, stop dispatching; running
     shards get `config.stop_grace` seconds to commit, then are abandoned (redone by a rerun)."""
     started = time.monotonic()
+    config = resolve_paths(config)
     output = Output(config.output)
+    output.check()  # a file in the way, no permission, no credentials, no endpoint: one line, before anything
     files = read_footers(list_input_files(config.input))
     if sum(f.num_rows for f in files) == 0:
         raise InputError(f"`--input` {config.input} has no rows ({len(files)} file(s), all empty).")
@@ -114,50 +133,69 @@ def run_job(config: JobConfig, progress_stream=None, progress_interval: float = 
         progress = Progress(len(shards), sum(s.length for s in shards), shards_done=len(shards) - len(todo) - len(retry),
                             rows_done=sum(s.length for s in shards if s.id in listing and s.id not in redone),
                             stream=progress_stream, interval=progress_interval)
+        lock.say = progress.log
         progress.log(describe(config, family, sources))
-        if pin_note:
-            progress.log(pin_note)
-        if note:
-            progress.log(note)
-        progress.log(describe_columns(config, columns, adapters))
+        for line in (pin_note, note, describe_columns(config, columns, adapters)):
+            if line:
+                progress.log(line)
         if len(todo) < len(shards):
             progress.log(f"resuming: {len(shards) - len(todo)} of {len(shards)} shards already committed")
         if config.retry_errors:
             progress.log(f"--retry-errors: {len(retry)} committed shard(s) have error rows; only those rows are redone")
-        todo += retry
-        fleet = FleetRecord(output)
-        committed: dict[str, ShardResult] = {}  # what this run committed, as its workers reported it
+        run = _Run(output, shards, todo + retry, listing, progress, stop, started=started)
+        fleet = FleetRecord(output, say=progress.log)
         try:
-            failures, workers = _dispatch(config, columns, todo, progress, stop, fleet, adapters,
-                                          plan_size, committed) if todo else ([], [])
+            if run.todo:
+                run.failures, run.workers = _dispatch(config, columns, run, fleet, adapters, plan_size)
         except ClusterError as err:
             # Work done before the fleet was lost is still committed: say so in the summary. A job
             # that never placed a worker leaves nothing but job.json.
             if fleet.workers:
                 fleet.flush()
-                _finish(output, shards, todo, started, progress, [], [], stop, listing, committed, error=str(err))
+                _finish(run, error=str(err))
             raise
         fleet.flush()
-        summary, counts = _finish(output, shards, todo, started, progress, failures, workers, stop, listing, committed)
-        write_card(output, config, family, columns, files[0].schema, summary, counts)
+        summary, counts = _finish(run)
+        if counts is not None:
+            try:
+                write_card(output, config, family, columns, files[0].schema, summary, counts)
+            except StorageError as err:
+                progress.log(f"dataset card not written ({err}); the next run writes it")
         return summary
     finally:
         lock.release()
 
 
-def _finish(output: Output, shards, todo, started, progress, failures, workers, stop, listing: dict[str, str],
-            committed: dict[str, ShardResult], error: str | None = None) -> tuple[JobSummary, dict[str, dict]]:
+def _finish(run: _Run, error: str | None = None) -> tuple[JobSummary, dict[str, dict] | None]:
     """Sweep, summarise, write summary.json (and _SUCCESS); returns the summary and every committed
-    shard's counts."""
-    _sweep(output)  # what workers killed mid-write (by a fault, or by the pool's shutdown) left
-    progress.close()
-    summary, counts = _summarise(output, shards, todo, started, failures, workers, stop.is_set(), listing, committed)
-    summary.speculative_attempts = progress.speculated
-    summary.error = error
-    output.put(SUMMARY, json.dumps(summary.to_dict(), indent=2).encode())
-    if summary.complete:
-        output.put(SUCCESS, b"")
+    shard's counts (None when the store failed). When the store fails here, the job still ends
+    cleanly: the summary comes from what this run's workers reported, summary.json is written if
+    the store takes it, no _SUCCESS, exit 1 with the reason in one line; a rerun resumes."""
+    counts = None
+    try:
+        _sweep(run.output)  # what workers killed mid-write (by a fault, or by the pool's shutdown) left
+        summary, counts = _summarise(run)
+    except StorageError as err:
+        summary = _summarise_offline(run)
+        summary.error, summary.error_exit = _store_failed(err), 1
+    if error:
+        summary.error, summary.error_exit = error, 2
+    summary.speculative_attempts = run.progress.speculated
+    run.progress.errors = summary.images_error  # the last progress line says what the summary says
+    run.progress.close()
+    try:
+        run.output.put(SUMMARY, json.dumps(summary.to_dict(), indent=2).encode())
+        if summary.complete:
+            run.output.put(SUCCESS, b"")
+    except StorageError as err:
+        if not summary.error:
+            summary.error, summary.error_exit = _store_failed(err), 1
+        run.progress.log(f"{SUMMARY} not written: {err}")
     return summary, counts
+
+
+def _store_failed(err: StorageError) -> str:
+    return f"the output store failed at the end of the run ({err}); committed shards are kept, rerun to finish"
 
 
 def _sweep(output: Output) -> None:
@@ -168,19 +206,17 @@ def _sweep(output: Output) -> None:
     output.sweep_tmp("shards")  # (objects elsewhere reach their keys by a rename or a copy: never partial)
 
 
-def _summarise(output: Output, shards: list[Shard], todo: list[Shard], started: float, failures, workers,
-               stopped, listing: dict[str, str], committed: dict[str, ShardResult]) -> tuple[JobSummary, dict[str, dict]]:
+def _summarise(run: _Run) -> tuple[JobSummary, dict[str, dict]]:
     """Counts of every committed manifest, without listing shards/ again: the start's listing, plus
     the version and counts each commit of this run reported, plus a look at the manifest of each
     shard this run attempted whose report did not arrive (a worker lost after its commit), or one
     listing where there are many (not while stopping). Counts not reported come from the counts index where
     it is current, else from the manifests' footers. The index is then rewritten for the next reader."""
-    listing = dict(listing)
-    known = {}
-    for shard_id, result in committed.items():
+    output, listing, known = run.output, dict(run.listing), {}
+    for shard_id, result in run.committed.items():
         listing[shard_id], known[shard_id] = result.version, result.counts
-    unreported = [s.id for s in todo if s.id not in committed]
-    if stopped:
+    unreported = [s.id for s in run.todo if s.id not in run.committed]
+    if run.stop.is_set():
         pass  # `ray job stop` gives seconds: what was reported is what the summary says; a rerun sees the rest
     elif len(unreported) > PROBE_AT_MOST:  # a run that ended early (a lost fleet): one listing beats many looks
         listing.update(list_manifests(output))
@@ -190,16 +226,28 @@ def _summarise(output: Output, shards: list[Shard], todo: list[Shard], started: 
                 listing[shard_id] = version
     all_counts = shard_counts(output, listing, known=known)
     write_counts_index(output, all_counts, listing)
-    ids = {s.id for s in shards}
-    counts = [c for s, c in all_counts.items() if s in ids]
+    ids = {s.id for s in run.shards}
+    return _summary(run, [c for s, c in all_counts.items() if s in ids]), all_counts
+
+
+def _summarise_offline(run: _Run) -> JobSummary:
+    """The summary from this run's reports alone (the store does not answer): shards committed
+    earlier count as committed, their images are not counted."""
+    committed = set(run.listing) | {s for s, r in run.committed.items() if r.counts}
+    summary = _summary(run, [r.counts for r in run.committed.values() if r.counts])
+    summary.shards_committed = len(committed & {s.id for s in run.shards})
+    return summary
+
+
+def _summary(run: _Run, counts: list[dict]) -> JobSummary:
     total = {k: sum(c[k] for c in counts) for k in ("ok", "error", "filtered", "images")}
     return JobSummary(
-        output=output.url, shards_total=len(shards), shards_committed=len(counts),
-        shards_skipped=len(shards) - len(todo), images_ok=total["ok"], images_filtered=total["filtered"],
+        output=run.output.url, shards_total=len(run.shards), shards_committed=len(counts),
+        shards_skipped=len(run.shards) - len(run.todo), images_ok=total["ok"], images_filtered=total["filtered"],
         images_error=total["images"] - total["ok"] - total["filtered"],
-        seconds=round(time.monotonic() - started, 3),
-        failures=failures, workers=workers, stopped=stopped,
-    ), all_counts
+        seconds=round(time.monotonic() - run.started, 3), failures=run.failures, workers=run.workers,
+        stopped=run.stop.is_set(),
+    )
 
 
 @contextmanager
@@ -241,12 +289,12 @@ def _with_errors(output: Output, committed: list[Shard], listing: dict[str, str]
     return [replace(s, retry_errors=True) for s in committed if counts.get(s.id, {}).get("error")]
 
 
-def _dispatch(config: JobConfig, columns, todo: list[Shard], progress: Progress, stop: threading.Event,
-              fleet: FleetRecord, adapters=(), plan_size=None,
-              committed: dict[str, ShardResult] | None = None) -> tuple[list[dict], list[dict]]:
-    """Run `todo` on a pool of actors that follows the cluster; returns (failed shards, per-worker table)."""
+def _dispatch(config: JobConfig, columns, run: _Run, fleet: FleetRecord, adapters=(),
+              plan_size=None) -> tuple[list[dict], list[dict]]:
+    """Run `run.todo` on a pool of actors that follows the cluster; returns (failed shards, per-worker table)."""
     from cluster import WorkerPool, connect, disconnect, size_fleet
 
+    todo, progress, stop = run.todo, run.progress, run.stop
     shape = connect(config.ray_address)
     pool = None
     try:
@@ -271,9 +319,8 @@ def _dispatch(config: JobConfig, columns, todo: list[Shard], progress: Progress,
             progress.log(f"{sizing.describe()}; {len(todo)} shard(s) to generate")
             pool = WorkerPool(spec_for, sizing.options, sizing.max_workers, max_attempts=config.max_attempts,
                               max_restarts=config.max_restarts, placement_timeout=config.placement_timeout,
-                              env_vars={k: os.environ[k] for k in HUB_ENV if k in os.environ})
-            return _follow(pool.run(todo, stop=stop, grace=config.stop_grace), todo, progress, fleet,
-                           {} if committed is None else committed)
+                              env_vars={k: os.environ[k] for k in (*HUB_ENV, *STORAGE_ENV) if k in os.environ})
+            return _follow(pool.run(todo, stop=stop, grace=config.stop_grace), todo, progress, fleet, run.committed)
     finally:
         if pool is not None:
             # Under `ray job stop` the driver has seconds before SIGKILL: close briefly, then kill.
@@ -344,11 +391,12 @@ def _follow(events, todo: list[Shard], progress: Progress, fleet: FleetRecord,
             progress.log(f"{event.worker} released: {event.reason}")
         elif isinstance(event, Waiting):
             progress.log(f"waiting {event.seconds:.0f} s for {event.pending} worker(s) to be placed "
-                         f"(each asks {event.asks}); an autoscaler may be starting nodes")
+                         f"(each asks {event.asks}); an autoscaler may be starting nodes"
+                         + (f". {event.hint}" if event.hint else ""))
         elif isinstance(event, BatchDone):
             rows = min(event.rows, lengths[event.shard_id] - counted[event.shard_id])
             counted[event.shard_id] += rows
-            progress.update(images=event.images, errors=event.errors, rows=rows)
+            progress.update(images=event.images, rows=rows)  # row errors: counted when their shard commits
         elif isinstance(event, ShardSpeculated):
             progress.speculated += 1
             progress.log(f"straggler: {event.shard_id} has run {event.running_seconds:.0f} s; also given to "
@@ -358,7 +406,9 @@ def _follow(events, todo: list[Shard], progress: Progress, fleet: FleetRecord,
                 committed[event.shard_id] = event
             table[event.worker]["images"] += event.ok
             table[event.worker]["seconds"] += event.seconds
-            progress.update(shards=1, rows=lengths[event.shard_id] - counted[event.shard_id])
+            # as the summary counts them: error rows of committed manifests (filtered images are not errors)
+            errors = event.counts["error"] if event.counts else 0
+            progress.update(shards=1, rows=lengths[event.shard_id] - counted[event.shard_id], errors=errors)
             counted[event.shard_id] = lengths[event.shard_id]
         elif isinstance(event, ShardFailed):
             failures.append({"shard": event.shard_id, "error": event.error, "attempts": event.attempts})

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 
+from fleetgen.errors import StorageError
 from workers.layout import FLEET
 from workers.storage import Output
 
@@ -17,8 +19,10 @@ WRITE_EVERY = 2.0  # seconds: at most one write per this, plus one at the end
 
 
 class FleetRecord:
-    def __init__(self, output: Output):
+    def __init__(self, output: Output, say: Callable[[str], None] | None = None):
         self.output = output
+        self.say = say or (lambda message: None)  # the job's log: a write the store did not take
+        self.failing = False
         self.workers: dict[str, dict] = {}
         self.events: list[dict] = []
         self._written = float("-inf")
@@ -41,12 +45,23 @@ class FleetRecord:
                 self.note(name, "closed", "closed", reason)
 
     def flush(self, force: bool = True) -> None:
-        """Write when something changed (at most every WRITE_EVERY seconds unless forced)."""
+        """Write when something changed (at most every WRITE_EVERY seconds unless forced). A status
+        record: a write the store does not take (after the storage retries) is said once and tried
+        again at the next change; it never stops the job."""
         if not self._dirty or (not force and time.monotonic() - self._written < WRITE_EVERY):
             return
-        self.output.put(FLEET, json.dumps({"updated": time.time(), "workers": self.workers, "events": self.events},
-                                          indent=1).encode())
-        self._written, self._dirty = time.monotonic(), False
+        self._written = time.monotonic()
+        try:
+            self.output.put(FLEET, json.dumps({"updated": time.time(), "workers": self.workers,
+                                               "events": self.events}, indent=1).encode())
+        except StorageError as err:
+            if not self.failing:
+                self.say(f"{FLEET} not written ({err}); tried again at the next change")
+            self.failing = True
+            return
+        if self.failing:
+            self.say(f"{FLEET} written again")
+        self._dirty = self.failing = False
 
 
 def fleet_lines(fleet: dict | None, events: int = 5) -> list[str]:

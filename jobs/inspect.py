@@ -26,7 +26,9 @@ def job_state(url: str) -> dict:
     out = Output(url)
     job = _json(out, JOB)
     if job is None:
-        raise FleetgenError(f"{url} holds no fleetgen job (no {JOB}).")
+        raise FleetgenError(f"{out.url} holds no fleetgen job (no {JOB}).")
+    if "fingerprint" not in job:
+        raise FleetgenError(f"{out.key_url(JOB)} is not a fleetgen job record (no fingerprint).")
     counts = shard_counts(out)
     committed = sorted(counts)
     total_rows = sum(f["rows"] for f in job["fingerprint"]["input"])

@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 from fleetgen.errors import StorageError
 from workers.layout import LOCK
@@ -51,8 +52,9 @@ def _gone(held: dict) -> bool:
 
 
 class OutputLock:
-    def __init__(self, output: Output):
+    def __init__(self, output: Output, say: Callable[[str], None] | None = None):
         self.output = output
+        self.say = say or (lambda message: None)  # where the heartbeat tells of an outage (the job's log)
         self.token = uuid.uuid4().hex
         self.owner = f"{socket.gethostname()} pid {os.getpid()}"
         self.started = time.time()
@@ -97,19 +99,40 @@ class OutputLock:
         return note
 
     def _beat(self) -> None:
+        """Every HEARTBEAT seconds. A store outage shorter than STALE costs nothing: the lock is
+        only ever taken over once its heartbeat is STALE seconds old, and commits never rely on it
+        (they are create-if-absent). The log says when beats fail and when they are back."""
+        failing_since, warned = None, False
         while not self._stop.wait(HEARTBEAT):
             try:
                 self.output.put(LOCK, self._record())
-            except StorageError:
-                pass  # the next beat tries again; a lock older than STALE is only ever taken over
+            except StorageError as err:
+                if failing_since is None:
+                    failing_since = time.monotonic()
+                    self.say(f"lock heartbeat failed ({err}); retrying every {HEARTBEAT:.0f} s — the lock holds "
+                             f"for {STALE:.0f} s without one")
+                elif not warned and time.monotonic() - failing_since + HEARTBEAT >= STALE:
+                    warned = True
+                    self.say(f"lock heartbeat failing for {time.monotonic() - failing_since:.0f} s: another driver "
+                             "may take this output over; commits stay first-wins")
+                continue
+            if failing_since is not None:
+                self.say(f"lock heartbeat back after {time.monotonic() - failing_since:.0f} s")
+                failing_since, warned = None, False
 
     def release(self) -> None:
+        """Stop the heartbeat and remove the lock if it is still this driver's. A store that does not
+        answer leaves it behind, said in the log: a rerun on this host takes it over at once (its
+        process is gone), elsewhere after STALE seconds."""
         self._stop.set()
         if self._thread:
             self._thread.join()
-        held = self._current()
-        if held and held.get("token") == self.token:
-            self.output.remove(LOCK)
+        try:
+            held = self._current()
+            if held and held.get("token") == self.token:
+                self.output.remove(LOCK)
+        except StorageError as err:
+            self.say(f"{self.output.key_url(LOCK)} left behind ({err}); a rerun takes it over")
 
     def __enter__(self) -> OutputLock:
         self.acquire()

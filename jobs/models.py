@@ -14,7 +14,7 @@ from pathlib import Path
 from fleetgen.errors import ConfigError, one_line
 from jobs.config import JobConfig, parse_lora
 from workers.families import FAMILIES, Family, detect, read_family
-from workers.pipeline import is_hub_id
+from workers.model_dir import is_hub_id
 from workers.shard import Columns
 
 # Hub settings that travel from the driver to every worker (as their runtime env), so a worker on

@@ -9,13 +9,11 @@ import html
 import io
 import tarfile
 
-import pyarrow.parquet as pq
-
 from fleetgen.units import format_size
 from jobs.inspect import job_state
 from jobs.state import read_manifests
 from workers.layout import IMAGE_FORMATS
-from workers.storage import Output
+from workers.storage import Output, read_parquet
 
 SAMPLE = 24  # images on the contact sheet
 ERRORS = 50  # rows that are not ok, listed
@@ -35,7 +33,7 @@ def _src(out: Output, row: dict, cache: dict, ext: str) -> str:
             with tarfile.open(fileobj=io.BytesIO(data)) as tar:
                 cache[key] = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if not m.name.endswith(".json")}
         else:
-            table = pq.read_table(io.BytesIO(data), columns=["id", "image"]).to_pylist()
+            table = read_parquet(data, columns=["id", "image"]).to_pylist()
             cache[key] = {r["id"]: r["image"]["bytes"] for r in table}
     name = row["member"] or row["id"]
     return f"data:{_MIME[ext]};base64,{base64.b64encode(cache[key][name]).decode()}"

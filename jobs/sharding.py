@@ -20,7 +20,7 @@ from fleetgen.errors import InputError
 from workers.batches import template_fields
 from workers.layout import RESERVED_COLUMNS
 from workers.shard import ROLES, Columns, Shard
-from workers.storage import url_to_fs
+from workers.storage import guarded, resolve_url, url_to_fs
 
 
 @dataclass(frozen=True)
@@ -38,16 +38,21 @@ class InputFile:
 
 def list_input_files(url: str) -> list[str]:
     """One Parquet file, every `*.parquet` under a directory, or a glob; sorted, as full URLs."""
+    url = resolve_url(url)
     fs, path = url_to_fs(url)
-    if globlib.has_magic(path):
-        paths = [p for p in fs.glob(path) if fs.isfile(p)]
-    elif fs.isdir(path):
-        paths = [p for p in fs.find(path) if p.endswith(".parquet")]
-        if not paths:
-            raise InputError(f"`--input` {url} is a directory with no `*.parquet` files in it.")
-    elif fs.exists(path):
-        paths = [path]
-    else:
+
+    def find() -> list[str] | None:
+        if globlib.has_magic(path):
+            return [p for p in fs.glob(path) if fs.isfile(p)]
+        if fs.isdir(path):
+            found = [p for p in fs.find(path) if p.endswith(".parquet")]
+            if not found:
+                raise InputError(f"`--input` {url} is a directory with no `*.parquet` files in it.")
+            return found
+        return [path] if fs.exists(path) else None
+
+    paths = guarded("list", url, find)
+    if paths is None:
         raise InputError(f"`--input` {url} does not exist.")
     if not paths:
         raise InputError(f"`--input` {url} matches no files.")
@@ -56,12 +61,15 @@ def list_input_files(url: str) -> list[str]:
 
 def read_footer(url: str) -> InputFile:
     fs, path = url_to_fs(url)
-    try:
+
+    def read() -> tuple[pq.FileMetaData, int]:
         with fs.open(path, "rb") as f:
-            meta = pq.ParquetFile(f).metadata
-            schema = meta.schema.to_arrow_schema()
-            size = fs.size(path)
-    except (pa.ArrowInvalid, OSError) as err:
+            return pq.ParquetFile(f).metadata, fs.size(path)
+
+    try:
+        meta, size = guarded("read", url, read)
+        schema = meta.schema.to_arrow_schema()
+    except pa.ArrowInvalid as err:
         raise InputError(f"`--input` file {url} is not a readable Parquet file: {err}") from err
     groups = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
     return InputFile(url=url, size=size, row_groups=groups, schema=schema, metadata=meta)
@@ -160,9 +168,7 @@ def largest(files: list[InputFile], column: str | None) -> int | None:
             elif stats is not None and stats.null_count == meta.row_group(g).num_rows:
                 continue
             else:  # no statistics: read the column of this row group
-                fs, path = url_to_fs(f.url)
-                with fs.open(path, "rb") as fh:
-                    top = pc.max(pq.ParquetFile(fh).read_row_group(g, columns=[column]).column(0)).as_py()
+                top = pc.max(_read_row_group(f.url, g, column)).as_py()
             if top is not None:
                 best = top if best is None else max(best, top)
     return best
@@ -175,15 +181,22 @@ def distinct_strings(files: list[InputFile], column: str | None, limit: int) -> 
         return []
     seen: dict[str, None] = {}
     for f in files:
-        fs, path = url_to_fs(f.url)
-        with fs.open(path, "rb") as fh:
-            pf = pq.ParquetFile(fh)
-            for g in range(pf.metadata.num_row_groups):
-                values = pc.unique(pf.read_row_group(g, columns=[column]).column(0).drop_null())
-                seen.update(dict.fromkeys(values.to_pylist()))
-                if len(seen) > limit:
-                    return list(seen)
+        for g in range(len(f.row_groups)):
+            values = pc.unique(_read_row_group(f.url, g, column).drop_null())
+            seen.update(dict.fromkeys(values.to_pylist()))
+            if len(seen) > limit:
+                return list(seen)
     return list(seen)
+
+
+def _read_row_group(url: str, group: int, column: str) -> pa.ChunkedArray:
+    fs, path = url_to_fs(url)
+
+    def read() -> pa.ChunkedArray:
+        with fs.open(path, "rb") as f:
+            return pq.ParquetFile(f).read_row_group(group, columns=[column]).column(0)
+
+    return guarded("read", url, read)
 
 
 def plan_shards(files: list[InputFile], rows_per_shard: int) -> list[Shard]:

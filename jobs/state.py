@@ -15,14 +15,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fleetgen import __version__
 from fleetgen.errors import StorageError
-from jobs.config import JobConfig
-from jobs.sharding import InputFile
 from workers.commit import COUNTS_KEY
 from workers.layout import (
     CARD,
@@ -37,9 +36,13 @@ from workers.layout import (
     WORKERS,
     manifest_key,
 )
-from workers.pipeline import is_hub_id
+from workers.model_dir import is_hub_id, weights_digest
 from workers.shard import Columns
-from workers.storage import TMP_MARK, Output, version_of
+from workers.storage import Output, parquet_schema, read_parquet
+
+if TYPE_CHECKING:  # the commands that read a job's output (status, verify) import no torch
+    from jobs.config import JobConfig
+    from jobs.sharding import InputFile
 
 # What --overwrite removes: everything fleetgen writes, nothing else under OUT.
 _JOB_OBJECTS = (JOB, SUMMARY, SUCCESS, FLEET, CARD, WIDS_INDEX, COUNTS_INDEX, SHARDS, WORKERS, STAGING, "images", "data")
@@ -71,6 +74,9 @@ def fingerprint(config: JobConfig, files: list[InputFile], columns: Columns) -> 
     record = {
         "input": [{"url": f.url, "bytes": f.size, "rows": f.num_rows} for f in files],
         "model": model_identity(config.model, config.revision, config.variant),
+        # a local directory's weights (a hub model is pinned to a commit instead): a rebuilt or
+        # replaced model is another job, never mixed into this one's images
+        "weights": None if is_hub_id(config.model) else weights_digest(config.model),
         "generation": {**settings, "rows_per_shard": config.rows_per_shard},
         "columns": asdict(columns),
     }
@@ -79,9 +85,12 @@ def fingerprint(config: JobConfig, files: list[InputFile], columns: Columns) -> 
 
 def _differences(old: dict, new: dict) -> list[str]:
     out = []
-    for part in ("input", "model", "generation", "columns"):
+    for part in ("input", "model", "weights", "generation", "columns"):
         a, b = old.get(part), new.get(part)
         if a == b:
+            continue
+        if part == "weights":
+            out.append(f"the weights in {new.get('model')} changed since this job started (rebuilt or replaced)")
             continue
         if isinstance(a, dict) and isinstance(b, dict):
             keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
@@ -137,31 +146,18 @@ def committed_shards(output: Output) -> set[str]:
 
 def read_manifests(output: Output, shard_ids: list[str], columns: list[str]) -> dict[str, list[dict]]:
     """Rows of committed manifests, fetched together (concurrently on object stores)."""
-    paths = {output.path(manifest_key(s)): s for s in shard_ids}
-    if not paths:
-        return {}
-    blobs = output.fs.cat(list(paths))
+    blobs = output.get_many([manifest_key(s) for s in shard_ids])
     out = {}
-    for p, b in blobs.items():
-        manifest = pq.ParquetFile(io.BytesIO(b))
-        have = set(manifest.schema_arrow.names)  # manifests of older versions lack newer columns
-        out[paths[p]] = manifest.read(columns=[c for c in columns if c in have]).to_pylist()
+    for shard, data in zip(shard_ids, blobs.values(), strict=True):
+        have = set(parquet_schema(data).names)  # manifests of older versions lack newer columns
+        out[shard] = read_parquet(data, [c for c in columns if c in have]).to_pylist()
     return out
 
 
 def list_manifests(output: Output) -> dict[str, str]:
     """{shard: version} of every committed manifest, from one listing of `shards/` (the version, size
     and modification time or ETag, changes when a manifest is replaced, e.g. by `--retry-errors`)."""
-    try:
-        entries = output.fs.ls(output.path(SHARDS), detail=True, refresh=True)
-    except FileNotFoundError:
-        return {}
-    out = {}
-    for e in entries:
-        name = e["name"].rstrip("/").rsplit("/", 1)[-1]
-        if name.endswith(".parquet") and TMP_MARK not in name:
-            out[name.removesuffix(".parquet")] = version_of(e)
-    return out
+    return {name.removesuffix(".parquet"): v for name, v in output.listing(SHARDS, ".parquet").items()}
 
 
 _COUNTS_SCHEMA = pa.schema([("shard", pa.string()), ("version", pa.string()), ("rows", pa.int64()),
@@ -172,12 +168,11 @@ COUNTS_FIELDS = ("rows", "images", "ok", "error", "filtered")
 
 def _footer_counts(output: Output, shard: str) -> dict:
     """A manifest's counts from its footer (older manifests without them: from its status column)."""
-    with output.fs.open(output.path(manifest_key(shard)), "rb") as f:
-        manifest = pq.ParquetFile(f)
-        raw = (manifest.schema_arrow.metadata or {}).get(COUNTS_KEY)
-        if raw:
-            return json.loads(raw)
-        statuses = manifest.read(columns=["status"]).column("status").to_pylist()
+    data = output.get(manifest_key(shard))  # a manifest is small (a row per image): one request
+    raw = (parquet_schema(data).metadata or {}).get(COUNTS_KEY)
+    if raw:
+        return json.loads(raw)
+    statuses = read_parquet(data, ["status"]).column("status").to_pylist()
     ids = {"ok": statuses.count("ok"), "error": statuses.count("error"), "filtered": statuses.count("filtered")}
     return {"rows": len(statuses), "images": len(statuses), **ids}
 
@@ -192,7 +187,7 @@ def shard_counts(output: Output, listing: dict[str, str] | None = None, threads:
     listing = list_manifests(output) if listing is None else listing
     cached: dict[str, dict] = {s: c for s, c in (known or {}).items() if s in listing}
     try:
-        index = pq.read_table(io.BytesIO(output.get(COUNTS_INDEX)))
+        index = output.read_parquet(COUNTS_INDEX)
         for row in index.to_pylist():
             if listing.get(row["shard"]) == row["version"] and row["shard"] not in cached:
                 cached[row["shard"]] = {k: row[k] for k in COUNTS_FIELDS}

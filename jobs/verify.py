@@ -16,12 +16,12 @@ manifests and objects go, and `_SUCCESS`), so that rerunning the job redoes exac
 from __future__ import annotations
 
 import hashlib
-import io
 import tarfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fleetgen.errors import StorageError
@@ -49,6 +49,7 @@ class VerifyReport:
     examples: dict = field(default_factory=lambda: {k: [] for k in KINDS})
     uncommitted: list = field(default_factory=list)  # shards whose manifests --fix removed
     removed: int = 0  # objects --fix removed
+    refused: str | None = None  # why --fix changed nothing
 
     @property
     def clean(self) -> bool:
@@ -72,12 +73,14 @@ class VerifyReport:
                          f"{', ...' if len(self.uncommitted) > 5 else ''}); rerun the job to redo them")
         if self.removed:
             lines.append(f"--fix: removed {self.removed} orphan, leftover or un-committed object(s) and prefix(es)")
+        if self.refused:
+            lines.append(f"--fix refused: {self.refused}")
         lines.append("clean" if self.clean else "PROBLEMS FOUND")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("url", "deep", "shards", "images", "hashed", "bytes_read", "seconds",
-                                              "counts", "examples", "uncommitted", "removed")} | {"clean": self.clean}
+                                              "counts", "examples", "uncommitted", "removed", "refused")} | {"clean": self.clean}
 
 
 def _sha(data: bytes) -> str:
@@ -122,46 +125,58 @@ class _Checker:
 
     def webdataset(self, shard: str, rows: list[dict]) -> bool:
         key = rows[0]["image"]
-        members = {}
         sampled = self._sampled(rows)
-        try:
-            with self.output.fs.open(self.output.path(key), "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
+
+        def members(f) -> dict:
+            found = {}
+            with tarfile.open(fileobj=f, mode="r:") as tar:
                 for info in tar:  # headers only, unless the member is hashed
                     read = self.deep or info.name in sampled
-                    members[info.name] = (info.size, tar.extractfile(info).read() if read else None)
+                    found[info.name] = (info.size, tar.extractfile(info).read() if read else None)
+            return found
+
+        try:
+            stored = self.output.read_with(key, members)
         except FileNotFoundError:
-            pass
-        except (tarfile.TarError, OSError) as err:
+            stored = {}
+        except tarfile.TarError as err:  # the bytes came, and they are not a tar: damage
             self.report.add("mismatch", key, f"not a readable tar: {err}")
             return False
         ok = True
         for i, row in enumerate(rows):
-            size, data = members.get(row["member"], (None, None))
+            size, data = stored.get(row["member"], (None, None))
             ok &= self._compare(shard, row, data, size, i)
         return ok
 
     def parquet(self, shard: str, rows: list[dict]) -> bool:
         key = rows[0]["image"]
+        sampled = set() if self.deep else self._sampled(rows)
+
+        def read(f) -> dict:
+            """{id: (size or -1 when its bytes were not read, bytes)}: the id column, then the image
+            column of every row group (--deep) or of the row groups holding the sample."""
+            pf = pq.ParquetFile(f)
+            ids = pf.read(columns=["id"]).column("id").to_pylist()
+            found = dict.fromkeys(ids, (-1, None))
+            starts = [0]
+            for g in range(pf.metadata.num_row_groups):
+                starts.append(starts[-1] + pf.metadata.row_group(g).num_rows)
+            for g in range(pf.metadata.num_row_groups):
+                if self.deep or sampled & set(ids[starts[g]:starts[g + 1]]):
+                    group = pf.read_row_group(g, columns=["id", "image"])
+                    for rid, image in zip(group.column("id").to_pylist(), group.column("image").to_pylist(),
+                                          strict=True):
+                        data = image["bytes"] if image else None
+                        found[rid] = (len(data), data) if data is not None else (None, None)
+            return found
+
         try:
-            with self.output.fs.open(self.output.path(key), "rb") as f:
-                table = pq.read_table(f, columns=["id", "image"] if self.deep else ["id"])
+            stored = self.output.read_with(key, read)
         except FileNotFoundError:
-            table = None
-        except Exception as err:  # noqa: BLE001 - a torn or foreign file: whatever pyarrow says
+            stored = {}
+        except pa.ArrowException as err:  # the bytes came, and they are not Parquet: damage
             self.report.add("mismatch", key, f"not a readable parquet file: {err}")
             return False
-        stored = {}
-        if table is not None:
-            images = table.column("image").to_pylist() if self.deep else [None] * table.num_rows
-            for rid, image in zip(table.column("id").to_pylist(), images, strict=True):
-                data = image["bytes"] if image else None
-                stored[rid] = (len(data) if data is not None else -1, data)
-        sampled = self._sampled(rows)
-        if table is not None and not self.deep and sampled:  # the sample's bytes, by id
-            with self.output.fs.open(self.output.path(key), "rb") as f:
-                sample = pq.read_table(f, columns=["id", "image"], filters=[("id", "in", sorted(sampled))])
-            for rid, image in zip(sample.column("id").to_pylist(), sample.column("image").to_pylist(), strict=True):
-                stored[rid] = (len(image["bytes"]), image["bytes"])
         ok = True
         for i, row in enumerate(rows):
             size, data = stored.get(row["id"], (None, None))
@@ -177,12 +192,16 @@ class _Checker:
 
 
 def verify(url: str, deep: bool = False, fix: bool = False, progress: Callable[[str], None] | None = None,
-           interval: float = 5.0) -> VerifyReport:
+           interval: float = 5.0, force: bool = False) -> VerifyReport:
+    """Check every committed shard; with `fix`, then repair what was proven damaged — unless the
+    damage looks like a wrong location or a store that answers empty listings rather than lost
+    objects (most images missing), in which case nothing is changed and the report says why
+    (`force` repairs anyway)."""
     output = Output(url)
     if not output.exists(JOB):
-        raise StorageError(f"{url} holds no fleetgen job (no {JOB}).")
+        raise StorageError(f"{output.url} holds no fleetgen job (no {JOB}).")
     if fix and live_lock(output):
-        raise StorageError(f"{url} is in use by a running driver ({LOCK} has a fresh heartbeat): `--fix` only "
+        raise StorageError(f"{output.url} is in use by a running driver ({LOCK} has a fresh heartbeat): `--fix` only "
                            "works on a job that is not running.")
     started = last = time.monotonic()
     report = VerifyReport(url=output.url, deep=deep)
@@ -191,34 +210,54 @@ def verify(url: str, deep: bool = False, fix: bool = False, progress: Callable[[
         finish_attempts(output)
     committed = sorted(committed_shards(output))
     columns = ["id", "status", "image", "member", "sha256", "size"]
+    damaged: dict[str, list[dict]] = {}  # shard -> its rows, for shards with missing or wrong images
     for n, shard in enumerate(committed, 1):
-        manifest = pq.ParquetFile(io.BytesIO(output.get(manifest_key(shard))))
-        have = [c for c in columns if c in manifest.schema_arrow.names]
-        rows = [r for r in manifest.read(columns=have).to_pylist() if r["status"] == "ok" and r.get("image")]
+        manifest = output.read_parquet(manifest_key(shard), columns)
+        rows = [r for r in manifest.to_pylist() if r["status"] == "ok" and r.get("image")]
         report.shards += 1
         report.images += len(rows)
-        ok = True
         if rows:
             image = rows[0]["image"]
             kind = "files" if image.startswith("images/") else "webdataset" if image.endswith(".tar") else "parquet"
-            ok = getattr(checker, kind)(shard, rows)
-        if not ok and fix:  # un-committed: its objects go too, the rerun writes them again
-            output.remove(manifest_key(shard))
-            report.uncommitted.append(shard)
-            checker.orphans += sorted({f"images/{shard}"} | {r["image"] for r in rows if not r["image"].startswith("images/")})
+            if not getattr(checker, kind)(shard, rows):
+                damaged[shard] = rows
         if progress and time.monotonic() - last >= interval:
             last = time.monotonic()
             progress(f"verify: {n}/{len(committed)} shards, {report.images} images, "
                      f"{sum(report.counts.values())} problems")
     _stray(output, set(committed), report, checker.orphans)
     if fix:
-        for key in checker.orphans:
-            output.remove(key)
-        report.removed = len(checker.orphans)
-        if report.uncommitted:
-            output.remove(SUCCESS)
+        report.refused = _looks_wrong(report) if not force else None
+        if report.refused is None:
+            _repair(output, report, damaged, checker.orphans)
     report.seconds = round(time.monotonic() - started, 3)
     return report
+
+
+def _looks_wrong(report: VerifyReport) -> str | None:
+    """Why `--fix` should change nothing, or None. Lost objects are rare and few; when most of a job's
+    images are missing, the location is more likely wrong (or the store lists nothing) than the
+    images gone, and un-committing every shard would throw a good job away."""
+    missing = report.counts["missing"]
+    if report.images and missing * 2 > report.images:
+        return (f"{missing} of {report.images} images are missing: that looks like a wrong location or a store "
+                "that answers empty listings, not lost images. Nothing was changed; check the URL and the store, "
+                "and pass `--fix --force` only if the images really are gone.")
+    return None
+
+
+def _repair(output: Output, report: VerifyReport, damaged: dict[str, list[dict]], orphans: list[str]) -> None:
+    """Un-commit the damaged shards (their manifest and objects go, so a rerun redoes them), remove
+    the orphans and leftovers."""
+    for shard, rows in damaged.items():
+        output.remove(manifest_key(shard))
+        report.uncommitted.append(shard)
+        orphans += sorted({f"images/{shard}"} | {r["image"] for r in rows if not r["image"].startswith("images/")})
+    for key in orphans:
+        output.remove(key)
+    report.removed = len(orphans)
+    if report.uncommitted:
+        output.remove(SUCCESS)
 
 
 def _stray(output: Output, committed: set[str], report: VerifyReport, orphans: list[str]) -> None:

@@ -38,6 +38,23 @@ def write_prompts(path: Path, prompts: list, row_group_size: int | None = None, 
     return path
 
 
+def setup_job(tmp_path, model, out, output_format, prompts=None, max_batch=3, **kw):
+    """A worker (in this process, no Ray) and the two shards of a 6-row input, with the job record
+    verify looks for: the work of a job, shard by shard, without a cluster."""
+    from jobs.sharding import plan_shards, read_footer, resolve_columns
+    from workers.shard import Columns
+    from workers.worker import GenerationSettings, Worker, WorkerSpec
+
+    prompts = prompts or [f"a lighthouse number {i}" for i in range(6)]
+    path = write_prompts(tmp_path / f"p-{len(prompts)}.parquet", prompts, id=[f"r{i}" for i in range(len(prompts))])
+    files = [read_footer(str(path))]
+    settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64, output_format=output_format)
+    worker = Worker(WorkerSpec("w0", model, str(out), settings, resolve_columns(files, Columns()), max_batch=max_batch,
+                               device="cpu", threads=1, **kw))
+    worker.output.put("job.json", b"{}")
+    return worker, plan_shards(files, 3)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     from workers.tiny_model import write_tiny_model
@@ -74,16 +91,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# The S3 client in tests retries once by itself (botocore's default is 4 more times, over seconds),
+# so that the faults of tests/faulty_store.py reach fleetgen's own policy (workers/storage.py) and
+# an outage is seen in a second, not in tens. Set before any Ray worker starts: they read it at import.
+S3_CLIENT = {"config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}, "connect_timeout": 5,
+                               "read_timeout": 30}}
+
+
 @pytest.fixture(scope="session")
-def s3_server():
-    """A real S3 API (moto) on 127.0.0.1; s3fs finds it through AWS_ENDPOINT_URL."""
+def _s3_stack():
+    """A real S3 API (moto) on 127.0.0.1 behind a fault-injecting proxy (tests/faulty_store.py,
+    faults off unless a test turns them on); s3fs finds the proxy through AWS_ENDPOINT_URL."""
     pytest.importorskip("s3fs")
+    import json
+
+    import fsspec.config
+
+    from tests.faulty_store import FaultyStore
+
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
-    endpoint = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while True:
         try:
@@ -94,18 +124,40 @@ def s3_server():
                 proc.kill()
                 raise RuntimeError("moto server did not start") from None
             time.sleep(0.2)
-    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-           "AWS_DEFAULT_REGION": "us-east-1"}
+    store = FaultyStore(f"http://127.0.0.1:{port}").start()
+    env = {"AWS_ENDPOINT_URL": store.endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1", "FSSPEC_S3": json.dumps(S3_CLIENT)}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    yield endpoint
+    saved_conf = fsspec.config.conf.get("s3")
+    fsspec.config.conf["s3"] = {**(saved_conf or {}), **S3_CLIENT}  # this process read FSSPEC_S3 at import
+    yield store
+    if saved_conf is None:
+        fsspec.config.conf.pop("s3", None)
+    else:
+        fsspec.config.conf["s3"] = saved_conf
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+    store.stop()
     proc.terminate()
     proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def s3_server(_s3_stack) -> str:
+    """The S3 endpoint tests talk to (the proxy, faults off)."""
+    return _s3_stack.endpoint
+
+
+@pytest.fixture
+def faulty_store(_s3_stack):
+    """The proxy in front of the S3 server, for a test that injects faults; off again afterwards."""
+    _s3_stack.reset()
+    yield _s3_stack
+    _s3_stack.reset()
 
 
 @pytest.fixture(scope="session")

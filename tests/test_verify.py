@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import tarfile
+import threading
 import time
 
 import pyarrow.parquet as pq
@@ -14,29 +15,10 @@ import pytest
 
 from fleetgen.errors import ShardError
 from jobs.cli import main
-from jobs.sharding import plan_shards, read_footer, resolve_columns
 from jobs.verify import verify
-from tests.conftest import write_prompts
+from tests.conftest import setup_job
 from workers.commit import ATTEMPT_KEY, attempt_of
-from workers.shard import Columns
-from workers.worker import GenerationSettings, ShardResult, Worker, WorkerSpec
-
-PROMPTS = [f"a lighthouse number {i}" for i in range(6)]
-
-
-def setup_job(tmp_path, model, out, output_format, prompts=PROMPTS, max_batch=3, **kw):
-    """A worker and the two shards of a 6-row input, with the job record verify looks for."""
-    path = write_prompts(tmp_path / f"p-{len(prompts)}.parquet", prompts, id=[f"r{i}" for i in range(len(prompts))])
-    files = [read_footer(str(path))]
-    settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64, output_format=output_format)
-    worker = Worker(WorkerSpec("w0", model, str(out), settings, resolve_columns(files, Columns()), max_batch=max_batch,
-                               device="cpu", threads=1, **kw))
-    if str(out).startswith("s3://"):
-        worker.output.put("job.json", b"{}")
-    else:
-        os.makedirs(out, exist_ok=True)
-        (out / "job.json").write_text("{}")
-    return worker, plan_shards(files, 3)
+from workers.worker import ShardResult
 
 
 def files_under(out):
@@ -269,16 +251,25 @@ def test_the_end_of_a_run_counts_from_reports_and_looks_only_at_unreported_shard
     opened = []
     real = jobs.state._footer_counts
     monkeypatch.setattr(jobs.state, "_footer_counts", lambda o, s: opened.append(s) or real(o, s))
-    summary, counts = _summarise(output, shards, [shards[1]], 0.0, [], [], False, start, {"shard-00001": reported})
+    def run(todo, stopped, listing, committed):
+        from jobs.driver import _Run
+        from jobs.progress import Progress
+
+        stop = threading.Event()
+        if stopped:
+            stop.set()
+        return _Run(output, shards, todo, listing, Progress(2, 6, stream=io.StringIO()), stop, committed=committed)
+
+    summary, counts = _summarise(run([shards[1]], False, start, {"shard-00001": reported}))
     assert summary.shards_committed == 2 and summary.images_ok == 6 and opened == ["shard-00000"]
     assert first.version == start["shard-00000"]
     opened.clear()
     (out / "counts.parquet").unlink()
-    summary, counts = _summarise(output, shards, shards, 0.0, [], [], False, {}, {})  # no report arrived
+    summary, counts = _summarise(run(shards, False, {}, {}))  # no report arrived
     assert summary.shards_committed == 2 and summary.images_ok == 6 and sorted(opened) == ["shard-00000", "shard-00001"]
     assert counts["shard-00001"] == reported.counts
-    summary, _ = _summarise(output, shards, shards, 0.0, [], [], True, {}, {})  # stopping: no looking around
+    summary, _ = _summarise(run(shards, True, {}, {}))  # stopping: no looking around
     assert summary.shards_committed == 0
     monkeypatch.setattr(jobs.driver, "PROBE_AT_MOST", 1)  # many unreported: one listing instead
-    summary, _ = _summarise(output, shards, shards, 0.0, [], [], False, {}, {})
+    summary, _ = _summarise(run(shards, False, {}, {}))
     assert summary.shards_committed == 2

@@ -7,7 +7,9 @@ shard's manifest `shards/<shard>.parquet` only if it is absent — atomically on
 link) and S3 (a conditional PUT); elsewhere a check, then a write — and the manifest records the
 attempt that won. Only the winner then moves its staged objects to their final keys (`images/...`,
 `data/...`) and removes objects under the shard's image prefix that its manifest does not name (left
-by an earlier commit of the shard that a redo replaced). A loser removes its staging.
+by an earlier commit of the shard that a redo replaced). A loser removes its staging. An attempt
+that cannot tell whether its commit landed (the store stopped answering) keeps its staging: what a
+committed manifest names is never deleted.
 
 A crash between the commit and the end of the move leaves staging behind: `finish_attempts`, run
 where no attempt is running (the driver's start and end, `fleetgen verify --fix`), completes the
@@ -16,12 +18,8 @@ move for the attempt the manifest names and removes every other staging.
 
 from __future__ import annotations
 
-import io
-
-import pyarrow.parquet as pq
-
 from workers.layout import STAGING, manifest_key
-from workers.storage import Output
+from workers.storage import Output, parquet_schema, read_parquet
 
 ATTEMPT_KEY = b"fleetgen.attempt"  # manifest metadata: the attempt whose objects the manifest names
 COUNTS_KEY = b"fleetgen.counts"  # manifest metadata: {"rows", "images", "ok", "error", "filtered"}, read from the footer
@@ -40,22 +38,29 @@ def staging(shard_id: str, attempt: str) -> str:
 
 
 def attempt_of(manifest: bytes) -> str | None:
-    metadata = pq.read_schema(io.BytesIO(manifest)).metadata or {}
+    metadata = parquet_schema(manifest).metadata or {}
     value = metadata.get(ATTEMPT_KEY)
     return value.decode() if value else None
 
 
 def commit_manifest(output: Output, shard_id: str, manifest: bytes, base: bytes | None = None) -> bool:
-    """Commit `manifest`; False when another attempt committed first. `base`: the manifest a retry
-    of error rows started from, replaced only if it is still there (a check, then a write: the
-    retry runs under the job's lock, one attempt per shard unless a straggler is speculated)."""
+    """Commit `manifest`; False when another attempt committed first. The manifest names its
+    attempt, so a create the store applied but whose answer was lost reads back as this attempt's
+    own (`Output.create` compares the bytes): committed. A `StorageError` means it is not known
+    whether the commit landed: the caller must keep its staging (the driver's `finish_attempts`
+    then finishes or removes it). `base`: the manifest a retry of error rows started from, replaced
+    only if it is still there (a check, then a write: the retry runs under the job's lock, one
+    attempt per shard unless a straggler is speculated)."""
     key = manifest_key(shard_id)
     if base is None:
         return output.create(key, manifest)
     try:
-        if output.get(key) != base:
-            return False
+        current = output.get(key)
     except FileNotFoundError:
+        return False
+    if current == manifest:
+        return True  # this attempt's put, applied on an earlier try whose answer was lost
+    if current != base:
         return False
     output.put(key, manifest)
     return True
@@ -83,7 +88,7 @@ def discard(output: Output, shard_id: str, attempt: str) -> None:
 
 def named_objects(manifest: bytes) -> set[str]:
     """The final keys a manifest names (its `image` column)."""
-    table = pq.read_table(io.BytesIO(manifest), columns=["image"])
+    table = read_parquet(manifest, columns=["image"])
     return {k for k in table.column("image").to_pylist() if k}
 
 

@@ -30,6 +30,10 @@ class Family:
     cfg: bool  # guidance > 1 runs the denoiser on a doubled batch (classifier-free guidance)
     extra: dict = field(default_factory=dict)  # fixed call arguments
     note: str = ""
+    # What the pipeline's own input check demands of width and height, whatever the VAE (diffusers'
+    # SD, SDXL and PixArt pipelines refuse sizes that are not multiples of 8); the VAE scale x patch
+    # multiple of the model is added to it (workers/model_dir.py, workers/pipeline.py).
+    size_floor: int = 8
 
     def doubles_batch(self, guidance: float, true_cfg_scale: float | None) -> bool:
         """Whether the denoiser runs on twice the images per step."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import math
 import os
 import time
 from pathlib import Path
@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from fleetgen.errors import ConfigError, FleetgenError, one_line
+from workers.model_dir import is_hub_id
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # --dtype names
 
@@ -36,11 +37,6 @@ def describe_device(device: torch.device) -> dict:
         free, total = torch.cuda.mem_get_info(device)
         return {"type": "cuda", "name": torch.cuda.get_device_name(device), "total_bytes": total, "free_bytes": free}
     return {"type": "cpu", "name": f"cpu ({os.cpu_count()} cores)", "total_bytes": None, "free_bytes": None}
-
-
-def is_hub_id(model: str) -> bool:
-    """Anything that is not an existing local path is a hub id."""
-    return not Path(model).expanduser().exists()
 
 
 def load_pipeline(model: str, dtype: torch.dtype, trust_remote_code: bool = False, revision: str | None = None,
@@ -92,36 +88,19 @@ def fetch_snapshot(model: str, revision: str | None, variant: str | None, worker
         lock.release()
 
 
-def size_multiple(model: str) -> tuple[int, str] | None:
-    """What image sizes must be a multiple of, from a local pipeline directory's configs (None for
-    a hub id: it is checked when the worker loads it), with the reason."""
-    root = Path(model).expanduser()
-    try:
-        index = json.loads((root / "model_index.json").read_text())
-        vae = json.loads((root / "vae" / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    # AutoencoderKL lists `block_out_channels`; Sana's AutoencoderDC `encoder_block_out_channels`.
-    scale = 2 ** (len(vae.get("block_out_channels") or vae.get("encoder_block_out_channels") or [0, 0, 0, 0]) - 1)
-    denoiser = next((n for n in ("transformer", "unet") if n in index), None)
-    patch = 1
-    if denoiser:
-        cls = index[denoiser][1] if isinstance(index[denoiser], list) else ""
-        cfg = json.loads((root / denoiser / "config.json").read_text()) if (root / denoiser / "config.json").exists() else {}
-        patch = 2 if cls.startswith("Flux") else int(cfg.get("patch_size") or 1)  # Flux packs 2x2 latents
-    return scale * patch, f"VAE scale {scale} x patch {patch}"
-
-
-def pipe_size_multiple(pipe) -> int:
+def pipe_size_multiple(pipe, floor: int = 8) -> int:
     """What image sizes must be a multiple of for a loaded pipeline (as `size_multiple` for a
-    directory): the VAE's scale factor times the denoiser's patch (Flux packs 2x2 latents)."""
+    directory): the pipeline's own rule (`floor`, its family's) and the VAE's scale factor times the
+    denoiser's patch (Flux packs 2x2 latents)."""
     scale = int(getattr(pipe, "vae_scale_factor", None) or 8)
     denoiser = getattr(pipe, "transformer", None)
     if denoiser is None:
-        return scale
-    if type(denoiser).__name__.startswith("Flux"):
-        return scale * 2
-    return scale * int(getattr(denoiser.config, "patch_size", None) or 1)
+        patch = 1
+    elif type(denoiser).__name__.startswith("Flux"):
+        patch = 2
+    else:
+        patch = int(getattr(denoiser.config, "patch_size", None) or 1)
+    return math.lcm(scale * patch, floor)
 
 
 def load_adapters(pipe, sources: tuple[tuple[str, str], ...], worker: str = "worker") -> dict[str, str]:

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from fleetgen.errors import InputError
-from workers.storage import url_to_fs
+from fleetgen.errors import InputError, StorageError
+from workers.storage import guarded, url_to_fs
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,8 @@ def read_shard(shard: Shard, columns: Columns) -> pa.Table:
     streamed from its start and reading stops at the shard's end; pages past it are never fetched."""
     fs, path = url_to_fs(shard.path)
     end = shard.offset + shard.length
-    try:
+
+    def read() -> pa.Table:
         with fs.open(path, "rb") as f:
             pf = pq.ParquetFile(f, pre_buffer=False, buffer_size=1 << 16)
             if shard.offset == 0 and shard.length == pf.metadata.row_group(shard.row_group).num_rows:
@@ -83,9 +84,12 @@ def read_shard(shard: Shard, columns: Columns) -> pa.Table:
                 seen += batch.num_rows
                 if seen >= end:
                     break
-    except (OSError, pa.ArrowException) as err:
+        if first is None or seen < end:
+            raise InputError(f"Row group {shard.row_group} of {shard.path} has {seen} rows; shard {shard.id} needs "
+                             f"rows {shard.offset}-{end - 1} of it (the file changed since the job started?).")
+        return pa.Table.from_batches(batches).slice(shard.offset - first, shard.length)
+
+    try:
+        return guarded("read", shard.path, read)
+    except (StorageError, FileNotFoundError, pa.ArrowException) as err:
         raise InputError(f"Could not read row group {shard.row_group} of {shard.path}: {err}") from err
-    if first is None or seen < end:
-        raise InputError(f"Row group {shard.row_group} of {shard.path} has {seen} rows; shard {shard.id} needs "
-                         f"rows {shard.offset}-{end - 1} of it (the file changed since the job started?).")
-    return pa.Table.from_batches(batches).slice(shard.offset - first, shard.length)

@@ -152,7 +152,7 @@ class ParquetSink:
         return [(self.key, None)] * len(batch)
 
     def keep_existing(self) -> None:
-        self.writer.write_table(pq.read_table(io.BytesIO(self.output.get(self.key))).cast(self.schema))
+        self.writer.write_table(self.output.read_parquet(self.key).cast(self.schema))
 
     def close(self) -> None:
         self.writer.close()

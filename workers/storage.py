@@ -1,8 +1,15 @@
 """The output location: one fsspec filesystem and a root prefix; every key is relative to it.
 
-Only this module talks to fsspec for writing, so any backend fsspec knows (local paths,
-`file://`, `s3://`, `gs://`, `memory://`) works the same, and a missing backend fails with the
-package to install.
+Only this module talks to fsspec, so any backend fsspec knows (local paths, `file://`, `s3://`,
+`gs://`, `memory://`) works the same, and a missing backend fails with the package to install.
+
+One error policy for every store operation (`guarded`): a fault that may pass — an `OSError`, a
+timeout, a botocore connection/read/endpoint error, an aiohttp client error, a 5xx the client gave
+up on — is retried with backoff, then raised as a `StorageError` naming the URL and the error in
+one line; an error no retry fixes (no credentials, access denied) is raised at once, the same way;
+`FileNotFoundError` passes through (callers decide what absent means). Writes that may be applied
+while their answer is lost are written so that doing them twice is harmless (`put`, `move`,
+`remove`), or read back (`create`).
 """
 
 from __future__ import annotations
@@ -13,23 +20,114 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import IO, TypeVar
 
 import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
 
-from fleetgen.errors import StorageError
+from fleetgen.errors import StorageError, one_line
 
-# Backends that fsspec loads lazily, and the pip extra that brings each.
 T = TypeVar("T")
-ATTEMPTS = 4  # per storage operation; waits 0.5 s, 1 s, 2 s between them
+# Per storage operation, beside the client's own retries. FLEETGEN_STORAGE_ATTEMPTS and
+# FLEETGEN_STORAGE_BACKOFF override them (read at each operation; the driver hands them to its
+# workers), for an operator who knows their store, and for tests.
+ATTEMPTS = 4  # tries; waits 0.5 s, 1 s, 2 s between them
 BACKOFF = 0.5  # seconds before the first retry, doubling
-# Errors no retry can fix: fail at once, naming the URL.
-_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError)
+STORAGE_ENV = ("FLEETGEN_STORAGE_ATTEMPTS", "FLEETGEN_STORAGE_BACKOFF")
 
 S3_PAGE = 1000  # keys per listing page, and the most one DeleteObjects request takes
 TMP_MARK = ".tmp-"  # in the name of a local file being written; renamed away when complete
 
 _BACKEND_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
+_CREDENTIALS_HINT = {"s3": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or use an instance role",
+                     "gs": "set GOOGLE_APPLICATION_CREDENTIALS or run `gcloud auth application-default login`"}
+
+
+def _client_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
+    """(transient, permanent) exception types of the store clients that are installed. botocore's
+    and aiohttp's errors are not `OSError`s: a policy that catches `OSError` alone misses them."""
+    transient: list[type[BaseException]] = [OSError, TimeoutError]
+    permanent: list[type[BaseException]] = [PermissionError, IsADirectoryError]
+    try:
+        from botocore import exceptions as boto
+
+        # connection, endpoint, read-timeout, closed-connection and streaming errors; ClientError
+        # (an answer the client did not translate, e.g. a 5xx it gave up on) may pass too
+        transient += [boto.ConnectionError, boto.HTTPClientError, boto.IncompleteReadError]
+        permanent += [boto.NoCredentialsError, boto.PartialCredentialsError, boto.CredentialRetrievalError,
+                      boto.NoRegionError, boto.ParamValidationError]
+    except ImportError:
+        pass
+    try:
+        import aiohttp
+
+        transient.append(aiohttp.ClientError)
+    except ImportError:
+        pass
+    return tuple(transient), tuple(permanent)
+
+
+_TRANSIENT, _PERMANENT = _client_errors()
+
+
+def _hint(url: str, err: BaseException) -> str:
+    name = type(err).__name__
+    if "Credential" in name:
+        scheme = url.split("://", 1)[0] if "://" in url else ""
+        return f" ({_CREDENTIALS_HINT.get(scheme.rstrip('a'), 'give fleetgen credentials for this store')})"
+    return ""
+
+
+def _kind(err: BaseException) -> str | None:
+    """"transient", "permanent", or None: not a store client's error (a bug: let it through)."""
+    if isinstance(err, _PERMANENT):
+        return "permanent"
+    if isinstance(err, _TRANSIENT):
+        return "transient"
+    response = getattr(err, "response", None)  # botocore's ClientError: an answer it did not translate
+    if isinstance(response, dict) and "Error" in response:
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        return "transient" if status >= 500 or status == 429 else "permanent"
+    return None
+
+
+def guarded(what: str, url: str, op: Callable[[], T], attempts: int | None = None, read: bool = True) -> T:
+    """Run one store operation under the error policy (see the module's doc). `read`: a
+    `FileNotFoundError` passes through (absent); a write that meets one (a missing bucket) fails."""
+    attempts = attempts or int(os.environ.get("FLEETGEN_STORAGE_ATTEMPTS") or ATTEMPTS)
+    backoff = float(os.environ.get("FLEETGEN_STORAGE_BACKOFF") or BACKOFF)
+    for attempt in range(attempts):
+        try:
+            return op()
+        except FileNotFoundError as err:
+            if read:
+                raise
+            raise StorageError(f"Could not {what} {url}: {one_line(err)}") from err
+        except Exception as err:
+            kind = _kind(err)
+            if kind is None or isinstance(err, StorageError):
+                raise
+            if kind == "permanent":
+                raise StorageError(f"Could not {what} {url}: {one_line(err)}{_hint(url, err)}") from err
+            if attempt == attempts - 1:
+                raise StorageError(f"Could not {what} {url} after {attempts} attempts: {one_line(err)}") from err
+            time.sleep(backoff * 2**attempt)
+    raise AssertionError("unreachable")
+
+
+def resolve_url(url: str) -> str:
+    """One spelling per location, so every command builds the same keys from it: a local path (plain,
+    relative, `..`, `~`, `file://`, through symlinks) becomes its absolute real path; a URL loses its
+    trailing slashes."""
+    url = url.strip()
+    if url.startswith("file://"):
+        url = url[len("file://"):]
+    if "://" not in url:
+        return os.path.realpath(os.path.expanduser(url)) if url else url
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://{rest.rstrip('/')}"
 
 
 def url_to_fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -44,6 +142,17 @@ def url_to_fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
         ) from err
     except ValueError as err:
         raise StorageError(f"`{url}` is not a URL fsspec understands: {err}") from err
+
+
+def read_parquet(data: bytes, columns: list[str] | None = None) -> pa.Table:
+    """A Parquet object's table from its bytes. Through `ParquetFile`, never `pq.read_table`: in
+    pyarrow 26, `read_table` over a buffer or a Python file object makes the process abort at exit
+    ("terminate called without an active exception", exit 134) in about a third of runs."""
+    return pq.ParquetFile(pa.BufferReader(data)).read(columns=columns)
+
+
+def parquet_schema(data: bytes) -> pa.Schema:
+    return pq.ParquetFile(pa.BufferReader(data)).schema_arrow
 
 
 def version_of(entry: dict) -> str:
@@ -62,7 +171,7 @@ class Output:
     """A job's output location (`OUT`). Keys are POSIX paths relative to it (`shards/x.parquet`)."""
 
     def __init__(self, url: str):
-        self.url = url.rstrip("/")
+        self.url = resolve_url(url)
         self.fs, self.root = url_to_fs(self.url)
         self.root = self.root.rstrip("/")
         self.local = _is_local(self.fs)
@@ -79,25 +188,34 @@ class Output:
         return posixpath.join(self.root, key) if key else self.root
 
     def key_url(self, key: str) -> str:
-        return f"{self.url}/{key}"
+        return f"{self.url}/{key}" if key else self.url
 
-    def _retry(self, what: str, key: str, op: Callable[[], T]) -> T:
-        """Run `op`, retrying transient errors with backoff; a persistent one becomes a
-        `StorageError` naming the URL."""
-        for attempt in range(ATTEMPTS):
+    def _retry(self, what: str, key: str, op: Callable[[], T], attempts: int | None = None, read: bool = True) -> T:
+        return guarded(what, self.key_url(key), op, attempts, read)
+
+    def check(self) -> None:
+        """Before a job starts: the location can be reached and written, or a `StorageError` says
+        why in one line (a file where the directory should be, no write permission, no
+        credentials, an endpoint that does not answer)."""
+        if self.local:
+            if os.path.exists(self.root) and not os.path.isdir(self.root):
+                raise StorageError(f"`--output` {self.url} is a file, not a directory. Pass a directory (it is "
+                                   "created if absent).")
+            probe = self.path(f".fleetgen-probe-{uuid.uuid4().hex[:8]}")
             try:
-                return op()
-            except _PERMANENT as err:
-                raise StorageError(f"Could not {what} {self.key_url(key)}: {err}") from err
-            except (OSError, TimeoutError) as err:
-                if attempt == ATTEMPTS - 1:
-                    raise StorageError(f"Could not {what} {self.key_url(key)} after {ATTEMPTS} attempts: {err}") from err
-                time.sleep(BACKOFF * 2**attempt)
-        raise AssertionError("unreachable")
+                os.makedirs(self.root, exist_ok=True)
+                with open(probe, "wb"):
+                    pass
+                os.remove(probe)
+            except OSError as err:
+                raise StorageError(f"`--output` {self.url} is not writable: {one_line(err)}") from err
+            return
+        self._retry("reach", "", lambda: self.fs.exists(self.path("job.json")), attempts=2)
 
     def put(self, key: str, data: bytes) -> None:
         """Write one object whole. Readers never see a partial object: object stores put
-        atomically, and on a local disk we write a temporary file and rename it."""
+        atomically, and on a local disk we write a temporary file and rename it. Doing it twice
+        (a retry after a lost answer) leaves the same object."""
         path = self.path(key)
 
         def write() -> None:
@@ -106,7 +224,7 @@ class Output:
             else:
                 self.fs.pipe_file(path, data)
 
-        self._retry("write", key, write)
+        self._retry("write", key, write, read=False)
 
     def _local_tmp(self, path: str, data: bytes) -> str:
         """`data` in a temporary file beside `path` (local disks), to be renamed or linked there."""
@@ -117,8 +235,11 @@ class Output:
         return tmp
 
     def create(self, key: str, data: bytes) -> bool:
-        """Write `key` only if it does not exist; False when it does (another writer was first).
-        Atomic where `atomic_create` says so."""
+        """Write `key` only if it does not exist. True when the object there is now `data`, byte for
+        byte; False when another writer's object is there. A store may apply a create and lose the
+        answer: its client retries and is told the key exists (S3: 412). "Exists" is not "someone
+        else was first" until the object is read back — so it is, and compared. Atomic where
+        `atomic_create` says so."""
         path = self.path(key)
 
         def write() -> bool:
@@ -135,24 +256,39 @@ class Output:
                 try:
                     self.fs.pipe_file(path, data, mode="create")
                     return True
-                except FileExistsError:  # 412 Precondition Failed
+                except FileExistsError:  # 412 Precondition Failed: someone's object is there (maybe ours)
                     return False
             if self.fs.exists(path):
                 return False
             self.fs.pipe_file(path, data)
             return True
 
-        return self._retry("create", key, write)
+        if self._retry("create", key, write, read=False):
+            return True
+        try:
+            return self.get(key) == data
+        except FileNotFoundError:
+            return False  # there a moment ago, removed since: not ours
 
     def move(self, src: str, dst: str) -> None:
         """Move an object to another key, replacing what is there (local: a rename; object stores:
-        copy, then delete)."""
-        def move() -> None:
-            if self.local:
-                self.fs.makedirs(posixpath.dirname(self.path(dst)), exist_ok=True)
-            self.fs.mv(self.path(src), self.path(dst))
+        copy, then delete). A retry after an answer was lost finds the move done and says so."""
+        tries = 0
 
-        self._retry("move", src, move)
+        def move() -> None:
+            nonlocal tries
+            tries += 1
+            try:
+                if self.local:
+                    self.fs.makedirs(posixpath.dirname(self.path(dst)), exist_ok=True)
+                self.fs.mv(self.path(src), self.path(dst))
+            except FileNotFoundError:
+                # The source is an attempt's own staged object: gone after a try of ours means moved.
+                if tries > 1 and not self.exists(src) and self.exists(dst):
+                    return
+                raise
+
+        self._retry("move", src, move, read=False)
 
     def prune(self, prefix: str) -> None:
         """Remove `prefix/` and its parents up to the root while they are empty directories (local
@@ -172,20 +308,22 @@ class Output:
 
     def sizes(self, prefix: str) -> dict[str, int]:
         """{key: bytes} of every object under `prefix/`, recursively, from one listing."""
+        def listing() -> dict:
+            self.fs.invalidate_cache(self.path(prefix))
+            return self.fs.find(self.path(prefix), detail=True)
+
         try:
-            found = self.fs.find(self.path(prefix), detail=True)
+            found = self._retry("list", prefix, listing)
         except FileNotFoundError:
             return {}
-        except OSError as err:
-            raise StorageError(f"Could not list {self.key_url(prefix)}: {err}") from err
-        root = self.root.rstrip("/") + "/"
+        root = self.root + "/"
         keys = {posixpath.normpath(p): info.get("size") for p, info in found.items()}
         return {p[len(root):] if p.startswith(root) else p: size for p, size in keys.items()}
 
     def sweep_tmp(self, prefix: str) -> int:
         """Remove temporary files a killed writer left under `prefix/` (local disks only: object
         stores never show a partial object). Returns how many."""
-        if not self.local or not self.fs.exists(self.path(prefix)):
+        if not self.local or not os.path.isdir(self.path(prefix)):
             return 0
         stale = [p for p in self.fs.find(self.path(prefix)) if TMP_MARK in posixpath.basename(p)]
         for p in stale:
@@ -204,43 +342,87 @@ class Output:
                 return _RenameOnClose(self.fs, path)
             return self.fs.open(path, "wb")
 
-        return self._retry("open for writing", key, open_)
+        return self._retry("open for writing", key, open_, read=False)
 
     @staticmethod
     def discard(stream: IO[bytes]) -> None:
         """Abandon a stream from `open_write`: nothing appears at its key."""
         discard = getattr(stream, "discard", None)
         if discard is not None:
-            discard()  # local: removes the temporary file; fsspec buffered files: aborts the (multipart) upload
+            try:
+                discard()  # local: removes the temporary file; fsspec buffered files: aborts the (multipart) upload
+            except Exception:  # noqa: BLE001 - an abort the store did not answer: the upload never completes
+                pass
             if hasattr(stream, "closed") and not isinstance(stream, _RenameOnClose):
                 stream.closed = True  # so that garbage collection does not flush (and complete) it
 
     def get(self, key: str) -> bytes:
         """The object's bytes; `FileNotFoundError` when absent."""
-        path = self.path(key)
-        try:
-            return self.fs.cat_file(path)
-        except FileNotFoundError:
-            raise
-        except OSError:
-            return self._retry("read", key, lambda: self.fs.cat_file(path))
+        return self._retry("read", key, lambda: self.fs.cat_file(self.path(key)))
+
+    def get_many(self, keys: list[str], threads: int = 32) -> dict[str, bytes]:
+        """Several objects' bytes, fetched concurrently; `FileNotFoundError` when one is absent."""
+        if not keys:
+            return {}
+        with ThreadPoolExecutor(max_workers=min(threads, len(keys))) as pool:
+            return dict(zip(keys, pool.map(self.get, keys), strict=True))
+
+    def read_parquet(self, key: str, columns: list[str] | None = None) -> pa.Table:
+        """A Parquet object's columns (all of them, or those of `columns` it has)."""
+        data = self.get(key)
+        if columns is not None:
+            have = set(parquet_schema(data).names)
+            columns = [c for c in columns if c in have]
+        return read_parquet(data, columns)
+
+    def read_with(self, key: str, reader: Callable[[IO[bytes]], T]) -> T:
+        """`reader(stream)` over the object, for one read too large to hold (a tar read member by
+        member); a transient fault anywhere in it reads again from the start."""
+        def read() -> T:
+            with self.fs.open(self.path(key), "rb") as f:
+                return reader(f)
+
+        return self._retry("read", key, read)
 
     def version(self, key: str) -> str:
         """The object's version (`version_of`), as a listing of its prefix would give it."""
-        return version_of(self._retry("look at", key, lambda: self.fs.info(self.path(key))))
+        def info() -> dict:
+            self.fs.invalidate_cache(self.path(key))
+            return self.fs.info(self.path(key))
+
+        return version_of(self._retry("look at", key, info))
+
+    def size(self, key: str) -> int:
+        return self._retry("look at", key, lambda: self.fs.size(self.path(key)))
 
     def exists(self, key: str) -> bool:
-        return self.fs.exists(self.path(key))
+        def exists() -> bool:
+            self.fs.invalidate_cache(self.path(key))
+            return self.fs.exists(self.path(key))
+
+        return self._retry("look at", key, exists)
+
+    def listing(self, prefix: str, suffix: str = "") -> dict[str, str]:
+        """{name: version} of the objects directly under `prefix/` ending in `suffix`, from one
+        listing (temporary files of local writers left out)."""
+        try:
+            entries = self._retry("list", prefix, lambda: self.fs.ls(self.path(prefix), detail=True, refresh=True))
+        except FileNotFoundError:
+            return {}
+        out = {}
+        for e in entries:
+            name = posixpath.basename(e["name"].rstrip("/"))
+            if name.endswith(suffix) and TMP_MARK not in name:
+                out[name] = version_of(e)
+        return dict(sorted(out.items()))
 
     def list(self, prefix: str, suffix: str = "", temporary: bool = False) -> list[str]:
         """Names (not keys) of the objects directly under `prefix/` ending in `suffix`, sorted;
         temporary files of local writers only with `temporary`."""
         try:
-            entries = self.fs.ls(self.path(prefix), detail=False, refresh=True)
+            entries = self._retry("list", prefix, lambda: self.fs.ls(self.path(prefix), detail=False, refresh=True))
         except FileNotFoundError:
             return []
-        except OSError as err:
-            raise StorageError(f"Could not list {self.key_url(prefix)}: {err}") from err
         names = (posixpath.basename(e.rstrip("/")) for e in entries)
         return sorted(n for n in names if n.endswith(suffix) and (temporary or TMP_MARK not in n))
 
@@ -250,7 +432,8 @@ class Output:
         request), so memory does not grow with the number of objects; elsewhere fsspec lists the
         prefix first."""
         path = self.path(key)
-        try:
+
+        def remove() -> None:
             if self.local:
                 if os.path.isdir(path):
                     shutil.rmtree(path)
@@ -260,10 +443,11 @@ class Output:
                 self._remove_s3(path)
             elif self.fs.exists(path):
                 self.fs.rm(path, recursive=True)
+
+        try:
+            self._retry("remove", key, remove)
         except FileNotFoundError:
             pass
-        except OSError as err:
-            raise StorageError(f"Could not remove {self.key_url(key)}: {err}") from err
 
     def _remove_s3(self, path: str) -> None:
         bucket, key, _ = self.fs.split_path(path)
@@ -277,8 +461,8 @@ class Output:
                 done = self.fs.call_s3("delete_objects", Bucket=bucket, Delete={"Objects": objects, "Quiet": True})
                 if done.get("Errors"):  # per-key failures come back in a 200 answer, not as an exception
                     first = done["Errors"][0]
-                    raise OSError(f"{len(done['Errors'])} key(s) not deleted, e.g. {first.get('Key')}: "
-                                  f"{first.get('Code')} {first.get('Message')}")
+                    raise PermissionError(f"{len(done['Errors'])} key(s) not deleted, e.g. {first.get('Key')}: "
+                                          f"{first.get('Code')} {first.get('Message')}")
         self.fs.call_s3("delete_object", Bucket=bucket, Key=key)  # the object at the key itself (absent: a no-op)
         self.fs.invalidate_cache(path)
 

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import torch
 
 from fleetgen import __version__
-from fleetgen.errors import FleetgenError, ShardError
+from fleetgen.errors import FleetgenError, ShardError, StorageError
 from offload import OffloadStats, apply, pipeline_modules, profile_pipeline
 from offload.apply import unapply
 from workers.batches import Adapter, Image, Look, Recipe, group_images, shard_images
@@ -42,7 +42,7 @@ from workers.probe import probe
 from workers.seeds import generators
 from workers.shard import Columns, Shard, read_shard
 from workers.sinks import open_sink
-from workers.storage import Output
+from workers.storage import Output, read_parquet
 
 WRITE_AHEAD = 2  # batches handed to the writer thread before the pipeline waits: one being written, one queued
 _ENCODE_ARGS = {"png": {"format": "PNG"}, "jpeg": {"format": "JPEG", "quality": 95}, "webp": {"format": "WEBP", "quality": 95}}
@@ -145,7 +145,7 @@ class Worker:
         # Adapters before profiling and offloading: their bytes are planned for and offloaded with their layers.
         self.adapters = load_adapters(self.pipe, spec.adapters, spec.name)
         self._active: tuple[Adapter, ...] | None = None
-        self.recipe = spec.settings.recipe(pipe_size_multiple(self.pipe))
+        self.recipe = spec.settings.recipe(pipe_size_multiple(self.pipe, self.family.size_floor))
         self.profile = profile_pipeline(self.pipe, spec.model)
         self.probe = probe(self.device, self.dtype)
         s = spec.settings
@@ -194,7 +194,12 @@ class Worker:
                 "offload": offload, "predicted_vs_measured": compare, "step_downs": list(self.step_downs)}
 
     def write_info(self) -> None:
-        self.output.put(worker_key(self.spec.name), json.dumps(self.describe(), indent=2).encode())
+        """`OUT/workers/<w>.json`. A status record: when the store does not take it, the work goes
+        on (the next shard writes it again)."""
+        try:
+            self.output.put(worker_key(self.spec.name), json.dumps(self.describe(), indent=2).encode())
+        except StorageError as err:
+            print(f"[fleetgen] {self.spec.name}: {worker_key(self.spec.name)} not written: {err}", flush=True)
 
     def run_shard(self, shard: Shard) -> ShardResult:
         """Generate a whole shard and commit it; returns its result."""
@@ -224,7 +229,7 @@ class Worker:
         todo = [im for im in images if im.id in redo]
         counts = Counter(im.row for im in images)  # images per row, for progress in rows
         sink = self._open_sink(shard, table, base, attempt)
-        won = False
+        won = unknown = False  # unknown: the commit may have landed; its staging must stay
         try:
             failures = 0
             for group in group_images(todo):
@@ -253,17 +258,27 @@ class Worker:
             sink.close()
             final = [records[im.id] for im in images]
             shard_counts = counts_of(final, table.num_rows)
-            won = commit_manifest(self.output, shard.id, self._manifest(final, table, [im.row for im in images], attempt,
-                                                                        shard_counts), base)
+            manifest = self._manifest(final, table, [im.row for im in images], attempt, shard_counts)
+            try:
+                won = commit_manifest(self.output, shard.id, manifest, base)
+            except StorageError as err:
+                unknown = True
+                raise ShardError(f"Shard {shard.id}: could not tell whether its commit landed ({err}); its staged "
+                                 "objects are kept for the driver to finish or remove") from err
             if not won:
                 self._give_up(sink, shard, attempt)
                 yield ShardResult(shard.id, name, 0, 0, time.perf_counter() - started, committed_by_other=True)
                 return
-            version = self.output.version(manifest_key(shard.id))  # before the move: nothing else replaces it
+            try:
+                version = self.output.version(manifest_key(shard.id))  # before the move: nothing else replaces it
+            except StorageError:
+                version = None  # the driver looks it up
             promote(self.output, shard.id, attempt, {r["image"] for r in final if r["image"]})
         finally:
-            if not won:  # lost, failed, or stopped (the generator closed): nothing of it stays
+            if not won and not unknown:  # lost, failed, or stopped (the generator closed): nothing of it stays
                 self._give_up(sink, shard, attempt)
+            elif unknown:
+                self._writer.cancel()
         fresh = [r for i, r in records.items() if i not in kept]  # what this attempt decided
         ok = sum(r["status"] == "ok" for r in fresh)
         self.stats["shards"] += 1
@@ -296,7 +311,7 @@ class Worker:
         except FileNotFoundError as err:
             raise ShardError(f"Shard {shard.id} has no committed manifest to retry the error rows of.") from err
         kept = set()
-        for old in pq.read_table(io.BytesIO(base), columns=MANIFEST_SCHEMA.names).to_pylist():
+        for old in read_parquet(base, columns=MANIFEST_SCHEMA.names).to_pylist():
             if old["id"] in records and old["status"] != "error":
                 records[old["id"]] = old
                 kept.add(old["id"])
