@@ -26,9 +26,9 @@ bench: $(VENV)/.installed
 # The GPU check (bench/gpu_check.py). On a CUDA machine with torch: `make gpu-check` (with the
 # overlay from `make gpu-wheelhouse` on PYTHONPATH where diffusers & co. are missing; see README).
 PYTHON ?= python3
-GPU_PYTHON ?= 3.11
+GPU_PYTHON ?= 3.12
 gpu-check:
-	$(PYTHON) bench/gpu_check.py --json gpu-check.json
+	$(PYTHON) bench/gpu_check.py --json $${OUT:-.}/gpu-check.json
 
 gpu-check-dry: $(VENV)/.installed
 	$(PY) bench/gpu_check.py --dry --json gpu-check-dry.json

@@ -1,44 +1,57 @@
 """Every CUDA path of fleetgen, run once on a real GPU: `make gpu-check` (no Ray).
 
   1. the `gpu`-marked tests (streams give the same latents; offload re-applied with streams
-     leaves no stale hook);
-  2. SDXL and FLUX.1-dev at their real sizes with random weights, built directly on the GPU from
+     leaves no stale hook), bounded by a timeout;
+  2. FLUX.1-dev, then SDXL, at their real sizes with random weights, built directly on the GPU from
      the configs in offload/architectures (tokenizers: the small in-memory ones, whose ids fit any
-     vocabulary). For each model: all resident, then for each budget (emulated with
-     `torch.cuda.set_per_process_memory_fraction`) the planner's choice, through the same `Worker`
-     a job uses (plan, apply, warm up, generate a shard, encode, write to a local output):
-     measured peak vs budget, measured vs predicted seconds per image, achieved host→device
-     GB/s, images/s relative to all resident, and any step-down;
+     vocabulary). For each model: all resident, then for each budget the planner's choice, through
+     the same `Worker` a job uses (plan, apply, warm up, generate a shard, encode, write to a local
+     output). A budget is emulated by capping PyTorch's allocator at the budget minus what the
+     process holds outside it (CUDA context, library handles, kernel images: measured at start), as
+     a real card of that size would offer. Per row: the allocated and reserved peaks against the
+     planner's predicted peak, measured vs predicted seconds per image (the cost model is
+     uncalibrated: the ratio is what calibrates it), the average host→device rate over the
+     generation (bytes moved ÷ generate time: not link bandwidth), images/s relative to all
+     resident, and any step-down;
   3. a real out-of-memory error: a worker planned all resident at batch 8, then held to what its
      weights take plus 512 MiB: it must step down (batch, then a leaner plan re-applied with
      streams) and still make every image.
 
-Writes one JSON file and prints a table. `--dry` runs the same code at tiny size on CPU (budgets
-scaled to the tiny models; the OOM is raised by a hook, as CPU memory cannot be capped): that is
-`make gpu-check-dry`, part of the test suite, so the script cannot rot.
+Each row is written to the JSON file as soon as it is measured (put it under `$OUT` on a lent
+machine: only that comes back), and each row and each model is guarded: a failure is recorded
+(type, message, the traceback's end) and the check goes on. Rows are skipped, and say so, once
+`--time-limit` seconds have passed. `--dry` runs the same code at tiny size on CPU (SDXL in float16,
+budgets scaled to the tiny models so that they offload; the OOM is raised by a hook, in SDXL's VAE
+decode): that is `make gpu-check-dry`, part of the test suite, so the script cannot rot.
 
-    python bench/gpu_check.py [--json gpu-check.json] [--budgets 8,12,16,24,48,80] [--steps 6]
-    python bench/gpu_check.py --dry
+    python3 bench/gpu_check.py [--json "$OUT/gpu-check.json"] [--budgets 8,16,24] [--host-memory 96GiB]
+    python3 bench/gpu_check.py --dry
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import logging
+import os
 import platform
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# The pipelines' own warnings ("some layers were not executed" from lazy prefetch) matter here.
+os.environ.setdefault("DIFFUSERS_VERBOSITY", "warning")
 
 from fleetgen.errors import FleetgenError  # noqa: E402
-from fleetgen.units import format_size  # noqa: E402
+from fleetgen.units import format_size, parse_size  # noqa: E402
 from jobs.sharding import plan_shards, read_footer, resolve_columns  # noqa: E402
 from offload.apply import offload_hooks  # noqa: E402
 from workers.shard import Columns  # noqa: E402
@@ -46,19 +59,54 @@ from workers.worker import GenerationSettings, Worker, WorkerSpec  # noqa: E402
 
 GiB = 2**30
 GPU_TESTS = ["tests/test_bench.py", "tests/test_gpu.py"]  # the files holding `gpu`-marked tests (no Ray imports)
-# model: (shipped architecture, family, dtype on CUDA, tiny builder for --dry)
-MODELS = {"sdxl": ("sdxl", "sdxl", torch.float16, "build_tiny_sdxl"),
-          "flux.1-dev": ("flux.1-dev", "flux", torch.bfloat16, "build_tiny_flux")}
+GPU_TESTS_TIMEOUT = 240  # seconds
+# model: (shipped architecture, family, dtype on CUDA, tiny builder and dtype for --dry)
+MODELS = {"sdxl": ("sdxl", "sdxl", torch.float16, "build_tiny_sdxl", torch.float16),
+          "flux.1-dev": ("flux.1-dev", "flux", torch.bfloat16, "build_tiny_flux", torch.float32)}
 OOM_HEADROOM = 512 * 2**20  # the forced OOM holds a worker to its weights plus this
+HOST_SHARE = 0.7  # of MemTotal, the default host budget on CUDA (MemAvailable reads low on a VM that grows on use)
+
+
+class _Once(logging.Filter):
+    """Each distinct library warning once (SDXL's pipeline warns at every call as it casts its VAE back)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message in self.seen:
+            return False
+        self.seen.add(message)
+        return True
+
+
+def meminfo() -> dict:
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return {k: int(info[k].split()[0]) * 1024 for k in ("MemTotal", "MemAvailable") if k in info}
+
+
+def release_host_cache() -> None:
+    """Pinned host blocks are cached, not freed, by torch's host allocator: give them back between models."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+        if empty is not None:
+            empty()
+        elif hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()
 
 
 def build(model: str, device: torch.device, dry: bool):
     import workers.tiny_model as tiny
 
-    architecture, family, dtype, tiny_builder = MODELS[model]
+    architecture, family, dtype, tiny_builder, tiny_dtype = MODELS[model]
     if dry:
         pipe = getattr(tiny, tiny_builder)(0, **({"guidance_embeds": True} if family == "flux" else {}))
-        return pipe, torch.float32
+        return pipe.to(tiny_dtype), tiny_dtype
     pipe = tiny.build_random_pipeline(architecture, device, dtype)
     pipe.to("cpu")  # where a loaded checkpoint starts: the worker's plan puts each part where it goes
     torch.cuda.empty_cache()
@@ -75,11 +123,16 @@ def write_prompts(path: Path, n: int) -> tuple[list, Columns]:
     return plan_shards(files, n), resolve_columns(files, Columns())
 
 
+def failure(err: BaseException) -> dict:
+    return {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}",
+            "traceback": traceback.format_exc().strip().splitlines()[-12:]}
+
+
 class Run:
     """One model's pipeline and the workers run on it."""
 
-    def __init__(self, model: str, args, device: torch.device, tmp: Path):
-        self.model, self.args, self.device, self.tmp = model, args, device, tmp
+    def __init__(self, model: str, args, device: torch.device, tmp: Path, overhead: int):
+        self.model, self.args, self.device, self.tmp, self.overhead = model, args, device, tmp, overhead
         self.cuda = device.type == "cuda"
         started = time.perf_counter()
         self.pipe, self.dtype = build(model, device, args.dry)
@@ -96,13 +149,17 @@ class Run:
         shards, columns = write_prompts(self.tmp / f"{self.model}-{self.count}.parquet", images)
         spec = WorkerSpec(name=f"w{self.count}", model=self.model, output=str(self.tmp / f"out-{self.model}-{self.count}"),
                           settings=self.settings, columns=columns, max_batch=max_batch, device=str(self.device),
-                          dtype=str(self.dtype).removeprefix("torch."), offload=offload, gpu_memory=budget)
+                          dtype=str(self.dtype).removeprefix("torch."), offload=offload, gpu_memory=budget,
+                          host_memory=self.args.host_bytes)
         return Worker(spec, pipe=self.pipe), shards
 
     def limit(self, budget: int | None) -> None:
+        """Cap the allocator at what a card of `budget` bytes leaves PyTorch: the budget minus the
+        memory this process holds outside the allocator."""
         if self.cuda:
             torch.cuda.empty_cache()
-            torch.cuda.set_per_process_memory_fraction(min(1.0, budget / self.total) if budget else 1.0)
+            cap = min(1.0, max(budget - self.overhead, 0) / self.total) if budget else 1.0
+            torch.cuda.set_per_process_memory_fraction(cap)
 
     def measure(self, label: str, offload: str, budget: int | None) -> dict:
         """The planner's choice for `budget` (None: all resident) run on one shard, as a job runs it."""
@@ -114,31 +171,36 @@ class Run:
             if self.cuda:
                 torch.cuda.reset_peak_memory_stats(self.device)
             result = worker.run_shard(shards[0])
-            info = worker.describe()
+            info = worker.describe()  # before close(): its peaks are this worker's
         except (FleetgenError, torch.OutOfMemoryError) as err:
-            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+            row.update(failure(err))
             return row
         finally:
             if worker is not None:
                 worker.close()
             self.limit(None)
         stats, plan, compare = info["stats"], info["plan"], info["predicted_vs_measured"]
-        moved = sum(c["bytes_onloaded"] for c in info["offload"]["components"].values())
-        peak = torch.cuda.max_memory_allocated(self.device) if self.cuda else None
+        offload_stats = info["offload"]
+        moved = sum(c["bytes_onloaded"] for c in offload_stats["components"].values())
+        predicted_peak = plan.get("peak_bytes") or None
+        allocated = offload_stats.get("peak_device_bytes")
         row.update(
             modes=plan["modes"], batch=plan["batch_size"], streams=any("stream" in m for m in plan["modes"].values()),
             images=result.ok, errors=result.errors, images_per_second=stats["images_per_second"],
-            seconds_per_image={"predicted": compare["seconds_per_image"]["predicted"],
+            seconds_per_image={"predicted_by_cost_model": compare["seconds_per_image"]["predicted"],
                                "measured": compare["seconds_per_image"]["measured"]},
-            peak_bytes={"predicted": plan.get("peak_bytes"), "measured": peak},
-            host_to_device_gb_per_s=round(moved / stats["generate_seconds"] / 1e9, 2) if moved else 0.0,
+            peak_allocated_bytes={"predicted": predicted_peak, "measured": allocated},
+            peak_reserved_bytes=offload_stats.get("peak_device_reserved_bytes"),
+            outside_allocator_bytes=self.overhead if self.cuda else None,
+            pinned_host_bytes={"planned": plan.get("pinned_bytes"), "measured": offload_stats.get("pinned_host_bytes")},
+            average_h2d_gb_per_s=round(moved / stats["generate_seconds"] / 1e9, 2) if moved else 0.0,
             step_downs=info["step_downs"],
         )
-        if budget and peak is not None:
-            row["peak_within_budget"] = peak <= budget
-        predicted, measured = row["seconds_per_image"]["predicted"], row["seconds_per_image"]["measured"]
+        if predicted_peak and allocated:
+            row["measured_over_predicted_peak"] = round(allocated / predicted_peak, 3)
+        predicted, measured = row["seconds_per_image"]["predicted_by_cost_model"], row["seconds_per_image"]["measured"]
         if predicted and measured:
-            row["measured_over_predicted"] = round(measured / predicted, 3)
+            row["measured_over_predicted_seconds"] = round(measured / predicted, 3)
         return row
 
     def forced_oom(self) -> dict:
@@ -153,21 +215,23 @@ class Run:
                 held = torch.cuda.memory_allocated(self.device) + OOM_HEADROOM
                 torch.cuda.set_per_process_memory_fraction(held / self.total)
                 row["held_to_bytes"] = held
-            else:  # CPU memory cannot be capped: the denoiser raises while the plan is all resident
-                denoiser = getattr(self.pipe, "transformer", None) or self.pipe.unet
+            else:  # CPU memory cannot be capped: raised while the plan is all resident, in SDXL's
+                # VAE decode (the upcast one: a failure there once left the VAE float32), else the denoiser
+                where = self.pipe.vae.decoder if self.family == "sdxl" else self.pipe.transformer
 
                 def oom_while_resident(module, args):
                     if set(worker.plan.to_dict()["modes"].values()) == {"resident"}:
                         raise torch.OutOfMemoryError("simulated out of memory (CPU dry run)")
 
-                simulated = denoiser.register_forward_pre_hook(oom_while_resident)
+                simulated = where.register_forward_pre_hook(oom_while_resident)
             result = worker.run_shard(shards[0])
             info = worker.describe()
             row["first_errors"] = manifest_errors(worker, shards[0])
             row.update(images=result.ok, errors=result.errors, step_downs=info["step_downs"],
                        final_modes=info["plan"]["modes"], final_batch=info["batch_size"],
                        offload_hooks=offload_hooks(self.pipe), simulated=not self.cuda,
-                       final_streams=any("stream" in m for m in info["plan"]["modes"].values()))
+                       final_streams=any("stream" in m for m in info["plan"]["modes"].values()),
+                       vae_dtype=str(self.pipe.vae.dtype).removeprefix("torch."))
         finally:
             if simulated is not None:
                 simulated.remove()
@@ -175,14 +239,13 @@ class Run:
             self.limit(None)
         row["hooks_after_close"] = offload_hooks(self.pipe)
         row["ok"] = (row["images"] == 8 and not row["errors"] and any("batch" in str(s["to"]) for s in row["step_downs"])
-                     and any(isinstance(s["to"], dict) for s in row["step_downs"]) and row["hooks_after_close"] == 0)
+                     and any(isinstance(s["to"], dict) for s in row["step_downs"]) and row["hooks_after_close"] == 0
+                     and row["vae_dtype"] == str(self.dtype).removeprefix("torch."))
         return row
 
 
 def manifest_errors(worker: Worker, shard, limit: int = 3) -> list[str]:
     """The first error messages of a shard's committed manifest."""
-
-
     from workers.layout import manifest_key
 
     table = worker.output.read_parquet(manifest_key(shard.id), ["error"])
@@ -191,98 +254,175 @@ def manifest_errors(worker: Worker, shard, limit: int = 3) -> list[str]:
 
 def gpu_tests() -> dict:
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *GPU_TESTS],
-                          cwd=ROOT, capture_output=True, text=True)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *GPU_TESTS],
+                              cwd=ROOT, capture_output=True, text=True, timeout=GPU_TESTS_TIMEOUT)
+    except subprocess.TimeoutExpired as err:
+        return {"returncode": "timeout", "summary": f"over {GPU_TESTS_TIMEOUT} s",
+                "output_tail": str(err.stdout or "")[-3000:], "seconds": round(time.perf_counter() - started, 1)}
     tail = (proc.stdout + proc.stderr).strip().splitlines()
     return {"returncode": proc.returncode, "summary": tail[-1] if tail else "", "seconds": round(time.perf_counter() - started, 1),
             "output_tail": "\n".join(tail[-30:]) if proc.returncode else ""}
 
 
 def budgets_for(run: Run, gib: list[float]) -> list[tuple[str, int]]:
-    """Budgets in bytes: as asked on CUDA; in a dry run, the same ratios to what all resident needs
-    (the all-resident need of a tiny model standing for 32 GiB)."""
+    """Budgets in bytes: as asked on CUDA. In a dry run a tiny model's activations dwarf its
+    weights, so budgets are placed between the leanest plan's need (at 0 GiB) and all resident at
+    batch 1 (at 48 GiB): the small ones must offload, as on a GPU."""
     if not run.args.dry:
         return [(f"{g:g} GiB", int(g * GiB)) for g in gib]
     from offload import DeviceSpec, Workload, plan, profile_pipeline
 
-    unlimited = DeviceSpec(budget=2**50, host_budget=2**50, streams=False)
     s = run.settings
-    need = plan(profile_pipeline(run.pipe), unlimited, Workload(width=s.width, height=s.height, steps=s.steps, cfg=True,
-                                                                 max_batch=run.args.max_batch, offload="none")).peak_bytes
-    return [(f"{g:g} GiB (scaled)", int(g / 32 * need)) for g in gib]
+    profile = profile_pipeline(run.pipe, vae_upcast=run.family == "sdxl")
+
+    def fits(budget: int, offload: str = "auto") -> bool:
+        work = Workload(width=s.width, height=s.height, steps=s.steps, cfg=True, max_batch=1, offload=offload)
+        try:
+            plan(profile, DeviceSpec(budget=budget, host_budget=2**50, streams=False), work)
+            return True
+        except FleetgenError:
+            return False
+
+    def least(offload: str) -> int:
+        low, high = 1, 2**40
+        while high - low > max(1, high // 1000):
+            low, high = (low, (low + high) // 2) if fits((low + high) // 2, offload) else ((low + high) // 2, high)
+        return high
+
+    leanest, resident = least("auto"), least("none")
+    return [(f"{g:g} GiB (scaled)", int(leanest + (resident - leanest) * min(g, 48) / 48 * 1.01)) for g in gib]
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["model        run              plan                                   batch  peak / budget          "
-             "s/image meas/pred  GB/s   vs resident"]
+    lines = ["model        run              plan                                   batch  peak alloc / predicted  "
+             "reserved   s/image meas/pred  avg H2D GB/s  vs resident"]
     for r in rows:
-        if "error" in r:
-            lines.append(f"{r['model']:12s} {r['run']:16s} {r['error'][:100]}")
+        if "error" in r or "skipped" in r:
+            lines.append(f"{r['model']:12s} {r['run']:16s} {(r.get('error') or r['skipped'])[:110]}")
             continue
         if r["run"] == "forced OOM":
             lines.append(f"{r['model']:12s} {r['run']:16s} {'ok' if r['ok'] else 'FAILED'}: {len(r['step_downs'])} step-downs "
-                         f"-> {r['final_modes']} batch {r['final_batch']}, {r['images']} images"
+                         f"-> {r['final_modes']} batch {r['final_batch']}, {r['images']} images, VAE {r['vae_dtype']}"
                          f"{' (simulated)' if r['simulated'] else ''}")
             continue
         modes = ",".join(f"{k}:{v}" for k, v in r["modes"].items() if v != "resident") or "all resident"
-        peak = r["peak_bytes"]["measured"]
-        budget = r.get("budget_bytes")
-        peak_text = (format_size(peak) if peak is not None else "-") + (f" / {format_size(budget)}" if budget else "")
+        peak = r["peak_allocated_bytes"]
+        peak_text = (format_size(peak["measured"]) if peak["measured"] is not None else "-") + \
+            (f" / {format_size(peak['predicted'])}" if peak["predicted"] else "")
+        reserved = format_size(r["peak_reserved_bytes"]) if r.get("peak_reserved_bytes") else "-"
         sp = r["seconds_per_image"]
-        ratio = r.get("measured_over_predicted")
-        lines.append(f"{r['model']:12s} {r['run']:16s} {modes[:38]:38s} {r['batch']:5d}  {peak_text:22s} "
+        ratio = r.get("measured_over_predicted_seconds")
+        lines.append(f"{r['model']:12s} {r['run']:16s} {modes[:38]:38s} {r['batch']:5d}  {peak_text:23s} {reserved:9s} "
                      f"{(sp['measured'] or 0):7.3f} {ratio if ratio is not None else '-':>9}  "
-                     f"{r['host_to_device_gb_per_s']:5.1f}  {r.get('vs_resident', '-')}")
+                     f"{r['average_h2d_gb_per_s']:12.1f}  {r.get('vs_resident', '-')}")
     return "\n".join(lines)
+
+
+class Results:
+    """The JSON file, rewritten after every row: a crash or a timeout keeps what was measured."""
+
+    def __init__(self, path: Path, header: dict):
+        self.path, self.data = path, {**header, "rows": []}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.write()
+
+    def write(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2, default=str))
+        tmp.replace(self.path)
+
+    def add(self, row: dict) -> dict:
+        self.data["rows"].append(row)
+        self.write()
+        print(table([row]).splitlines()[1], flush=True)
+        return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry", action="store_true", help="tiny models on CPU: checks the script, not the GPU")
-    parser.add_argument("--models", default="sdxl,flux.1-dev")
-    parser.add_argument("--budgets", default="8,12,16,24,48,80", help="GiB, emulated on one GPU")
+    parser.add_argument("--models", default="flux.1-dev,sdxl", help="in this order (the headline model first)")
+    parser.add_argument("--budgets", default="8,16,24", help="GiB, emulated on one GPU")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--images", type=int, default=4, help="images per measured shard")
     parser.add_argument("--max-batch", type=int, default=4)
+    parser.add_argument("--host-memory", help=f"host RAM per worker for offloaded copies (default on CUDA: "
+                        f"{HOST_SHARE:.0%} of MemTotal; a VM's MemAvailable may read low)")
+    parser.add_argument("--time-limit", type=float, default=480, help="seconds; rows after it are skipped (recorded)")
     parser.add_argument("--skip-tests", action="store_true")
-    parser.add_argument("--json", default="gpu-check.json")
+    parser.add_argument("--json", default=str(Path(os.environ.get("OUT", ".")) / "gpu-check.json"),
+                        help="written after every row (default $OUT/gpu-check.json, else ./gpu-check.json)")
     args = parser.parse_args()
+    from diffusers.utils import logging as diffusers_logging
+
+    diffusers_logging.get_logger("diffusers").addFilter(_Once())
+    for handler in logging.getLogger("diffusers").handlers:
+        handler.addFilter(_Once())
     if args.dry:
         args.images = min(args.images, 2)
+        args.budgets = args.budgets if args.budgets != "8,16,24" else "8,16,24,48"  # 48: resident, scaled
     cuda = torch.cuda.is_available() and not args.dry
     if not cuda and not args.dry:
         sys.exit("No CUDA device here: `make gpu-check-dry` runs the same script at tiny size on CPU.")
     device = torch.device("cuda" if cuda else "cpu")
+    mem = meminfo()
+    args.host_bytes = parse_size(args.host_memory, "--host-memory") if args.host_memory else (
+        int(mem["MemTotal"] * HOST_SHARE) if cuda else None)
+    overhead = 0
+    if cuda:
+        torch.cuda.init()
+        torch.empty(1, device=device)  # the context exists from here
+        free, total = torch.cuda.mem_get_info(device)
+        overhead = total - free - torch.cuda.memory_reserved(device)
     started = time.perf_counter()
-    result = {"device": torch.cuda.get_device_name(device) if cuda else "cpu (dry run)", "dry": args.dry,
-              "torch": torch.__version__, "python": platform.python_version(), "settings": vars(args), "rows": []}
+    results = Results(Path(args.json), {
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu (dry run)", "dry": args.dry,
+        "torch": torch.__version__, "python": platform.python_version(), "settings": vars(args), "meminfo": mem,
+        "outside_allocator_bytes": overhead})
     if not args.skip_tests:
-        result["gpu_tests"] = tests = gpu_tests()
+        results.data["gpu_tests"] = tests = gpu_tests()
+        results.write()
         print(f"gpu tests: {tests['summary']} ({tests['seconds']} s)", flush=True)
     with tempfile.TemporaryDirectory(prefix="fleetgen-gpu-check-") as tmp:
         for model in args.models.split(","):
-            run = Run(model, args, device, Path(tmp))
+            late = time.perf_counter() - started > args.time_limit
+            if late:
+                results.add({"model": model, "run": "all", "skipped": f"--time-limit {args.time_limit:g} s reached"})
+                continue
+            try:
+                run = Run(model, args, device, Path(tmp), overhead)
+                jobs = [("all resident", "none", None),
+                        *[(label, "auto", b) for label, b in budgets_for(run, [float(b) for b in args.budgets.split(",")])]]
+            except Exception as err:  # noqa: BLE001 - recorded; the next model runs
+                results.add({"model": model, "run": "build", **failure(err)})
+                continue
             print(f"{model}: built in {run.build_seconds} s", flush=True)
-            resident = run.measure("all resident", "none", None)
-            result["rows"].append(resident)
-            for label, budget in budgets_for(run, [float(b) for b in args.budgets.split(",")]):
-                row = run.measure(label, "auto", budget)
-                if resident.get("images_per_second") and row.get("images_per_second"):
+            resident = {}
+            for label, offload, budget in [*jobs, ("forced OOM", None, None)]:
+                if time.perf_counter() - started > args.time_limit:
+                    results.add({"model": model, "run": label, "skipped": f"--time-limit {args.time_limit:g} s reached"})
+                    continue
+                try:
+                    row = run.forced_oom() if label == "forced OOM" else run.measure(label, offload, budget)
+                except Exception as err:  # noqa: BLE001 - recorded; the next row runs
+                    row = {"model": model, "run": label, "budget_bytes": budget, **failure(err)}
+                    run.limit(None)
+                if label == "all resident":
+                    resident = row
+                elif resident.get("images_per_second") and row.get("images_per_second"):
                     row["vs_resident"] = round(row["images_per_second"] / resident["images_per_second"], 3)
-                result["rows"].append(row)
-                print(table([row]).splitlines()[1], flush=True)
-            result["rows"].append(run.forced_oom())
-            print(table(result["rows"][-1:]).splitlines()[1], flush=True)
+                results.add(row)
             del run
-            if cuda:
-                torch.cuda.empty_cache()
-    result["seconds"] = round(time.perf_counter() - started, 1)
-    print(table(result["rows"]))
-    print(f"{result['device']}: {result['seconds']} s")
-    Path(args.json).write_text(json.dumps(result, indent=2, default=str))
-    failed = [r for r in result["rows"] if r["run"] == "forced OOM" and not r["ok"]]
-    if result.get("gpu_tests", {}).get("returncode") not in (None, 0, 5) or failed:
+            release_host_cache()
+    results.data["seconds"] = round(time.perf_counter() - started, 1)
+    results.write()
+    print(table(results.data["rows"]))
+    print(f"{results.data['device']}: {results.data['seconds']} s -> {args.json}")
+    rows = results.data["rows"]
+    failed = [r for r in rows if (r["run"] == "forced OOM" and not r.get("ok")) or "error" in r]
+    if results.data.get("gpu_tests", {}).get("returncode") not in (None, 0, 5) or failed:
         sys.exit(1)
 
 

@@ -5,13 +5,13 @@ The packages the check imports (diffusers, transformers, pyarrow, ... at the ver
 this checkout's environment) are downloaded as wheels for the GPU machine's Python, installed into
 `gpu-overlay/` with no dependency resolution, pruned of what the check never loads (pyarrow's
 Flight, S3 and headers; hub's Xet transfer; tests and caches), and packed with xz.
-Packages the machine already has are left out: `--have` (by default what a torch image carries;
-`python bench/gpu_wheelhouse.py --probe` on the machine prints what it has).
+Packages the machine already has are left out: `--have` (by default what the lent H200 image has:
+everything but diffusers; `python3 bench/gpu_wheelhouse.py --probe` on the machine prints what it has).
 
-On the GPU machine:
-    tar -xJf gpu-overlay.tar.xz && PYTHONPATH=$PWD/gpu-overlay make gpu-check
+On the GPU machine (no `make` needed):
+    tar -xJf gpu-overlay.tar.xz && PYTHONPATH=$PWD/gpu-overlay python3 bench/gpu_check.py
 
-    python bench/gpu_wheelhouse.py [--python 3.11] [--have torch,numpy,...] [--out gpu-overlay.tar.xz]
+    python bench/gpu_wheelhouse.py [--python 3.12] [--have torch,numpy,...] [--out gpu-overlay.tar.xz]
     python bench/gpu_wheelhouse.py --probe      # on the GPU machine: its Python, torch, and the packages it has
 """
 
@@ -37,6 +37,11 @@ NEEDS = ["diffusers", "accelerate", "transformers", "tokenizers", "safetensors",
 # A torch wheel brings these (and CUDA libraries): left out unless asked for.
 TORCH_BRINGS = ["torch", "filelock", "typing_extensions", "fsspec", "jinja2", "markupsafe", "networkx", "sympy",
                 "mpmath", "setuptools", "triton"]
+# What the lent H200 image has (its probe: Python 3.12.3, torch 2.11, transformers 5.17, accelerate
+# 1.15, huggingface_hub 1.33, ... — ../shared/notes/gpu-check-review.md): all the check needs but
+# diffusers, whose wheel is pure Python and needs nothing the image lacks. An overlay of cp311 builds
+# on its PYTHONPATH would shadow its working cp312 numpy and pyarrow.
+H200_HAS = [n for n in dict.fromkeys([*NEEDS, *TORCH_BRINGS]) if n != "diffusers"]
 # Never loaded by the check: removed from the overlay (globs under it).
 PRUNE = ["pyarrow/libarrow_flight.so*", "pyarrow/_flight*.so", "pyarrow/libarrow_s3*.so*", "pyarrow/_s3fs*.so",
          "pyarrow/_substrait*.so", "pyarrow/libgandiva*", "pyarrow/_gandiva*.so",
@@ -86,7 +91,11 @@ def build(python: str, have: list[str], out: Path) -> dict:
         constraints = Path(tmp) / "constraints.txt"
         constraints.write_text("\n".join(line for line in freeze.splitlines() if "==" in line))
         wanted = [n for n in NEEDS if _key(n) not in have_keys]
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "--python-version", python,
+        # Only what is missing, its dependencies being there (the H200 case: diffusers alone), or the
+        # whole closure for a torch-only image.
+        no_deps = ["--no-deps"] if len(wanted) < len(NEEDS) // 2 else []
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", *no_deps, "--only-binary=:all:",
+                        "--python-version", python,
                         "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
                         "--platform", "manylinux2014_x86_64", "-c", str(constraints), "-d", str(wheels),
                         *pinned(wanted)], check=True)
@@ -109,9 +118,10 @@ def build(python: str, have: list[str], out: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--probe", action="store_true", help="print what this machine has (run it on the GPU machine)")
-    parser.add_argument("--python", default="3.11", help="the GPU machine's Python (major.minor)")
-    parser.add_argument("--have", default=",".join(TORCH_BRINGS),
-                        help="packages the GPU machine has already (left out), comma-separated")
+    parser.add_argument("--python", default="3.12", help="the GPU machine's Python (major.minor; the lent H200: 3.12)")
+    parser.add_argument("--have", default=",".join(H200_HAS),
+                        help="packages the GPU machine has already (left out), comma-separated; default: what the "
+                        "lent H200 image has (all but diffusers); a torch-only image: --have " + ",".join(TORCH_BRINGS))
     parser.add_argument("--out", default="gpu-overlay.tar.xz")
     args = parser.parse_args()
     if args.probe:

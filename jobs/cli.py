@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                                          guidance=args.guidance, true_cfg_scale=args.true_cfg_scale,
                                          max_batch=args.max_batch, offload=args.offload)
             summary, rows = plan_rows(args.model, args.gpu_memory, args.host_memory, args.dtype or family.dtype, work,
-                                      bandwidth=args.bandwidth * 1e9)
+                                      bandwidth=args.bandwidth * 1e9, vae_upcast=family.upcasts_vae)
             summary["family"] = family.name
             print_plans(summary, rows, args.json)
             return 0 if all("error" not in r for r in rows) else EXIT_INCOMPLETE

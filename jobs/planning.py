@@ -26,9 +26,11 @@ def plan_workload(model: str, *, width: int, height: int, steps: int | None, gui
 
 
 def plan_rows(model: str, budgets: list[str], host_memory: str | None, dtype: str, work: Workload,
-              bandwidth: float = ASSUMED_BANDWIDTH, flops: float = ASSUMED_FLOPS) -> tuple[dict, list[dict]]:
-    """(the profile summary, one row per budget: the plan or the reason nothing fits)."""
-    profile = profile_modules(model, build_on_meta(model), DTYPES[dtype])
+              bandwidth: float = ASSUMED_BANDWIDTH, flops: float = ASSUMED_FLOPS,
+              vae_upcast: bool = False) -> tuple[dict, list[dict]]:
+    """(the profile summary, one row per budget: the plan or the reason nothing fits). `vae_upcast`:
+    the family's pipeline decodes in float32 (SDXL): its VAE is counted so."""
+    profile = profile_modules(model, build_on_meta(model), DTYPES[dtype], vae_upcast=vae_upcast)
     host = parse_size(host_memory, "--host-memory") if host_memory else int(host_available_bytes() * 0.8)
     rows = []
     for text in budgets:

@@ -112,7 +112,9 @@ def _candidates(c: ComponentProfile, device: DeviceSpec, offload: str) -> list[P
         return [Placement("resident")]
     block = [Placement("block", k) for k in (1, 2, 4) if k == 1 or k <= len(c.blocks)]
     leaf = [Placement("leaf")]
-    if device.streams:
+    # A component the pipeline upcasts is never streamed: onload copies its pinned float16 copy,
+    # whatever `.to(float32)` did, and float32 inputs meet float16 weights.
+    if device.streams and not c.upcast:
         block.append(Placement("block", 1, stream=True))
         leaf.append(Placement("leaf", stream=True))
     disk = [] if c.adapters else [Placement("block", 1, disk=True)]  # LoRA + disk: wrong images (notes)
@@ -144,7 +146,7 @@ def _tokens(c: ComponentProfile, prof: PipelineProfile, w: Workload) -> int:
 def _activations(c: ComponentProfile, prof: PipelineProfile, w: Workload) -> int:
     """Estimated activation bytes per image while `c` runs."""
     if c.name == "vae":
-        return w.width * w.height * prof.vae_channels * prof.dtype_bytes * VAE_ACT_FACTOR
+        return w.width * w.height * prof.vae_channels * (prof.vae_dtype_bytes or prof.dtype_bytes) * VAE_ACT_FACTOR
     cfg = 2 if c.per_step and w.cfg else 1
     return _tokens(c, prof, w) * max(c.hidden, 1) * prof.dtype_bytes * ACT_FACTOR * cfg
 
@@ -191,9 +193,10 @@ def _options(c: ComponentProfile, prof: PipelineProfile, device: DeviceSpec, w: 
     out = []
     for p in _candidates(c, device, w.offload):
         off = p.mode != "resident"
+        pinned = (c.pinned or c.bytes) if p.stream else 0  # the pinned copy is the host copy with streams
         out.append(_Option(
             placement=p, resident=0 if off else c.bytes, phase=_floor(c, p) + acts,
-            host=c.bytes if off and not p.disk else 0, pinned=c.bytes if p.stream else 0,
+            host=pinned or (c.bytes if off and not p.disk else 0), pinned=pinned,
             seconds=_call_seconds(c, p, prof, w, device, batch), moved=c.bytes * forwards if off else 0,
         ))
     return [o for o in out if not any(x.dominates(o) for x in out)]

@@ -36,6 +36,9 @@ class ComponentProfile:
     tied: bool  # shares a weight between modules (refused with leaf level + disk)
     hidden: int  # width of the main activations (for activation estimates)
     adapters: bool = False  # holds LoRA layers (never offloaded to disk: diffusers computes wrong images)
+    upcast: bool = False  # the pipeline casts it to float32 to run it (SDXL's VAE): counted at 4 bytes, never streamed
+    pinned: int = 0  # host bytes of its page-locked copy with streams: torch's host allocator rounds each tensor
+    #                  up to a power of two (FLUX's transformer: 23.8 GB of weights, 37.2 GB pinned); 0: `bytes`
 
     def block_floor(self, k: int) -> int:
         """Device bytes while running at block level with `k` blocks per group."""
@@ -52,6 +55,7 @@ class PipelineProfile:
     vae_scale: int  # pixels per latent pixel
     vae_channels: int  # channels of the VAE decoder's full-resolution feature maps
     patch: int  # latent pixels per token (transformers); 1 for UNets
+    vae_dtype_bytes: int = 0  # bytes per value of the VAE's decode (4 when the pipeline upcasts it); 0: dtype_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -61,6 +65,18 @@ class PipelineProfile:
 def _tensor_bytes(t: torch.Tensor, dtype_bytes: int) -> int:
     size = dtype_bytes if t.is_floating_point() else t.element_size()
     return t.numel() * size
+
+
+def _pinned_bytes(module: torch.nn.Module, dtype_bytes: int) -> int:
+    """What pinning every tensor of `module` takes: each is one host allocation, rounded up to a
+    power of two by torch's CachingHostAllocator (and cached, not freed, when released)."""
+    total, seen = 0, set()
+    for t in [*module.parameters(recurse=True), *module.buffers(recurse=True)]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            size = _tensor_bytes(t, dtype_bytes)
+            total += 1 << max(size - 1, 0).bit_length() if size else 0
+    return total
 
 
 def _bytes(module: torch.nn.Module, dtype_bytes: int, seen: set[int] | None = None) -> int:
@@ -114,7 +130,7 @@ def _width(module: torch.nn.Module) -> int:
     return max((m.out_features for m in module.modules() if isinstance(m, torch.nn.Linear)), default=0)
 
 
-def profile_component(name: str, module: torch.nn.Module, dtype_bytes: int) -> ComponentProfile:
+def profile_component(name: str, module: torch.nn.Module, dtype_bytes: int, upcast: bool = False) -> ComponentProfile:
     explicit = getattr(module, "_group_offload_block_modules", None)
     block_modules = tuple(explicit) if explicit is not None else text_encoder_block_modules(module)
     seen: set[int] = set()
@@ -130,7 +146,7 @@ def profile_component(name: str, module: torch.nn.Module, dtype_bytes: int) -> C
         per_step=name in PER_STEP, blocks=tuple(blocks), unmatched=total - sum(blocks),
         largest_leaf=max(leaf_sizes, default=0), leaves=len(leaves), non_leaf=max(0, total - sum(leaf_sizes)),
         block_modules=block_modules, tied=len(ids) != len(set(ids)), hidden=hidden,
-        adapters=bool(getattr(module, "peft_config", None)),
+        adapters=bool(getattr(module, "peft_config", None)), upcast=upcast, pinned=_pinned_bytes(module, dtype_bytes),
     )
 
 
@@ -140,14 +156,19 @@ def _config_value(module: torch.nn.Module | None, key: str, default: int) -> int
     return value if isinstance(value, int) else default
 
 
-def profile_modules(model: str, modules: dict[str, torch.nn.Module], dtype: torch.dtype) -> PipelineProfile:
+def profile_modules(model: str, modules: dict[str, torch.nn.Module], dtype: torch.dtype,
+                    vae_upcast: bool = False) -> PipelineProfile:
+    """`vae_upcast`: the pipeline runs its VAE in float32 when the run dtype is float16 and the VAE's
+    config says `force_upcast` (the family says whether its pipeline does: SDXL's does)."""
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     vae = modules.get("vae")
     denoiser = next((modules[n] for n in PER_STEP if n in modules), None)
     vae_blocks = getattr(getattr(vae, "config", None), "block_out_channels", None) or [0, 0, 0, 0]
+    upcast = vae_upcast and dtype == torch.float16 and bool(getattr(getattr(vae, "config", None), "force_upcast", False))
     return PipelineProfile(
-        model=model, dtype_bytes=dtype_bytes,
-        components={n: profile_component(n, m, dtype_bytes) for n, m in modules.items()},
+        model=model, dtype_bytes=dtype_bytes, vae_dtype_bytes=4 if upcast else dtype_bytes,
+        components={n: profile_component(n, m, 4 if upcast and n == "vae" else dtype_bytes, upcast and n == "vae")
+                    for n, m in modules.items()},
         latent_channels=_config_value(vae, "latent_channels", 4),
         vae_scale=2 ** (len(vae_blocks) - 1),
         vae_channels=vae_blocks[0] or 128,
@@ -155,7 +176,10 @@ def profile_modules(model: str, modules: dict[str, torch.nn.Module], dtype: torc
     )
 
 
-def profile_pipeline(pipe, model: str = "") -> PipelineProfile:
+def profile_pipeline(pipe, model: str = "", vae_upcast: bool = False) -> PipelineProfile:
+    """The run dtype is the denoiser's (the first component's could be a VAE a failed call left
+    upcast, or a text encoder kept in float32)."""
     modules = {n: c for n, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
-    dtype = next((p.dtype for m in modules.values() for p in m.parameters() if p.is_floating_point()), torch.float32)
-    return profile_modules(model or getattr(pipe, "name_or_path", ""), modules, dtype)
+    ordered = [modules[n] for n in PER_STEP if n in modules] + list(modules.values())
+    dtype = next((p.dtype for m in ordered for p in m.parameters() if p.is_floating_point()), torch.float32)
+    return profile_modules(model or getattr(pipe, "name_or_path", ""), modules, dtype, vae_upcast)

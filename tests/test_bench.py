@@ -1,6 +1,7 @@
 """The benchmark scripts keep working (they are how BENCHMARKS.md is made)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -53,13 +54,32 @@ def test_gpu_check_dry_run_takes_every_path_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["gpu_tests"]["returncode"] == 5 or "skipped" in result["gpu_tests"]["summary"]
+    assert [r["model"] for r in result["rows"]][0] == "flux.1-dev"  # the headline model first
     for model in ("sdxl", "flux.1-dev"):
         rows = {r["run"]: r for r in result["rows"] if r["model"] == model}
+        assert not any("error" in r for r in rows.values()), rows
         assert rows["all resident"]["images"] == 2 and rows["all resident"]["batch"] >= 2
         measured = [r for r in rows.values() if "images" in r and r["run"].endswith("(scaled)")]
         assert len(measured) >= 4 and all(r["images"] == 2 and r["images_per_second"] > 0 for r in measured)
         assert all(r["seconds_per_image"]["measured"] > 0 for r in measured)
+        assert any(set(r["modes"].values()) != {"resident"} for r in measured)  # an offloaded row is measured
         oom = rows["forced OOM"]
         assert oom["ok"] and oom["images"] == 8 and oom["hooks_after_close"] == 0
         assert set(oom["final_modes"].values()) != {"resident"}
+    # SDXL in float16 with the OOM raised in its upcast VAE decode: the VAE is float16 again after
+    sdxl_oom = next(r for r in result["rows"] if r["model"] == "sdxl" and r["run"] == "forced OOM")
+    assert sdxl_oom["vae_dtype"] == "float16"
     assert "forced OOM" in proc.stdout and "s/image" in proc.stdout
+
+
+def test_gpu_check_writes_every_row_as_it_goes_and_skips_past_its_time_limit(tmp_path):
+    """On a lent GPU only `$OUT` comes back: the JSON is there from the start and after each row;
+    past `--time-limit`, rows are recorded as skipped instead of running past the session."""
+    out = tmp_path / "OUT"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry", "--skip-tests",
+                           "--time-limit", "0", "--models", "sdxl"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OUT": str(out)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((out / "gpu-check.json").read_text())
+    assert result["rows"] == [{"model": "sdxl", "run": "all", "skipped": "--time-limit 0 s reached"}]
+    assert result["meminfo"]["MemTotal"] > 0 and "seconds" in result

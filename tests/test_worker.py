@@ -208,6 +208,106 @@ def test_out_of_memory_steps_down_batch_then_plan(tiny_model, shard_input, tmp_p
     assert info["step_downs"] == worker.step_downs and info["plan"]["modes"]["unet"] != "resident"
 
 
+def test_an_oom_in_the_sdxl_decode_leaves_the_vae_as_it_was(shard_input, tmp_path):
+    """SDXL's pipeline casts its float16 VAE to float32 for the decode and back only on success: an
+    OOM in the decode once left it float32, and every later call failed ("Input type (c10::Half)
+    and bias type (float)"), the whole shard with it. Now the step-down's smaller batch succeeds."""
+    import torch
+
+    from workers.tiny_model import build_tiny_sdxl
+
+    shard, _ = shard_input
+    pipe = build_tiny_sdxl(0).to(torch.float16)
+    settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64, family="sdxl")
+    worker = Worker(WorkerSpec("w0", "tiny-sdxl", str(tmp_path), settings, Columns("prompt", "id", None, None),
+                               max_batch=3, device="cpu", dtype="float16"), pipe=pipe)
+    assert worker.profile.components["vae"].upcast and worker.profile.dtype_bytes == 2
+    calls = []
+
+    def oom_in_the_first_decode(module, args):
+        calls.append(module.conv_in.weight.dtype)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected in the VAE decode)")
+
+    worker.pipe.vae.decoder.register_forward_pre_hook(oom_in_the_first_decode)
+    result = worker.run_shard(shard)
+    assert (result.ok, result.errors) == (3, 2), worker.step_downs
+    assert calls[0] == torch.float32  # the decode does run upcast ...
+    assert worker.pipe.vae.dtype == torch.float16  # ... and the VAE is back where it was
+    assert worker.step_downs[0]["reason"].startswith("out of memory at batch 3")
+    worker.close()
+
+
+def test_an_oom_retry_starts_with_the_failed_attempts_memory_freed(tiny_model, shard_input, tmp_path):
+    """The step-down and retry run after the `except`: the failed call's frames (and tensors) are gone
+    by then, so `empty_cache()` can release them. Inside the handler the traceback kept them alive."""
+    import weakref
+
+    import torch
+
+    shard, _ = shard_input
+    worker = make_worker(tiny_model, tmp_path, max_batch=2)
+    held: list[weakref.ref] = []
+    alive_at_retry: list[bool] = []
+
+    def fail_once(module, args):
+        if not held:
+            activations = torch.empty(1 << 20)  # what a failed forward holds when the OOM is raised
+            held.append(weakref.ref(activations))
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        if not alive_at_retry:
+            alive_at_retry.append(held[0]() is not None)
+
+    worker.pipe.unet.register_forward_pre_hook(fail_once)
+    assert worker.run_shard(shard).ok == 3
+    assert alive_at_retry == [False]
+
+
+def test_an_oom_raised_as_a_runtime_error_steps_down_too(tiny_model, shard_input, tmp_path):
+    """cuBLAS/cuDNN workspaces and pinning host memory fail with a plain RuntimeError."""
+    shard, _ = shard_input
+    worker = make_worker(tiny_model, tmp_path, max_batch=2)
+    raised = []
+
+    def fail_once(module, args):
+        if not raised:
+            raised.append(1)
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+
+    worker.pipe.unet.register_forward_pre_hook(fail_once)
+    assert worker.run_shard(shard).ok == 3
+    assert worker.step_downs and worker.step_downs[0]["to"] == "batch 1"
+
+
+def test_a_worker_that_cannot_start_leaves_a_given_pipeline_without_hooks(tmp_path):
+    """bench/gpu_check.py hands one pipeline to many workers: one that fails after applying its plan
+    must not leave its hooks (the next plan would keep them) or its parts on the device."""
+    from fleetgen.errors import OffloadError
+    from offload.apply import offload_hooks
+    from workers.tiny_model import build_tiny_flux
+
+    pipe = build_tiny_flux()
+    settings = GenerationSettings(steps=2, guidance=3.5, width=64, height=64, family="flux")
+    spec = WorkerSpec("w0", "tiny-flux", str(tmp_path), settings, Columns("prompt", "id", None, None), device="cpu",
+                      offload="block", gpu_memory=2**30)
+    import workers.worker
+
+    real = workers.worker.OffloadStats
+
+    def failing(*args, **kwargs):  # fails after the plan was applied, as a warm-up OOM would
+        raise OffloadError("injected: could not start")
+
+    workers.worker.OffloadStats = failing
+    try:
+        with pytest.raises(OffloadError, match="injected"):
+            Worker(spec, pipe=pipe)
+    finally:
+        workers.worker.OffloadStats = real
+    assert offload_hooks(pipe) == 0
+    Worker(spec, pipe=pipe).close()  # the same pipeline takes a plan again
+    assert offload_hooks(pipe) == 0
+
+
 @pytest.mark.parametrize("strict", [False, True])
 def test_long_prompts_are_truncated_and_noted_or_refused(tiny_model, tmp_path, strict):
     long = " ".join(["a red fox in the forest"] * 20)  # 120 words: more than CLIP's 77 tokens

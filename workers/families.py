@@ -34,6 +34,10 @@ class Family:
     # SD, SDXL and PixArt pipelines refuse sizes that are not multiples of 8); the VAE scale x patch
     # multiple of the model is added to it (workers/model_dir.py, workers/pipeline.py).
     size_floor: int = 8
+    # The pipeline decodes with its VAE cast to float32 when the run dtype is float16 and the VAE's
+    # config says `force_upcast` (SDXL): the planner counts that VAE at 4 bytes per weight and
+    # activation, and never streams it (its pinned copy would stay float16).
+    upcasts_vae: bool = False
 
     def doubles_batch(self, guidance: float, true_cfg_scale: float | None) -> bool:
         """Whether the denoiser runs on twice the images per step."""
@@ -55,7 +59,7 @@ FAMILIES = {f.name: f for f in (
            tokenizer="tokenizer", max_sequence_length=None, cfg=True, note="SD 1.x/2.x; CLIP reads 77 tokens"),
     Family("sdxl", ("StableDiffusionXLPipeline",), steps=30, guidance=5.0, dtype="float16",
            negative="negative_prompt", tokenizer="tokenizer_2", max_sequence_length=None, cfg=True,
-           note="two CLIP encoders, 77 tokens each"),
+           note="two CLIP encoders, 77 tokens each", upcasts_vae=True),
     Family("sd3", ("StableDiffusion3Pipeline",), steps=28, guidance=7.0, dtype="bfloat16", negative="negative_prompt",
            tokenizer="tokenizer_3", max_sequence_length=256, cfg=True,
            note="CLIP encoders read 77 tokens, T5 reads up to 256"),

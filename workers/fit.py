@@ -2,12 +2,43 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from fleetgen.errors import OffloadError
 from offload import DeviceSpec, OffloadPlan, PipelineProfile, Workload, plan, resident_plan
 
 HOST_SHARE = 0.8  # of available host RAM a worker may fill with offloaded copies
+# How CUDA libraries word an allocation failure they raise as a plain RuntimeError (cuBLAS and cuDNN
+# workspaces, pinning host memory): the same step-down as `torch.OutOfMemoryError`.
+OOM_WORDS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED", "cudaErrorMemoryAllocation",
+             "CUDA_ERROR_OUT_OF_MEMORY")
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and any(w in str(err) for w in OOM_WORDS))
+
+
+def _dtype(module: torch.nn.Module) -> torch.dtype | None:
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+
+
+@contextmanager
+def components_dtypes_kept(pipe):
+    """Every component keeps its dtype whatever happens in a pipeline call. SDXL's pipeline casts
+    its float16 VAE to float32 for the decode and back only when the decode succeeds: after an OOM
+    there, every later call would fail ("Input type (c10::Half) and bias type (float)") and the
+    profile would read 4-byte weights."""
+    modules = {n: m for n, m in getattr(pipe, "components", {}).items() if isinstance(m, torch.nn.Module)}
+    before = {n: _dtype(m) for n, m in modules.items()}
+    try:
+        yield
+    finally:
+        for name, module in modules.items():
+            if before[name] is not None and _dtype(module) != before[name]:
+                module.to(dtype=before[name])
 STEP_DOWN = 0.75  # after an OOM at batch 1, re-plan for this fraction of the previous budget
 
 

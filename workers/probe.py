@@ -30,10 +30,13 @@ def _bandwidth(device: torch.device, size: int = 256 * 2**20) -> float:
     return 4 * size / (time.perf_counter() - start)
 
 
-def _flops(device: torch.device, dtype: torch.dtype, n: int = 4096) -> float:
+def _flops(device: torch.device, dtype: torch.dtype, n: int = 8192) -> float:
+    """Matmul FLOP/s at the run dtype. Warmed up first: an idle GPU clocks low, and 8 products of
+    4096³ (~1.5 ms on an H100) read as a fraction of its speed, differently per worker."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    a @ b
+    for _ in range(3):
+        a @ b
     torch.cuda.synchronize(device)
     start = time.perf_counter()
     for _ in range(8):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import posixpath
 import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -198,17 +199,18 @@ class Output:
         why in one line (a file where the directory should be, no write permission, no
         credentials, an endpoint that does not answer)."""
         if self.local:
-            if os.path.exists(self.root) and not os.path.isdir(self.root):
-                raise StorageError(f"`--output` {self.url} is a file, not a directory. Pass a directory (it is "
-                                   "created if absent).")
-            probe = self.path(f".fleetgen-probe-{uuid.uuid4().hex[:8]}")
+            # Nothing is created here: the nearest directory that exists must take a new entry.
+            existing = self.root
+            while not os.path.lexists(existing):
+                existing = os.path.dirname(existing)
+            if not os.path.isdir(existing):
+                what = "is a file" if existing == self.root else f"is under {existing}, a file"
+                raise StorageError(f"`--output` {self.url} {what}, not a directory. Pass a directory (it is created "
+                                   "if absent).")
             try:
-                os.makedirs(self.root, exist_ok=True)
-                with open(probe, "wb"):
-                    pass
-                os.remove(probe)
+                os.rmdir(tempfile.mkdtemp(prefix=".fleetgen-probe-", dir=existing))
             except OSError as err:
-                raise StorageError(f"`--output` {self.url} is not writable: {one_line(err)}") from err
+                raise StorageError(f"`--output` {self.url} is not writable ({existing}: {one_line(err)}).") from err
             return
         self._retry("reach", "", lambda: self.fs.exists(self.path("job.json")), attempts=2)
 

@@ -3,6 +3,7 @@ this plain class in an actor, and a benchmark or a test can use it directly."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import io
 import json
@@ -21,13 +22,13 @@ import pyarrow.parquet as pq
 import torch
 
 from fleetgen import __version__
-from fleetgen.errors import FleetgenError, ShardError, StorageError
+from fleetgen.errors import FleetgenError, OffloadError, ShardError, StorageError, one_line
 from offload import OffloadStats, apply, pipeline_modules, profile_pipeline
 from offload.apply import unapply
 from workers.batches import Adapter, Image, Look, Recipe, group_images, shard_images
 from workers.commit import ATTEMPT_KEY, COUNTS_KEY, commit_manifest, counts_of, discard, promote, staging
 from workers.families import FAMILIES, GENERIC, call_kwargs, prompt_limit, takes_negative_prompt
-from workers.fit import choose_plan, leaner_plan
+from workers.fit import choose_plan, components_dtypes_kept, is_out_of_memory, leaner_plan
 from workers.layout import MANIFEST_SCHEMA, manifest_key, worker_key
 from workers.pipeline import (
     activate_adapters,
@@ -146,7 +147,7 @@ class Worker:
         self.adapters = load_adapters(self.pipe, spec.adapters, spec.name)
         self._active: tuple[Adapter, ...] | None = None
         self.recipe = spec.settings.recipe(pipe_size_multiple(self.pipe, self.family.size_floor))
-        self.profile = profile_pipeline(self.pipe, spec.model)
+        self.profile = profile_pipeline(self.pipe, spec.model, vae_upcast=self.family.upcasts_vae)
         self.probe = probe(self.device, self.dtype)
         s = spec.settings
         width, height = spec.plan_size or (s.width, s.height)
@@ -154,14 +155,23 @@ class Worker:
                      "cfg": self.family.doubles_batch(s.guidance, s.true_cfg_scale), "host_memory": spec.host_memory}
         self.plan = choose_plan(self.profile, self.device, self.probe, max_batch=spec.max_batch,
                                 gpu_memory=spec.gpu_memory, **self._fit)
-        self.placed = apply(self.pipe, self.plan, self.profile, self.device, tag=spec.name)
-        if self.device.type == "cuda":  # kernels, allocator and stream prefetch order settle on a first call
-            self.pipe(**self._kwargs(["warm up"], [None], Look(width, height, 1, s.guidance), generator=None))
-            torch.cuda.reset_peak_memory_stats(self.device)
-        self.offload_stats = OffloadStats(pipeline_modules(self.pipe), self.device)
+        self.placed = None
+        self.step_downs: list[dict] = []
+        try:
+            self.placed = apply(self.pipe, self.plan, self.profile, self.device, tag=spec.name)
+            self.offload_stats = OffloadStats(pipeline_modules(self.pipe), self.device)
+            if self.device.type == "cuda":  # kernels, allocator and stream prefetch order settle on a first call
+                self._warm_up(Look(width, height, 1, s.guidance))
+        except BaseException:
+            # A worker that cannot start leaves a pipeline it was given as it came (no hooks, on the CPU):
+            # the next plan applied to it must not find this one's hooks.
+            if self._given:
+                unapply(self.pipe, self.placed)
+            elif self.placed is not None:
+                self.placed.close()
+            raise
         self.batch_size = self.plan.batch_size
         self._writer = _Writer()
-        self.step_downs: list[dict] = []
         self.stats = {"shards": 0, "images": 0, "errors": 0, "generate_seconds": 0.0}
         self.info = {
             "worker": spec.name,
@@ -378,23 +388,51 @@ class Worker:
         else:
             record["warning"] = "; ".join(filter(None, [record["warning"], f"prompt truncated to {limit} of {n} tokens"]))
 
+    def _warm_up(self, look: Look) -> None:
+        """One image through the pipeline, so that kernels, the allocator and the streams' prefetch
+        order settle before anything is timed. An OOM here steps the plan down, as in a shard."""
+        while True:
+            oom = None
+            try:
+                with components_dtypes_kept(self.pipe):
+                    self.pipe(**self._kwargs(["warm up"], [None], look, generator=None))
+                torch.cuda.reset_peak_memory_stats(self.device)
+                return
+            except Exception as err:  # noqa: BLE001 - only an OOM is handled; the rest is raised
+                if not is_out_of_memory(err):
+                    raise
+                oom = one_line(err)
+            # outside the `except`: the failed call's frames, and the memory they hold, are gone
+            if not self._step_down(1, oom):
+                raise OffloadError(f"{self.spec.name}: out of memory warming up with the leanest plan: {oom}")
+
     def _generate(self, batch: list[Image]) -> tuple[list[_Made], dict[str, str]]:
         """Run one pipeline call; if it raises, run its images one at a time so that one bad row
-        costs only itself. Returns what was made and `{image id: error message}`."""
+        costs only itself. Returns what was made and `{image id: error message}`.
+
+        Recovery runs after the `try` statement, never inside the `except`: an exception's traceback
+        holds the frames of the failed call and every tensor they made, so inside the handler
+        `empty_cache()` frees nothing and the retry would start with the failed attempt's memory
+        still allocated (PyTorch FAQ, "My out of memory exception handler can't allocate memory")."""
+        oom = failure = None
         try:
             return self._call(batch), {}
-        except torch.OutOfMemoryError as err:
-            if not self._step_down(len(batch), err):
-                return [], {r.id: f"OutOfMemoryError at batch 1 with the leanest plan: {err}" for r in batch}
+        except Exception as err:  # noqa: BLE001 - any pipeline failure is retried row by row
+            if is_out_of_memory(err):
+                oom = one_line(err)
+            else:
+                failure = f"{type(err).__name__}: {err}"
+        if oom is not None:
+            if not self._step_down(len(batch), oom):
+                return [], {r.id: f"OutOfMemoryError at batch 1 with the leanest plan: {oom}" for r in batch}
             made, failed = [], {}
             for j in range(0, len(batch), self.batch_size):
                 m, f = self._generate(batch[j : j + self.batch_size])
                 made += m
                 failed.update(f)
             return made, failed
-        except Exception as err:  # noqa: BLE001 - any pipeline failure is retried row by row
-            if len(batch) == 1:
-                return [], {batch[0].id: f"{type(err).__name__}: {err}"}
+        if len(batch) == 1:
+            return [], {batch[0].id: failure}
         made, failed = [], {}
         for im in batch:
             m, f = self._generate([im])
@@ -402,9 +440,10 @@ class Worker:
             failed.update(f)
         return made, failed
 
-    def _step_down(self, size: int, err: Exception) -> bool:
-        """After an out-of-memory error: a smaller batch, else a leaner plan; kept for this worker.
-        False when there is nothing leaner."""
+    def _step_down(self, size: int, err: str) -> bool:
+        """After an out-of-memory error (`err`, its message): a smaller batch, else a leaner plan;
+        kept for this worker. False when there is nothing leaner."""
+        gc.collect()  # hook registries and pipeline outputs form reference cycles
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         if size > 1:
@@ -418,7 +457,7 @@ class Worker:
             return False
         self._reapply(leaner)
         self.step_downs.append({"from": self.plan.to_dict()["modes"], "to": leaner.to_dict()["modes"],
-                                "reason": f"out of memory at batch 1: {str(err).splitlines()[0][:200]}"})
+                                "reason": f"out of memory at batch 1: {err[:200]}"})
         self.plan = leaner
         return True
 
@@ -439,8 +478,9 @@ class Worker:
         if look.adapters != self._active:  # between batches only: a batch shares its look
             activate_adapters(self.pipe, self.adapters, look.adapters)
             self._active = look.adapters
-        out = self.pipe(**self._kwargs([im.prompt for im in batch], [im.negative_prompt for im in batch], look,
-                                       generators([im.seed for im in batch])))
+        with components_dtypes_kept(self.pipe):
+            out = self.pipe(**self._kwargs([im.prompt for im in batch], [im.negative_prompt for im in batch], look,
+                                           generators([im.seed for im in batch])))
         # A safety checker (SD 1.x) blacks out what it flags: such images are `filtered`, not stored.
         flags = getattr(out, "nsfw_content_detected", None) or [None] * len(batch)
         made = []

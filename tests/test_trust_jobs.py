@@ -1,0 +1,174 @@
+"""Whole jobs on a real local Ray against a flaky S3 (tests/faulty_store.py in front of moto): every
+row exactly once, no stray object, `verify --deep` clean, whatever the store did; an outage ends in
+one line and exit 1, and a rerun finishes. Paths as typed, a rebuilt model, counts that agree."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+
+import pytest
+
+from bench.chaos import check, manifest_rows
+from jobs.cli import main
+from jobs.config import JobConfig, validate
+from jobs.driver import run_job
+from tests.conftest import FAST, write_prompts
+
+pytestmark = [pytest.mark.ray, pytest.mark.chaos]
+ROWS = 64
+
+
+def job(prompts, model, out, **kw) -> JobConfig:
+    base = {"rows_per_shard": 8, "max_batch": 4, "workers": 2, **FAST}
+    return validate(JobConfig(input=str(prompts), output=str(out), model=model, **{**base, **kw}))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_model, ray_cluster):
+    """The prompts and the sha256 of each image from a run on a local disk (what every faulted run must match)."""
+    root = tmp_path_factory.mktemp("flaky")
+    prompts = write_prompts(root / "p.parquet", [f"flaky store prompt {i}" for i in range(ROWS)])
+    assert run_job(job(prompts, tiny_model, root / "clean"), progress_stream=io.StringIO()).complete
+    return prompts, {r["id"]: r["sha256"] for r in manifest_rows(root / "clean")}
+
+
+@pytest.fixture
+def quick_retries(monkeypatch):
+    """The storage policy's backoff at 50 ms, here and in the workers (the driver hands them its env)."""
+    from workers import storage
+
+    monkeypatch.setattr(storage, "BACKOFF", 0.05)
+    monkeypatch.setenv("FLEETGEN_STORAGE_BACKOFF", "0.05")
+
+
+def s3_bucket(name: str) -> str:
+    import s3fs
+
+    fs = s3fs.S3FileSystem()
+    if not fs.exists(name):
+        fs.mkdir(name)
+    return f"s3://{name}/out"
+
+
+CLEAN = {"missing": 0, "duplicates": 0, "stray_objects": 0, "sha_mismatches": 0, "tmp_files": 0,
+         "verify_deep": "clean"}
+
+
+def _first_commit(store, bucket: str, timeout: float = 120) -> None:
+    """Wait, asking the S3 server itself (not through the faults), until a shard of `bucket` is committed."""
+    import s3fs
+
+    direct = s3fs.S3FileSystem(endpoint_url=store.upstream.geturl(), skip_instance_cache=True)
+    deadline = time.monotonic() + timeout
+    while not direct.glob(f"{bucket}/out/shards/*.parquet"):
+        assert time.monotonic() < deadline, "no shard committed"
+        time.sleep(0.05)
+        direct.invalidate_cache()
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_run_at_5_percent_faults_loses_nothing(reference, tiny_model, faulty_store, quick_retries, seed):
+    prompts, clean = reference
+    out = s3_bucket(f"flaky-5pct-{seed}")
+    faulty_store.delay = 0.2
+    faulty_store.reset(rate=0.05, seed=seed)
+    summary = run_job(job(prompts, tiny_model, out, max_attempts=5), progress_stream=io.StringIO())
+    faulted, requests = faulty_store.faulted(), faulty_store.counts["requests"]
+    faulty_store.reset()
+    assert faulted > 0 and requests > 100, (faulted, requests)
+    assert summary.complete and summary.images_ok == ROWS, summary
+    assert check(out, clean) == {"rows": ROWS, **CLEAN}
+
+
+def test_a_burst_of_30_percent_faults_loses_nothing(reference, tiny_model, faulty_store, quick_retries):
+    prompts, clean = reference
+    out = s3_bucket("flaky-burst")
+    faulty_store.delay = 0.2
+
+    def burst():
+        _first_commit(faulty_store, "flaky-burst")
+        faulty_store.reset(rate=0.3, seed=7)
+        time.sleep(3)
+        faulty_store.rate = 0.0
+
+    thread = threading.Thread(target=burst, daemon=True)
+    thread.start()
+    summary = run_job(job(prompts, tiny_model, out, max_attempts=5), progress_stream=io.StringIO())
+    thread.join()
+    faulted = faulty_store.faulted()
+    faulty_store.reset()
+    assert faulted > 0
+    assert summary.complete and summary.images_ok == ROWS, summary
+    assert check(out, clean) == {"rows": ROWS, **CLEAN}
+
+
+def test_the_store_down_mid_run_ends_in_one_line_and_a_rerun_finishes(reference, tiny_model, faulty_store,
+                                                                      quick_retries, capsys):
+    prompts, clean = reference
+    out = s3_bucket("flaky-outage")
+    args = ["run", "--input", str(prompts), "--output", out, "--model", tiny_model, "--steps", "2", "--guidance", "5",
+            "--width", "64", "--height", "64", "--device", "cpu", "--rows-per-shard", "8", "--workers", "2",
+            "--max-attempts", "2"]
+
+    def outage():
+        _first_commit(faulty_store, "flaky-outage")
+        faulty_store.down = True
+
+    thread = threading.Thread(target=outage, daemon=True)
+    thread.start()
+    code = main(args)
+    thread.join()
+    assert faulty_store.counts["outage"] > 0
+    faulty_store.reset()
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("fleetgen: error: the output store failed at the end of the run (Could not ")
+    assert "rerun to finish" in last
+    assert main(args) == 0  # the store is back: the rerun resumes and finishes
+    assert check(out, clean) == {"rows": ROWS, **CLEAN}
+
+
+def test_a_job_run_as_dotdot_lands_where_every_command_looks(reference, tiny_model, tmp_path, monkeypatch, capsys):
+    """Run from `a/` with `--output ../out` (once: images under `out/00/<attempt>/...`, and verify
+    calling all of them missing): the layout is the usual one and status/verify agree on it."""
+    prompts, clean = reference
+    (tmp_path / "a").mkdir()
+    (tmp_path / "p.parquet").write_bytes(prompts.read_bytes())
+    monkeypatch.chdir(tmp_path / "a")
+    assert main(["run", "--input", "../p.parquet", "--output", "../out/", "--model", tiny_model, "--steps", "2",
+                 "--guidance", "5", "--width", "64", "--height", "64", "--device", "cpu", "--rows-per-shard", "8",
+                 "--workers", "2"]) == 0
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "_SUCCESS", "counts.parquet", "fleet.json",
+                                                     "images", "job.json", "shards", "summary.json", "workers"]
+    assert len(list((out / "images").glob("shard-*/*.png"))) == ROWS
+    assert check(out, clean) == {"rows": ROWS, **CLEAN}
+    for name in ("../out", "../out/", f"file://{out}", str(out)):
+        assert main(["verify", name]) == 0 and main(["status", name]) == 0
+    assert main(["verify", "../out", "--fix"]) == 0
+    assert len(list((out / "images").glob("shard-*/*.png"))) == ROWS
+    capsys.readouterr()
+
+
+def test_a_rebuilt_model_refuses_to_resume_and_progress_counts_as_the_summary(tiny_model, tmp_path, ray_cluster,
+                                                                              capsys):
+    from workers.tiny_model import write_tiny_model
+
+    model = str(write_tiny_model(tmp_path / "model", seed=0))
+    prompts = write_prompts(tmp_path / "p.parquet", ["a cat", None, "a dog", "", "an owl", "a fox"])
+    stream = io.StringIO()
+    summary = run_job(job(prompts, model, tmp_path / "out"), progress_stream=stream)
+    assert summary.complete and summary.images_error == 2 and summary.images_ok == 4
+    assert stream.getvalue().strip().splitlines()[-1].endswith("(2 row errors, 0 shards failed)")
+    args = ["run", "--input", str(prompts), "--output", str(tmp_path / "out"), "--model", model, "--steps", "2",
+            "--guidance", "5", "--width", "64", "--height", "64", "--device", "cpu", "--rows-per-shard", "8"]
+    assert main(args) == 0  # the same model: a rerun resumes (nothing to do)
+    write_tiny_model(tmp_path / "model", seed=1)  # rebuilt in place: same files, same sizes, other weights
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "already holds a different job (the weights in" in err and "changed since this job started" in err
+    assert "pass `--overwrite`" in err
