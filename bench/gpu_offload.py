@@ -80,10 +80,9 @@ def inputs(model, device, size: int, text_tokens: int):
 
 
 def place(model, placement: Placement, profile, device):
-    from diffusers.hooks import HookRegistry
+    from offload.apply import unapply
 
-    HookRegistry.check_if_exists_or_initialize(model).remove_hook("group_offloading", recurse=True)
-    model.to("cpu")
+    unapply(_Holder(model))  # every offloading hook (a streamed mode's prefetch and tracker hooks too), on the CPU
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return apply(_Holder(model), OffloadPlan({"transformer": placement}, 1), profile, device)

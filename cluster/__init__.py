@@ -7,6 +7,7 @@ from cluster.pool import (
                           PoolEvent,
                           ShardFailed,
                           ShardSpeculated,
+                          Tick,
                           Waiting,
                           WorkerFailed,
                           WorkerLost,
@@ -17,6 +18,6 @@ from cluster.pool import (
     WorkerUnreachable,
 )
 
-__all__ = ["ClusterShape", "Fleet", "PoolEvent", "ShardFailed", "ShardSpeculated", "Waiting", "WorkerFailed",
+__all__ = ["ClusterShape", "Fleet", "PoolEvent", "ShardFailed", "ShardSpeculated", "Tick", "Waiting", "WorkerFailed",
            "WorkerLost", "WorkerPlaced", "WorkerPool", "WorkerReady", "WorkerReleased", "WorkerUnreachable", "connect", "disconnect",
            "size_fleet"]

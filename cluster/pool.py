@@ -20,6 +20,7 @@ join later are filled that way, of any GPU type. Each actor is placed first (`wh
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -126,8 +127,15 @@ class Waiting:
     hint: str = ""  # e.g. GPUs asked on a cluster whose nodes have none
 
 
+@dataclass(frozen=True)
+class Tick:
+    """Nothing happened for a while (a first batch at a large size can take minutes on a CPU): the
+    driver redraws its progress line so that a long wait still shows the job alive."""
+
+
 PoolEvent = (WorkerPlaced | WorkerReady | WorkerFailed | WorkerLost | WorkerUnreachable | WorkerReleased | Waiting
-             | BatchDone | ShardResult | ShardFailed | ShardSpeculated)
+             | BatchDone | ShardResult | ShardFailed | ShardSpeculated | Tick)
+TICK = 1.0  # seconds without an event after which the loop yields a Tick
 
 
 class RayActors:
@@ -249,7 +257,10 @@ class WorkerPool:
 
     def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
         """Close every worker (offload directories removed), waiting at most `timeout` seconds for
-        those still busy, then kill them all."""
+        those still busy, then kill them all. Attempts abandoned here (a stop, a lost store) may end
+        in errors no one reads: Ray would print each worker's traceback as an "unhandled error" when
+        their refs are collected, burying the job's one-line reason; the pool has said what failed."""
+        os.environ["RAY_IGNORE_UNHANDLED_ERRORS"] = "1"
         refs = dict(self.closing)
         for actor in self.actors.values():
             if actor.state in ("idle", "failed", "busy", "unavailable"):
@@ -290,8 +301,12 @@ class _Run:
         return [a for a in self.pool.actors.values() if a.state in states]
 
     def events(self) -> Iterator[PoolEvent]:
+        ticked = time.monotonic()
         while self.queue or self.running or self._in("unavailable"):
             now = time.monotonic()
+            if now - ticked >= TICK:
+                ticked = now
+                yield Tick()
             if self.stop.is_set():
                 if self.stopping_since is None:
                     self.stopping_since = now

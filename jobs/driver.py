@@ -98,6 +98,14 @@ class _Run:
     committed: dict[str, ShardResult] = field(default_factory=dict)  # what this run committed, as reported
     failures: list[dict] = field(default_factory=list)
     workers: list[dict] = field(default_factory=list)
+    error: str | None = None  # why the run was stopped early (the store stopped answering)
+
+    def lost_store(self, reason: str) -> None:
+        """The lock's heartbeat has failed for its whole lease: stop as on SIGTERM, exit 1."""
+        self.error = f"{reason}; stopped: committed shards are kept, rerun the same command to resume"
+        self.progress.log(f"stopping: {self.error}")
+        self.output.patience = 1  # what is left to write is tried once each: the store is known to be down
+        self.stop.set()
 
 
 def run_job(config: JobConfig, progress_stream=None, progress_interval: float = 5.0,
@@ -143,6 +151,7 @@ def run_job(config: JobConfig, progress_stream=None, progress_interval: float = 
         if config.retry_errors:
             progress.log(f"--retry-errors: {len(retry)} committed shard(s) have error rows; only those rows are redone")
         run = _Run(output, shards, todo + retry, listing, progress, stop, started=started)
+        lock.on_lost = run.lost_store
         fleet = FleetRecord(output, say=progress.log)
         try:
             if run.todo:
@@ -154,7 +163,8 @@ def run_job(config: JobConfig, progress_stream=None, progress_interval: float = 
                 fleet.flush()
                 _finish(run, error=str(err))
             raise
-        fleet.flush()
+        if not run.error:  # a status record; under an outage the summary is the one write worth trying
+            fleet.flush()
         summary, counts = _finish(run)
         if counts is not None:
             try:
@@ -173,11 +183,16 @@ def _finish(run: _Run, error: str | None = None) -> tuple[JobSummary, dict[str, 
     the store takes it, no _SUCCESS, exit 1 with the reason in one line; a rerun resumes."""
     counts = None
     try:
+        if run.error:  # the store is known to be down: no sweep, no listing; one try at the summary
+            raise StorageError(run.error)
         _sweep(run.output)  # what workers killed mid-write (by a fault, or by the pool's shutdown) left
         summary, counts = _summarise(run)
     except StorageError as err:
+        run.output.patience = 1  # the summary and the lock are tried once each, not the whole policy again
         summary = _summarise_offline(run)
         summary.error, summary.error_exit = _store_failed(err), 1
+    if run.error:
+        summary.error, summary.error_exit = run.error, 1
     if error:
         summary.error, summary.error_exit = error, 2
     summary.speculative_attempts = run.progress.speculated
@@ -335,6 +350,7 @@ def _follow(events, todo: list[Shard], progress: Progress, fleet: FleetRecord,
     from cluster import (
         ShardFailed,
         ShardSpeculated,
+        Tick,
         Waiting,
         WorkerFailed,
         WorkerLost,
@@ -349,8 +365,9 @@ def _follow(events, todo: list[Shard], progress: Progress, fleet: FleetRecord,
     table: dict[str, dict] = {}
     failures = []
     for event in events:
-        fleet.flush(force=False)  # a change noted within the last seconds, written once they pass
-        if isinstance(event, WorkerPlaced):
+        if isinstance(event, Tick):
+            progress.update()  # redrawn every interval even while no batch finishes
+        elif isinstance(event, WorkerPlaced):
             p = event.placement
             where = f"{p['host']} ({p['node_ip']})" + (f", GPU {','.join(p['gpu_ids'])}" if p["gpu_ids"] else "")
             where += f" [{p['gpu_type']}]" if p.get("gpu_type") else ""

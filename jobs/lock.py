@@ -52,9 +52,11 @@ def _gone(held: dict) -> bool:
 
 
 class OutputLock:
-    def __init__(self, output: Output, say: Callable[[str], None] | None = None):
+    def __init__(self, output: Output, say: Callable[[str], None] | None = None,
+                 on_lost: Callable[[str], None] | None = None):
         self.output = output
         self.say = say or (lambda message: None)  # where the heartbeat tells of an outage (the job's log)
+        self.on_lost = on_lost  # called once when the heartbeat has failed for STALE seconds (the job stops)
         self.token = uuid.uuid4().hex
         self.owner = f"{socket.gethostname()} pid {os.getpid()}"
         self.started = time.time()
@@ -101,24 +103,28 @@ class OutputLock:
     def _beat(self) -> None:
         """Every HEARTBEAT seconds. A store outage shorter than STALE costs nothing: the lock is
         only ever taken over once its heartbeat is STALE seconds old, and commits never rely on it
-        (they are create-if-absent). The log says when beats fail and when they are back."""
-        failing_since, warned = None, False
+        (they are create-if-absent). The log says when beats fail and when they are back; after
+        STALE seconds without one, `on_lost` is told (the driver then stops the job cleanly)."""
+        failing_since, lost = None, False
         while not self._stop.wait(HEARTBEAT):
             try:
-                self.output.put(LOCK, self._record())
+                self.output.put(LOCK, self._record(), attempts=1)  # the next beat is the retry
             except StorageError as err:
                 if failing_since is None:
                     failing_since = time.monotonic()
-                    self.say(f"lock heartbeat failed ({err}); retrying every {HEARTBEAT:.0f} s — the lock holds "
-                             f"for {STALE:.0f} s without one")
-                elif not warned and time.monotonic() - failing_since + HEARTBEAT >= STALE:
-                    warned = True
-                    self.say(f"lock heartbeat failing for {time.monotonic() - failing_since:.0f} s: another driver "
-                             "may take this output over; commits stay first-wins")
+                    self.say(f"lock heartbeat failed ({err}); retrying every {HEARTBEAT:g} s — the lock holds "
+                             f"for {STALE:g} s without one")
+                elif not lost and time.monotonic() - failing_since >= STALE:
+                    lost = True
+                    reason = (f"the output store has not taken a write for {time.monotonic() - failing_since:.0f} s "
+                              f"({err})")
+                    self.say(f"{reason}; another driver may take this output over now")
+                    if self.on_lost is not None:
+                        self.on_lost(reason)
                 continue
             if failing_since is not None:
                 self.say(f"lock heartbeat back after {time.monotonic() - failing_since:.0f} s")
-                failing_since, warned = None, False
+                failing_since, lost = None, False
 
     def release(self) -> None:
         """Stop the heartbeat and remove the lock if it is still this driver's. A store that does not

@@ -91,11 +91,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# The S3 client in tests retries once by itself (botocore's default is 4 more times, over seconds),
-# so that the faults of tests/faulty_store.py reach fleetgen's own policy (workers/storage.py) and
-# an outage is seen in a second, not in tens. Set before any Ray worker starts: they read it at import.
-S3_CLIENT = {"config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}, "connect_timeout": 5,
-                               "read_timeout": 30}}
+# botocore does not retry in tests (its default is 4 more tries, over seconds; s3fs still retries a
+# connection closed mid-request), so that the faults of tests/faulty_store.py reach fleetgen's own
+# policy (workers/storage.py) and an outage is seen in a second, not in tens. Set before any Ray
+# worker starts: they read it at import.
+S3_CLIENT = {"config_kwargs": {"retries": {"max_attempts": 1, "mode": "standard"}, "connect_timeout": 5,
+                                             "read_timeout": 30}}
 
 
 @pytest.fixture(scope="session")

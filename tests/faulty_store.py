@@ -9,8 +9,10 @@ answers as a flaky object store does:
     reset_after    the request is applied, then the connection is reset: the answer is lost
     latency        the answer comes `delay` seconds late (applied)
 
-`down = True` is a full outage: every connection is reset as it arrives. Counts of requests and
-of each fault are kept, so a test can say how many requests were faulted.
+`down = True` is a full outage, as when a store's endpoint goes away: it stops listening (new
+connections are refused) and a request on a connection already open is reset; `down = False`
+listens again on the same port. Counts of requests and of each fault are kept, so a test can say
+how many requests were faulted.
 """
 
 from __future__ import annotations
@@ -59,12 +61,16 @@ class FaultyStore:
         self.rate = 0.0  # fraction of requests faulted by the draw
         self.weights = dict.fromkeys(FAULTS, 1.0)  # relative frequency of each fault in the draw
         self.delay = delay  # seconds, for `latency`
-        self.down = False  # full outage
+        self._down = False
         self.rules: list[Rule] = []
         self.counts: Counter = Counter()  # "requests", each fault, "outage"
         self.log: list[tuple[str, str, str]] = []  # (fault, method, path) of every faulted request
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+        self._listen(0)
+        self.port = self._server.server_address[1]
+
+    def _listen(self, port: int) -> None:
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), _Handler)
         self._server.daemon_threads = True
         self._server.store = self
         self._server.handle_error = lambda *_: None  # a reset connection is the point, not an error
@@ -72,21 +78,41 @@ class FaultyStore:
 
     @property
     def endpoint(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> FaultyStore:
         self._thread.start()
         return self
 
     def stop(self) -> None:
+        if not self._down:
+            self.stop_listening()
+
+    @property
+    def down(self) -> bool:
+        return self._down
+
+    @down.setter
+    def down(self, value: bool) -> None:
+        with self._lock:
+            if value == self._down:
+                return
+            self._down = value
+        if value:
+            self.stop_listening()
+        else:
+            self._listen(self.port)
+            self.start()
+
+    def stop_listening(self) -> None:
         self._server.shutdown()
         self._server.server_close()
 
     def reset(self, rate: float = 0.0, seed: int | None = None, **weights: float) -> None:
         """Faults off (or at `rate`, drawn with `weights`), rules and counts cleared."""
+        self.down = False
         with self._lock:
-            self.rate, self.down, self.rules = rate, False, []
+            self.rate, self.rules = rate, []
             self.weights = {**dict.fromkeys(FAULTS, 1.0), **weights}
             self.counts, self.log = Counter(), []
             if seed is not None:
@@ -103,7 +129,7 @@ class FaultyStore:
     def _decide(self, method: str, path: str, headers) -> str | None:
         with self._lock:
             self.counts["requests"] += 1
-            if self.down:
+            if self._down:
                 fault = "outage"
             else:
                 fault = None

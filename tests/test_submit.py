@@ -24,10 +24,15 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
+_TOKEN: dict[str, str] = {}  # the head's auth token, as `ray get-auth-token` prints it on the head
+
+
 def _env() -> dict:
-    """Loopback only, so no auth token: the head and the client must agree on that."""
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+    """A client of the head as the README says to be one: Ray 2.60's default token authentication,
+    the head's token in RAY_AUTH_TOKEN (from another machine there is no ~/.ray/auth_token to read)."""
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **_TOKEN}
     env.pop("RAY_ADDRESS", None)
+    env.pop("RAY_AUTH_MODE", None)
     # The job's `python` is whatever the head's PATH finds, as on a real cluster: make it this
     # environment's (make runs the tests without activating .venv).
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
@@ -43,7 +48,11 @@ def ray_head():
     cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--num-cpus", "2",
            "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--temp-dir", temp,
            "--disable-usage-stats", *[a for k, v in ports.items() for a in (f"--{k}", str(v))]]
-    env = {**_env(), "RAY_metrics_report_interval_ms": "1000"}  # metrics reach the exporter within ~1 s
+    # The head with Ray 2.60's defaults (token authentication on); its token file in a home of its
+    # own (never the user's ~/.ray), which its job drivers read as the head's user would.
+    home = Path(temp) / "home"
+    home.mkdir()
+    env = {**_env(), "HOME": str(home), "RAY_metrics_report_interval_ms": "1000"}  # metrics within ~1 s
     log = open(Path(temp) / "head.log", "w")
     head = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     address = f"http://127.0.0.1:{ports['dashboard-port']}"
@@ -59,8 +68,13 @@ def ray_head():
                 assert head.poll() is None, (Path(temp) / "head.log").read_text()[-3000:]
                 assert time.monotonic() < deadline, "the Ray head's dashboard did not come up"
                 time.sleep(1)
+        token = subprocess.run([str(BIN / "ray"), "get-auth-token"], env=env, capture_output=True, text=True,
+                               timeout=60).stdout.strip()
+        assert token and token == (home / ".ray" / "auth_token").read_text().strip()
+        _TOKEN["RAY_AUTH_TOKEN"] = token
         yield address, ports["metrics-export-port"]
     finally:
+        _TOKEN.clear()
         stop_tree(head)
         log.close()
         shutil.rmtree(temp, ignore_errors=True)
@@ -80,12 +94,17 @@ def test_ray_job_submit_with_working_dir(ray_head, tiny_model, tmp_path):
     prompts = write_prompts(tmp_path / "p.parquet", [f"submitted {i}" for i in range(24)])
     out = tmp_path / "out"
     ray = str(BIN / "ray")
-    cmd = [ray, "job", "submit", "--no-wait", "--address", address, "--working-dir", str(ROOT),
-           "--runtime-env-json", json.dumps({"excludes": [".venv", "demo-output", ".git", "test-artifacts"]}), "--",
-           "python", "-m", "jobs", "run", "--input", str(prompts), "--output", str(out), "--model", tiny_model,
-           "--steps", "24", "--width", "64", "--height", "64", "--device", "cpu", "--rows-per-shard", "3",
-           "--max-batch", "1", "--workers", "2"]
-    submitted = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    # The README's command, by copy: its address, input, output and model replaced by this test's,
+    # then the tiny sizes and `--no-wait` (to watch the metrics while it runs).
+    line = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("ray job submit"))
+    words = line.split()
+    for flag, value in (("--address", address), ("--input", str(prompts)), ("--output", str(out)),
+                        ("--model", tiny_model)):
+        words[words.index(flag) + 1] = value
+    assert words[:3] == ["ray", "job", "submit"] and words[words.index("--working-dir") + 1] == "."
+    cmd = [ray, "job", "submit", "--no-wait", *words[3:], "--steps", "24", "--width", "64", "--height", "64",
+           "--device", "cpu", "--rows-per-shard", "3", "--max-batch", "1", "--workers", "2"]
+    submitted = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
     job_id = re.search(r"(raysubmit_\w+)", submitted.stdout + submitted.stderr).group(1)
 

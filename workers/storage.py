@@ -113,7 +113,8 @@ def guarded(what: str, url: str, op: Callable[[], T], attempts: int | None = Non
             if kind == "permanent":
                 raise StorageError(f"Could not {what} {url}: {one_line(err)}{_hint(url, err)}") from err
             if attempt == attempts - 1:
-                raise StorageError(f"Could not {what} {url} after {attempts} attempts: {one_line(err)}") from err
+                tries = f" after {attempts} attempts" if attempts > 1 else ""
+                raise StorageError(f"Could not {what} {url}{tries}: {one_line(err)}") from err
             time.sleep(backoff * 2**attempt)
     raise AssertionError("unreachable")
 
@@ -178,6 +179,7 @@ class Output:
         self.local = _is_local(self.fs)
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         self.s3 = bool({"s3", "s3a"} & set(protocols))
+        self.patience: int | None = None  # attempts per operation, when set (1: the store is known to be down)
 
     @property
     def atomic_create(self) -> bool:
@@ -192,7 +194,7 @@ class Output:
         return f"{self.url}/{key}" if key else self.url
 
     def _retry(self, what: str, key: str, op: Callable[[], T], attempts: int | None = None, read: bool = True) -> T:
-        return guarded(what, self.key_url(key), op, attempts, read)
+        return guarded(what, self.key_url(key), op, attempts or self.patience, read)
 
     def check(self) -> None:
         """Before a job starts: the location can be reached and written, or a `StorageError` says
@@ -214,10 +216,10 @@ class Output:
             return
         self._retry("reach", "", lambda: self.fs.exists(self.path("job.json")), attempts=2)
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes, attempts: int | None = None) -> None:
         """Write one object whole. Readers never see a partial object: object stores put
         atomically, and on a local disk we write a temporary file and rename it. Doing it twice
-        (a retry after a lost answer) leaves the same object."""
+        (a retry after a lost answer) leaves the same object. `attempts`: instead of the policy's."""
         path = self.path(key)
 
         def write() -> None:
@@ -226,7 +228,7 @@ class Output:
             else:
                 self.fs.pipe_file(path, data)
 
-        self._retry("write", key, write, read=False)
+        self._retry("write", key, write, attempts=attempts, read=False)
 
     def _local_tmp(self, path: str, data: bytes) -> str:
         """`data` in a temporary file beside `path` (local disks), to be renamed or linked there."""

@@ -299,10 +299,16 @@ class Worker:
                           version=version)
 
     def _give_up(self, sink, shard: Shard, attempt: str) -> None:
-        """This attempt lost, failed or was stopped: abort what it opened, remove its staging."""
+        """This attempt lost, failed or was stopped: abort what it opened, remove its staging. Never
+        raises: it runs while an attempt's own error is on its way up (a store that is down would
+        otherwise replace that error with its own), and staging it leaves is the driver's to remove."""
         self._writer.cancel()  # the writer thread lets go of the sink first
-        sink.abort()
-        discard(self.output, shard.id, attempt)
+        try:
+            sink.abort()
+            discard(self.output, shard.id, attempt)
+        except StorageError as err:
+            print(f"[fleetgen] {self.spec.name}: staging of {shard.id} left for the driver to remove ({err})",
+                  flush=True)
 
     def _open_sink(self, shard: Shard, table: pa.Table, base: bytes | None, attempt: str):
         s, carry = self.spec.settings, self.spec.columns.carry

@@ -1,0 +1,92 @@
+"""The README works as written: its walk-throughs run block by block, in a fresh directory, with the
+`fleetgen` this checkout installs on PATH (as after `make demo`'s install or `pip install -e .`).
+The `ray job submit` line is submitted by copy in tests/test_submit.py."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def blocks(section: str) -> list[tuple[str, str]]:
+    """(language, code) of each fenced block of a README section (a `## ` heading to the next)."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index(f"\n## {section}\n")
+    end = text.find("\n## ", start + 1)
+    return re.findall(r"```(\w+)\n(.*?)```", text[start:end if end > 0 else None], flags=re.S)
+
+
+def shell(code: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.fixture
+def user_env(ray_cluster, tmp_path) -> dict:
+    """A user's shell: `fleetgen` and `python` on PATH; this session's Ray (saves starting one per
+    command; the commands are the README's, unchanged)."""
+    return {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+            "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address, "PYTHONPATH": str(ROOT)}
+
+
+@pytest.mark.ray
+def test_synthesising_a_dataset_runs_as_written(user_env, tmp_path):
+    found = blocks("Synthesising a dataset")
+    assert [lang for lang, _ in found] == ["python", "bash", "python"]
+    (_, make_input), (_, commands), (_, load) = found
+    done = subprocess.run([sys.executable, "-c", make_input], cwd=tmp_path, env=user_env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = shell(commands, tmp_path, user_env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "18 images (0 row errors)" in done.stdout and "1/1 shards committed" in done.stdout
+    assert "clean" in done.stdout.splitlines()[-1]  # `fleetgen verify out/animals --deep`
+    namespace: dict = {}
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        exec(compile(load, "README.md", "exec"), namespace)  # noqa: S102 - the README's own code
+    finally:
+        os.chdir(cwd)
+    first = namespace["ds"][0]
+    assert (first["id"], first["row_id"], first["prompt"]) == ("cat-photo-0", "cat-photo", "a photo of a cat")
+    assert (first["label"], first["style"], first["class_id"]) == ("cat", "photo", 0)
+    assert first["image"].size == (64, 64) and len(namespace["ds"]) == 18
+
+
+def test_the_plan_example_runs_as_written(tmp_path):
+    text = (ROOT / "README.md").read_text()
+    line = next(line for line in text.splitlines() if line.startswith("fleetgen plan --model"))
+    done = shell(line, tmp_path, {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "flux.1-dev" in done.stdout and "80GiB" in done.stdout
+
+
+def test_every_fleetgen_command_in_the_readme_parses():
+    """Each `fleetgen ...` line of a code block is a command the CLI takes (options that exist,
+    values of the right type), so a renamed flag fails here, not in a user's shell."""
+    from jobs.cli import _parser
+
+    text = (ROOT / "README.md").read_text()
+    code = "\n".join(c for _, c in re.findall(r"```(\w+)\n(.*?)```", text, flags=re.S))
+    lines = []
+    for raw in code.replace("\\\n", " ").splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if line.startswith(("fleetgen ", ".venv/bin/fleetgen ")):
+            lines.append(line.split("fleetgen ", 1)[1])
+    assert len(lines) >= 4, lines
+    import shlex
+
+    for line in lines:
+        try:
+            _parser().parse_args(shlex.split(line))
+        except SystemExit as err:
+            raise AssertionError(f"README command does not parse: fleetgen {line}") from err
