@@ -64,7 +64,7 @@ def read_footer(url: str) -> InputFile:
 
     def read() -> tuple[pq.FileMetaData, int]:
         with fs.open(path, "rb") as f:
-            return pq.ParquetFile(f).metadata, fs.size(path)
+            return pq.ParquetFile(f, pre_buffer=False).metadata, fs.size(path)
 
     try:
         meta, size = guarded("read", url, read)
@@ -194,7 +194,8 @@ def _read_row_group(url: str, group: int, column: str) -> pa.ChunkedArray:
 
     def read() -> pa.ChunkedArray:
         with fs.open(path, "rb") as f:
-            return pq.ParquetFile(f).read_row_group(group, columns=[column]).column(0)
+            pf = pq.ParquetFile(f, pre_buffer=False)  # no pool work: see workers.storage.read_parquet
+            return pf.read_row_group(group, columns=[column], use_threads=False).column(0)
 
     return guarded("read", url, read)
 

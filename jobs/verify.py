@@ -155,15 +155,15 @@ class _Checker:
         def read(f) -> dict:
             """{id: (size or -1 when its bytes were not read, bytes)}: the id column, then the image
             column of every row group (--deep) or of the row groups holding the sample."""
-            pf = pq.ParquetFile(f)
-            ids = pf.read(columns=["id"]).column("id").to_pylist()
+            pf = pq.ParquetFile(f, pre_buffer=False)  # no pool work: see workers.storage.read_parquet
+            ids = pf.read(columns=["id"], use_threads=False).column("id").to_pylist()
             found = dict.fromkeys(ids, (-1, None))
             starts = [0]
             for g in range(pf.metadata.num_row_groups):
                 starts.append(starts[-1] + pf.metadata.row_group(g).num_rows)
             for g in range(pf.metadata.num_row_groups):
                 if self.deep or sampled & set(ids[starts[g]:starts[g + 1]]):
-                    group = pf.read_row_group(g, columns=["id", "image"])
+                    group = pf.read_row_group(g, columns=["id", "image"], use_threads=False)
                     for rid, image in zip(group.column("id").to_pylist(), group.column("image").to_pylist(),
                                           strict=True):
                         data = image["bytes"] if image else None

@@ -225,7 +225,7 @@ def test_a_worker_that_fits_nothing_is_reported_and_the_job_goes_on(ray_cluster,
     assert "Traceback" not in log.getvalue()
     written = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert [w["worker"] for w in written["workers_failed"]] == ["w0"]
-    assert {w["worker"]: w["images"] for w in written["workers"]} == {"w0": 0, "w1": 6}
+    assert {w["worker"]: w["images"] for w in written["workers"]} == {"w0": 0, "w1": 18}
     assert "worker w0 could not run: OffloadError" in status_text(job_state(str(tmp_path / "out")))
 
 

@@ -28,11 +28,10 @@ _TOKEN: dict[str, str] = {}  # the head's auth token, as `ray get-auth-token` pr
 
 
 def _env() -> dict:
-    """A client of the head as the README says to be one: Ray 2.60's default token authentication,
-    the head's token in RAY_AUTH_TOKEN (from another machine there is no ~/.ray/auth_token to read)."""
+    """A client of the head as the README says to be one: the head uses token authentication, the
+    client says `RAY_AUTH_MODE=token` and gives the head's token in RAY_AUTH_TOKEN."""
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **_TOKEN}
     env.pop("RAY_ADDRESS", None)
-    env.pop("RAY_AUTH_MODE", None)
     # The job's `python` is whatever the head's PATH finds, as on a real cluster: make it this
     # environment's (make runs the tests without activating .venv).
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
@@ -48,11 +47,14 @@ def ray_head():
     cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--num-cpus", "2",
            "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--temp-dir", temp,
            "--disable-usage-stats", *[a for k, v in ports.items() for a in (f"--{k}", str(v))]]
-    # The head with Ray 2.60's defaults (token authentication on); its token file in a home of its
-    # own (never the user's ~/.ray), which its job drivers read as the head's user would.
+    # A head with token authentication, as Ray 2.60 starts one wherever ~/.ray/auth_token exists (any
+    # earlier `ray.init()` on the machine writes it); its home of its own, never the user's ~/.ray.
     home = Path(temp) / "home"
     home.mkdir()
     env = {**_env(), "HOME": str(home), "RAY_metrics_report_interval_ms": "1000"}  # metrics within ~1 s
+    env.pop("RAY_AUTH_MODE", None)
+    subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=env, capture_output=True, timeout=60,
+                   check=True)
     log = open(Path(temp) / "head.log", "w")
     head = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     address = f"http://127.0.0.1:{ports['dashboard-port']}"
@@ -71,7 +73,8 @@ def ray_head():
         token = subprocess.run([str(BIN / "ray"), "get-auth-token"], env=env, capture_output=True, text=True,
                                timeout=60).stdout.strip()
         assert token and token == (home / ".ray" / "auth_token").read_text().strip()
-        _TOKEN["RAY_AUTH_TOKEN"] = token
+        assert "Token authentication is enabled" in (Path(temp) / "head.log").read_text()
+        _TOKEN.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
         yield address, ports["metrics-export-port"]
     finally:
         _TOKEN.clear()

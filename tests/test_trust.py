@@ -231,7 +231,30 @@ def test_parquet_reads_never_abort_the_process_at_exit(tmp_path):
     assert codes == [0] * 30, codes
 
 
-@pytest.mark.slow
+_EXIT_LOOP = """
+import json, os, sys
+import jobs.inspect, jobs.verify  # imported once (no Parquet read yet: pyarrow starts no thread here)
+from jobs.cli import main
+runs = json.loads(sys.argv[1])
+codes, running = {}, {}
+for i, args in enumerate(runs):  # each a process of its own, forked after the imports, two at a time,
+    if len(running) == 2:        # exiting through the interpreter's shutdown as `fleetgen` does
+        pid, status = os.wait()
+        codes[running.pop(pid)] = os.waitstatus_to_exitcode(status)
+    pid = os.fork()
+    if pid == 0:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        sys.exit(main(args))
+    running[pid] = i
+while running:
+    pid, status = os.wait()
+    codes[running.pop(pid)] = os.waitstatus_to_exitcode(status)
+print(json.dumps([codes[i] for i in range(len(runs))]))
+"""
+
+
 def test_status_and_verify_exit_0_a_hundred_times(tiny_model, tmp_path):
     out = tmp_path / "out"
     worker, shards = setup_job(tmp_path, tiny_model, out, "parquet")
@@ -244,14 +267,14 @@ def test_status_and_verify_exit_0_a_hundred_times(tiny_model, tmp_path):
     (out / "summary.json").write_text("{}")
     (out / "_SUCCESS").write_text("")
 
-    def once(i):
-        if i % 2 == 0:
-            (out / "counts.parquet").unlink(missing_ok=True)  # so that status reads the manifests' footers
-        return _exits(["status" if i % 2 == 0 else "verify", str(out)] + (["--deep"] if i % 4 == 1 else []))[0]
-
-    with ThreadPoolExecutor(2) as pool:
-        codes = list(pool.map(once, range(200)))
-    assert codes == [0] * 200, codes
+    (out / "counts.parquet").unlink(missing_ok=True)  # status reads the manifests' footers (it does not write)
+    runs = [["status", str(out)] if i % 2 == 0 else ["verify", str(out), *(["--deep"] if i % 4 == 1 else [])]
+            for i in range(200)]
+    done = subprocess.run([sys.executable, "-c", _EXIT_LOOP, json.dumps(runs)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    codes = json.loads(done.stdout.strip().splitlines()[-1])
+    assert codes == [0] * 200, [(i, c) for i, c in enumerate(codes) if c]
 
 
 # -- refused up front, in one line -----------------------------------------------------------------

@@ -68,7 +68,7 @@ def _first_commit(store, bucket: str, timeout: float = 120) -> None:
         direct.invalidate_cache()
 
 
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [1])  # more seeds: bench/flaky_store.py (BENCHMARKS.md)
 def test_a_run_at_5_percent_faults_loses_nothing(reference, tiny_model, faulty_store, quick_retries, seed):
     prompts, clean = reference
     out = s3_bucket(f"flaky-5pct-{seed}")

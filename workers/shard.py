@@ -91,5 +91,5 @@ def read_shard(shard: Shard, columns: Columns) -> pa.Table:
 
     try:
         return guarded("read", shard.path, read)
-    except (StorageError, FileNotFoundError, pa.ArrowException) as err:
+    except (StorageError, OSError, pa.ArrowException) as err:  # OSError: pyarrow's own, over corrupt bytes
         raise InputError(f"Could not read row group {shard.row_group} of {shard.path}: {err}") from err

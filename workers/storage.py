@@ -82,7 +82,9 @@ def _hint(url: str, err: BaseException) -> str:
 
 
 def _kind(err: BaseException) -> str | None:
-    """"transient", "permanent", or None: not a store client's error (a bug: let it through)."""
+    """"transient", "permanent", or None: not a store client's error (let it through as it is)."""
+    if type(err) is OSError and err.errno is None and not isinstance(err.__cause__, _TRANSIENT):
+        return None  # raised by a library over bytes it has (pyarrow: "Couldn't deserialize thrift"), not by I/O
     if isinstance(err, _PERMANENT):
         return "permanent"
     if isinstance(err, _TRANSIENT):
@@ -147,14 +149,16 @@ def url_to_fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
 
 
 def read_parquet(data: bytes, columns: list[str] | None = None) -> pa.Table:
-    """A Parquet object's table from its bytes. Through `ParquetFile`, never `pq.read_table`: in
-    pyarrow 26, `read_table` over a buffer or a Python file object makes the process abort at exit
-    ("terminate called without an active exception", exit 134) in about a third of runs."""
-    return pq.ParquetFile(pa.BufferReader(data)).read(columns=columns)
+    """A Parquet object's table from its bytes, decoded on this thread. pyarrow 26's thread pools
+    make a short-lived process abort at exit ("terminate called without an active exception", exit
+    134): in about a third of runs after `pq.read_table` over a buffer or a Python file object, and
+    now and then (1 in ~200 on a loaded machine) after a threaded `ParquetFile.read`; a read that
+    never starts pool work does not. A manifest or a shard's data file decodes in milliseconds."""
+    return pq.ParquetFile(pa.BufferReader(data), pre_buffer=False).read(columns=columns, use_threads=False)
 
 
 def parquet_schema(data: bytes) -> pa.Schema:
-    return pq.ParquetFile(pa.BufferReader(data)).schema_arrow
+    return pq.ParquetFile(pa.BufferReader(data), pre_buffer=False).schema_arrow
 
 
 def version_of(entry: dict) -> str:
