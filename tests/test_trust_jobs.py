@@ -27,10 +27,22 @@ def job(prompts, model, out, **kw) -> JobConfig:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, tiny_model, ray_cluster):
-    """The prompts and the sha256 of each image from a run on a local disk (what every faulted run must match)."""
+    """The prompts and the sha256 of each image, made shard by shard on a local disk by a worker in
+    this process with the jobs' own settings (one torch thread, batches of 4 in shards of 8): what
+    every faulted run must match, byte for byte."""
+    from jobs.sharding import plan_shards, read_footer, resolve_columns
+    from workers.shard import Columns
+    from workers.worker import GenerationSettings, Worker, WorkerSpec
+
     root = tmp_path_factory.mktemp("flaky")
     prompts = write_prompts(root / "p.parquet", [f"flaky store prompt {i}" for i in range(ROWS)])
-    assert run_job(job(prompts, tiny_model, root / "clean"), progress_stream=io.StringIO()).complete
+    files = [read_footer(str(prompts))]
+    settings = GenerationSettings(steps=FAST["steps"], guidance=FAST["guidance"], width=64, height=64)
+    worker = Worker(WorkerSpec("ref", tiny_model, str(root / "clean"), settings, resolve_columns(files, Columns()),
+                               max_batch=4, device="cpu", threads=1))
+    for shard in plan_shards(files, 8):
+        worker.run_shard(shard)
+    worker.close()
     return prompts, {r["id"]: r["sha256"] for r in manifest_rows(root / "clean")}
 
 
@@ -68,38 +80,32 @@ def _first_commit(store, bucket: str, timeout: float = 120) -> None:
         direct.invalidate_cache()
 
 
-@pytest.mark.parametrize("seed", [1])  # more seeds: bench/flaky_store.py (BENCHMARKS.md)
-def test_a_run_at_5_percent_faults_loses_nothing(reference, tiny_model, faulty_store, quick_retries, seed):
+def test_a_run_at_5_percent_faults_with_a_30_percent_burst_loses_nothing(reference, tiny_model, faulty_store,
+                                                                         quick_retries):
+    """5 % of requests faulted from the start (every kind: 503, 500, resets before and after the
+    request is applied, latency), 30 % for 3 s after the first commit. More seeds, and each
+    scenario alone: bench/flaky_store.py (BENCHMARKS.md)."""
     prompts, clean = reference
-    out = s3_bucket(f"flaky-5pct-{seed}")
+    out = s3_bucket("flaky-5pct")
     faulty_store.delay = 0.2
-    faulty_store.reset(rate=0.05, seed=seed)
-    summary = run_job(job(prompts, tiny_model, out, max_attempts=5), progress_stream=io.StringIO())
-    faulted, requests = faulty_store.faulted(), faulty_store.counts["requests"]
-    faulty_store.reset()
-    assert faulted > 0 and requests > 100, (faulted, requests)
-    assert summary.complete and summary.images_ok == ROWS, summary
-    assert check(out, clean) == {"rows": ROWS, **CLEAN}
-
-
-def test_a_burst_of_30_percent_faults_loses_nothing(reference, tiny_model, faulty_store, quick_retries):
-    prompts, clean = reference
-    out = s3_bucket("flaky-burst")
-    faulty_store.delay = 0.2
+    faulty_store.reset(rate=0.05, seed=1)
+    burst_faults = []
 
     def burst():
-        _first_commit(faulty_store, "flaky-burst")
-        faulty_store.reset(rate=0.3, seed=7)
+        _first_commit(faulty_store, "flaky-5pct")
+        before = faulty_store.faulted()
+        faulty_store.rate = 0.3
         time.sleep(3)
-        faulty_store.rate = 0.0
+        faulty_store.rate = 0.05
+        burst_faults.append(faulty_store.faulted() - before)
 
     thread = threading.Thread(target=burst, daemon=True)
     thread.start()
     summary = run_job(job(prompts, tiny_model, out, max_attempts=5), progress_stream=io.StringIO())
     thread.join()
-    faulted = faulty_store.faulted()
+    faulted, requests, kinds = faulty_store.faulted(), faulty_store.counts["requests"], dict(faulty_store.counts)
     faulty_store.reset()
-    assert faulted > 0
+    assert faulted > 10 and requests > 100 and burst_faults and burst_faults[0] > 0, (faulted, requests, kinds)
     assert summary.complete and summary.images_ok == ROWS, summary
     assert check(out, clean) == {"rows": ROWS, **CLEAN}
 
