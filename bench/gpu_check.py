@@ -55,7 +55,8 @@ from fleetgen.units import format_size, parse_size  # noqa: E402
 from jobs.sharding import plan_shards, read_footer, resolve_columns  # noqa: E402
 from offload.apply import offload_hooks  # noqa: E402
 from workers.shard import Columns  # noqa: E402
-from workers.worker import GenerationSettings, Worker, WorkerSpec  # noqa: E402
+from workers.spec import GenerationSettings, WorkerSpec  # noqa: E402
+from workers.worker import Worker  # noqa: E402
 
 GiB = 2**30
 GPU_TESTS = ["tests/test_bench.py", "tests/test_gpu.py"]  # the files holding `gpu`-marked tests (no Ray imports)

@@ -42,7 +42,8 @@ def _write(path: Path, rows: list[dict]) -> str:
 
 
 def _worker(model: str, out: str, adapters: list[str], batch: int, columns):
-    from workers.worker import GenerationSettings, Worker, WorkerSpec
+    from workers.spec import GenerationSettings, WorkerSpec
+    from workers.worker import Worker
 
     settings = GenerationSettings(steps=STEPS, guidance=5.0, width=64, height=64, output_format="parquet")
     return Worker(WorkerSpec("w0", model, out, settings, columns, max_batch=batch, device="cpu", threads=THREADS,

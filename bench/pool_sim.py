@@ -37,9 +37,11 @@ import ray
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cluster.pool import RayActors, ShardSpeculated, WorkerPool  # noqa: E402
+from cluster.actor import RayActors  # noqa: E402
+from cluster.events import ShardSpeculated  # noqa: E402
+from cluster.pool import WorkerPool  # noqa: E402
 from workers.shard import Shard  # noqa: E402
-from workers.worker import BatchDone, ShardResult  # noqa: E402
+from workers.spec import BatchDone, ShardResult  # noqa: E402
 
 
 @ray.remote

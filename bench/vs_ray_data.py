@@ -43,7 +43,7 @@ class RayDataGenerator:
 
     def __call__(self, batch: dict) -> dict:
         from workers.seeds import derive_seed, generators
-        from workers.worker import encode
+        from workers.writer import encode
 
         ids = [str(i) for i in batch["id"]]
         images = self.pipe(prompt=list(batch["prompt"]), num_inference_steps=STEPS, guidance_scale=5.0, width=64,

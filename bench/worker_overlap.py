@@ -52,14 +52,16 @@ class StandIn:
 def run(model: str, prompts: str, out: str, call: float, depth: int) -> dict:
     from jobs.sharding import plan_shards, read_footer, resolve_columns
     from workers.shard import Columns
-    from workers.worker import GenerationSettings, Worker, WorkerSpec, _Writer
+    from workers.spec import GenerationSettings, WorkerSpec
+    from workers.worker import Worker
+    from workers.writer import Writer
 
     files = [read_footer(prompts)]
     settings = GenerationSettings(steps=1, guidance=0.0, width=SIDE, height=SIDE)
     worker = Worker(WorkerSpec("w0", model, out, settings, resolve_columns(files, Columns()), max_batch=BATCH,
                                device="cpu", threads=1))
-    worker.pipe = StandIn(call)
-    worker._writer = _Writer(depth)
+    worker.fitted.pipe = StandIn(call)
+    worker._writer = Writer(depth)
     (shard,) = plan_shards(files, 10_000)
     started = time.perf_counter()
     result = worker.run_shard(shard)
@@ -79,7 +81,7 @@ def main() -> None:
     args = parser.parse_args()
     from tests.conftest import write_prompts
     from workers.tiny_model import write_tiny_model
-    from workers.worker import WRITE_AHEAD
+    from workers.writer import WRITE_AHEAD
 
     tmp = Path(tempfile.mkdtemp(prefix="fleetgen-bench-overlap-"))
     model = str(write_tiny_model(tmp / "tiny"))

@@ -1,23 +1,23 @@
 """Ray at the edge: connecting, sizing the fleet, and an elastic pull-based pool of actors wrapping
-`workers.Worker`."""
+`workers.Worker`; what the pool reports is in `cluster.events` (no Ray there)."""
 
 from cluster.connect import ClusterShape, connect, disconnect
-from cluster.fleet import Fleet, size_fleet
-from cluster.pool import (
-                          PoolEvent,
-                          ShardFailed,
-                          ShardSpeculated,
-                          Tick,
-                          Waiting,
-                          WorkerFailed,
-                          WorkerLost,
-                          WorkerPlaced,
-                          WorkerPool,
-                          WorkerReady,
-                          WorkerReleased,
+from cluster.events import (
+    PoolEvent,
+    ShardFailed,
+    ShardSpeculated,
+    Tick,
+    Waiting,
+    WorkerFailed,
+    WorkerLost,
+    WorkerPlaced,
+    WorkerReady,
+    WorkerReleased,
     WorkerUnreachable,
 )
+from cluster.pool import WorkerPool
+from cluster.sizing import Sizing, size_fleet
 
-__all__ = ["ClusterShape", "Fleet", "PoolEvent", "ShardFailed", "ShardSpeculated", "Tick", "Waiting", "WorkerFailed",
-           "WorkerLost", "WorkerPlaced", "WorkerPool", "WorkerReady", "WorkerReleased", "WorkerUnreachable", "connect", "disconnect",
-           "size_fleet"]
+__all__ = ["ClusterShape", "PoolEvent", "ShardFailed", "ShardSpeculated", "Sizing", "Tick", "Waiting", "WorkerFailed",
+           "WorkerLost", "WorkerPlaced", "WorkerPool", "WorkerReady", "WorkerReleased", "WorkerUnreachable", "connect",
+           "disconnect", "size_fleet"]

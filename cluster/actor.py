@@ -19,7 +19,7 @@ import torch
 from cluster.metrics import MeteredWorker
 from fleetgen.errors import ClusterError
 from workers.shard import Shard
-from workers.worker import BatchDone, ShardResult, WorkerSpec
+from workers.spec import BatchDone, ShardResult, WorkerSpec
 
 GPU_TYPE_PREFIX = "fleetgen-gpu:"  # node types declare e.g. `fleetgen-gpu:A10G-24GB: 1` (cluster/*.yaml)
 HOST_SHARE = 0.8  # of a node's Ray memory that the workers on it may fill with offloaded copies
@@ -103,3 +103,19 @@ class FleetWorker:
         if self.worker is not None:
             self.worker.close()
             self.worker = None
+
+
+RemoteWorker = ray.remote(FleetWorker)
+
+
+class RayActors:
+    """How the pool starts and ends workers: a Ray actor each, running `FleetWorker`. A simulation
+    passes its own (bench/pool_sim.py), with handles that answer the same calls."""
+
+    def create(self, spec: WorkerSpec, options: dict, env_vars: dict[str, str], max_restarts: int):
+        env = {"runtime_env": {"env_vars": env_vars}} if env_vars else {}
+        return RemoteWorker.options(**options, **env, max_restarts=max_restarts, max_task_retries=0).remote(
+            spec, options)
+
+    def kill(self, handle) -> None:
+        ray.kill(handle, no_restart=True)

@@ -9,7 +9,8 @@ from collections.abc import Iterator
 from ray.util.metrics import Counter, Gauge
 
 from workers.shard import Shard
-from workers.worker import BatchDone, ShardResult, Worker, WorkerSpec
+from workers.spec import BatchDone, ShardResult, WorkerSpec
+from workers.worker import Worker
 
 TAGS = ("worker", "device")
 _failed: Counter | None = None

@@ -26,19 +26,32 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from enum import Enum
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTaskError
 
-from cluster.actor import FleetWorker
-from cluster.fleet import format_asks
+from cluster.actor import RayActors
+from cluster.events import (
+    PoolEvent,
+    ShardFailed,
+    ShardSpeculated,
+    Tick,
+    Waiting,
+    WorkerFailed,
+    WorkerLost,
+    WorkerPlaced,
+    WorkerReady,
+    WorkerReleased,
+    WorkerUnreachable,
+)
 from cluster.metrics import failed_counter
+from cluster.sizing import format_asks
 from fleetgen.errors import ClusterError, one_line
 from fleetgen.units import format_size
 from workers.shard import Shard
-from workers.worker import BatchDone, ShardResult, WorkerSpec
+from workers.spec import ShardResult, WorkerSpec
 
-RemoteWorker = ray.remote(FleetWorker)
 POLL = 0.5  # seconds between looks at actors that are restarting or unavailable
 CLOSE_TIMEOUT = 10.0  # seconds a released worker gets to close before it is killed
 GATHER_ABOVE, GATHER = 64, 0.02  # above this many calls in flight, the loop lets 20 ms of events gather per pass
@@ -46,109 +59,7 @@ WAITING_NOTE = 15.0  # seconds between progress notes while no worker is placed
 # What Ray 2.60 says in an ActorUnavailableError when the actor's process is gone and being restarted
 # (core_worker: "The actor is temporarily unavailable: IOError: The actor was restarted").
 RESTARTED = "The actor was restarted"
-
-
-@dataclass(frozen=True)
-class ShardFailed:
-    """A shard that failed `attempts` times; it is not committed."""
-
-    shard_id: str
-    error: str
-    attempts: int
-
-
-@dataclass(frozen=True)
-class ShardSpeculated:
-    """A straggling shard was also given to an idle worker; the first commit wins."""
-
-    shard_id: str
-    worker: str
-    running_seconds: float  # how long the first attempt had been running
-
-
-@dataclass(frozen=True)
-class WorkerPlaced:
-    """Ray placed an actor on a node; it is loading the model now. `placement` is its `where()`."""
-
-    worker: str
-    placement: dict
-
-
-@dataclass(frozen=True)
-class WorkerReady:
-    """An actor finished loading; `info` is its `Worker.describe()`."""
-
-    worker: str
-    info: dict
-
-
-@dataclass(frozen=True)
-class WorkerFailed:
-    """An actor that cannot run (e.g. the model fits nothing in its budget); the job goes on without it."""
-
-    worker: str
-    error: str
-    placement: dict | None
-
-
-@dataclass(frozen=True)
-class WorkerLost:
-    """An actor's process or node died; `restarting`: Ray will start it again when capacity allows."""
-
-    worker: str
-    error: str
-    restarting: bool
-
-
-@dataclass(frozen=True)
-class WorkerUnreachable:
-    """Ray lost contact with an actor mid-shard; its shard waits until it answers or is known dead."""
-
-    worker: str
-    shard_id: str
-    error: str
-
-
-@dataclass(frozen=True)
-class WorkerReleased:
-    """An actor with nothing left to do was shut down, freeing its node for the autoscaler."""
-
-    worker: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class Waiting:
-    """No worker is placed yet; `pending` actors are waiting for capacity."""
-
-    pending: int
-    seconds: float
-    asks: str  # what each asks Ray for
-    hint: str = ""  # e.g. GPUs asked on a cluster whose nodes have none
-
-
-@dataclass(frozen=True)
-class Tick:
-    """Nothing happened for a while (a first batch at a large size can take minutes on a CPU): the
-    driver redraws its progress line so that a long wait still shows the job alive."""
-
-
-PoolEvent = (WorkerPlaced | WorkerReady | WorkerFailed | WorkerLost | WorkerUnreachable | WorkerReleased | Waiting
-             | BatchDone | ShardResult | ShardFailed | ShardSpeculated | Tick)
 TICK = 1.0  # seconds without an event after which the loop yields a Tick
-
-
-class RayActors:
-    """How the pool starts and ends workers: a Ray actor each, running `FleetWorker`. A simulation
-    passes its own (bench/pool_sim.py), with handles that answer the same calls."""
-
-    def create(self, spec: WorkerSpec, options: dict, env_vars: dict[str, str], max_restarts: int):
-        env = {"runtime_env": {"env_vars": env_vars}} if env_vars else {}
-        return RemoteWorker.options(**options, **env, max_restarts=max_restarts, max_task_retries=0).remote(
-            spec, options)
-
-    def kill(self, handle) -> None:
-        ray.kill(handle, no_restart=True)
 
 
 def _message(err: Exception) -> str:
@@ -156,11 +67,20 @@ def _message(err: Exception) -> str:
     return one_line(err.cause if isinstance(err, RayTaskError) and err.cause is not None else err)
 
 
+class ActorState(Enum):
+    PLACING = "placing"  # created; Ray has not placed it yet (pending demand for an autoscaler)
+    LOADING = "loading"  # placed; loading the model and fitting it to its device
+    IDLE = "idle"  # ready for a shard
+    BUSY = "busy"  # running a shard
+    UNAVAILABLE = "unavailable"  # Ray lost contact mid-call; its shard waits for it
+    FAILED = "failed"  # cannot run; kept idle to the end, holding its slot
+
+
 @dataclass
 class _Actor:
     name: str
     handle: ray.actor.ActorHandle
-    state: str = "placing"  # placing | loading | idle | busy | unavailable | failed
+    state: ActorState = ActorState.PLACING
     call: ray.ObjectRef | None = None  # the where()/start() in flight
     retry_at: float = 0.0  # placing/loading/unavailable: when to ask again after an unavailable answer
     deaths: int = 0
@@ -201,7 +121,7 @@ class WorkerPool:
     def _release(self, actor: _Actor, reason: str) -> WorkerReleased:
         """Close an actor (its offload directories go with it), then kill it; never wait here."""
         del self.actors[actor.name]
-        if actor.state in ("idle", "failed"):
+        if actor.state in (ActorState.IDLE, ActorState.FAILED):
             ref = actor.handle.close.remote()
             self.closing[ref], self.close_deadline[ref] = actor.handle, time.monotonic() + CLOSE_TIMEOUT
         else:  # placing or loading: nothing to close, or busy loading
@@ -220,7 +140,7 @@ class WorkerPool:
     def _ask(self, actor: _Actor, now: float) -> None:
         """(Re)issue the call that moves a placing/loading/unavailable actor on."""
         if actor.call is None and actor.retry_at <= now:
-            actor.call = actor.handle.where.remote() if actor.state == "placing" else actor.handle.start.remote()
+            actor.call = actor.handle.where.remote() if actor.state == ActorState.PLACING else actor.handle.start.remote()
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -263,7 +183,7 @@ class WorkerPool:
         os.environ["RAY_IGNORE_UNHANDLED_ERRORS"] = "1"
         refs = dict(self.closing)
         for actor in self.actors.values():
-            if actor.state in ("idle", "failed", "busy", "unavailable"):
+            if actor.state in (ActorState.IDLE, ActorState.FAILED, ActorState.BUSY, ActorState.UNAVAILABLE):
                 refs[actor.handle.close.remote()] = actor.handle
             else:
                 self.factory.kill(actor.handle)
@@ -297,12 +217,12 @@ class _Run:
         self.stopping_since: float | None = None
         self.unplaced_since = self.noted = time.monotonic()
 
-    def _in(self, *states: str) -> list[_Actor]:
+    def _in(self, *states: ActorState) -> list[_Actor]:
         return [a for a in self.pool.actors.values() if a.state in states]
 
     def events(self) -> Iterator[PoolEvent]:
         ticked = time.monotonic()
-        while self.queue or self.running or self._in("unavailable"):
+        while self.queue or self.running or self._in(ActorState.UNAVAILABLE):
             now = time.monotonic()
             if now - ticked >= TICK:
                 ticked = now
@@ -317,7 +237,7 @@ class _Run:
             yield from self._dispatch(now)
             yield from self._follow_work()
             yield from self._check_placement(now)
-            for actor in self._in("placing", "loading", "unavailable"):
+            for actor in self._in(ActorState.PLACING, ActorState.LOADING, ActorState.UNAVAILABLE):
                 self.pool._ask(actor, now)
             calls = {a.call: a for a in self.pool.actors.values() if a.call is not None}
             if not calls and not self.running:
@@ -334,12 +254,12 @@ class _Run:
 
     def _start_attempt(self, actor: _Actor, shard: Shard, now: float) -> None:
         ref = actor.handle.iter_shard.remote(shard)
-        actor.state, self.running[ref], self.began[ref] = "busy", (actor.name, shard), now
+        actor.state, self.running[ref], self.began[ref] = ActorState.BUSY, (actor.name, shard), now
         self.live[shard.id] = self.live.get(shard.id, 0) + 1
 
     def _dispatch(self, now: float) -> Iterator[PoolEvent]:
         """Queued shards first; then an idle worker also takes the longest-running straggler (once per shard)."""
-        idle = self._in("idle")
+        idle = self._in(ActorState.IDLE)
         while idle and self.queue:
             shard = self.queue.popleft()
             self.attempts[shard.id] = self.attempts.get(shard.id, 0) + 1
@@ -356,19 +276,19 @@ class _Run:
         """Release workers with nothing left to do; add workers while there is work for them."""
         pool = self.pool
         if not self.queue:
-            for actor in self._in("idle", "placing", "loading"):
+            for actor in self._in(ActorState.IDLE, ActorState.PLACING, ActorState.LOADING):
                 yield pool._release(actor, "nothing left to do")
-        active = len(pool.actors) - len(self._in("failed"))
-        want = min(pool.max_workers, len(self.queue) + len(self._in("busy", "unavailable")))
+        active = len(pool.actors) - len(self._in(ActorState.FAILED))
+        want = min(pool.max_workers, len(self.queue) + len(self._in(ActorState.BUSY, ActorState.UNAVAILABLE)))
         while self.stopping_since is None and active < want and len(pool.actors) + pool.spent < pool.max_workers:
             pool._create()
             active += 1
 
     def _check_placement(self, now: float) -> Iterator[PoolEvent]:
         """Nobody can work: either nothing can be placed (a bounded wait), or no worker is left."""
-        if self._in("loading", "idle", "busy", "unavailable"):
+        if self._in(ActorState.LOADING, ActorState.IDLE, ActorState.BUSY, ActorState.UNAVAILABLE):
             self.unplaced_since = self.noted = now
-        elif self.queue and not self._in("placing"):
+        elif self.queue and not self._in(ActorState.PLACING):
             raise ClusterError(f"No worker left to run {len(self.queue)} shard(s): "
                                f"{'; '.join(self.errors) or 'none could start'}.")
         elif self.queue and self.stopping_since is None:
@@ -376,7 +296,7 @@ class _Run:
                 raise ClusterError(self.pool._unplaceable(now - self.unplaced_since))
             if now - self.noted >= WAITING_NOTE:
                 self.noted = now
-                yield Waiting(len(self._in("placing")), now - self.unplaced_since, format_asks(self.pool.options),
+                yield Waiting(len(self._in(ActorState.PLACING)), now - self.unplaced_since, format_asks(self.pool.options),
                               self.pool._gpu_hint())
 
     def _requeue_or_fail(self, shard: Shard, error: str) -> Iterator[PoolEvent]:
@@ -394,7 +314,7 @@ class _Run:
         actor.call, actor.shard = None, None
         restarting = actor.deaths <= self.pool.max_restarts
         if restarting:  # Ray starts it again where it can; ask where once it is back
-            actor.state, actor.retry_at = "placing", time.monotonic() + POLL
+            actor.state, actor.retry_at = ActorState.PLACING, time.monotonic() + POLL
         else:
             del self.pool.actors[actor.name]
             self.pool.spent += 1
@@ -411,7 +331,7 @@ class _Run:
         except StopIteration:
             del self.running[ref]
             self.live[shard.id] -= 1
-            actor.state = "idle"
+            actor.state = ActorState.IDLE
             return
         except ActorUnavailableError as err:
             del self.running[ref]
@@ -422,7 +342,7 @@ class _Run:
             # "May or may not have been executed": the attempt may still be writing. Keep the
             # shard with this actor until it answers (its tasks run in order, so an answer means
             # the attempt is over) or is known dead.
-            actor.state, actor.shard, actor.call, actor.retry_at = "unavailable", shard, None, time.monotonic() + POLL
+            actor.state, actor.shard, actor.call, actor.retry_at = ActorState.UNAVAILABLE, shard, None, time.monotonic() + POLL
             yield WorkerUnreachable(name, shard.id, _message(err))
             return
         except (RayActorError, RayTaskError) as err:
@@ -430,13 +350,13 @@ class _Run:
             if isinstance(err, RayActorError):  # the process or its node died
                 yield from self._died(actor, err)
             else:
-                actor.state = "idle"
+                actor.state = ActorState.IDLE
             yield from self._requeue_or_fail(shard, _message(err))
             return
         if isinstance(event, ShardResult):  # an attempt's last item: the worker takes its next shard now
             del self.running[ref]
             self.live[shard.id] -= 1
-            actor.state = "idle"
+            actor.state = ActorState.IDLE
             self.done.add(shard.id)  # committed (by this attempt, or by another one first)
             if event.committed_by_other or shard.id in self.reported:
                 return  # the winner reports the commit (its counts and manifest version), once
@@ -460,18 +380,18 @@ class _Run:
                 yield from self._requeue_or_fail(shard, _message(err))
             return
         except RayError as err:  # raised in start() (fits nothing, no CUDA) or a runtime env that failed
-            actor.state = "failed"
+            actor.state = ActorState.FAILED
             self.errors.append(f"{actor.name}: {_message(err)}")
             yield WorkerFailed(actor.name, _message(err), actor.placement)
             return
-        if actor.state == "placing":
-            actor.state, actor.placement = "loading", answer
+        if actor.state == ActorState.PLACING:
+            actor.state, actor.placement = ActorState.LOADING, answer
             yield WorkerPlaced(actor.name, answer)
-        elif actor.state == "loading":
-            actor.state = "idle"
+        elif actor.state == ActorState.LOADING:
+            actor.state = ActorState.IDLE
             yield WorkerReady(actor.name, answer)
         else:  # unavailable, and now answering: its attempt is over, committed or not
-            shard, actor.shard, actor.state = actor.shard, None, "idle"
+            shard, actor.shard, actor.state = actor.shard, None, ActorState.IDLE
             if actor.placement and answer.get("pid") != actor.placement.get("pid"):
                 actor.placement = answer.get("placement")
                 yield WorkerReady(actor.name, answer)  # it answered from a new process: restarted meanwhile

@@ -17,8 +17,8 @@ from workers.layout import IMAGE_FORMATS, OUTPUT_FORMATS
 from workers.model_dir import is_hub_id, size_multiple
 from workers.pipeline import DTYPES as PIPELINE_DTYPES
 from workers.shard import SETTING_ROLES, Columns
+from workers.spec import GenerationSettings
 from workers.storage import resolve_url
-from workers.worker import GenerationSettings
 
 DEVICES = re.compile(r"auto|cpu|cuda(:\d+)?")
 DTYPES = ("auto", *PIPELINE_DTYPES)

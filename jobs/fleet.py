@@ -1,7 +1,9 @@
-"""The fleet as it changes: `OUT/fleet.json`, written by the driver, read by `fleetgen status`.
+"""The fleet as it changes: the pool's events followed into progress lines, `OUT/fleet.json`
+(written by the driver, read by `fleetgen status`) and the summary's per-worker table.
 
-One entry per worker (its state now, where it runs, how often it started) and the latest events
-(placed, ready, failed, lost, restarting, released), so a user can watch nodes come and go.
+One entry per worker (its state now, where it runs, how often it started, its plan, what it made)
+and the latest events (placed, ready, failed, lost, restarting, released), so a user can watch
+nodes come and go.
 """
 
 from __future__ import annotations
@@ -9,12 +11,18 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from fleetgen.errors import StorageError
 from workers.layout import FLEET
 from workers.storage import Output
 
+if TYPE_CHECKING:
+    from jobs.summary import Run
+
+SUMMARY_FIELDS = ("worker", "images", "seconds", "starts", "device", "gpu_type", "host", "device_memory", "budget",
+                  "modes", "batch", "reason", "warnings", "failed")  # the summary's per-worker table
 EVENTS_KEPT = 200  # latest fleet events in fleet.json; the driver's log has them all
 WRITE_EVERY = 2.0  # seconds: at most one write per this, plus one at the end
 
@@ -40,7 +48,7 @@ class FleetRecord:
     def note(self, worker: str, event: str, state: str, detail: str = "", **fields) -> None:
         now = time.time()
         with self._lock:
-            w = self.workers.setdefault(worker, {"worker": worker, "starts": 0})
+            w = self.workers.setdefault(worker, {"worker": worker, "starts": 0, "images": 0, "seconds": 0.0})
             w.update(state=state, since=now, **{k: v for k, v in fields.items() if v is not None})
             if event == "ready":
                 w["starts"] += 1
@@ -49,6 +57,27 @@ class FleetRecord:
         if self._thread is None:
             self._thread = threading.Thread(target=self._write_loop, name="fleetgen-fleet-record", daemon=True)
             self._thread.start()
+
+    def made(self, worker: str, images: int, seconds: float) -> None:
+        with self._lock:
+            w = self.workers[worker]
+            w["images"] += images
+            w["seconds"] += seconds
+
+    def table(self) -> list[dict]:
+        """The summary's per-worker table: workers that started or could not, with their speed and
+        share of the images."""
+        with self._lock:
+            rows = [{k: w.get(k) for k in SUMMARY_FIELDS if w["starts"] or k in (*SUMMARY_FIELDS[:4], "failed")}
+                    for w in self.workers.values() if w["starts"] or w.get("failed")]
+        for w in rows:
+            if w.get("failed") is None:
+                w.pop("failed", None)
+        total = sum(w["images"] for w in rows) or 1
+        for w in rows:
+            w["images_per_second"] = round(w["images"] / w["seconds"], 3) if w["seconds"] else None
+            w["share"] = round(w["images"] / total, 3)
+        return sorted(rows, key=lambda w: int(w["worker"][1:]))
 
     def close_all(self, reason: str) -> None:
         """Workers still up when the pool shuts down."""
@@ -91,6 +120,91 @@ class FleetRecord:
         if self._thread is not None:
             self._thread.join()
         self._write()
+
+
+def follow(events: Iterable, run: Run, fleet: FleetRecord) -> None:
+    """Turn the pool's events into progress, the fleet record, the run's failures and commits."""
+    from cluster.events import (
+        BatchDone,
+        ShardFailed,
+        ShardResult,
+        ShardSpeculated,
+        Tick,
+        Waiting,
+        WorkerFailed,
+        WorkerLost,
+        WorkerPlaced,
+        WorkerReady,
+        WorkerReleased,
+        WorkerUnreachable,
+    )
+
+    progress = run.progress
+    lengths = {s.id: s.length for s in run.todo}
+    counted = dict.fromkeys(lengths, 0)  # rows shown per shard, so that retries do not count twice
+    for event in events:
+        if isinstance(event, Tick):
+            progress.update()  # redrawn every interval even while no batch finishes
+        elif isinstance(event, WorkerPlaced):
+            p = event.placement
+            where = f"{p['host']} ({p['node_ip']})" + (f", GPU {','.join(p['gpu_ids'])}" if p["gpu_ids"] else "")
+            where += f" [{p['gpu_type']}]" if p.get("gpu_type") else ""
+            fleet.note(event.worker, "placed", "loading", where, host=p["host"], node_ip=p["node_ip"],
+                       gpu_type=p.get("gpu_type"))
+            progress.log(f"{event.worker} placed on {where}; loading the model")
+        elif isinstance(event, WorkerReady):
+            progress.start_clock()
+            plan, info = event.info["plan"], event.info
+            placement = info.get("placement") or {}
+            fleet.note(event.worker, "ready", "ready", info["device"]["name"], device=info["device"]["name"],
+                       gpu_type=placement.get("gpu_type"), host=placement.get("host"),
+                       device_memory=info["probe"]["total_bytes"], budget=plan["budget_bytes"] or None,
+                       modes=plan["modes"], batch=plan["batch_size"], reason=plan["reason"],
+                       warnings=info.get("warnings") or [])
+            again = " again (restarted)" if fleet.workers[event.worker]["starts"] > 1 else ""
+            progress.log(f"{event.worker} ready{again} on {info['device']['name']} "
+                         f"(loaded in {info['load_seconds']:.1f} s): {plan['reason']}")
+            for warning in info.get("warnings") or []:
+                progress.log(f"WARNING {event.worker}: {warning}")
+        elif isinstance(event, WorkerFailed):
+            where = f" on {event.placement['host']}" if event.placement else ""
+            fleet.note(event.worker, "failed", "failed", event.error, failed=event.error)
+            progress.log(f"{event.worker}{where} cannot run, the job goes on without it: {event.error}")
+        elif isinstance(event, WorkerLost):
+            then = "Ray restarts it when capacity allows" if event.restarting else "dropped (died too often)"
+            fleet.note(event.worker, "lost", "restarting" if event.restarting else "lost", event.error)
+            progress.log(f"{event.worker} lost ({event.error}); its shard goes back on the queue; {then}")
+        elif isinstance(event, WorkerUnreachable):
+            fleet.note(event.worker, "unreachable", "unreachable", event.error)
+            progress.log(f"{event.worker} unreachable while running {event.shard_id} ({event.error}); the shard "
+                         "waits until the worker answers or is known dead, so that it never runs twice at once")
+        elif isinstance(event, WorkerReleased):
+            fleet.note(event.worker, "released", "released", event.reason)
+            progress.log(f"{event.worker} released: {event.reason}")
+        elif isinstance(event, Waiting):
+            progress.log(f"waiting {event.seconds:.0f} s for {event.pending} worker(s) to be placed "
+                         f"(each asks {event.asks}); an autoscaler may be starting nodes"
+                         + (f". {event.hint}" if event.hint else ""))
+        elif isinstance(event, BatchDone):
+            rows = min(event.rows, lengths[event.shard_id] - counted[event.shard_id])
+            counted[event.shard_id] += rows
+            progress.update(images=event.images, rows=rows)  # row errors: counted when their shard commits
+        elif isinstance(event, ShardSpeculated):
+            progress.speculated += 1
+            progress.log(f"straggler: {event.shard_id} has run {event.running_seconds:.0f} s; also given to "
+                         f"idle {event.worker} (first commit wins)")
+        elif isinstance(event, ShardResult):
+            if event.version is not None:
+                run.committed[event.shard_id] = event
+            fleet.made(event.worker, event.ok, event.seconds)
+            # as the summary counts them: error rows of committed manifests (filtered images are not errors)
+            errors = event.counts["error"] if event.counts else 0
+            progress.update(shards=1, rows=lengths[event.shard_id] - counted[event.shard_id], errors=errors)
+            counted[event.shard_id] = lengths[event.shard_id]
+        elif isinstance(event, ShardFailed):
+            run.failures.append({"shard": event.shard_id, "error": event.error, "attempts": event.attempts})
+            progress.update(failed=1)
+            progress.log(f"shard {event.shard_id} failed after {event.attempts} attempt(s): {event.error}")
 
 
 def fleet_lines(fleet: dict | None, events: int = 5) -> list[str]:

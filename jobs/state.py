@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from fleetgen import __version__
 from fleetgen.errors import StorageError
-from workers.commit import COUNTS_KEY
+from workers.commit import COUNTS_KEY, finish_attempts
 from workers.layout import (
     CARD,
     COUNTS_INDEX,
@@ -208,3 +208,11 @@ def write_counts_index(output: Output, counts: dict[str, dict], listing: dict[st
     buf = io.BytesIO()
     pq.write_table(pa.Table.from_pylist(rows, schema=_COUNTS_SCHEMA), buf)
     output.put(COUNTS_INDEX, buf.getvalue())
+
+
+def sweep(output: Output) -> None:
+    """Where no shard attempt runs (before the workers start, after they are closed): finish the
+    commit of attempts that won but died moving their objects, remove every other attempt's
+    staging (workers/commit.py), and temporary files of local writers that died."""
+    finish_attempts(output)
+    output.sweep_tmp("shards")  # (objects elsewhere reach their keys by a rename or a copy: never partial)

@@ -43,7 +43,8 @@ def setup_job(tmp_path, model, out, output_format, prompts=None, max_batch=3, **
     verify looks for: the work of a job, shard by shard, without a cluster."""
     from jobs.sharding import plan_shards, read_footer, resolve_columns
     from workers.shard import Columns
-    from workers.worker import GenerationSettings, Worker, WorkerSpec
+    from workers.spec import GenerationSettings, WorkerSpec
+    from workers.worker import Worker
 
     prompts = prompts or [f"a lighthouse number {i}" for i in range(6)]
     path = write_prompts(tmp_path / f"p-{len(prompts)}.parquet", prompts, id=[f"r{i}" for i in range(len(prompts))])

@@ -19,7 +19,8 @@ from jobs.sharding import plan_shards, read_footer, resolve_columns
 from tests.conftest import FAST
 from workers.batches import Adapter, Look, Recipe, make_batches, shard_images
 from workers.shard import Columns, read_shard
-from workers.worker import GenerationSettings, Worker, WorkerSpec
+from workers.spec import GenerationSettings, WorkerSpec
+from workers.worker import Worker
 
 LABELS = ["cat", "dog", "owl"]
 STYLES = ["photo", "sketch"]

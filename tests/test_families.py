@@ -14,8 +14,9 @@ from jobs.sharding import plan_shards, read_footer, resolve_columns
 from tests.conftest import write_prompts
 from workers.families import FAMILIES
 from workers.shard import Columns
+from workers.spec import GenerationSettings, WorkerSpec
 from workers.tiny_model import write_tiny_model
-from workers.worker import GenerationSettings, Worker, WorkerSpec
+from workers.worker import Worker
 
 LONG = " ".join(["a red fox in the forest at night"] * 15)  # 120 words: 122 tokens here
 

@@ -159,7 +159,8 @@ def test_pathological_row_costs_only_itself(tiny_model, tmp_path):
     retried row by row, the bad row is an error row, the rest of the shard commits."""
     from jobs.sharding import plan_shards, read_footer, resolve_columns
     from workers.shard import Columns
-    from workers.worker import GenerationSettings, Worker, WorkerSpec
+    from workers.spec import GenerationSettings, WorkerSpec
+    from workers.worker import Worker
 
     prompts = write_prompts(tmp_path / "p.parquet", ["a red fox", "a robot", "a blue owl", "a cat"],
                             id=["fox", "robot", "owl", "cat"])

@@ -258,7 +258,7 @@ def test_fleet_sizing():
 def test_budgets_follow_the_workers_share_of_its_node():
     from cluster.actor import HOST_SHARE, fit_to_share
     from workers.shard import Columns
-    from workers.worker import GenerationSettings, WorkerSpec
+    from workers.spec import GenerationSettings, WorkerSpec
 
     spec = WorkerSpec("w0", "m", "out", GenerationSettings(), Columns())
     node = {"node_memory": 64 * 2**30, "node_gpus": 4, "node_cpus": 16}

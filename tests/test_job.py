@@ -165,5 +165,7 @@ def test_emulated_mixed_fleet_plans_per_worker_same_images(ray_cluster, tiny_mod
     by_worker = {w["worker"]: w for w in mixed.workers}
     assert by_worker["w0"]["budget"] == 20 * 2**20 and by_worker["w0"]["modes"]["unet"] != "resident"
     assert set(by_worker["w1"]["modes"].values()) == {"resident"}
-    assert sum(w["images"] for w in mixed.workers) == N and all(w["share"] > 0 for w in mixed.workers)
+    # Which worker makes which shard is the pool's (a worker ready after the others finished takes
+    # none: CI saw it); every image is made once, and each worker's bytes are the uniform worker's.
+    assert sum(w["images"] for w in mixed.workers) == N and sum(w["share"] for w in mixed.workers) == pytest.approx(1)
     assert shas(tmp_path / "mixed") == shas(tmp_path / "uniform")

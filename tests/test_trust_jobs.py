@@ -32,7 +32,8 @@ def reference(tmp_path_factory, tiny_model, ray_cluster):
     every faulted run must match, byte for byte."""
     from jobs.sharding import plan_shards, read_footer, resolve_columns
     from workers.shard import Columns
-    from workers.worker import GenerationSettings, Worker, WorkerSpec
+    from workers.spec import GenerationSettings, WorkerSpec
+    from workers.worker import Worker
 
     root = tmp_path_factory.mktemp("flaky")
     prompts = write_prompts(root / "p.parquet", [f"flaky store prompt {i}" for i in range(ROWS)])

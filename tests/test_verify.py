@@ -18,7 +18,7 @@ from jobs.cli import main
 from jobs.verify import verify
 from tests.conftest import setup_job
 from workers.commit import ATTEMPT_KEY, attempt_of
-from workers.worker import ShardResult
+from workers.spec import ShardResult
 
 
 def files_under(out):
@@ -235,10 +235,10 @@ def test_the_end_of_a_run_counts_from_reports_and_looks_only_at_unreported_shard
     """The driver's summary adds what workers reported to its start listing; a shard attempted
     without a report (its worker lost after the commit) is looked at (its manifest's version, then
     its footer); shards not attempted come from the start listing."""
-    import jobs.driver
     import jobs.state
-    from jobs.driver import _summarise
+    import jobs.summary
     from jobs.state import list_manifests
+    from jobs.summary import _summarise
     from workers.storage import Output
 
     out = tmp_path / "out"
@@ -252,13 +252,13 @@ def test_the_end_of_a_run_counts_from_reports_and_looks_only_at_unreported_shard
     real = jobs.state._footer_counts
     monkeypatch.setattr(jobs.state, "_footer_counts", lambda o, s: opened.append(s) or real(o, s))
     def run(todo, stopped, listing, committed):
-        from jobs.driver import _Run
         from jobs.progress import Progress
+        from jobs.summary import Run
 
         stop = threading.Event()
         if stopped:
             stop.set()
-        return _Run(output, shards, todo, listing, Progress(2, 6, stream=io.StringIO()), stop, committed=committed)
+        return Run(output, shards, todo, listing, Progress(2, 6, stream=io.StringIO()), stop, committed=committed)
 
     summary, counts = _summarise(run([shards[1]], False, start, {"shard-00001": reported}))
     assert summary.shards_committed == 2 and summary.images_ok == 6 and opened == ["shard-00000"]
@@ -270,6 +270,6 @@ def test_the_end_of_a_run_counts_from_reports_and_looks_only_at_unreported_shard
     assert counts["shard-00001"] == reported.counts
     summary, _ = _summarise(run(shards, True, {}, {}))  # stopping: no looking around
     assert summary.shards_committed == 0
-    monkeypatch.setattr(jobs.driver, "PROBE_AT_MOST", 1)  # many unreported: one listing instead
+    monkeypatch.setattr(jobs.summary, "PROBE_AT_MOST", 1)  # many unreported: one listing instead
     summary, _ = _summarise(run(shards, False, {}, {}))
     assert summary.shards_committed == 2

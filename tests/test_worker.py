@@ -15,7 +15,8 @@ from jobs.sharding import plan_shards, read_footer, resolve_columns
 from tests.conftest import FAST, write_prompts
 from workers.layout import MANIFEST_SCHEMA
 from workers.shard import Columns
-from workers.worker import GenerationSettings, ShardResult, Worker, WorkerSpec
+from workers.spec import GenerationSettings, ShardResult, WorkerSpec
+from workers.worker import Worker
 
 PROMPTS = ["a red fox", None, "a blue owl in the forest", "sunset over the sea", "a small robot"]
 IDS = ["fox", "null", "owl", "sea", "../escape"]
@@ -73,11 +74,11 @@ def test_files_output_and_manifest(tiny_model, shard_input, tmp_path):
 def test_progress_counts_every_image_whether_stored_inline_or_behind(tiny_model, shard_input, tmp_path, depth):
     """The writer drops each picture once encoded: a batch's images are counted before it takes
     them (inline, depth 0, it always has by then; behind, it may have: a race CI once lost)."""
-    from workers.worker import _Writer
+    from workers.writer import Writer
 
     shard, _ = shard_input
     worker = make_worker(tiny_model, tmp_path)
-    worker._writer = _Writer(depth)
+    worker._writer = Writer(depth)
     events = list(worker.iter_shard(shard))
     assert [(e.images, e.errors) for e in events[:-1]] == [(2, 0), (1, 0)]
     assert (events[-1].ok, events[-1].errors) == (3, 2)
@@ -290,19 +291,19 @@ def test_a_worker_that_cannot_start_leaves_a_given_pipeline_without_hooks(tmp_pa
     settings = GenerationSettings(steps=2, guidance=3.5, width=64, height=64, family="flux")
     spec = WorkerSpec("w0", "tiny-flux", str(tmp_path), settings, Columns("prompt", "id", None, None), device="cpu",
                       offload="block", gpu_memory=2**30)
-    import workers.worker
+    import workers.fit
 
-    real = workers.worker.OffloadStats
+    real = workers.fit.OffloadStats
 
     def failing(*args, **kwargs):  # fails after the plan was applied, as a warm-up OOM would
         raise OffloadError("injected: could not start")
 
-    workers.worker.OffloadStats = failing
+    workers.fit.OffloadStats = failing
     try:
         with pytest.raises(OffloadError, match="injected"):
             Worker(spec, pipe=pipe)
     finally:
-        workers.worker.OffloadStats = real
+        workers.fit.OffloadStats = real
     assert offload_hooks(pipe) == 0
     Worker(spec, pipe=pipe).close()  # the same pipeline takes a plan again
     assert offload_hooks(pipe) == 0
@@ -331,7 +332,7 @@ def test_encoding_and_storing_overlap_the_next_pipeline_call(tiny_model, tmp_pat
     import threading
     import time as clock
 
-    from workers.worker import WRITE_AHEAD
+    from workers.writer import WRITE_AHEAD
 
     path = write_prompts(tmp_path / "p.parquet", [f"prompt {i}" for i in range(8)], id=[f"i{i}" for i in range(8)])
     files = [read_footer(str(path))]
@@ -348,7 +349,7 @@ def test_encoding_and_storing_overlap_the_next_pipeline_call(tiny_model, tmp_pat
         store(*args)
         events.append(("stored", args[1][0].id, clock.monotonic(), threading.current_thread().name))
 
-    worker.pipe = call
+    worker.fitted.pipe = call
     worker._encode_and_store = slow_store
     result = worker.run_shard(plan_shards(files, 100)[0])
     assert (result.ok, result.errors) == (8, 0)

@@ -18,7 +18,13 @@ move for the attempt the manifest names and removes every other staging.
 
 from __future__ import annotations
 
-from workers.layout import STAGING, manifest_key
+import io
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from workers.layout import MANIFEST_SCHEMA, STAGING, manifest_key
 from workers.storage import Output, parquet_schema, read_parquet
 
 ATTEMPT_KEY = b"fleetgen.attempt"  # manifest metadata: the attempt whose objects the manifest names
@@ -30,6 +36,19 @@ def counts_of(records: list[dict], rows: int) -> dict:
     statuses = [r["status"] for r in records]
     return {"rows": rows, "images": len(records), "ok": statuses.count("ok"), "error": statuses.count("error"),
             "filtered": statuses.count("filtered")}
+
+
+def manifest_bytes(records: list[dict], table: pa.Table, carry: tuple[str, ...], rows: list[int], attempt: str,
+                   counts: dict) -> bytes:
+    """The manifest: one row per image, then the carried input columns of each image's row (`rows`:
+    each image's row in `table`); its metadata names the attempt whose objects it names."""
+    manifest = pa.Table.from_pylist(records, schema=MANIFEST_SCHEMA)
+    for name in carry:
+        manifest = manifest.append_column(table.schema.field(name), table.column(name).take(rows))
+    manifest = manifest.replace_schema_metadata({ATTEMPT_KEY: attempt.encode(), COUNTS_KEY: json.dumps(counts)})
+    buf = io.BytesIO()
+    pq.write_table(manifest, buf)
+    return buf.getvalue()
 
 
 def staging(shard_id: str, attempt: str) -> str:
@@ -64,6 +83,17 @@ def commit_manifest(output: Output, shard_id: str, manifest: bytes, base: bytes 
         return False
     output.put(key, manifest)
     return True
+
+
+def committed_since(output: Output, shard_id: str, base: bytes | None = None) -> bool:
+    """Whether an attempt has committed the shard: its manifest exists (a retry: differs from `base`,
+    the manifest the retry replaces)."""
+    if base is None:
+        return output.exists(manifest_key(shard_id))
+    try:
+        return output.get(manifest_key(shard_id)) != base
+    except FileNotFoundError:
+        return False
 
 
 def promote(output: Output, shard_id: str, attempt: str, named: set[str]) -> int:

@@ -1,13 +1,43 @@
-"""Fitting this worker's pipeline to its device: choose a plan, and step down after an OOM."""
+"""A pipeline fitted to its device: load → plan → apply → warm up → call, and after an OOM a
+smaller batch or a leaner plan re-applied. One `Workload` says what it must run; the worker
+(workers/worker.py) asks it for pictures and never touches hooks, plans or memory itself."""
 
 from __future__ import annotations
 
+import gc
+import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
-from fleetgen.errors import OffloadError
-from offload import DeviceSpec, OffloadPlan, PipelineProfile, Workload, plan, resident_plan
+from fleetgen.errors import FleetgenError, OffloadError, one_line
+from offload import (
+    DeviceSpec,
+    OffloadPlan,
+    OffloadStats,
+    PipelineProfile,
+    apply,
+    pipeline_modules,
+    plan,
+    profile_pipeline,
+    resident_plan,
+)
+from offload import Workload as PlannerWorkload
+from offload.apply import unapply
+from workers.batches import Adapter, Image, Look
+from workers.families import FAMILIES, GENERIC, Family, call_kwargs, prompt_limit, takes_negative_prompt
+from workers.pipeline import (
+    activate_adapters,
+    load_adapters,
+    load_pipeline,
+    pipe_size_multiple,
+    resolve_device,
+    resolve_dtype,
+)
+from workers.probe import probe
+from workers.seeds import generators
+from workers.spec import Source, Workload
 
 HOST_SHARE = 0.8  # of available host RAM a worker may fill with offloaded copies
 # How CUDA libraries word an allocation failure they raise as a plain RuntimeError (cuBLAS and cuDNN
@@ -39,11 +69,13 @@ def components_dtypes_kept(pipe):
         for name, module in modules.items():
             if before[name] is not None and _dtype(module) != before[name]:
                 module.to(dtype=before[name])
+
+
 STEP_DOWN = 0.75  # after an OOM at batch 1, re-plan for this fraction of the previous budget
 
 
-def _workload(offload: str, max_batch: int, width: int, height: int, steps: int, cfg: bool) -> Workload:
-    return Workload(width=width, height=height, steps=steps, cfg=cfg, max_batch=max_batch, offload=offload)
+def _workload(offload: str, max_batch: int, width: int, height: int, steps: int, cfg: bool) -> PlannerWorkload:
+    return PlannerWorkload(width=width, height=height, steps=steps, cfg=cfg, max_batch=max_batch, offload=offload)
 
 
 def device_spec(device: torch.device, probe: dict, gpu_memory: int | None, host_memory: int | None) -> DeviceSpec:
@@ -100,3 +132,184 @@ def leaner_plan(profile: PipelineProfile, current: OffloadPlan, device: torch.de
         if leaner.placements != current.placements:
             return leaner
         high = budget
+
+
+@dataclass
+class Picture:
+    """One image out of a pipeline call."""
+
+    image: Image  # what was asked
+    picture: object | None  # the decoded image; None when the pipeline's safety checker flagged it
+    nsfw: bool | None  # the safety checker's flag; None where the pipeline has none
+    batch: int  # images in the call that made it
+    seconds: float  # its share of the call's wall time
+
+
+class FittedPipeline:
+    """A pipeline on its device, planned for `workload`: `generate(batch)` makes pictures and steps
+    down (a smaller batch, then a leaner plan, kept) when the device runs out of memory."""
+
+    def __init__(self, source: Source, workload: Workload, tag: str = "worker", pipe=None):
+        """`pipe`: a pipeline already built (bench/gpu_check.py's random weights at real sizes)
+        instead of loading `source.model`; `close()` leaves it as it came (no offloading hooks)."""
+        self.source, self.workload, self.tag = source, workload, tag
+        self.family: Family = FAMILIES.get(source.family, GENERIC)
+        self.device = resolve_device(source.device)
+        self.dtype = resolve_dtype(source.dtype, self.device, self.family.dtype)
+        self._given = pipe is not None
+        self.pipe = pipe if pipe is not None else load_pipeline(
+            source.model, self.dtype, source.trust_remote_code, revision=source.revision, variant=source.variant,
+            worker=tag)
+        self.pipe.set_progress_bar_config(disable=True)
+        self.takes_negative = takes_negative_prompt(self.pipe)
+        # Adapters before profiling and offloading: their bytes are planned for and offloaded with their layers.
+        self.adapters = load_adapters(self.pipe, source.adapters, tag)
+        self._active: tuple[Adapter, ...] | None = None
+        self.size_multiple = pipe_size_multiple(self.pipe, self.family.size_floor)
+        self.profile = profile_pipeline(self.pipe, source.model, vae_upcast=self.family.upcasts_vae)
+        self.probe = probe(self.device, self.dtype)
+        w = workload
+        self._fit = {"offload": w.offload, "width": w.width, "height": w.height, "steps": w.steps,
+                     "cfg": self.family.doubles_batch(w.guidance, w.true_cfg_scale), "host_memory": w.host_memory}
+        self.plan = choose_plan(self.profile, self.device, self.probe, max_batch=w.max_batch,
+                                gpu_memory=w.gpu_memory, **self._fit)
+        self.placed = None
+        self.step_downs: list[dict] = []
+        self.seconds = 0.0  # wall time in pipeline calls
+        try:
+            self.placed = apply(self.pipe, self.plan, self.profile, self.device, tag=tag)
+            self.offload_stats = OffloadStats(pipeline_modules(self.pipe), self.device)
+            if self.device.type == "cuda":  # kernels, allocator and stream prefetch order settle on a first call
+                self._warm_up(Look(w.width, w.height, 1, w.guidance))
+        except BaseException:
+            # A pipeline that cannot start leaves a pipeline it was given as it came (no hooks, on the CPU):
+            # the next plan applied to it must not find this one's hooks.
+            if self._given:
+                unapply(self.pipe, self.placed)
+            elif self.placed is not None:
+                self.placed.close()
+            raise
+        self.batch_size = self.plan.batch_size
+
+    def prompt_note(self, prompt: str, negative: str | None, strict: bool) -> dict:
+        """What an image's record says about its prompt before it is made. Prompts longer than the
+        text encoder that reads the whole prompt takes (T5 or Gemma where the family has one, else
+        CLIP) are truncated by the pipeline: a warning, or an error with `strict` (`--strict-prompts`)."""
+        warning = None
+        if negative and not self.takes_negative:
+            warning = f"negative prompt ignored: {type(self.pipe).__name__} takes none"
+        tokenizer, limit = prompt_limit(self.pipe, self.family)
+        if tokenizer is None or not limit:
+            return {"warning": warning}
+        n = len(tokenizer(prompt, truncation=False).input_ids)
+        if n > limit and strict:
+            return {"status": "error", "error": f"prompt is {n} tokens; the text encoder takes {limit} (`--strict-prompts`)",
+                    "warning": warning}
+        if n > limit:
+            warning = "; ".join(filter(None, [warning, f"prompt truncated to {limit} of {n} tokens"]))
+        return {"warning": warning}
+
+    def generate(self, batch: list[Image]) -> tuple[list[Picture], dict[str, str]]:
+        """Run one pipeline call; if it raises, run its images one at a time so that one bad row
+        costs only itself. Returns what was made and `{image id: error message}`.
+
+        Recovery runs after the `try` statement, never inside the `except`: an exception's traceback
+        holds the frames of the failed call and every tensor they made, so inside the handler
+        `empty_cache()` frees nothing and the retry would start with the failed attempt's memory
+        still allocated (PyTorch FAQ, "My out of memory exception handler can't allocate memory")."""
+        oom = failure = None
+        try:
+            return self._call(batch), {}
+        except Exception as err:  # noqa: BLE001 - any pipeline failure is retried row by row
+            if is_out_of_memory(err):
+                oom = one_line(err)
+            else:
+                failure = f"{type(err).__name__}: {err}"
+        if oom is not None:
+            if not self._step_down(len(batch), oom):
+                return [], {r.id: f"OutOfMemoryError at batch 1 with the leanest plan: {oom}" for r in batch}
+            parts = [batch[j : j + self.batch_size] for j in range(0, len(batch), self.batch_size)]
+        elif len(batch) == 1:
+            return [], {batch[0].id: failure}
+        else:
+            parts = [[im] for im in batch]
+        made, failed = [], {}
+        for part in parts:
+            m, f = self.generate(part)
+            made += m
+            failed.update(f)
+        return made, failed
+
+    def _warm_up(self, look: Look) -> None:
+        """One image through the pipeline, so that kernels, the allocator and the streams' prefetch
+        order settle before anything is timed. An OOM here steps the plan down, as in a shard."""
+        while True:
+            oom = None
+            try:
+                with components_dtypes_kept(self.pipe):
+                    self.pipe(**self._kwargs(["warm up"], [None], look, generator=None))
+                torch.cuda.reset_peak_memory_stats(self.device)
+                return
+            except Exception as err:  # noqa: BLE001 - only an OOM is handled; the rest is raised
+                if not is_out_of_memory(err):
+                    raise
+                oom = one_line(err)
+            # outside the `except`: the failed call's frames, and the memory they hold, are gone
+            if not self._step_down(1, oom):
+                raise OffloadError(f"{self.tag}: out of memory warming up with the leanest plan: {oom}")
+
+    def _step_down(self, size: int, err: str) -> bool:
+        """After an out-of-memory error (`err`, its message): a smaller batch, else a leaner plan;
+        kept from then on. False when there is nothing leaner."""
+        gc.collect()  # hook registries and pipeline outputs form reference cycles
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if size > 1:
+            before, self.batch_size = self.batch_size, max(1, min(self.batch_size, size) // 2)
+            self.step_downs.append({"from": f"batch {before}", "to": f"batch {self.batch_size}",
+                                    "reason": f"out of memory at batch {size}"})
+            return True
+        try:
+            leaner = leaner_plan(self.profile, self.plan, self.device, self.probe, **self._fit)
+        except FleetgenError:
+            return False
+        self._reapply(leaner)
+        self.step_downs.append({"from": self.plan.to_dict()["modes"], "to": leaner.to_dict()["modes"],
+                                "reason": f"out of memory at batch 1: {err[:200]}"})
+        self.plan = leaner
+        return True
+
+    def _reapply(self, new_plan: OffloadPlan) -> None:
+        self.offload_stats.close()
+        unapply(self.pipe, self.placed)  # every hook, the stream ones included
+        self.placed = apply(self.pipe, new_plan, self.profile, self.device, tag=self.tag)
+        self.offload_stats = OffloadStats(pipeline_modules(self.pipe), self.device)
+
+    def _kwargs(self, prompts: list[str], negatives: list[str | None], look: Look, generator) -> dict:
+        return call_kwargs(self.pipe, self.family, prompts, negatives, steps=look.steps, guidance=look.guidance,
+                           width=look.width, height=look.height, true_cfg_scale=self.workload.true_cfg_scale,
+                           generator=generator)
+
+    def _call(self, batch: list[Image]) -> list[Picture]:
+        look = batch[0].look
+        started = time.perf_counter()
+        if look.adapters != self._active:  # between batches only: a batch shares its look
+            activate_adapters(self.pipe, self.adapters, look.adapters)
+            self._active = look.adapters
+        with components_dtypes_kept(self.pipe):
+            out = self.pipe(**self._kwargs([im.prompt for im in batch], [im.negative_prompt for im in batch], look,
+                                           generators([im.seed for im in batch])))
+        # A safety checker (SD 1.x) blacks out what it flags: such pictures are None.
+        flags = getattr(out, "nsfw_content_detected", None) or [None] * len(batch)
+        seconds = time.perf_counter() - started
+        self.seconds += seconds
+        return [Picture(im, None if flagged else picture, flagged, len(batch), seconds / len(batch))
+                for im, picture, flagged in zip(batch, out.images, flags, strict=True)]
+
+    def close(self) -> None:
+        self.offload_stats.close()
+        if self._given:
+            unapply(self.pipe, self.placed)
+        else:
+            self.placed.close()
+        self.pipe = None

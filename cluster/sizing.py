@@ -21,7 +21,7 @@ DEFAULT_MAX_WORKERS = 1000
 
 
 @dataclass(frozen=True)
-class Fleet:
+class Sizing:
     options: dict  # Ray resources per actor: num_gpus / num_cpus / memory
     max_workers: int  # never more actors than this at once
     gpu: bool  # scheduled by the GPU resource
@@ -38,7 +38,7 @@ def format_asks(options: dict) -> str:
 
 
 def size_fleet(shape: ClusterShape, *, device: str, gpus_per_worker: float | None, cpu_threads: int,
-               max_workers: int | None, budgets: int, host_memory: int | None, shards: int) -> Fleet:
+               max_workers: int | None, budgets: int, host_memory: int | None, shards: int) -> Sizing:
     gpu = bool(gpus_per_worker) or device.startswith("cuda") or (device == "auto" and (shape.on_cluster or shape.gpus > 0))
     if gpu:
         per = gpus_per_worker or (1 / math.ceil(budgets / shape.gpus) if budgets > shape.gpus > 0 else 1)
@@ -58,4 +58,4 @@ def size_fleet(shape: ClusterShape, *, device: str, gpus_per_worker: float | Non
         threads = cpu_threads
     if host_memory:
         options["memory"] = host_memory
-    return Fleet(options=options, max_workers=max(1, min(max_workers, shards)), gpu=gpu, threads=threads)
+    return Sizing(options=options, max_workers=max(1, min(max_workers, shards)), gpu=gpu, threads=threads)

@@ -1,0 +1,122 @@
+"""The records `jobs/` and `cluster/` exchange with a worker: what a job asks of every image, what
+a worker needs to start, and what it reports back. Plain, picklable data: no torch here, so the
+driver, `status` and `verify` import it without loading a framework."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workers.batches import Adapter, Look, Recipe
+from workers.shard import Columns
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """What every image of a job shares. Part of the job fingerprint."""
+
+    steps: int = 30  # denoising steps per image
+    guidance: float = 7.5  # classifier-free guidance scale
+    width: int = 512  # pixels; must suit the model (a multiple of its VAE scale factor)
+    height: int = 512
+    seed: int = 0  # job seed: rows without a `seed` column derive theirs from it
+    image_format: str = "png"  # png | jpeg | webp
+    output_format: str = "files"  # files | webdataset | parquet
+    family: str = "sd"  # pipeline family (workers/families.py): how the pipeline is called
+    true_cfg_scale: float | None = None  # Flux: > 1 applies negative prompts (true CFG)
+    images_per_prompt: int = 1  # images per row (a row's `num_images` column overrides it)
+    prompt_template: str | None = None  # builds each prompt from columns, e.g. "a {style} photo of a {label}"
+    loras: tuple[Adapter, ...] = ()  # adapters on every image (a row's `lora` column replaces them)
+
+    def recipe(self, size_multiple: int = 8) -> Recipe:
+        return Recipe(Look(self.width, self.height, self.steps, self.guidance, self.loras), seed=self.seed,
+                      images_per_prompt=self.images_per_prompt, template=self.prompt_template,
+                      size_multiple=size_multiple, dotless_ids=self.output_format == "webdataset")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs to start; picklable, so Ray can ship it to an actor."""
+
+    name: str  # worker name in stats and manifests, e.g. "w0"
+    model: str  # local directory or hub id, loaded with DiffusionPipeline.from_pretrained
+    output: str  # the job's output URL
+    settings: GenerationSettings
+    columns: Columns
+    max_batch: int = 4  # images per pipeline call
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (float16 on CUDA, float32 on CPU) | float32 | float16 | bfloat16
+    threads: int | None = None  # torch CPU threads; None leaves torch's default
+    offload: str = "auto"  # auto | none | block | leaf | disk (see offload.planner)
+    gpu_memory: int | None = None  # device budget in bytes; default: free device memory (CPU: no planning)
+    host_memory: int | None = None  # host RAM for offloaded copies; default: 80% of available
+    trust_remote_code: bool = False  # never run a model repo's own code unless asked
+    strict_prompts: bool = False  # a prompt longer than the text encoder takes is an error, not truncated
+    revision: str | None = None  # hub models: the commit the driver pinned
+    variant: str | None = None  # weights variant, e.g. fp16
+    adapters: tuple[tuple[str, str], ...] = ()  # every LoRA the job uses (flags, `lora` column): (as named, location)
+    plan_size: tuple[int, int] | None = None  # the largest (width, height) in the job, planned for
+
+
+    def source(self) -> Source:
+        return Source(self.model, self.settings.family, self.device, self.dtype, self.trust_remote_code,
+                      self.revision, self.variant, self.adapters)
+
+    def workload(self) -> Workload:
+        s = self.settings
+        width, height = self.plan_size or (s.width, s.height)
+        return Workload(width=width, height=height, steps=s.steps, guidance=s.guidance,
+                        true_cfg_scale=s.true_cfg_scale, max_batch=self.max_batch, offload=self.offload,
+                        gpu_memory=self.gpu_memory, host_memory=self.host_memory)
+
+
+@dataclass(frozen=True)
+class BatchDone:
+    """Progress: one pipeline call finished."""
+
+    shard_id: str
+    worker: str
+    images: int
+    errors: int
+    rows: float = 0.0  # input rows this call finished: each image is 1/N of a row that makes N
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    shard_id: str
+    worker: str
+    ok: int
+    errors: int
+    seconds: float  # wall time of the whole shard, reading to commit
+    committed_by_other: bool = False  # another attempt of this shard committed first; this one wrote nothing more
+    counts: dict | None = None  # the committed manifest's counts (its footer's), so the driver need not read it
+    version: str | None = None  # the committed manifest's version, as a listing of shards/ would show it
+
+
+@dataclass(frozen=True)
+class Source:
+    """Which pipeline to load, and how: the weights (with the job's adapters) and their number format."""
+
+    model: str  # local directory or hub id, loaded with DiffusionPipeline.from_pretrained
+    family: str = "sd"  # workers/families.py: how the pipeline is called and its defaults
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (the family's on CUDA, float32 on CPU) | float32 | float16 | bfloat16
+    trust_remote_code: bool = False
+    revision: str | None = None
+    variant: str | None = None
+    adapters: tuple[tuple[str, str], ...] = ()  # (as named, location)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a fitted pipeline must run, and within what: the planner's input. Settings that decide
+    how the pipeline is fitted (quantization, compilation, caches) join it here."""
+
+    width: int = 512  # the largest image of the job, planned for
+    height: int = 512
+    steps: int = 30
+    guidance: float = 7.5
+    true_cfg_scale: float | None = None
+    max_batch: int = 4
+    offload: str = "auto"  # auto | none | block | leaf | disk: which placements may be used
+    gpu_memory: int | None = None  # device budget in bytes; default: free device memory (CPU: no planning)
+    host_memory: int | None = None  # host RAM for offloaded copies; default: 80 % of available

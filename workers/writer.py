@@ -1,0 +1,92 @@
+"""The writer thread: encodes, hashes and stores a worker's images while the device makes the next
+batch. At most `depth` batches wait for it: a slow store slows the pipeline (back-pressure) instead
+of filling memory with decoded images. Errors surface in the caller."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+WRITE_AHEAD = 2  # batches handed to the writer thread before the pipeline waits: one being written, one queued
+_ENCODE_ARGS = {"png": {"format": "PNG"}, "jpeg": {"format": "JPEG", "quality": 95}, "webp": {"format": "WEBP", "quality": 95}}
+
+
+def encode(image, image_format: str) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, **_ENCODE_ARGS[image_format])
+    return buf.getvalue()
+
+
+@dataclass
+class Made:
+    """One image on its way to the store."""
+
+    id: str
+    row: int  # its row in the shard's table
+    picture: object | None  # the decoded image until the writer encodes it; None when the safety checker filtered it
+    meta: dict  # what webdataset/parquet output stores beside it
+    record: dict  # what its manifest row gains once made
+    data: bytes | None = None  # the encoded image (set by the writer)
+
+
+def encode_and_store(sink, made: list[Made], records: dict, carried: pa.Table | None, image_format: str) -> None:
+    """On the writer thread: encode and hash each image, then store the batch; each image's manifest
+    record gains its key, member, digest and size. `carried`: the input columns kept beside each
+    image, one row per entry of `made`."""
+    for m in made:
+        if m.picture is not None:
+            m.data = encode(m.picture, image_format)
+            m.picture = None  # the decoded image is not held longer than needed
+            digest = hashlib.sha256(m.data).hexdigest()
+            m.meta["sha256"] = digest
+            m.record.update(sha256=digest, size=len(m.data))
+    kept = [i for i, m in enumerate(made) if m.data is not None]
+    if kept:
+        rows = carried.take(kept) if carried is not None else None
+        stored = sink.add([(made[i].id, made[i].data, made[i].meta) for i in kept], rows)
+        for i, (key, member) in zip(kept, stored, strict=True):
+            records[made[i].id].update(made[i].record, image=key, member=member)
+    for m in made:
+        if m.data is None:
+            records[m.id].update(m.record)
+
+
+class Writer:
+    """One background thread for a worker's writes; `depth` 0 writes inline, on the caller's thread
+    (what bench/worker_overlap.py compares with)."""
+
+    def __init__(self, depth: int = WRITE_AHEAD):
+        self.depth, self.pending = depth, deque()
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fleetgen-writer")
+
+    def submit(self, fn, *args) -> None:
+        if self.depth == 0:
+            fn(*args)
+            return
+        while len(self.pending) >= self.depth:
+            self.pending.popleft().result()
+        self.pending.append(self.pool.submit(fn, *args))
+
+    def drain(self) -> None:
+        """Wait for every batch handed over; raises the first error."""
+        while self.pending:
+            self.pending.popleft().result()
+
+    def cancel(self) -> None:
+        """Drop batches not started, wait for the one running; errors are ignored (giving up)."""
+        while self.pending:
+            future = self.pending.popleft()
+            if not future.cancel():
+                try:
+                    future.result()
+                except Exception:  # noqa: BLE001, S110 - the attempt is being abandoned anyway
+                    pass
+
+    def close(self) -> None:
+        self.cancel()
+        self.pool.shutdown(wait=True)
