@@ -12,13 +12,20 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[s3,test]'
 	touch $@
 
-.PHONY: demo test lint bench gpu-check gpu-check-dry gpu-wheelhouse
+.PHONY: demo test test-fast lint bench gpu-check gpu-check-dry gpu-wheelhouse
 demo: $(VENV)/.installed
 	$(VENV)/bin/fleetgen demo --output demo-output
 
+# Everything: the README's test command (CI runs it). Markers: tests/conftest.py.
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q
+
+# The inner loop: no Ray, no extra clusters, no chaos, nothing slow (under 2 minutes on 2 cores).
+test-fast: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q -m "not ray and not cluster and not chaos and not slow"
 
 bench: $(VENV)/.installed
 	$(PY) bench/overhead.py

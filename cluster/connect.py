@@ -23,6 +23,7 @@ class ClusterShape:
 
 
 _started_here = False
+inits = 0  # Ray connections this process made (a test that makes one must say so: tests/conftest.py)
 
 
 def connect(address: str | None = None, num_cpus: int | None = None) -> ClusterShape:
@@ -33,9 +34,10 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> ClusterS
     and hang there if it is gone. Reuses an existing connection (a test session's, or an
     embedding application's).
     """
-    global _started_here
+    global _started_here, inits
     address = address or os.environ.get("RAY_ADDRESS")
     if not ray.is_initialized():
+        inits += 1
         try:
             if address:
                 ray.init(address=address, log_to_driver=True)
@@ -56,3 +58,4 @@ def disconnect() -> None:
     if _started_here and ray.is_initialized():
         ray.shutdown()
         _started_here = False
+inits = 0  # Ray connections this process made (a test that makes one must say so: tests/conftest.py)

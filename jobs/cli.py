@@ -32,7 +32,10 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--height", type=int, help="pixels, multiple of 8 (default 512)")
     g.add_argument("--seed", type=int, help="job seed (default 0)")
     g.add_argument("--image-format", choices=["png", "jpeg", "webp"], help="default png")
-    g.add_argument("--output-format", choices=["files", "webdataset", "parquet"], help="default files")
+    from workers.formats import FORMATS, format_names
+
+    g.add_argument("--output-format", choices=format_names(), help="default files; " + "; ".join(
+        f"{name}: {FORMATS[name].description}" for name in format_names()))
     g.add_argument("--prompt-column", help="default prompt")
     g.add_argument("--id-column", help="default id (used when present)")
     g.add_argument("--seed-column", help="default seed (used when present)")

@@ -13,7 +13,8 @@ from fleetgen.errors import ConfigError
 from fleetgen.units import parse_size
 from offload.planner import OFFLOAD_CHOICES
 from workers.batches import MAX_IMAGES_PER_ROW, Adapter, template_fields
-from workers.layout import IMAGE_FORMATS, OUTPUT_FORMATS
+from workers.formats import format_names
+from workers.layout import IMAGE_FORMATS
 from workers.model_dir import is_hub_id, size_multiple
 from workers.pipeline import DTYPES as PIPELINE_DTYPES
 from workers.shard import SETTING_ROLES, Columns
@@ -180,8 +181,8 @@ def validate(config: JobConfig) -> JobConfig:
     _check(c.seed >= 0, f"`--seed` must be 0 or more, got `{c.seed}`.")
     _check(c.image_format in IMAGE_FORMATS,
            f"`--image-format` must be one of {', '.join(IMAGE_FORMATS)}; got `{c.image_format}`.")
-    _check(c.output_format in OUTPUT_FORMATS,
-           f"`--output-format` must be one of {', '.join(OUTPUT_FORMATS)}; got `{c.output_format}`.")
+    _check(c.output_format in format_names(),
+           f"`--output-format` must be one of {', '.join(format_names())}; got `{c.output_format}`.")
     for name in ("workers", "max_workers"):
         v = getattr(c, name)
         _check(v is None or v >= 1, f"{_option(name)} must be 1 or more, got `{v}`.")

@@ -1,4 +1,5 @@
-"""The output as a dataset: its card (`OUT/README.md`) and, for webdataset output, a `wids` index.
+"""The output as a dataset: its card (`OUT/README.md`), and what its output format writes after a
+run (workers/formats/: for webdataset, a `wids` index).
 
 Both are rewritten at the end of every run from the committed manifests, so they describe what is
 committed, whatever earlier runs did. The card's YAML header lets `datasets.load_dataset(OUT)` find
@@ -7,14 +8,13 @@ the data files; its body says what made the images and how to read them.
 
 from __future__ import annotations
 
-import json
-
 import pyarrow as pa
 
 from jobs.config import JobConfig
 from jobs.state import shard_counts
 from workers.families import Family
-from workers.layout import CARD, MANIFEST_SCHEMA, WIDS_INDEX, data_key
+from workers.formats import get_format
+from workers.layout import CARD, MANIFEST_SCHEMA
 from workers.shard import SETTING_ROLES, Columns
 from workers.storage import Output
 
@@ -30,19 +30,6 @@ def describe_columns(config: JobConfig, columns: Columns, adapters) -> str:
     return "; ".join(parts)
 
 
-def write_wids_index(output: Output, counts: dict[str, dict[str, int]]) -> None:
-    """`OUT/wids-index.json`: every committed webdataset shard with its sample count, in the
-    format `wids.ShardListDataset` reads (URLs relative to the index)."""
-    shardlist = []
-    for shard in sorted(counts):
-        key = data_key(shard, "webdataset")
-        if counts[shard]["ok"]:
-            shardlist.append({"url": key, "nsamples": counts[shard]["ok"], "filesize": output.size(key)})
-    index = {"__kind__": "wids-shard-index-v1", "wids_version": 1, "name": output.url.rstrip("/").rsplit("/", 1)[-1],
-             "shardlist": shardlist}
-    output.put(WIDS_INDEX, json.dumps(index, indent=2).encode())
-
-
 def _type(t: pa.DataType) -> str:
     return str(t).replace("large_", "")
 
@@ -52,23 +39,22 @@ def write_card(output: Output, config: JobConfig, family: Family, columns: Colum
     """`OUT/README.md`: a dataset card, and the wids index for webdataset output. `counts`: every
     committed shard's counts (jobs.state.shard_counts), when the caller has them."""
     counts = shard_counts(output) if counts is None else counts
-    fmt = config.output_format
-    if fmt == "webdataset":
-        write_wids_index(output, counts)
+    fmt = get_format(config.output_format)
+    fmt.finish(output, counts)
     ok = sum(c["ok"] for c in counts.values())
     errors = sum(c["error"] for c in counts.values())
     filtered = sum(c["filtered"] for c in counts.values())
     header = ""
-    if fmt != "files":
-        pattern = "data/*.parquet" if fmt == "parquet" else "data/*.tar"
-        header = f"---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: {pattern}\n---\n\n"
+    if fmt.data_files:
+        header = (f"---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: {fmt.data_files}\n"
+                  "---\n\n")
     model = config.model + (f" (revision `{config.revision}`)" if config.revision else "")
     settings = {
         "model family": family.name, "steps": config.steps, "guidance": config.guidance,
         "size": f"{config.width}x{config.height}", "seed": config.seed, "images per prompt": config.images_per_prompt,
         "prompt template": config.prompt_template, "LoRA": ", ".join(config.lora) or None,
         "true CFG scale": config.true_cfg_scale, "variant": config.variant,
-        "image format": config.image_format, "output format": fmt,
+        "image format": config.image_format, "output format": fmt.name,
     }
     per_row = [f"`{getattr(columns, role)}` ({role})" for role in SETTING_ROLES if getattr(columns, role)]
     carried = [f"| `{f.name}` | {_type(f.type)} | from the input |" for f in schema if f.name in columns.carry]
@@ -93,7 +79,7 @@ def write_card(output: Output, config: JobConfig, family: Family, columns: Colum
         "## Columns",
         "",
         "Every image has a record in its shard's manifest (`shards/*.parquet`, one row per image, ok or error)"
-        + ("" if fmt == "files" else f" and beside the image in `data/` ({fmt})") + ".",
+        + (f" and beside the image in `data/` ({fmt.name})" if fmt.carries_records else "") + ".",
         "",
         "| column | type | |",
         "|---|---|---|",
@@ -102,24 +88,12 @@ def write_card(output: Output, config: JobConfig, family: Family, columns: Colum
         "",
         "## Loading it",
         "",
-        *_how_to_load(output.url, fmt, sorted(s for s, c in counts.items() if c["ok"])),
+        *fmt.how_to_load(output.url, sorted(s for s, c in counts.items() if c["ok"])),
+        "",
+        "```python",
+        "import pyarrow.dataset as ds",
+        f'manifest = ds.dataset("{output.url}/shards", format="parquet").to_table().to_pandas()  # every image, '
+        "ok or error, with its settings and columns",
+        "```",
     ]
     output.put(CARD, "\n".join(lines).encode() + b"\n")
-
-
-def _how_to_load(url: str, fmt: str, shards: list[str]) -> list[str]:
-    manifests = ["```python", "import pyarrow.dataset as ds", f'manifest = ds.dataset("{url}/shards", format="parquet")'
-                 '.to_table().to_pandas()  # every image, ok or error, with its settings and columns', "```"]
-    if fmt == "parquet":
-        return ["```python", "import datasets", f'ds = datasets.load_dataset("{url}", split="train")  '
-                "# `image` is an Image feature", "```", "", *manifests]
-    if fmt == "webdataset":
-        first, last = (shards[0], shards[-1]) if shards else ("shard-00000", "shard-00000")
-        span = first.removeprefix("shard-") + ".." + last.removeprefix("shard-")
-        return ["```python", "import webdataset as wds", f'ds = wds.WebDataset("{url}/data/shard-{{{span}}}.tar")'
-                '.decode("pil")  # samples: png/jpg/webp + json (committed shards)', "", "import wids",
-                f'ds = wids.ShardListDataset("{url}/wids-index.json")  # random access, sizes from the index', "```",
-                "", *(["From an object store, webdataset reads `pipe:` URLs (e.g. `pipe:aws s3 cp URL -`)."]
-                      if "://" in url and not url.startswith("file://") else []), "", *manifests]
-    return [f"Images are objects under `{url}/images/<shard>/<id>.<ext>`; the manifests name each image's object "
-            "(column `image`).", "", *manifests]

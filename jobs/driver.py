@@ -41,6 +41,7 @@ from jobs.state import (
     sweep,
 )
 from jobs.summary import JobSummary, Run, finish
+from workers.formats import PLUGINS_ENV
 from workers.shard import Shard
 from workers.spec import WorkerSpec
 from workers.storage import STORAGE_ENV, Output
@@ -172,7 +173,7 @@ def _dispatch(config: JobConfig, columns, run: Run, fleet: FleetRecord, adapters
             progress.log(f"{sizing.describe()}; {len(todo)} shard(s) to generate")
             pool = WorkerPool(spec_for, sizing.options, sizing.max_workers, max_attempts=config.max_attempts,
                               max_restarts=config.max_restarts, placement_timeout=config.placement_timeout,
-                              env_vars={k: os.environ[k] for k in (*HUB_ENV, *STORAGE_ENV) if k in os.environ})
+                              env_vars={k: os.environ[k] for k in (*HUB_ENV, *STORAGE_ENV, PLUGINS_ENV) if k in os.environ})
             follow(pool.run(todo, stop=stop, grace=config.stop_grace), run, fleet)
     finally:
         if pool is not None:

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import base64
 import html
-import io
-import tarfile
 
 from fleetgen.units import format_size
 from jobs.inspect import job_state
 from jobs.state import read_manifests
+from workers.formats import get_format
 from workers.layout import IMAGE_FORMATS
-from workers.storage import Output, read_parquet
+from workers.storage import Output
 
 SAMPLE = 24  # images on the contact sheet
 ERRORS = 50  # rows that are not ok, listed
@@ -21,22 +20,21 @@ _MIME = {"png": "image/png", "jpg": "image/jpeg", "webp": "image/webp"}
 _COLUMNS = ("id", "prompt", "seed", "status", "error", "warning", "image", "member", "worker")
 
 
-def _src(out: Output, row: dict, cache: dict, ext: str) -> str:
-    """How the page reaches the image: a relative link, or the bytes embedded from the shard's
-    tar or Parquet file."""
-    key = row["image"]
-    if key.startswith("images/"):
-        return html.escape(key)
-    if key not in cache:
-        data = out.get(key)
-        if key.endswith(".tar"):
-            with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-                cache[key] = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if not m.name.endswith(".json")}
-        else:
-            table = read_parquet(data, columns=["id", "image"]).to_pylist()
-            cache[key] = {r["id"]: r["image"]["bytes"] for r in table}
-    name = row["member"] or row["id"]
-    return f"data:{_MIME[ext]};base64,{base64.b64encode(cache[key][name]).decode()}"
+def _sources(out: Output, fmt, rows: list[dict], ext: str) -> dict[str, str]:
+    """How the page reaches each image: a relative link where each image is an object of its own,
+    else its bytes embedded, read from its shard's object (once per shard) by the output format."""
+    if fmt.linked:
+        return {r["id"]: html.escape(r["image"]) for r in rows}
+    by_shard: dict[str, list[dict]] = {}
+    for r in rows:
+        by_shard.setdefault(r["shard"], []).append(r)
+    sources = {}
+    for shard, shard_rows in by_shard.items():
+        stored, _ = fmt.stored(out, shard, shard_rows, {r["id"] for r in shard_rows})
+        for image_id, (_size, data) in stored.items():
+            if data is not None:
+                sources[image_id] = f"data:{_MIME[ext]};base64,{base64.b64encode(data).decode()}"
+    return sources
 
 
 def _bars(title: str, items: list[tuple[str, float, str]], limit: list[float] | None = None) -> str:
@@ -67,7 +65,7 @@ def sample_images(out: Output, counts: dict[str, dict], n: int = SAMPLE) -> list
     per = -(-n // len(picked)) if picked else 0
     rows = []
     for shard in picked:
-        ok = [r for r in manifests[shard] if r["status"] == "ok"]
+        ok = [{**r, "shard": shard} for r in manifests[shard] if r["status"] == "ok"]
         rows += ok[:: max(1, len(ok) // per)][:per]
     return rows[:n]
 
@@ -89,10 +87,10 @@ def write_report(url: str) -> str:
     state = job_state(url)
     out = Output(url)
     sample = sample_images(out, state["counts"])
-    cache: dict = {}
-    ext = IMAGE_FORMATS[state["job"]["fingerprint"]["generation"]["image_format"]]
+    generation = state["job"]["fingerprint"]["generation"]
+    sources = _sources(out, get_format(generation["output_format"]), sample, IMAGE_FORMATS[generation["image_format"]])
     cards = "".join(
-        f'<figure class="card"><img src="{_src(out, r, cache, ext)}" alt="{html.escape(r["id"])}">'
+        f'<figure class="card"><img src="{sources.get(r["id"], "")}" alt="{html.escape(r["id"])}">'
         f'<figcaption><b>{html.escape(r["id"])}</b> seed {r["seed"]}<br>{html.escape(r["prompt"] or "")}</figcaption></figure>'
         for r in sample
     )

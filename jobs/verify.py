@@ -16,18 +16,16 @@ manifests and objects go, and `_SUCCESS`), so that rerunning the job redoes exac
 from __future__ import annotations
 
 import hashlib
-import tarfile
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from fleetgen.errors import StorageError
 from jobs.lock import live_lock
 from jobs.state import committed_shards
 from workers.commit import finish_attempts
+from workers.formats import OutputFormat, Unreadable, get_format
 from workers.layout import JOB, LOCK, SHARDS, STAGING, SUCCESS, manifest_key
 from workers.storage import TMP_MARK, Output
 
@@ -88,8 +86,8 @@ def _sha(data: bytes) -> str:
 
 
 class _Checker:
-    def __init__(self, output: Output, report: VerifyReport, deep: bool):
-        self.output, self.report, self.deep = output, report, deep
+    def __init__(self, output: Output, report: VerifyReport, deep: bool, fmt: OutputFormat):
+        self.output, self.report, self.deep, self.fmt = output, report, deep, fmt
         self.orphans: list[str] = []  # keys --fix removes
 
     def _compare(self, shard: str, row: dict, data: bytes | None, size: int | None, i: int) -> bool:
@@ -111,84 +109,24 @@ class _Checker:
                 return False
         return True
 
-    def files(self, shard: str, rows: list[dict]) -> bool:
-        sizes = self.output.sizes(f"images/{shard}")
+    def check(self, shard: str, rows: list[dict]) -> bool:
+        """A committed shard's ok rows against what its output format finds stored; False when an
+        image is missing or differs. Bytes are read for the first and every 16th image (all with
+        --deep)."""
+        wanted = None if self.deep else {r["id"] for i, r in enumerate(rows) if i % SAMPLE_EVERY == 0}
+        try:
+            stored, extra = self.fmt.stored(self.output, shard, rows, wanted)
+        except Unreadable as err:
+            self.report.add("mismatch", self.fmt.shard_objects(shard)[0], str(err))
+            return False
         ok = True
-        named = set()
         for i, row in enumerate(rows):
-            named.add(row["image"])
-            ok &= self._compare(shard, row, None, sizes.get(row["image"]), i)
-        for key in sizes.keys() - named:
+            size, data = stored[row["id"]]
+            ok &= self._compare(shard, row, data, size, i)
+        for key in extra:
             self.report.add("leftover" if TMP_MARK in key else "orphan", key)
             self.orphans.append(key)
         return ok
-
-    def webdataset(self, shard: str, rows: list[dict]) -> bool:
-        key = rows[0]["image"]
-        sampled = self._sampled(rows)
-
-        def members(f) -> dict:
-            found = {}
-            with tarfile.open(fileobj=f, mode="r:") as tar:
-                for info in tar:  # headers only, unless the member is hashed
-                    read = self.deep or info.name in sampled
-                    found[info.name] = (info.size, tar.extractfile(info).read() if read else None)
-            return found
-
-        try:
-            stored = self.output.read_with(key, members)
-        except FileNotFoundError:
-            stored = {}
-        except tarfile.TarError as err:  # the bytes came, and they are not a tar: damage
-            self.report.add("mismatch", key, f"not a readable tar: {err}")
-            return False
-        ok = True
-        for i, row in enumerate(rows):
-            size, data = stored.get(row["member"], (None, None))
-            ok &= self._compare(shard, row, data, size, i)
-        return ok
-
-    def parquet(self, shard: str, rows: list[dict]) -> bool:
-        key = rows[0]["image"]
-        sampled = set() if self.deep else self._sampled(rows)
-
-        def read(f) -> dict:
-            """{id: (size or -1 when its bytes were not read, bytes)}: the id column, then the image
-            column of every row group (--deep) or of the row groups holding the sample."""
-            pf = pq.ParquetFile(f, pre_buffer=False)  # no pool work: see workers.storage.read_parquet
-            ids = pf.read(columns=["id"], use_threads=False).column("id").to_pylist()
-            found = dict.fromkeys(ids, (-1, None))
-            starts = [0]
-            for g in range(pf.metadata.num_row_groups):
-                starts.append(starts[-1] + pf.metadata.row_group(g).num_rows)
-            for g in range(pf.metadata.num_row_groups):
-                if self.deep or sampled & set(ids[starts[g]:starts[g + 1]]):
-                    group = pf.read_row_group(g, columns=["id", "image"], use_threads=False)
-                    for rid, image in zip(group.column("id").to_pylist(), group.column("image").to_pylist(),
-                                          strict=True):
-                        data = image["bytes"] if image else None
-                        found[rid] = (len(data), data) if data is not None else (None, None)
-            return found
-
-        try:
-            stored = self.output.read_with(key, read)
-        except FileNotFoundError:
-            stored = {}
-        except pa.ArrowException as err:  # the bytes came, and they are not Parquet: damage
-            self.report.add("mismatch", key, f"not a readable parquet file: {err}")
-            return False
-        ok = True
-        for i, row in enumerate(rows):
-            size, data = stored.get(row["id"], (None, None))
-            if size == -1:  # present, bytes not read (not deep, not sampled): trust the manifest's size
-                size = row.get("size")
-            ok &= self._compare(shard, row, data, size, i)
-        return ok
-
-    @staticmethod
-    def _sampled(rows: list[dict]) -> set[str]:
-        """The images hashed without --deep (tar members or ids): the first and every 16th."""
-        return {r["member"] or r["id"] for i, r in enumerate(rows) if i % SAMPLE_EVERY == 0}
 
 
 def verify(url: str, deep: bool = False, fix: bool = False, progress: Callable[[str], None] | None = None,
@@ -198,14 +136,19 @@ def verify(url: str, deep: bool = False, fix: bool = False, progress: Callable[[
     objects (most images missing), in which case nothing is changed and the report says why
     (`force` repairs anyway)."""
     output = Output(url)
-    if not output.exists(JOB):
-        raise StorageError(f"{output.url} holds no fleetgen job (no {JOB}).")
+    try:
+        generation = json.loads(output.get(JOB))["fingerprint"]["generation"]
+    except FileNotFoundError:
+        raise StorageError(f"{output.url} holds no fleetgen job (no {JOB}).") from None
+    except (ValueError, KeyError, TypeError) as err:
+        raise StorageError(f"{output.key_url(JOB)} is not a fleetgen job record ({err}).") from None
+    fmt = get_format(generation.get("output_format", "files"))
     if fix and live_lock(output):
         raise StorageError(f"{output.url} is in use by a running driver ({LOCK} has a fresh heartbeat): `--fix` only "
                            "works on a job that is not running.")
     started = last = time.monotonic()
     report = VerifyReport(url=output.url, deep=deep)
-    checker = _Checker(output, report, deep)
+    checker = _Checker(output, report, deep, fmt)
     if fix:  # first, complete commits whose objects were still being moved (their staging is whole)
         finish_attempts(output)
     committed = sorted(committed_shards(output))
@@ -216,11 +159,8 @@ def verify(url: str, deep: bool = False, fix: bool = False, progress: Callable[[
         rows = [r for r in manifest.to_pylist() if r["status"] == "ok" and r.get("image")]
         report.shards += 1
         report.images += len(rows)
-        if rows:
-            image = rows[0]["image"]
-            kind = "files" if image.startswith("images/") else "webdataset" if image.endswith(".tar") else "parquet"
-            if not getattr(checker, kind)(shard, rows):
-                damaged[shard] = rows
+        if rows and not checker.check(shard, rows):
+            damaged[shard] = rows
         if progress and time.monotonic() - last >= interval:
             last = time.monotonic()
             progress(f"verify: {n}/{len(committed)} shards, {report.images} images, "
@@ -229,7 +169,7 @@ def verify(url: str, deep: bool = False, fix: bool = False, progress: Callable[[
     if fix:
         report.refused = _looks_wrong(report) if not force else None
         if report.refused is None:
-            _repair(output, report, damaged, checker.orphans)
+            _repair(output, report, fmt, damaged, checker.orphans)
     report.seconds = round(time.monotonic() - started, 3)
     return report
 
@@ -246,13 +186,14 @@ def _looks_wrong(report: VerifyReport) -> str | None:
     return None
 
 
-def _repair(output: Output, report: VerifyReport, damaged: dict[str, list[dict]], orphans: list[str]) -> None:
+def _repair(output: Output, report: VerifyReport, fmt: OutputFormat, damaged: dict[str, list[dict]],
+            orphans: list[str]) -> None:
     """Un-commit the damaged shards (their manifest and objects go, so a rerun redoes them), remove
     the orphans and leftovers."""
-    for shard, rows in damaged.items():
+    for shard in damaged:
         output.remove(manifest_key(shard))
         report.uncommitted.append(shard)
-        orphans += sorted({f"images/{shard}"} | {r["image"] for r in rows if not r["image"].startswith("images/")})
+        orphans += fmt.shard_objects(shard)
     for key in orphans:
         output.remove(key)
     report.removed = len(orphans)

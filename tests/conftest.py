@@ -1,8 +1,17 @@
-"""Shared fixtures: the tiny model, prompt files, a real S3 server on loopback, one local Ray."""
+"""Shared fixtures: the tiny model, prompt files, a real S3 server on loopback, one local Ray.
+
+Markers say what a test starts, so `make test-fast` can leave the costly ones out:
+- `ray`: uses the session's local Ray (derived: the test asks for `ray_cluster`);
+- `cluster`: starts Ray heads or autoscalers of its own (derived from `ray_head` and
+  `autoscaling_head`, or marked where a test starts one in a subprocess);
+- `chaos`: whole jobs under injected faults; `slow`: over ~15 s for another reason (marked).
+A test that starts an in-process Ray without asking for `ray_cluster` fails (`_marked_for_ray`)."""
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import json
 import os
 import shutil
 import socket
@@ -52,7 +61,8 @@ def setup_job(tmp_path, model, out, output_format, prompts=None, max_batch=3, **
     settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64, output_format=output_format)
     worker = Worker(WorkerSpec("w0", model, str(out), settings, resolve_columns(files, Columns()), max_batch=max_batch,
                                device="cpu", threads=1, **kw))
-    worker.output.put("job.json", b"{}")
+    # the part of the job record verify reads: the generation settings, the output format among them
+    worker.output.put("job.json", json.dumps({"fingerprint": {"generation": dataclasses.asdict(settings)}}).encode())
     return worker, plan_shards(files, 3)
 
 
@@ -170,3 +180,32 @@ def ray_cluster(s3_server):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+RAY_FIXTURES = {"ray_cluster"}
+CLUSTER_FIXTURES = {"ray_head", "autoscaling_head"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        if names & RAY_FIXTURES:
+            item.add_marker(pytest.mark.ray)
+        if names & CLUSTER_FIXTURES:
+            item.add_marker(pytest.mark.cluster)
+
+
+def _ray_starts() -> int:
+    """In-process Ray connections so far: ours (cluster.connect) and any other `ray.init`."""
+    ray, connect = sys.modules.get("ray"), sys.modules.get("cluster.connect")
+    return getattr(connect, "inits", 0) + (1 if ray is not None and ray.is_initialized() else 0)
+
+
+@pytest.fixture(autouse=True)
+def _marked_for_ray(request):
+    """A test that starts an in-process Ray without asking for the shared one would run unmarked
+    (and start a Ray of its own, slowly): it fails, naming the fixture to ask for."""
+    before = _ray_starts()
+    yield
+    if "ray_cluster" not in request.fixturenames and _ray_starts() > before:
+        pytest.fail("this test started Ray: ask for the `ray_cluster` fixture (it marks the test `ray`)")

@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_gpu_offload_script_runs_tiny_on_cpu(tmp_path):
     out = tmp_path / "gpu.json"
     subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_offload.py"), "--tiny", "--json", str(out)],
@@ -45,6 +46,7 @@ def test_streams_on_cuda_give_the_same_latents():
     assert (abs(ref - streamed)).max() == 0
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run_takes_every_path_on_cpu(tmp_path):
     """`make gpu-check-dry`: the GPU check's own code at tiny size on CPU (its gpu tests skip), so
     the script a GPU session runs once cannot rot."""

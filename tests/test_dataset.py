@@ -147,7 +147,6 @@ def synth(classes, model, out, **kw) -> JobConfig:
                               **{"images_per_prompt": 3, "rows_per_shard": 3, "max_batch": 4, **FAST, **kw}))
 
 
-@pytest.mark.ray
 def test_template_job_is_a_dataset_for_real_readers(ray_cluster, tiny_model, classes, tmp_path):
     import datasets
 
@@ -182,7 +181,6 @@ def test_template_job_is_a_dataset_for_real_readers(ray_cluster, tiny_model, cla
     assert again.shards_skipped == 2 and len(datasets.load_dataset(str(out), split="train")) == 18
 
 
-@pytest.mark.ray
 def test_webdataset_output_reads_with_webdataset_and_wids(ray_cluster, tiny_model, classes, tmp_path):
     import webdataset as wds
     import wids
@@ -246,7 +244,6 @@ def test_mixed_sizes_and_adapters_batch_by_look(tiny_model, tmp_path):
     assert by_id["r6"] == by_id["r0"]
 
 
-@pytest.mark.ray
 def test_retry_errors_redoes_exactly_the_error_rows(ray_cluster, tiny_model, tmp_path):
     """Run 1 with --strict-prompts: the over-long prompts are error rows. Run 2 with --retry-errors:
     only those rows are generated, the ok images' bytes are kept, every shard commits again."""

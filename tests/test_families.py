@@ -38,7 +38,6 @@ def _worker(model, out, family, columns, **settings):
                              max_batch=2, device="cpu", threads=1))
 
 
-@pytest.mark.ray
 @pytest.mark.parametrize("family", ["sdxl", "sd3", "flux", "pixart-sigma", "sana"])
 def test_each_family_resolves_its_defaults_and_runs(family, models, ray_cluster, tmp_path):
     prompts = write_prompts(tmp_path / "p.parquet", ["a red fox", "a blue owl"])
@@ -97,7 +96,6 @@ def test_a_120_token_prompt_is_fine_for_t5_families_and_noted_for_clip_only_ones
         assert row["warning"] is None
 
 
-@pytest.mark.ray
 def test_safety_checker_flags_are_filtered_rows(tmp_path, ray_cluster):
     """A real StableDiffusionSafetyChecker at tiny size, made to flag everything: the rows are
     `filtered` with `nsfw` set, nothing is stored for them, and the summary counts them apart."""

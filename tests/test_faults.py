@@ -20,7 +20,6 @@ from jobs.driver import run_job
 from jobs.verify import verify
 from tests.conftest import FAST, write_prompts
 
-pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -39,6 +38,7 @@ def chaos_input(tmp_path_factory, tiny_model, ray_cluster):
     return prompts, {r["id"]: r["sha256"] for r in manifest_rows(root / "clean")}, clean.seconds
 
 
+@pytest.mark.chaos
 def test_chaos_workers_killed_at_random_moments(chaos_input, tiny_model, tmp_path):
     prompts, clean, _ = chaos_input
     killer = Killer(tmp_path / "out", kills=4, seed=1)
@@ -100,6 +100,7 @@ def _wait_for_images(out: Path, proc: subprocess.Popen, timeout: float = 120) ->
         time.sleep(0.1)
 
 
+@pytest.mark.chaos
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_driver_stopped_or_killed_then_rerun_resumes(chaos_input, tiny_model, tmp_path, ray_cluster, sig):
     prompts, clean, _ = chaos_input
@@ -182,7 +183,7 @@ def test_pathological_row_costs_only_itself(tiny_model, tmp_path):
     assert all(rows[i]["status"] == "ok" for i in ("fox", "owl", "cat"))
 
 
-def test_ids_repeated_across_shards_overwrite_nothing_and_within_a_shard_fail_it(tiny_model, tmp_path):
+def test_ids_repeated_across_shards_overwrite_nothing_and_within_a_shard_fail_it(tiny_model, tmp_path, ray_cluster):
     """Keys are shard-scoped: `a` in shards 0 and 1 gives two images; `h` twice in shard 2 fails
     that shard (naming the rows) and nothing else."""
     ids = ["a", "b", "c", "d", "a", "e", "f", "g", "h", "i", "h", "j"]

@@ -129,7 +129,6 @@ def _manifest_rows(out: Path) -> list[dict]:
     return pq.read_table(out / "shards", columns=["id", "status", "sha256", "worker"]).to_pylist()
 
 
-@pytest.mark.ray
 @pytest.mark.slow
 def test_autoscaler_starts_gpu_nodes_a_joining_node_gets_a_worker_a_lost_node_loses_nothing(
         autoscaling_head, tiny_model, tmp_path, ray_cluster):
@@ -190,7 +189,6 @@ def test_autoscaler_starts_gpu_nodes_a_joining_node_gets_a_worker_a_lost_node_lo
     assert {r["id"]: r["sha256"] for r in rows} == {r["id"]: r["sha256"] for r in _manifest_rows(tmp_path / "clean")}
 
 
-@pytest.mark.ray
 def test_demand_that_cannot_be_placed_ends_the_job_naming_the_resource(autoscaling_head, tiny_model, tmp_path):
     """A worker asking for more host memory than any node type has: the autoscaler can start
     nothing for it; the job ends after `--placement-timeout` with exit 2, having written only job.json."""
@@ -209,7 +207,6 @@ def test_demand_that_cannot_be_placed_ends_the_job_naming_the_resource(autoscali
     assert sorted(p.name for p in out.iterdir()) == ["job.json"]
 
 
-@pytest.mark.ray
 def test_a_worker_that_fits_nothing_is_reported_and_the_job_goes_on(ray_cluster, tiny_model, tmp_path):
     # Enough shards that the worker that can run is still at them when the other one fails to start
     # (with only two, it once finished first: the loading worker was released, its failure unseen).
@@ -274,6 +271,7 @@ def test_budgets_follow_the_workers_share_of_its_node():
     assert fit_to_share(given, {"num_gpus": 0.5}, node, 80 * 2**30) == given
 
 
+@pytest.mark.cluster
 def test_run_with_no_address_starts_its_own_ray_even_with_a_stale_cluster_file(tmp_path):
     """`ray_current_cluster` left by a dead `ray start` must not be joined (it used to hang)."""
     temp = Path(tempfile.mkdtemp(prefix="rays", dir="/tmp"))

@@ -15,8 +15,6 @@ from tests.conftest import FAST, HUB_PORT, write_prompts
 from tests.hub_server import HubServer, Repo
 from workers.tiny_model import write_tiny_model
 
-pytestmark = pytest.mark.ray
-
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):

@@ -16,8 +16,6 @@ from jobs.state import list_manifests
 from tests.conftest import FAST, write_prompts
 from workers.storage import Output
 
-pytestmark = pytest.mark.ray
-
 N = 12
 
 

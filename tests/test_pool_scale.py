@@ -1,11 +1,8 @@
 """The pool's loop keeps a big fleet busy: 100 fake workers (bench/pool_sim.py: virtual workers on a
 few async actors, real Ray streams) at 1 s per batch."""
 
-import pytest
 
 from bench.pool_sim import simulate
-
-pytestmark = pytest.mark.ray
 
 
 def test_a_hundred_fake_workers_wait_for_work_under_3_percent_of_the_time(ray_cluster):

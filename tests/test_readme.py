@@ -37,7 +37,6 @@ def user_env(ray_cluster, tmp_path) -> dict:
             "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address, "PYTHONPATH": str(ROOT)}
 
 
-@pytest.mark.ray
 def test_synthesising_a_dataset_runs_as_written(user_env, tmp_path):
     found = blocks("Synthesising a dataset")
     assert [lang for lang, _ in found] == ["python", "bash", "python"]

@@ -15,7 +15,6 @@ from jobs.config import JobConfig, validate
 from jobs.driver import run_job
 from tests.conftest import FAST, write_prompts
 
-pytestmark = pytest.mark.ray
 ARTIFACTS = Path(os.environ.get("FLEETGEN_ARTIFACTS", Path(__file__).resolve().parents[1] / "test-artifacts"))
 
 

@@ -88,7 +88,6 @@ def _metrics(port: int) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("ray_fleetgen_")]
 
 
-@pytest.mark.ray
 @pytest.mark.slow
 def test_ray_job_submit_with_working_dir(ray_head, tiny_model, tmp_path):
     """Submit, watch the workers' metrics while it runs (as Prometheus would scrape the node),
@@ -166,7 +165,6 @@ def _wait_committed(out: Path, at_least: int, address: str, job_id: str) -> int:
     return n
 
 
-@pytest.mark.ray
 @pytest.mark.slow
 def test_ray_job_stop_writes_summary_and_releases_the_lock_then_a_resubmit_resumes(ray_head, tiny_model, tmp_path):
     """`ray job stop` SIGTERMs the driver and SIGKILLs it `RAY_JOB_STOP_WAIT_TIME_S` later (3 s by

@@ -211,6 +211,7 @@ def _exits(args: list[str], env: dict | None = None) -> tuple[int, str]:
     return done.returncode, done.stderr
 
 
+@pytest.mark.slow
 def test_parquet_reads_never_abort_the_process_at_exit(tmp_path):
     """pyarrow 26's `read_table` over a buffer aborts at exit ("terminate called without an active
     exception", exit 134) in about a third of runs; `storage.read_parquet` reads through
@@ -255,6 +256,7 @@ print(json.dumps([codes[i] for i in range(len(runs))]))
 """
 
 
+@pytest.mark.slow
 def test_status_and_verify_exit_0_a_hundred_times(tiny_model, tmp_path):
     out = tmp_path / "out"
     worker, shards = setup_job(tmp_path, tiny_model, out, "parquet")
@@ -263,7 +265,7 @@ def test_status_and_verify_exit_0_a_hundred_times(tiny_model, tmp_path):
     # a finished job's records, as a run leaves them: status exits 0
     (out / "job.json").write_text(json.dumps({"shards_total": 2, "fingerprint": {
         "model": tiny_model, "input": [{"url": "p.parquet", "bytes": 1, "rows": 6}],
-        "generation": {"rows_per_shard": 3}}}))
+        "generation": {"rows_per_shard": 3, "output_format": "parquet"}}}))
     (out / "summary.json").write_text("{}")
     (out / "_SUCCESS").write_text("")
 
@@ -302,6 +304,7 @@ def _bad_inputs(tmp_path: Path, tiny_model: str, s3_server: str) -> list[tuple[l
     ]
 
 
+@pytest.mark.slow
 def test_bad_input_is_refused_in_one_line_with_exit_2(tiny_model, tmp_path, s3_server):
     cases = _bad_inputs(tmp_path, tiny_model, s3_server)
 

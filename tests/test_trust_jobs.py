@@ -16,7 +16,7 @@ from jobs.config import JobConfig, validate
 from jobs.driver import run_job
 from tests.conftest import FAST, write_prompts
 
-pytestmark = [pytest.mark.ray, pytest.mark.chaos]
+pytestmark = pytest.mark.chaos
 ROWS = 64
 
 

@@ -23,7 +23,6 @@ WIDS_INDEX = "wids-index.json"  # webdataset output: every shard's URL and sampl
 FLEET = "fleet.json"  # the workers as the driver last saw them, and the latest fleet events (jobs/fleet.py)
 
 IMAGE_FORMATS = {"png": "png", "jpeg": "jpg", "webp": "webp"}  # --image-format -> file extension
-OUTPUT_FORMATS = ("files", "webdataset", "parquet")
 
 # Ids become object keys: keep them to a portable alphabet, never a path (`../x`, `/abs`).
 _SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -49,11 +48,6 @@ def worker_key(worker: str) -> str:
 
 def image_key(shard_id: str, row_id: str, image_format: str) -> str:
     return f"images/{shard_id}/{row_id}.{IMAGE_FORMATS[image_format]}"
-
-
-def data_key(shard_id: str, output_format: str) -> str:
-    """The one object per shard for `webdataset` (tar) and `parquet` output."""
-    return f"data/{shard_id}.{'tar' if output_format == 'webdataset' else 'parquet'}"
 
 
 # One row per image, ok or error (a row of the input gives one image, or several with

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from workers.batches import Adapter, Look, Recipe
+from workers.formats import get_format
 from workers.shard import Columns
 
 
@@ -30,7 +31,7 @@ class GenerationSettings:
     def recipe(self, size_multiple: int = 8) -> Recipe:
         return Recipe(Look(self.width, self.height, self.steps, self.guidance, self.loras), seed=self.seed,
                       images_per_prompt=self.images_per_prompt, template=self.prompt_template,
-                      size_multiple=size_multiple, dotless_ids=self.output_format == "webdataset")
+                      size_multiple=size_multiple, dotless_ids=get_format(self.output_format).dotless_ids)
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,10 @@ from fleetgen.errors import ShardError, StorageError
 from workers.batches import Image, group_images, shard_images
 from workers.commit import commit_manifest, committed_since, counts_of, discard, manifest_bytes, promote, staging
 from workers.fit import FittedPipeline, Picture
+from workers.formats import open_sink
 from workers.layout import MANIFEST_SCHEMA, manifest_key, worker_key
 from workers.pipeline import describe_device
 from workers.shard import Shard, read_shard
-from workers.sinks import open_sink
 from workers.spec import BatchDone, ShardResult, WorkerSpec
 from workers.storage import Output, read_parquet
 from workers.writer import Made, Writer, encode_and_store

@@ -1,0 +1,66 @@
+"""A throw-away output format, added the way any format is: one registry entry (a sink, its keys,
+its read-back, its card lines) in a module named by `FLEETGEN_PLUGINS`. `jsonl`: one JSON-lines
+object per shard, `OUT/lines/<shard>.jsonl`, a line per image with its bytes in base64."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+from workers.formats import OutputFormat, Unreadable, register
+from workers.storage import Output
+
+
+def lines_key(shard_id: str) -> str:
+    return f"lines/{shard_id}.jsonl"
+
+
+class LinesSink:
+    def __init__(self, output: Output, shard_id: str, image_format: str, carried=None, prefix: str = ""):
+        self.output, self.key = output, lines_key(shard_id)
+        self.stream = output.open_write(prefix + self.key)
+
+    def add(self, batch, carried=None):
+        extra = carried.to_pylist() if carried is not None else [{}] * len(batch)
+        for (image_id, data, meta), columns in zip(batch, extra, strict=True):
+            line = {**meta, **columns, "id": image_id, "b64": base64.b64encode(data).decode()}
+            self.stream.write(json.dumps(line, sort_keys=True, default=str).encode() + b"\n")
+        return [(self.key, None)] * len(batch)
+
+    def keep_existing(self) -> None:
+        self.stream.write(self.output.get(self.key))
+
+    def close(self) -> None:
+        self.stream.close()
+
+    def abort(self) -> None:
+        Output.discard(self.stream)
+
+
+class Lines(OutputFormat):
+    name = "jsonl"
+    description = "a JSON-lines file per shard, lines/<shard>.jsonl (a test's format)"
+    carries_records = True
+
+    def sink(self, output, shard_id, image_format, carried, prefix):
+        return LinesSink(output, shard_id, image_format, carried, prefix)
+
+    def shard_objects(self, shard_id: str) -> list[str]:
+        return [lines_key(shard_id)]
+
+    def stored(self, output, shard_id, rows, wanted):
+        try:
+            text = output.get(lines_key(shard_id))
+        except FileNotFoundError:
+            return {r["id"]: (None, None) for r in rows}, []
+        try:
+            held = {line["id"]: base64.b64decode(line["b64"]) for line in map(json.loads, text.splitlines())}
+        except (ValueError, KeyError) as err:
+            raise Unreadable(f"not JSON lines: {err}") from err
+        return {r["id"]: (len(held[r["id"]]), held[r["id"]]) if r["id"] in held else (None, None) for r in rows}, []
+
+    def how_to_load(self, url, shards):
+        return [f"Each line of `{url}/lines/<shard>.jsonl` is an image record with its bytes in `b64`."]
+
+
+register(Lines())

@@ -1,0 +1,131 @@
+"""`parquet`: one Parquet file per shard, `OUT/data/<shard>.parquet`, a row group per batch; its
+`image` column decodes as a `datasets` Image feature (`datasets.load_dataset(OUT)`)."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from workers.formats import OutputFormat, Stored, Unreadable, register
+from workers.layout import IMAGE_FORMATS
+from workers.storage import Output
+
+# For `datasets.load_dataset`: the `image` struct decodes as an Image feature. Only it is named here;
+# `datasets` takes every other column's feature from its Arrow type (carried columns included).
+_HF_FEATURES = {"image": {"_type": "Image"}}
+PARQUET_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("row_id", pa.string()),
+        ("image_index", pa.int32()),
+        ("prompt", pa.string()),
+        ("negative_prompt", pa.string()),
+        ("seed", pa.int64()),
+        ("image", pa.struct([("bytes", pa.binary()), ("path", pa.string())])),
+        ("width", pa.int32()),
+        ("height", pa.int32()),
+        ("steps", pa.int32()),
+        ("guidance", pa.float32()),
+        ("lora", pa.list_(pa.string())),
+        ("lora_scale", pa.list_(pa.float32())),
+        ("sha256", pa.string()),
+        ("nsfw", pa.bool_()),  # the safety checker's verdict where the pipeline has one (flagged images are not stored)
+    ],
+    metadata={"huggingface": json.dumps({"info": {"features": _HF_FEATURES}})},
+)
+
+
+def data_key(shard_id: str) -> str:
+    return f"data/{shard_id}.parquet"
+
+
+def parquet_schema(carried: pa.Schema | None) -> pa.Schema:
+    """`PARQUET_SCHEMA` followed by the carried input columns, as typed in the input."""
+    if carried is None:
+        return PARQUET_SCHEMA
+    return pa.schema([*PARQUET_SCHEMA, *carried], metadata=PARQUET_SCHEMA.metadata)
+
+
+class ParquetSink:
+    def __init__(self, output: Output, shard_id: str, image_format: str, carried: pa.Schema | None = None,
+                 prefix: str = ""):
+        self.output = output
+        self.key = data_key(shard_id)
+        self.ext = IMAGE_FORMATS[image_format]
+        self.schema = parquet_schema(carried)
+        self.stream = output.open_write(prefix + self.key)
+        self.writer = pq.ParquetWriter(self.stream, self.schema)
+
+    def add(self, batch, carried=None):
+        rows = [
+            {**{k: meta[k] for k in PARQUET_SCHEMA.names if k in meta},
+             "image": {"bytes": data, "path": f"{row_id}.{self.ext}"}}
+            for row_id, data, meta in batch
+        ]
+        table = pa.Table.from_pylist(rows, schema=PARQUET_SCHEMA)
+        if carried is not None:
+            table = pa.Table.from_arrays([*table.columns, *carried.columns], schema=self.schema)
+        self.writer.write_table(table)
+        return [(self.key, None)] * len(batch)
+
+    def keep_existing(self) -> None:
+        self.writer.write_table(self.output.read_parquet(self.key).select(self.schema.names).cast(self.schema))
+
+    def close(self) -> None:
+        self.writer.close()
+        self.stream.close()
+
+    def abort(self) -> None:
+        Output.discard(self.stream)
+        self.writer.is_open = False  # its footer must not be written to the discarded stream when collected
+
+
+class Parquet(OutputFormat):
+    name = "parquet"
+    description = "a Parquet file per shard, data/<shard>.parquet (datasets.load_dataset)"
+    data_files = "data/*.parquet"
+    carries_records = True
+
+    def sink(self, output, shard_id, image_format, carried, prefix):
+        return ParquetSink(output, shard_id, image_format, carried, prefix)
+
+    def shard_objects(self, shard_id: str) -> list[str]:
+        return [data_key(shard_id)]
+
+    def stored(self, output: Output, shard_id: str, rows: list[dict], wanted: set[str] | None) -> tuple[Stored, list[str]]:
+        """The id column, then the image column of every row group (`wanted` None) or of the row
+        groups holding a wanted id; an image whose bytes were not read has the manifest's size."""
+        sizes = {r["id"]: r.get("size") for r in rows}
+
+        def read(f) -> Stored:
+            pf = pq.ParquetFile(f, pre_buffer=False)  # no pool work: see workers.storage.read_parquet
+            ids = pf.read(columns=["id"], use_threads=False).column("id").to_pylist()
+            found = {i: (sizes.get(i), None) for i in ids}  # present; bytes not read: trust the manifest's size
+            starts = [0]
+            for g in range(pf.metadata.num_row_groups):
+                starts.append(starts[-1] + pf.metadata.row_group(g).num_rows)
+            for g in range(pf.metadata.num_row_groups):
+                if wanted is None or wanted & set(ids[starts[g]:starts[g + 1]]):
+                    group = pf.read_row_group(g, columns=["id", "image"], use_threads=False)
+                    for rid, image in zip(group.column("id").to_pylist(), group.column("image").to_pylist(),
+                                          strict=True):
+                        data = image["bytes"] if image else None
+                        found[rid] = (len(data), data) if data is not None else (None, None)
+            return found
+
+        try:
+            held = output.read_with(data_key(shard_id), read)
+        except FileNotFoundError:
+            held = {}
+        except pa.ArrowException as err:  # the bytes came, and they are not Parquet: damage
+            raise Unreadable(f"not a readable parquet file: {err}") from err
+        return {r["id"]: held.get(r["id"], (None, None)) for r in rows}, []
+
+    def how_to_load(self, url: str, shards: list[str]) -> list[str]:
+        return ["```python", "import datasets", f'ds = datasets.load_dataset("{url}", split="train")  '
+                "# `image` is an Image feature", "```"]
+
+
+PARQUET = register(Parquet())
