@@ -51,10 +51,11 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--keep-columns", help="carry only these input columns into the outputs, e.g. label,style "
                    "(default: every column)")
     g.add_argument("--drop-columns", help="carry every input column but these")
-    for role, default in (("steps", "steps"), ("guidance", "guidance"), ("width", "width"), ("height", "height"),
-                          ("num-images", "num_images"), ("lora", "lora"), ("lora-scale", "lora_scale")):
-        g.add_argument(f"--{role}-column", help=f"per-row {role.replace('-', ' ')} (default `{default}`, used when "
-                       "present; `none` to ignore it)")
+    from workers.fields import roles
+
+    for f in (f for f in roles() if f.setting):  # one per per-row role of the field table (workers/fields.py)
+        g.add_argument(f"--{f.role.replace('_', '-')}-column", help=f"per-row {f.role.replace('_', ' ')} (default "
+                       f"`{f.role}`, used when present; `none` to ignore it)")
     g = p.add_argument_group("execution")
     g.add_argument("--workers", "--max-workers", type=int, dest="max_workers",
                    help="at most this many workers (default: locally one per GPU, else CPUs / --cpu-threads; "

@@ -6,13 +6,14 @@ from __future__ import annotations
 import math
 import re
 import tomllib
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, make_dataclass, replace
 from pathlib import Path
 
 from fleetgen.errors import ConfigError
 from fleetgen.units import parse_size
 from offload.planner import OFFLOAD_CHOICES
-from workers.batches import MAX_IMAGES_PER_ROW, Adapter, template_fields
+from workers.batches import Adapter, template_fields
+from workers.fields import MAX_IMAGES_PER_ROW
 from workers.formats import format_names
 from workers.layout import IMAGE_FORMATS
 from workers.model_dir import is_hub_id, size_multiple
@@ -27,7 +28,7 @@ HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # org/name
 
 
 @dataclass(frozen=True)
-class JobConfig:
+class _Job:
     input: str  # Parquet file, directory or glob; any fsspec URL
     output: str  # output location; any fsspec URL
     model: str  # local pipeline directory or hub id
@@ -47,14 +48,7 @@ class JobConfig:
     id_column: str = "id"  # used when present; else ids come from row positions
     seed_column: str = "seed"  # used when present
     negative_prompt_column: str = "negative_prompt"  # used when present
-    # per-row settings: each column, when the input has it, overrides the job's setting for its row
-    steps_column: str = "steps"
-    guidance_column: str = "guidance"
-    width_column: str = "width"
-    height_column: str = "height"
-    num_images_column: str = "num_images"  # images for the row (overrides --images-per-prompt)
-    lora_column: str = "lora"  # a LoRA path or hub id for the row (replaces --lora); "" for none
-    lora_scale_column: str = "lora_scale"
+    # per-row settings (`steps_column` ...): added below, one per role of the field table
     images_per_prompt: int = 1  # images per row; ids become `<id>-<k>`, seeds (job seed, id, k)
     prompt_template: str | None = None  # e.g. "a {style} photo of a {label}": the prompt from columns
     lora: tuple[str, ...] = ()  # LoRA adapters on every image, each PATH_OR_ID[:SCALE]
@@ -121,6 +115,13 @@ class JobConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+
+# Per-row settings: each `<role>_column`, when the input has that column, overrides the job's setting
+# for its row (`steps_column = "steps"`, ...; workers/fields.py has one entry per role).
+JobConfig = make_dataclass("JobConfig", [(f"{role}_column", "str", field(default=role)) for role in SETTING_ROLES],
+                           bases=(_Job,), frozen=True)
+JobConfig.__module__ = __name__
+JobConfig.__doc__ = "A job: every option of `fleetgen run`, frozen. Validated by `validate`."
 
 FIELDS = {f.name: f for f in fields(JobConfig)}
 _REQUIRED = ("input", "output", "model")

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 
 from fleetgen.errors import InputError
 from workers.batches import template_fields
+from workers.fields import roles
 from workers.layout import RESERVED_COLUMNS
 from workers.shard import ROLES, Columns, Shard
 from workers.storage import guarded, resolve_url, url_to_fs
@@ -78,19 +79,22 @@ def read_footer(url: str) -> InputFile:
 _STRING = (pa.types.is_string, pa.types.is_large_string, pa.types.is_string_view, pa.types.is_null)
 _INT = (pa.types.is_integer, pa.types.is_null)
 _NUMBER = (pa.types.is_integer, pa.types.is_floating, pa.types.is_null)
-_KINDS = {  # role: (type checks, what the type must be)
-    "prompt": (_STRING[:3], "a string"),
-    "negative_prompt": (_STRING, "a string"),
-    "seed": (_INT, "an integer"),
+_KIND_CHECKS = {  # a field's kind (workers/fields.py): (type checks, what the type must be)
+    "text": (_STRING[:3], "a string"),
+    "string": (_STRING, "a string"),
+    "int": (_INT, "an integer"),
+    "number": (_NUMBER, "a number"),
     "id": ((*_STRING[:3], pa.types.is_integer), "a string or integer"),
-    "steps": (_INT, "an integer"),
-    "guidance": (_NUMBER, "a number"),
-    "width": (_INT, "an integer"),
-    "height": (_INT, "an integer"),
-    "num_images": (_INT, "an integer"),
-    "lora": (_STRING, "a string (a LoRA path or hub id)"),
-    "lora_scale": (_NUMBER, "a number"),
 }
+
+
+def _kinds() -> dict[str, tuple[tuple, str]]:
+    """role: (type checks, what the column's type must be), from the field table."""
+    kinds = {}
+    for f in roles():
+        checks, must = _KIND_CHECKS[f.kind]
+        kinds[f.role] = (checks, f"{must} ({f.hint})" if f.hint else must)
+    return kinds
 
 
 def _in_every_file(files: list[InputFile], name: str, what: str) -> bool:
@@ -130,7 +134,7 @@ def resolve_columns(files: list[InputFile], wanted: Columns, template: str | Non
         if not present:
             resolved[role] = None
             continue
-        checks, must = _KINDS[role]
+        checks, must = _kinds()[role]
         for f in files:
             kind = f.schema.field(name).type
             if not any(check(kind) for check in checks):

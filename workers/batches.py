@@ -20,13 +20,10 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from fleetgen.errors import InputError
+from workers.fields import extra_settings, roles
 from workers.layout import unsafe_id_reason
 from workers.seeds import MAX_SEED, derive_seed
 from workers.shard import Columns, Shard
-
-MAX_STEPS = 1000  # schedulers are trained on 1000 timesteps; more is a typo
-MAX_SIDE = 8192  # pixels; no released text-to-image model generates larger, so more is a typo
-MAX_IMAGES_PER_ROW = 1000  # images of one row stay in one shard: a bound on a shard's size
 
 
 @dataclass(frozen=True)
@@ -37,13 +34,20 @@ class Adapter:
 
 @dataclass(frozen=True)
 class Look:
-    """What the images of one pipeline call share."""
+    """What the images of one pipeline call share: the settings that change pixels."""
 
     width: int
     height: int
     steps: int
     guidance: float
     adapters: tuple[Adapter, ...] = ()
+    extra: tuple[tuple[str, object], ...] = ()  # other pixel-changing settings of the field table, as (name, value)
+
+    def record(self) -> dict:
+        """The look as an image's record holds it (workers/fields.py)."""
+        return {"width": self.width, "height": self.height, "steps": self.steps, "guidance": self.guidance,
+                "lora": [a.source for a in self.adapters], "lora_scale": [a.scale for a in self.adapters],
+                **dict(self.extra)}
 
 
 @dataclass(frozen=True)
@@ -103,31 +107,37 @@ def _number(value, kind: str, name: str, low: float, high: float) -> tuple[objec
 
 
 def _look(values: dict, recipe: Recipe) -> tuple[Look, int, str | None]:
-    """The row's look and image count from its setting columns; the first invalid one is the error."""
-    base, errors = recipe.look, []
+    """The row's look and image count from its setting columns, each checked as the field table
+    says (workers/fields.py); the first invalid one is the error."""
+    base, errors, got = recipe.look, [], {}
+    for f in roles():
+        if not f.setting or values.get(f.role) is None:
+            continue
+        if f.kind in ("int", "number"):
+            v, err = _number(values[f.role], "int" if f.kind == "int" else "float", f.role, f.low, f.high)
+            errors.append(err)
+            got[f.role] = v
+        else:
+            got[f.role] = values[f.role]
 
-    def get(role, kind, low, high, default):
-        v, err = _number(values.get(role), kind, role, low, high)
-        errors.append(err)
-        return default if v is None else v
+    def value(role: str, default):
+        return default if got.get(role) is None else got[role]
 
-    steps = get("steps", "int", 1, MAX_STEPS, base.steps)
-    guidance = get("guidance", "float", 0, 1e4, base.guidance)
-    width = get("width", "int", 1, MAX_SIDE, base.width)
-    height = get("height", "int", 1, MAX_SIDE, base.height)
-    count = get("num_images", "int", 1, MAX_IMAGES_PER_ROW, recipe.images_per_prompt)
-    scale = get("lora_scale", "float", -100, 100, None)
+    steps, guidance = value("steps", base.steps), value("guidance", base.guidance)
+    width, height = value("width", base.width), value("height", base.height)
+    count, scale = value("num_images", recipe.images_per_prompt), got.get("lora_scale")
     for name, side in (("width", width), ("height", height)):
         if side % recipe.size_multiple:
             errors.append(f"{name} `{side}` is not a multiple of {recipe.size_multiple}, which the model needs")
     adapters = base.adapters
-    lora = values.get("lora")
+    lora = got.get("lora")
     if lora is not None:  # the row's adapter replaces the job's; "" means none
         adapters = (Adapter(lora, 1.0 if scale is None else scale),) if lora.strip() else ()
     elif scale is not None:
         adapters = tuple(Adapter(a.source, scale) for a in adapters)
+    extra = tuple((f.name, got[f.role]) for f in extra_settings() if got.get(f.role) is not None)
     error = next((e for e in errors if e), None)
-    return Look(width, height, steps, guidance, adapters), count, error
+    return Look(width, height, steps, guidance, adapters, extra), count, error
 
 
 def _as_seed(value: object) -> tuple[int | None, str | None]:

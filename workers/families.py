@@ -107,10 +107,12 @@ def read_family(model_dir: str | Path) -> Family:
 
 
 def call_kwargs(pipe, family: Family, prompts: list[str], negatives: list[str | None], *, steps: int,
-                guidance: float, width: int, height: int, true_cfg_scale: float | None, generator) -> dict:
-    """The arguments of one pipeline call for this family, keeping only those `pipe.__call__` takes."""
+                guidance: float, width: int, height: int, true_cfg_scale: float | None, generator,
+                extra: dict | None = None) -> dict:
+    """The arguments of one pipeline call for this family, keeping only those `pipe.__call__` takes.
+    `extra`: per-row settings of the field table, by the keyword each is passed as."""
     kwargs = {"prompt": prompts, "num_inference_steps": steps, "guidance_scale": guidance, "width": width,
-              "height": height, "generator": generator, "output_type": "pil", **family.extra}
+              "height": height, "generator": generator, "output_type": "pil", **family.extra, **(extra or {})}
     if family.max_sequence_length:
         kwargs["max_sequence_length"] = family.max_sequence_length
     if any(negatives) and family.negative != "none":

@@ -27,6 +27,7 @@ from offload import Workload as PlannerWorkload
 from offload.apply import unapply
 from workers.batches import Adapter, Image, Look
 from workers.families import FAMILIES, GENERIC, Family, call_kwargs, prompt_limit, takes_negative_prompt
+from workers.fields import extra_settings
 from workers.pipeline import (
     activate_adapters,
     load_adapters,
@@ -153,6 +154,7 @@ class FittedPipeline:
         """`pipe`: a pipeline already built (bench/gpu_check.py's random weights at real sizes)
         instead of loading `source.model`; `close()` leaves it as it came (no offloading hooks)."""
         self.source, self.workload, self.tag = source, workload, tag
+        self._call_args = {f.name: f.call_arg for f in extra_settings()}  # per-row settings the look carries
         self.family: Family = FAMILIES.get(source.family, GENERIC)
         self.device = resolve_device(source.device)
         self.dtype = resolve_dtype(source.dtype, self.device, self.family.dtype)
@@ -286,9 +288,10 @@ class FittedPipeline:
         self.offload_stats = OffloadStats(pipeline_modules(self.pipe), self.device)
 
     def _kwargs(self, prompts: list[str], negatives: list[str | None], look: Look, generator) -> dict:
+        extra = {self._call_args[name]: value for name, value in look.extra if self._call_args.get(name)}
         return call_kwargs(self.pipe, self.family, prompts, negatives, steps=look.steps, guidance=look.guidance,
                            width=look.width, height=look.height, true_cfg_scale=self.workload.true_cfg_scale,
-                           generator=generator)
+                           generator=generator, extra=extra)
 
     def _call(self, batch: list[Image]) -> list[Picture]:
         look = batch[0].look

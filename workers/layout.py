@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-import pyarrow as pa
+from workers.fields import manifest_schema
 
 JOB = "job.json"  # resolved config, input fingerprint, versions; written first
 SUMMARY = "summary.json"  # counts, failures, per-worker table; written at the end
@@ -50,40 +50,16 @@ def image_key(shard_id: str, row_id: str, image_format: str) -> str:
     return f"images/{shard_id}/{row_id}.{IMAGE_FORMATS[image_format]}"
 
 
-# One row per image, ok or error (a row of the input gives one image, or several with
-# `--images-per-prompt`/`num_images`), followed by the input columns carried through. `image` is the
-# object holding the image; `member` the name inside it for webdataset tars (null otherwise).
-MANIFEST_SCHEMA = pa.schema(
-    [
-        ("id", pa.string()),  # the image id: the row id, or `<row id>-<k>` when rows make several images
-        ("row_id", pa.string()),  # the input row's id
-        ("image_index", pa.int32()),  # k: which of its row's images
-        ("prompt", pa.string()),  # as generated (rendered from the template when there is one)
-        ("negative_prompt", pa.string()),
-        ("seed", pa.int64()),
-        ("status", pa.string()),  # "ok" | "error" | "filtered" (flagged by the pipeline's safety checker)
-        ("error", pa.string()),
-        ("warning", pa.string()),  # e.g. the prompt was truncated to what the text encoder takes
-        ("image", pa.string()),
-        ("member", pa.string()),
-        ("sha256", pa.string()),
-        ("size", pa.int64()),  # bytes of the stored image (what `fleetgen verify` checks without --deep)
-        ("nsfw", pa.bool_()),  # the safety checker's verdict, where the pipeline has one
-        ("width", pa.int32()),
-        ("height", pa.int32()),
-        ("steps", pa.int32()),
-        ("guidance", pa.float32()),
-        ("lora", pa.list_(pa.string())),  # the LoRA adapters applied, as the job or the row named them
-        ("lora_scale", pa.list_(pa.float32())),  # their scales, in the same order
-        ("template", pa.string()),  # the prompt template the prompt was rendered from (null: none)
-        ("batch", pa.int32()),  # images in the pipeline call that made this one
-        ("worker", pa.string()),
-        ("device", pa.string()),
-        ("seconds", pa.float32()),  # this image's share of its batch's wall time
-    ]
-)
-
-
-# What the manifest and the image records already use: an input column of one of these names can
-# be carried only under another name (or dropped with `--drop-columns`).
-RESERVED_COLUMNS = frozenset([*MANIFEST_SCHEMA.names, "model", "__key__", "__url__"])
+def __getattr__(name: str):
+    """`MANIFEST_SCHEMA`: one row per image, ok or error (a row of the input gives one image, or
+    several with `--images-per-prompt`/`num_images`), followed by the input columns carried
+    through; the field table's record columns (workers/fields.py), fields from plugins included.
+    `RESERVED_COLUMNS`: what the manifest and the image records already use: an input column of
+    one of these names can be carried only under another name (or dropped with `--drop-columns`).
+    Both are read from the table when first imported, not when this module loads: a plugin's
+    fields join the table while its own imports load this module."""
+    if name == "MANIFEST_SCHEMA":
+        return manifest_schema()
+    if name == "RESERVED_COLUMNS":
+        return frozenset([*manifest_schema().names, "model", "__key__", "__url__"])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, make_dataclass
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fleetgen.errors import InputError, StorageError
+from workers.fields import freeze, setting_roles
 from workers.storage import guarded, url_to_fs
 
 
@@ -26,39 +27,40 @@ class Shard:
     retry_errors: bool = False  # committed already: redo only its error rows (`--retry-errors`)
 
 
-# Roles an input column can play, by the option that names it (`--steps-column` ...). Optional roles
-# are used when the input has a column of that name; per-row setting columns override the job's.
-SETTING_ROLES = ("steps", "guidance", "width", "height", "num_images", "lora", "lora_scale")
+# Roles an input column can play, by the option that names it (`--steps-column` ...): the field
+# table's (workers/fields.py). Optional roles are used when the input has a column of that name;
+# per-row setting columns override the job's.
+SETTING_ROLES = setting_roles()
 ROLES = ("prompt", "id", "seed", "negative_prompt", *SETTING_ROLES)
 
 
-@dataclass(frozen=True)
-class Columns:
-    """Input column names per role (None: the input has no such column), the columns carried into
-    the outputs as they are, and the columns a prompt template reads."""
+def _roles(self) -> dict[str, str]:
+    """{role: column} for the roles the input has."""
+    return {role: getattr(self, role) for role in ROLES if getattr(self, role)}
 
-    prompt: str | None = "prompt"  # None when `--prompt-template` builds the prompt
-    id: str | None = "id"
-    seed: str | None = "seed"
-    negative_prompt: str | None = "negative_prompt"
-    # per-row settings (JobConfig names them `steps`, `guidance`, ... by default)
-    steps: str | None = None
-    guidance: str | None = None
-    width: str | None = None
-    height: str | None = None
-    num_images: str | None = None
-    lora: str | None = None  # an adapter (path or hub id) for the row; "" for none
-    lora_scale: str | None = None
-    carry: tuple[str, ...] = ()  # input columns carried into manifests and outputs, types unchanged
-    template_fields: tuple[str, ...] = ()  # input columns the prompt template reads
 
-    def roles(self) -> dict[str, str]:
-        """{role: column} for the roles the input has."""
-        return {role: getattr(self, role) for role in ROLES if getattr(self, role)}
+def _present(self) -> list[str]:
+    """Every input column a worker reads, once each."""
+    return list(dict.fromkeys([*self.roles().values(), *self.template_fields, *self.carry]))
 
-    def present(self) -> list[str]:
-        """Every input column a worker reads, once each."""
-        return list(dict.fromkeys([*self.roles().values(), *self.template_fields, *self.carry]))
+
+# Input column names per role (None: the input has no such column), the columns carried into the
+# outputs as they are, and the columns a prompt template reads. One attribute per role of the
+# field table, so a new per-row setting is a new attribute here with no other change.
+Columns = make_dataclass(
+    "Columns",
+    [("prompt", "str | None", field(default="prompt")),  # None when `--prompt-template` builds the prompt
+     ("id", "str | None", field(default="id")),
+     ("seed", "str | None", field(default="seed")),
+     ("negative_prompt", "str | None", field(default="negative_prompt")),
+     *[(role, "str | None", field(default=None)) for role in SETTING_ROLES],  # JobConfig names them by role
+     ("carry", "tuple[str, ...]", field(default=())),  # input columns carried into manifests and outputs, as typed
+     ("template_fields", "tuple[str, ...]", field(default=()))],  # input columns the prompt template reads
+    namespace={"roles": _roles, "present": _present, "__doc__": "Input column names per role; see above."},
+    frozen=True,
+)
+Columns.__module__ = __name__  # pickled by reference (it travels to workers inside a WorkerSpec)
+freeze()
 
 
 READ_BATCH = 65_536  # rows decoded at a time when a shard is part of a bigger row group

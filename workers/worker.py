@@ -22,6 +22,7 @@ from fleetgen import __version__
 from fleetgen.errors import ShardError, StorageError
 from workers.batches import Image, group_images, shard_images
 from workers.commit import commit_manifest, committed_since, counts_of, discard, manifest_bytes, promote, staging
+from workers.fields import records, stored_names
 from workers.fit import FittedPipeline, Picture
 from workers.formats import open_sink
 from workers.layout import MANIFEST_SCHEMA, manifest_key, worker_key
@@ -68,6 +69,8 @@ class Worker:
         self.output = Output(spec.output)
         self.fitted = FittedPipeline(spec.source(), spec.workload(), spec.name, pipe)
         self.recipe = spec.settings.recipe(self.fitted.size_multiple)
+        self._fields = [f.name for f in records()]  # the manifest's columns
+        self._stored = [name for name in stored_names() if name != "sha256"]  # the writer adds the digest
         self._writer = Writer()
         self.stats = {"shards": 0, "images": 0, "errors": 0}
         self.info = {
@@ -268,28 +271,23 @@ class Worker:
         encode_and_store(sink, made, records, carried, self.spec.settings.image_format)
 
     def _record(self, im: Image) -> dict:
-        look = im.look
+        """The image's manifest row as far as it is known before it is made (workers/fields.py)."""
         return {
-            "id": im.id, "row_id": im.row_id, "image_index": im.index, "prompt": im.prompt,
-            "negative_prompt": im.negative_prompt, "seed": im.seed,
-            "status": "error" if im.error else "ok", "error": im.error, "warning": None, "image": None, "member": None,
-            "nsfw": None, "sha256": None, "size": None, "width": look.width, "height": look.height, "steps": look.steps,
-            "guidance": look.guidance, "lora": [a.source for a in look.adapters],
-            "lora_scale": [a.scale for a in look.adapters], "template": self.recipe.template,
-            "batch": None, "worker": self.spec.name, "device": self.info["device"]["name"], "seconds": None,
+            **dict.fromkeys(self._fields), "id": im.id, "row_id": im.row_id, "image_index": im.index,
+            "prompt": im.prompt, "negative_prompt": im.negative_prompt, "seed": im.seed,
+            "status": "error" if im.error else "ok", "error": im.error, **im.look.record(),
+            "template": self.recipe.template, "worker": self.spec.name, "device": self.info["device"]["name"],
         }
 
     def _made(self, p: Picture) -> Made:
-        """A picture with what its manifest row and stored metadata gain."""
-        im, look = p.image, p.image.look
+        """A picture with what its manifest row gains, and the record stored beside it."""
+        im = p.image
         if p.picture is None:  # the safety checker blacked it out: `filtered`, not stored
             return Made(im.id, im.row, None, {}, {"status": "filtered", "nsfw": True, "batch": p.batch,
                                                   "seconds": p.seconds,
                                                   "error": "flagged by the pipeline's safety checker; not stored"})
-        meta = {"id": im.id, "row_id": im.row_id, "image_index": im.index, "prompt": im.prompt,
-                "negative_prompt": im.negative_prompt, "seed": im.seed, "width": look.width, "height": look.height,
-                "steps": look.steps, "guidance": look.guidance, "lora": [a.source for a in look.adapters],
-                "lora_scale": [a.scale for a in look.adapters], "nsfw": p.nsfw, "model": self.spec.model}
+        record = {**self._record(im), "nsfw": p.nsfw}
+        meta = {**{name: record[name] for name in self._stored}, "model": self.spec.model}
         return Made(im.id, im.row, p.picture, meta, {"batch": p.batch, "nsfw": p.nsfw, "seconds": p.seconds})
 
     def close(self) -> None:

@@ -1,14 +1,26 @@
-"""A throw-away output format, added the way any format is: one registry entry (a sink, its keys,
-its read-back, its card lines) in a module named by `FLEETGEN_PLUGINS`. `jsonl`: one JSON-lines
-object per shard, `OUT/lines/<shard>.jsonl`, a line per image with its bytes in base64."""
+"""A throw-away per-row setting and a throw-away output format, added the way any is, from a module
+named by `FLEETGEN_PLUGINS`: one entry in the field table, one in the format registry.
+
+- `guidance_rescale`: a per-row setting (column `guidance_rescale`, option
+  `--guidance-rescale-column`), a number in [0, 1] that changes pixels, passed to the pipeline as
+  its `guidance_rescale` keyword, recorded per image and stored beside it.
+- `jsonl`: one JSON-lines object per shard, `OUT/lines/<shard>.jsonl`, a line per image with its
+  bytes in base64 (a sink, its keys, its read-back, its card lines)."""
 
 from __future__ import annotations
 
 import base64
 import json
 
+import pyarrow as pa
+
+from workers.fields import Field, add_field
 from workers.formats import OutputFormat, Unreadable, register
 from workers.storage import Output
+
+add_field(Field("guidance_rescale", pa.float32(), "rescales the guided noise prediction (a test's setting)",
+                role="guidance_rescale", kind="number", low=0, high=1, pixels=True, call_arg="guidance_rescale",
+                stored=True))
 
 
 def lines_key(shard_id: str) -> str:

@@ -6,8 +6,7 @@ from the registry; nothing guesses a format from a key. A new format is one new 
     class Mine(OutputFormat): ...
     register(Mine())
 
-Formats outside this package load from the modules named in `FLEETGEN_PLUGINS` (comma-separated,
-importable on the driver and on every worker; the driver forwards the variable to its workers).
+Formats from elsewhere load from the modules `FLEETGEN_PLUGINS` names (workers/plugins.py).
 
 files       one object per image:                                OUT/images/<shard>/<id>.<ext>
 webdataset  one tar per shard, <id>.<ext> + <id>.json members:   OUT/data/<shard>.tar
@@ -21,15 +20,16 @@ their keys (workers/commit.py).
 from __future__ import annotations
 
 import importlib
-import os
 from typing import Protocol
 
 import pyarrow as pa
 
 from fleetgen.errors import ConfigError
+from workers.plugins import PLUGINS_ENV, load_plugins
 from workers.storage import Output
 
-PLUGINS_ENV = "FLEETGEN_PLUGINS"  # modules that register formats or fields, imported where the registry loads
+__all__ = ["FORMATS", "PLUGINS_ENV", "OutputFormat", "Sink", "Stored", "Unreadable", "format_names", "get_format",
+           "open_sink", "register"]
 
 
 class Sink(Protocol):
@@ -107,20 +107,6 @@ def get_format(name: str) -> OutputFormat:
         return FORMATS[name]
     except KeyError:
         raise ConfigError(f"`--output-format` must be one of {', '.join(FORMATS)}; got `{name}`.") from None
-
-
-_loaded: set[str] = set()
-
-
-def load_plugins() -> None:
-    """Import the modules `FLEETGEN_PLUGINS` names (each registers what it adds), once each."""
-    for module in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
-        if module not in _loaded:
-            try:
-                importlib.import_module(module)
-            except ImportError as err:
-                raise ConfigError(f"`{PLUGINS_ENV}` names `{module}`, which cannot be imported: {err}") from err
-            _loaded.add(module)
 
 
 def open_sink(output: Output, shard_id: str, output_format: str, image_format: str,

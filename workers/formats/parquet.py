@@ -8,6 +8,7 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from workers.fields import table
 from workers.formats import OutputFormat, Stored, Unreadable, register
 from workers.layout import IMAGE_FORMATS
 from workers.storage import Output
@@ -15,26 +16,16 @@ from workers.storage import Output
 # For `datasets.load_dataset`: the `image` struct decodes as an Image feature. Only it is named here;
 # `datasets` takes every other column's feature from its Arrow type (carried columns included).
 _HF_FEATURES = {"image": {"_type": "Image"}}
-PARQUET_SCHEMA = pa.schema(
-    [
-        ("id", pa.string()),
-        ("row_id", pa.string()),
-        ("image_index", pa.int32()),
-        ("prompt", pa.string()),
-        ("negative_prompt", pa.string()),
-        ("seed", pa.int64()),
-        ("image", pa.struct([("bytes", pa.binary()), ("path", pa.string())])),
-        ("width", pa.int32()),
-        ("height", pa.int32()),
-        ("steps", pa.int32()),
-        ("guidance", pa.float32()),
-        ("lora", pa.list_(pa.string())),
-        ("lora_scale", pa.list_(pa.float32())),
-        ("sha256", pa.string()),
-        ("nsfw", pa.bool_()),  # the safety checker's verdict where the pipeline has one (flagged images are not stored)
-    ],
-    metadata={"huggingface": json.dumps({"info": {"features": _HF_FEATURES}})},
-)
+_IMAGE = pa.field("image", pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+
+
+def stored_schema() -> pa.Schema:
+    """The stored fields of the field table (workers/fields.py), the image after the seed (read
+    when a sink opens: fields a plugin added are in it)."""
+    stored = [pa.field(f.name, f.type) for f in table() if f.stored]
+    at = next(i for i, f in enumerate(stored) if f.name == "seed") + 1
+    return pa.schema([*stored[:at], _IMAGE, *stored[at:]],
+                     metadata={"huggingface": json.dumps({"info": {"features": _HF_FEATURES}})})
 
 
 def data_key(shard_id: str) -> str:
@@ -42,10 +33,11 @@ def data_key(shard_id: str) -> str:
 
 
 def parquet_schema(carried: pa.Schema | None) -> pa.Schema:
-    """`PARQUET_SCHEMA` followed by the carried input columns, as typed in the input."""
+    """The stored fields followed by the carried input columns, as typed in the input."""
+    base = stored_schema()
     if carried is None:
-        return PARQUET_SCHEMA
-    return pa.schema([*PARQUET_SCHEMA, *carried], metadata=PARQUET_SCHEMA.metadata)
+        return base
+    return pa.schema([*base, *carried], metadata=base.metadata)
 
 
 class ParquetSink:
@@ -54,17 +46,17 @@ class ParquetSink:
         self.output = output
         self.key = data_key(shard_id)
         self.ext = IMAGE_FORMATS[image_format]
-        self.schema = parquet_schema(carried)
+        self.base, self.schema = stored_schema(), parquet_schema(carried)
         self.stream = output.open_write(prefix + self.key)
         self.writer = pq.ParquetWriter(self.stream, self.schema)
 
     def add(self, batch, carried=None):
         rows = [
-            {**{k: meta[k] for k in PARQUET_SCHEMA.names if k in meta},
+            {**{k: meta[k] for k in self.base.names if k in meta},
              "image": {"bytes": data, "path": f"{row_id}.{self.ext}"}}
             for row_id, data, meta in batch
         ]
-        table = pa.Table.from_pylist(rows, schema=PARQUET_SCHEMA)
+        table = pa.Table.from_pylist(rows, schema=self.base)
         if carried is not None:
             table = pa.Table.from_arrays([*table.columns, *carried.columns], schema=self.schema)
         self.writer.write_table(table)
