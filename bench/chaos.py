@@ -69,8 +69,16 @@ def manifest_rows(out: Path | str) -> list[dict]:
 
 
 # What fleetgen keeps under OUT besides the images and data objects its manifests name.
-_BOOKKEEPING = ("job.json", "summary.json", "_SUCCESS", "fleet.json", "README.md", "counts.parquet", "wids-index.json",
-                "report.html")
+_BOOKKEEPING = (
+    "job.json",
+    "summary.json",
+    "_SUCCESS",
+    "fleet.json",
+    "README.md",
+    "counts.parquet",
+    "wids-index.json",
+    "report.html",
+)
 
 
 def check(out: Path | str, clean: dict[str, str]) -> dict:
@@ -85,10 +93,15 @@ def check(out: Path | str, clean: dict[str, str]) -> dict:
     ids = [r["id"] for r in rows]
     keys = Output(str(out)).find("")
     named = {r["image"] for r in rows if r["image"]}
-    stray = [k for k in keys if k not in named and k not in _BOOKKEEPING and TMP_MARK not in k
-             and not k.startswith(("shards/", "workers/"))]
+    stray = [
+        k
+        for k in keys
+        if k not in named and k not in _BOOKKEEPING and TMP_MARK not in k and not k.startswith(("shards/", "workers/"))
+    ]
     return {
-        "rows": len(rows), "missing": len(set(clean) - set(ids)), "duplicates": len(ids) - len(set(ids)),
+        "rows": len(rows),
+        "missing": len(set(clean) - set(ids)),
+        "duplicates": len(ids) - len(set(ids)),
         "stray_objects": len(stray),
         "sha_mismatches": sum(clean.get(r["id"]) != r["sha256"] for r in rows),
         "tmp_files": sum(TMP_MARK in k for k in keys),  # half-written files of killed writers, anywhere
@@ -119,8 +132,19 @@ def main() -> None:
             prompts = str(write_prompts(tmp / "p.parquet", [f"chaos prompt {i}" for i in range(args.rows)]))
 
             def job(out: Path):
-                return validate(JobConfig(input=prompts, output=str(out), model=model, rows_per_shard=8, max_batch=4,
-                                          workers=2, max_attempts=10, max_restarts=args.kills + 1, **FAST))
+                return validate(
+                    JobConfig(
+                        input=prompts,
+                        output=str(out),
+                        model=model,
+                        rows_per_shard=8,
+                        max_batch=4,
+                        workers=2,
+                        max_attempts=10,
+                        max_restarts=args.kills + 1,
+                        **FAST,
+                    )
+                )
 
             clean_run = run_job(job(tmp / "clean"), progress_stream=io.StringIO())
             clean = {r["id"]: r["sha256"] for r in manifest_rows(tmp / "clean")}
@@ -129,10 +153,15 @@ def main() -> None:
             chaos_run = run_job(job(tmp / "chaos"), progress_stream=io.StringIO())
             killer.done.set()
             killer.join()
-            result = {"rows": args.rows, "kills": len(killer.killed), "complete": chaos_run.complete,
-                      "clean_seconds": clean_run.seconds, "chaos_seconds": chaos_run.seconds,
-                      "seconds_per_kill": (chaos_run.seconds - clean_run.seconds) / max(1, len(killer.killed)),
-                      **check(tmp / "chaos", clean)}
+            result = {
+                "rows": args.rows,
+                "kills": len(killer.killed),
+                "complete": chaos_run.complete,
+                "clean_seconds": clean_run.seconds,
+                "chaos_seconds": chaos_run.seconds,
+                "seconds_per_kill": (chaos_run.seconds - clean_run.seconds) / max(1, len(killer.killed)),
+                **check(tmp / "chaos", clean),
+            }
     finally:
         ray.shutdown()
     print(json.dumps(result, indent=2))

@@ -49,13 +49,21 @@ def main() -> None:
     from tests.faulty_store import FaultyStore, Rule
 
     port = _free_port()
-    moto = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    moto = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     time.sleep(3)
     store = FaultyStore(f"http://127.0.0.1:{port}", delay=0.2).start()
-    env = {"AWS_ENDPOINT_URL": store.endpoint, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-           "AWS_DEFAULT_REGION": "us-east-1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-           "FLEETGEN_STORAGE_BACKOFF": "0.1"}
+    env = {
+        "AWS_ENDPOINT_URL": store.endpoint,
+        "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "FLEETGEN_STORAGE_BACKOFF": "0.1",
+    }
     if args.client_retries == "none":
         env["FSSPEC_S3"] = json.dumps({"config_kwargs": {"retries": {"max_attempts": 1, "mode": "standard"}}})
     os.environ.update(env)
@@ -85,8 +93,18 @@ def main() -> None:
 
             def job(name: str, **kw) -> JobConfig:
                 fs.mkdir(name)
-                return validate(JobConfig(input=str(prompts), output=f"s3://{name}/out", model=model,
-                                          rows_per_shard=8, max_batch=4, workers=2, max_attempts=5, **{**FAST, **kw}))
+                return validate(
+                    JobConfig(
+                        input=str(prompts),
+                        output=f"s3://{name}/out",
+                        model=model,
+                        rows_per_shard=8,
+                        max_batch=4,
+                        workers=2,
+                        max_attempts=5,
+                        **{**FAST, **kw},
+                    )
+                )
 
             def first_commit(bucket: str) -> None:
                 direct = s3fs.S3FileSystem(endpoint_url=f"http://127.0.0.1:{port}", skip_instance_cache=True)
@@ -99,9 +117,16 @@ def main() -> None:
                 counts = dict(store.counts)
                 store.reset()
                 found = check(out, clean_ids)
-                row = {"scenario": name, "outcome": outcome, "seconds": round(seconds, 1),
-                       "requests": counts.pop("requests", 0), "faulted": sum(counts.values()), "faults": counts,
-                       **(extra or {}), **found}
+                row = {
+                    "scenario": name,
+                    "outcome": outcome,
+                    "seconds": round(seconds, 1),
+                    "requests": counts.pop("requests", 0),
+                    "faulted": sum(counts.values()),
+                    "faults": counts,
+                    **(extra or {}),
+                    **found,
+                }
                 results.append(row)
                 print(json.dumps(row), flush=True)
                 return row
@@ -110,8 +135,9 @@ def main() -> None:
             started = time.monotonic()
             clean_run = run_job(job("bench-clean"), progress_stream=io.StringIO())
             clean = {r["id"]: r["sha256"] for r in manifest_rows("s3://bench-clean/out")}
-            base = record("clean", started, "complete" if clean_run.complete else "INCOMPLETE", "s3://bench-clean/out",
-                          clean)
+            base = record(
+                "clean", started, "complete" if clean_run.complete else "INCOMPLETE", "s3://bench-clean/out", clean
+            )
 
             def versus(row: dict) -> None:
                 row["extra_requests"] = row["requests"] - base["requests"]
@@ -122,8 +148,15 @@ def main() -> None:
                 store.reset(rate=0.05, seed=seed)
                 started = time.monotonic()
                 summary = run_job(job(name), progress_stream=io.StringIO())
-                versus(record(f"5 % faults, seed {seed}", started, "complete" if summary.complete else "INCOMPLETE",
-                              f"s3://{name}/out", clean))
+                versus(
+                    record(
+                        f"5 % faults, seed {seed}",
+                        started,
+                        "complete" if summary.complete else "INCOMPLETE",
+                        f"s3://{name}/out",
+                        clean,
+                    )
+                )
 
             def burst():
                 first_commit("bench-burst")
@@ -137,24 +170,60 @@ def main() -> None:
                 started = time.monotonic()
                 summary = run_job(job("bench-burst"), progress_stream=io.StringIO())
                 thread.join()
-                versus(record("30 % for 3 s", started, "complete" if summary.complete else "INCOMPLETE",
-                              "s3://bench-burst/out", clean))
+                versus(
+                    record(
+                        "30 % for 3 s",
+                        started,
+                        "complete" if summary.complete else "INCOMPLETE",
+                        "s3://bench-burst/out",
+                        clean,
+                    )
+                )
 
             if "lost-commit" in wanted:
                 store.reset()
-                store.add_rule(Rule("reset_after", method="PUT", path="/shards/", header="If-None-Match",
-                                    times=args.rows // 8))
+                store.add_rule(
+                    Rule("reset_after", method="PUT", path="/shards/", header="If-None-Match", times=args.rows // 8)
+                )
                 started = time.monotonic()
                 summary = run_job(job("bench-lost-commit"), progress_stream=io.StringIO())
-                versus(record("every commit's answer lost", started, "complete" if summary.complete else "INCOMPLETE",
-                              "s3://bench-lost-commit/out", clean))
+                versus(
+                    record(
+                        "every commit's answer lost",
+                        started,
+                        "complete" if summary.complete else "INCOMPLETE",
+                        "s3://bench-lost-commit/out",
+                        clean,
+                    )
+                )
             if "outage" in wanted:
-
                 jobs.lock.HEARTBEAT, jobs.lock.STALE = 0.5, 10.0  # the lock's lease, shortened from 60 s
                 fs.mkdir("bench-outage")
-                cli_args = ["run", "--input", str(prompts), "--output", "s3://bench-outage/out", "--model", model,
-                            "--steps", "2", "--guidance", "5", "--width", "64", "--height", "64", "--device", "cpu",
-                            "--rows-per-shard", "8", "--workers", "2", "--max-attempts", "5"]
+                cli_args = [
+                    "run",
+                    "--input",
+                    str(prompts),
+                    "--output",
+                    "s3://bench-outage/out",
+                    "--model",
+                    model,
+                    "--steps",
+                    "2",
+                    "--guidance",
+                    "5",
+                    "--width",
+                    "64",
+                    "--height",
+                    "64",
+                    "--device",
+                    "cpu",
+                    "--rows-per-shard",
+                    "8",
+                    "--workers",
+                    "2",
+                    "--max-attempts",
+                    "5",
+                ]
 
                 def outage():
                     first_commit("bench-outage")
@@ -170,10 +239,19 @@ def main() -> None:
                 time.sleep(jobs.lock.STALE)  # this process's lock, left behind by the outage: its lease runs out
                 rerun_started = time.monotonic()
                 rerun = cli(cli_args)
-                versus(record("store down until the job stops, then a rerun", started,
-                              f"exit {code}, rerun exit {rerun}", "s3://bench-outage/out", clean,
-                              {"outage_run_seconds": round(down_seconds, 1),
-                               "rerun_seconds": round(time.monotonic() - rerun_started, 1)}))
+                versus(
+                    record(
+                        "store down until the job stops, then a rerun",
+                        started,
+                        f"exit {code}, rerun exit {rerun}",
+                        "s3://bench-outage/out",
+                        clean,
+                        {
+                            "outage_run_seconds": round(down_seconds, 1),
+                            "rerun_seconds": round(time.monotonic() - rerun_started, 1),
+                        },
+                    )
+                )
     finally:
         ray.shutdown()
         store.stop()

@@ -62,8 +62,10 @@ GiB = 2**30
 GPU_TESTS = ["tests/test_bench.py", "tests/test_gpu.py"]  # the files holding `gpu`-marked tests (no Ray imports)
 GPU_TESTS_TIMEOUT = 240  # seconds
 # model: (shipped architecture, family, dtype on CUDA, tiny builder and dtype for --dry)
-MODELS = {"sdxl": ("sdxl", "sdxl", torch.float16, "build_tiny_sdxl", torch.float16),
-          "flux.1-dev": ("flux.1-dev", "flux", torch.bfloat16, "build_tiny_flux", torch.float32)}
+MODELS = {
+    "sdxl": ("sdxl", "sdxl", torch.float16, "build_tiny_sdxl", torch.float16),
+    "flux.1-dev": ("flux.1-dev", "flux", torch.bfloat16, "build_tiny_flux", torch.float32),
+}
 OOM_HEADROOM = 512 * 2**20  # the forced OOM holds a worker to its weights plus this
 HOST_SHARE = 0.7  # of MemTotal, the default host budget on CUDA (MemAvailable reads low on a VM that grows on use)
 
@@ -125,8 +127,10 @@ def write_prompts(path: Path, n: int) -> tuple[list, Columns]:
 
 
 def failure(err: BaseException) -> dict:
-    return {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}",
-            "traceback": traceback.format_exc().strip().splitlines()[-12:]}
+    return {
+        "error": f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}",
+        "traceback": traceback.format_exc().strip().splitlines()[-12:],
+    }
 
 
 class Run:
@@ -140,18 +144,32 @@ class Run:
         self.build_seconds = round(time.perf_counter() - started, 1)
         self.family = MODELS[model][1]
         size = 64 if args.dry else args.size
-        self.settings = GenerationSettings(steps=2 if args.dry else args.steps, guidance=3.5 if self.family == "flux" else 5.0,
-                                           width=size, height=size, family=self.family)
+        self.settings = GenerationSettings(
+            steps=2 if args.dry else args.steps,
+            guidance=3.5 if self.family == "flux" else 5.0,
+            width=size,
+            height=size,
+            family=self.family,
+        )
         self.total = torch.cuda.mem_get_info(device)[1] if self.cuda else None
         self.count = 0
 
     def worker(self, offload: str, budget: int | None, max_batch: int, images: int) -> tuple[Worker, list]:
         self.count += 1
         shards, columns = write_prompts(self.tmp / f"{self.model}-{self.count}.parquet", images)
-        spec = WorkerSpec(name=f"w{self.count}", model=self.model, output=str(self.tmp / f"out-{self.model}-{self.count}"),
-                          settings=self.settings, columns=columns, max_batch=max_batch, device=str(self.device),
-                          dtype=str(self.dtype).removeprefix("torch."), offload=offload, gpu_memory=budget,
-                          host_memory=self.args.host_bytes)
+        spec = WorkerSpec(
+            name=f"w{self.count}",
+            model=self.model,
+            output=str(self.tmp / f"out-{self.model}-{self.count}"),
+            settings=self.settings,
+            columns=columns,
+            max_batch=max_batch,
+            device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+            offload=offload,
+            gpu_memory=budget,
+            host_memory=self.args.host_bytes,
+        )
         return Worker(spec, pipe=self.pipe), shards
 
     def limit(self, budget: int | None) -> None:
@@ -186,10 +204,16 @@ class Run:
         predicted_peak = plan.get("peak_bytes") or None
         allocated = offload_stats.get("peak_device_bytes")
         row.update(
-            modes=plan["modes"], batch=plan["batch_size"], streams=any("stream" in m for m in plan["modes"].values()),
-            images=result.ok, errors=result.errors, images_per_second=stats["images_per_second"],
-            seconds_per_image={"predicted_by_cost_model": compare["seconds_per_image"]["predicted"],
-                               "measured": compare["seconds_per_image"]["measured"]},
+            modes=plan["modes"],
+            batch=plan["batch_size"],
+            streams=any("stream" in m for m in plan["modes"].values()),
+            images=result.ok,
+            errors=result.errors,
+            images_per_second=stats["images_per_second"],
+            seconds_per_image={
+                "predicted_by_cost_model": compare["seconds_per_image"]["predicted"],
+                "measured": compare["seconds_per_image"]["measured"],
+            },
             peak_allocated_bytes={"predicted": predicted_peak, "measured": allocated},
             peak_reserved_bytes=offload_stats.get("peak_device_reserved_bytes"),
             outside_allocator_bytes=self.overhead if self.cuda else None,
@@ -228,20 +252,31 @@ class Run:
             result = worker.run_shard(shards[0])
             info = worker.describe()
             row["first_errors"] = manifest_errors(worker, shards[0])
-            row.update(images=result.ok, errors=result.errors, step_downs=info["step_downs"],
-                       final_modes=info["plan"]["modes"], final_batch=info["batch_size"],
-                       offload_hooks=offload_hooks(self.pipe), simulated=not self.cuda,
-                       final_streams=any("stream" in m for m in info["plan"]["modes"].values()),
-                       vae_dtype=str(self.pipe.vae.dtype).removeprefix("torch."))
+            row.update(
+                images=result.ok,
+                errors=result.errors,
+                step_downs=info["step_downs"],
+                final_modes=info["plan"]["modes"],
+                final_batch=info["batch_size"],
+                offload_hooks=offload_hooks(self.pipe),
+                simulated=not self.cuda,
+                final_streams=any("stream" in m for m in info["plan"]["modes"].values()),
+                vae_dtype=str(self.pipe.vae.dtype).removeprefix("torch."),
+            )
         finally:
             if simulated is not None:
                 simulated.remove()
             worker.close()
             self.limit(None)
         row["hooks_after_close"] = offload_hooks(self.pipe)
-        row["ok"] = (row["images"] == 8 and not row["errors"] and any("batch" in str(s["to"]) for s in row["step_downs"])
-                     and any(isinstance(s["to"], dict) for s in row["step_downs"]) and row["hooks_after_close"] == 0
-                     and row["vae_dtype"] == str(self.dtype).removeprefix("torch."))
+        row["ok"] = (
+            row["images"] == 8
+            and not row["errors"]
+            and any("batch" in str(s["to"]) for s in row["step_downs"])
+            and any(isinstance(s["to"], dict) for s in row["step_downs"])
+            and row["hooks_after_close"] == 0
+            and row["vae_dtype"] == str(self.dtype).removeprefix("torch.")
+        )
         return row
 
 
@@ -256,14 +291,27 @@ def manifest_errors(worker: Worker, shard, limit: int = 3) -> list[str]:
 def gpu_tests() -> dict:
     started = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *GPU_TESTS],
-                              cwd=ROOT, capture_output=True, text=True, timeout=GPU_TESTS_TIMEOUT)
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *GPU_TESTS],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=GPU_TESTS_TIMEOUT,
+        )
     except subprocess.TimeoutExpired as err:
-        return {"returncode": "timeout", "summary": f"over {GPU_TESTS_TIMEOUT} s",
-                "output_tail": str(err.stdout or "")[-3000:], "seconds": round(time.perf_counter() - started, 1)}
+        return {
+            "returncode": "timeout",
+            "summary": f"over {GPU_TESTS_TIMEOUT} s",
+            "output_tail": str(err.stdout or "")[-3000:],
+            "seconds": round(time.perf_counter() - started, 1),
+        }
     tail = (proc.stdout + proc.stderr).strip().splitlines()
-    return {"returncode": proc.returncode, "summary": tail[-1] if tail else "", "seconds": round(time.perf_counter() - started, 1),
-            "output_tail": "\n".join(tail[-30:]) if proc.returncode else ""}
+    return {
+        "returncode": proc.returncode,
+        "summary": tail[-1] if tail else "",
+        "seconds": round(time.perf_counter() - started, 1),
+        "output_tail": "\n".join(tail[-30:]) if proc.returncode else "",
+    }
 
 
 def budgets_for(run: Run, gib: list[float]) -> list[tuple[str, int]]:
@@ -296,27 +344,34 @@ def budgets_for(run: Run, gib: list[float]) -> list[tuple[str, int]]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["model        run              plan                                   batch  peak alloc / predicted  "
-             "reserved   s/image meas/pred  avg H2D GB/s  vs resident"]
+    lines = [
+        "model        run              plan                                   batch  peak alloc / predicted  "
+        "reserved   s/image meas/pred  avg H2D GB/s  vs resident"
+    ]
     for r in rows:
         if "error" in r or "skipped" in r:
             lines.append(f"{r['model']:12s} {r['run']:16s} {(r.get('error') or r['skipped'])[:110]}")
             continue
         if r["run"] == "forced OOM":
-            lines.append(f"{r['model']:12s} {r['run']:16s} {'ok' if r['ok'] else 'FAILED'}: {len(r['step_downs'])} step-downs "
-                         f"-> {r['final_modes']} batch {r['final_batch']}, {r['images']} images, VAE {r['vae_dtype']}"
-                         f"{' (simulated)' if r['simulated'] else ''}")
+            lines.append(
+                f"{r['model']:12s} {r['run']:16s} {'ok' if r['ok'] else 'FAILED'}: {len(r['step_downs'])} step-downs "
+                f"-> {r['final_modes']} batch {r['final_batch']}, {r['images']} images, VAE {r['vae_dtype']}"
+                f"{' (simulated)' if r['simulated'] else ''}"
+            )
             continue
         modes = ",".join(f"{k}:{v}" for k, v in r["modes"].items() if v != "resident") or "all resident"
         peak = r["peak_allocated_bytes"]
-        peak_text = (format_size(peak["measured"]) if peak["measured"] is not None else "-") + \
-            (f" / {format_size(peak['predicted'])}" if peak["predicted"] else "")
+        peak_text = (format_size(peak["measured"]) if peak["measured"] is not None else "-") + (
+            f" / {format_size(peak['predicted'])}" if peak["predicted"] else ""
+        )
         reserved = format_size(r["peak_reserved_bytes"]) if r.get("peak_reserved_bytes") else "-"
         sp = r["seconds_per_image"]
         ratio = r.get("measured_over_predicted_seconds")
-        lines.append(f"{r['model']:12s} {r['run']:16s} {modes[:38]:38s} {r['batch']:5d}  {peak_text:23s} {reserved:9s} "
-                     f"{(sp['measured'] or 0):7.3f} {ratio if ratio is not None else '-':>9}  "
-                     f"{r['average_h2d_gb_per_s']:12.1f}  {r.get('vs_resident', '-')}")
+        lines.append(
+            f"{r['model']:12s} {r['run']:16s} {modes[:38]:38s} {r['batch']:5d}  {peak_text:23s} {reserved:9s} "
+            f"{(sp['measured'] or 0):7.3f} {ratio if ratio is not None else '-':>9}  "
+            f"{r['average_h2d_gb_per_s']:12.1f}  {r.get('vs_resident', '-')}"
+        )
     return "\n".join(lines)
 
 
@@ -349,12 +404,18 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--images", type=int, default=4, help="images per measured shard")
     parser.add_argument("--max-batch", type=int, default=4)
-    parser.add_argument("--host-memory", help=f"host RAM per worker for offloaded copies (default on CUDA: "
-                        f"{HOST_SHARE:.0%} of MemTotal; a VM's MemAvailable may read low)")
+    parser.add_argument(
+        "--host-memory",
+        help=f"host RAM per worker for offloaded copies (default on CUDA: "
+        f"{HOST_SHARE:.0%} of MemTotal; a VM's MemAvailable may read low)",
+    )
     parser.add_argument("--time-limit", type=float, default=480, help="seconds; rows after it are skipped (recorded)")
     parser.add_argument("--skip-tests", action="store_true")
-    parser.add_argument("--json", default=str(Path(os.environ.get("OUT", ".")) / "gpu-check.json"),
-                        help="written after every row (default $OUT/gpu-check.json, else ./gpu-check.json)")
+    parser.add_argument(
+        "--json",
+        default=str(Path(os.environ.get("OUT", ".")) / "gpu-check.json"),
+        help="written after every row (default $OUT/gpu-check.json, else ./gpu-check.json)",
+    )
     args = parser.parse_args()
     from diffusers.utils import logging as diffusers_logging
 
@@ -369,8 +430,11 @@ def main() -> None:
         sys.exit("No CUDA device here: `make gpu-check-dry` runs the same script at tiny size on CPU.")
     device = torch.device("cuda" if cuda else "cpu")
     mem = meminfo()
-    args.host_bytes = parse_size(args.host_memory, "--host-memory") if args.host_memory else (
-        int(mem["MemTotal"] * HOST_SHARE) if cuda else None)
+    args.host_bytes = (
+        parse_size(args.host_memory, "--host-memory")
+        if args.host_memory
+        else (int(mem["MemTotal"] * HOST_SHARE) if cuda else None)
+    )
     overhead = 0
     if cuda:
         torch.cuda.init()
@@ -378,10 +442,18 @@ def main() -> None:
         free, total = torch.cuda.mem_get_info(device)
         overhead = total - free - torch.cuda.memory_reserved(device)
     started = time.perf_counter()
-    results = Results(Path(args.json), {
-        "device": torch.cuda.get_device_name(device) if cuda else "cpu (dry run)", "dry": args.dry,
-        "torch": torch.__version__, "python": platform.python_version(), "settings": vars(args), "meminfo": mem,
-        "outside_allocator_bytes": overhead})
+    results = Results(
+        Path(args.json),
+        {
+            "device": torch.cuda.get_device_name(device) if cuda else "cpu (dry run)",
+            "dry": args.dry,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "settings": vars(args),
+            "meminfo": mem,
+            "outside_allocator_bytes": overhead,
+        },
+    )
     if not args.skip_tests:
         results.data["gpu_tests"] = tests = gpu_tests()
         results.write()
@@ -394,8 +466,10 @@ def main() -> None:
                 continue
             try:
                 run = Run(model, args, device, Path(tmp), overhead)
-                jobs = [("all resident", "none", None),
-                        *[(label, "auto", b) for label, b in budgets_for(run, [float(b) for b in args.budgets.split(",")])]]
+                jobs = [
+                    ("all resident", "none", None),
+                    *[(label, "auto", b) for label, b in budgets_for(run, [float(b) for b in args.budgets.split(",")])],
+                ]
             except Exception as err:  # noqa: BLE001 - recorded; the next model runs
                 results.add({"model": model, "run": "build", **failure(err)})
                 continue
@@ -403,7 +477,9 @@ def main() -> None:
             resident = {}
             for label, offload, budget in [*jobs, ("forced OOM", None, None)]:
                 if time.perf_counter() - started > args.time_limit:
-                    results.add({"model": model, "run": label, "skipped": f"--time-limit {args.time_limit:g} s reached"})
+                    results.add(
+                        {"model": model, "run": label, "skipped": f"--time-limit {args.time_limit:g} s reached"}
+                    )
                     continue
                 try:
                     row = run.forced_oom() if label == "forced OOM" else run.measure(label, offload, budget)

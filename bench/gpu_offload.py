@@ -39,8 +39,16 @@ from offload.architectures import HERE  # noqa: E402
 from workers.probe import probe  # noqa: E402
 
 GiB = 2**30
-TINY = {"attention_head_dim": 16, "num_attention_heads": 2, "num_layers": 2, "num_single_layers": 4,
-        "joint_attention_dim": 32, "pooled_projection_dim": 32, "in_channels": 16, "axes_dims_rope": [4, 6, 6]}
+TINY = {
+    "attention_head_dim": 16,
+    "num_attention_heads": 2,
+    "num_layers": 2,
+    "num_single_layers": 4,
+    "joint_attention_dim": 32,
+    "pooled_projection_dim": 32,
+    "in_channels": 16,
+    "axes_dims_rope": [4, 6, 6],
+}
 
 
 def build(device: torch.device, tiny: bool) -> torch.nn.Module:
@@ -74,7 +82,8 @@ def inputs(model, device, size: int, text_tokens: int):
         "encoder_hidden_states": randn(1, text_tokens, c.joint_attention_dim),
         "pooled_projections": randn(1, c.pooled_projection_dim),
         "timestep": torch.tensor([0.5], device=device, dtype=torch.bfloat16),
-        "img_ids": ids.to(device), "txt_ids": torch.zeros(text_tokens, 3, device=device),
+        "img_ids": ids.to(device),
+        "txt_ids": torch.zeros(text_tokens, 3, device=device),
         "guidance": torch.tensor([3.5], device=device, dtype=torch.bfloat16) if c.guidance_embeds else None,
     }
 
@@ -113,10 +122,14 @@ def measure(model, placement, profile, device, args, x) -> dict:
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - start
         moved = stats.snapshot()["components"].get("transformer", {}).get("bytes_onloaded", 0) - before
-        return {"placement": placement.label, "steps_per_s": args.steps / seconds, "seconds_per_step": seconds / args.steps,
-                "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
-                "moved_bytes_per_step": moved // args.steps,
-                "achieved_gb_per_s": moved / seconds / 1e9 if moved else None}
+        return {
+            "placement": placement.label,
+            "steps_per_s": args.steps / seconds,
+            "seconds_per_step": seconds / args.steps,
+            "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+            "moved_bytes_per_step": moved // args.steps,
+            "achieved_gb_per_s": moved / seconds / 1e9 if moved else None,
+        }
     except torch.OutOfMemoryError as err:
         return {"placement": placement.label, "error": f"out of memory: {str(err).splitlines()[0][:120]}"}
     finally:
@@ -149,10 +162,18 @@ def main() -> None:
         scale = need / (32 * GiB)
     else:
         scale = 1.0
-    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (tiny smoke test)",
-              "params": profile.components["transformer"].params, "probe": found, "modes": {}, "budgets": []}
-    print(f"{result['device']}: {result['params'] / 1e9:.2f} B params, bandwidth {found['bandwidth'] / 1e9:.1f} GB/s, "
-          f"{found['flops'] / 1e12:.0f} TFLOP/s ({'probed' if found['measured'] else 'assumed'})", flush=True)
+    result = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (tiny smoke test)",
+        "params": profile.components["transformer"].params,
+        "probe": found,
+        "modes": {},
+        "budgets": [],
+    }
+    print(
+        f"{result['device']}: {result['params'] / 1e9:.2f} B params, bandwidth {found['bandwidth'] / 1e9:.1f} GB/s, "
+        f"{found['flops'] / 1e12:.0f} TFLOP/s ({'probed' if found['measured'] else 'assumed'})",
+        flush=True,
+    )
 
     streams = device.type == "cuda"
     modes = [Placement("resident"), Placement("block", 1), Placement("leaf")]
@@ -160,14 +181,26 @@ def main() -> None:
         modes += [Placement("block", 1, stream=True), Placement("leaf", stream=True)]
     for m in modes:
         r = result["modes"][m.label] = measure(model, m, profile, device, args, x)
-        print(f"  {m.label:22s} " + (r.get("error") or f"{r['steps_per_s']:.3f} steps/s, peak "
-              f"{format_size(r['peak_bytes'] or 0)}, moved {format_size(r['moved_bytes_per_step'])}/step, "
-              f"{(r['achieved_gb_per_s'] or 0):.1f} GB/s"), flush=True)
+        print(
+            f"  {m.label:22s} "
+            + (
+                r.get("error")
+                or f"{r['steps_per_s']:.3f} steps/s, peak "
+                f"{format_size(r['peak_bytes'] or 0)}, moved {format_size(r['moved_bytes_per_step'])}/step, "
+                f"{(r['achieved_gb_per_s'] or 0):.1f} GB/s"
+            ),
+            flush=True,
+        )
 
     for gb in (float(b) for b in args.budgets.split(",")):
         budget = int(gb * GiB * scale)
-        spec = DeviceSpec(budget=budget, host_budget=int(found["host_available_bytes"] * 0.8),
-                          bandwidth=found["bandwidth"], flops=found["flops"], streams=streams)
+        spec = DeviceSpec(
+            budget=budget,
+            host_budget=int(found["host_available_bytes"] * 0.8),
+            bandwidth=found["bandwidth"],
+            flops=found["flops"],
+            streams=streams,
+        )
         row = {"budget_gib": gb, "budget_bytes": budget}
         try:
             chosen = plan(profile, spec, work)
@@ -185,9 +218,19 @@ def main() -> None:
                 row["vs_no_offload"] = row["measured"]["steps_per_s"] / resident["steps_per_s"]
         result["budgets"].append(row)
         m = row.get("measured", {})
-        print(f"budget {gb:g} GiB: " + (row.get("plan_error") or f"plan {row['plan']['modes']['transformer']} -> "
-              + (m.get("error") or f"{m['steps_per_s']:.3f} steps/s ({row.get('vs_no_offload', float('nan')):.2f}x no "
-                 f"offload), peak {format_size(m['peak_bytes'] or 0)}")), flush=True)
+        print(
+            f"budget {gb:g} GiB: "
+            + (
+                row.get("plan_error")
+                or f"plan {row['plan']['modes']['transformer']} -> "
+                + (
+                    m.get("error")
+                    or f"{m['steps_per_s']:.3f} steps/s ({row.get('vs_no_offload', float('nan')):.2f}x no "
+                    f"offload), peak {format_size(m['peak_bytes'] or 0)}"
+                )
+            ),
+            flush=True,
+        )
     result["seconds"] = time.perf_counter() - started
     print(f"total {result['seconds']:.0f} s")
     if args.json:

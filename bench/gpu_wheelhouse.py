@@ -32,21 +32,68 @@ LIMIT = 64 * 2**20
 # dependencies are resolved by pip at the versions of this environment. accelerate: diffusers 0.42.1's
 # group offloading calls its `send_to_device` (a NameError without it, found by the dry run on a
 # torch-only Python).
-NEEDS = ["diffusers", "accelerate", "transformers", "tokenizers", "safetensors", "huggingface_hub", "pyarrow", "fsspec", "numpy",
-         "pillow", "psutil", "pytest", "regex", "requests", "pyyaml", "tqdm", "packaging", "filelock"]
+NEEDS = [
+    "diffusers",
+    "accelerate",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "huggingface_hub",
+    "pyarrow",
+    "fsspec",
+    "numpy",
+    "pillow",
+    "psutil",
+    "pytest",
+    "regex",
+    "requests",
+    "pyyaml",
+    "tqdm",
+    "packaging",
+    "filelock",
+]
 # A torch wheel brings these (and CUDA libraries): left out unless asked for.
-TORCH_BRINGS = ["torch", "filelock", "typing_extensions", "fsspec", "jinja2", "markupsafe", "networkx", "sympy",
-                "mpmath", "setuptools", "triton"]
+TORCH_BRINGS = [
+    "torch",
+    "filelock",
+    "typing_extensions",
+    "fsspec",
+    "jinja2",
+    "markupsafe",
+    "networkx",
+    "sympy",
+    "mpmath",
+    "setuptools",
+    "triton",
+]
 # What the lent H200 image has (its probe: Python 3.12.3, torch 2.11, transformers 5.17, accelerate
 # 1.15, huggingface_hub 1.33, ... — ../shared/notes/gpu-check-review.md): all the check needs but
 # diffusers, whose wheel is pure Python and needs nothing the image lacks. An overlay of cp311 builds
 # on its PYTHONPATH would shadow its working cp312 numpy and pyarrow.
 H200_HAS = [n for n in dict.fromkeys([*NEEDS, *TORCH_BRINGS]) if n != "diffusers"]
 # Never loaded by the check: removed from the overlay (globs under it).
-PRUNE = ["pyarrow/libarrow_flight.so*", "pyarrow/_flight*.so", "pyarrow/libarrow_s3*.so*", "pyarrow/_s3fs*.so",
-         "pyarrow/_substrait*.so", "pyarrow/libgandiva*", "pyarrow/_gandiva*.so",
-         "pyarrow/include", "pyarrow/src", "pyarrow/tests", "pyarrow/*.pyx", "pyarrow/*.pxd", "pyarrow/*.pxi",
-         "hf_xet", "hf_xet-*", "*/tests", "**/__pycache__", "numpy/_core/tests", "numpy/*/tests", "*.dist-info/RECORD"]
+PRUNE = [
+    "pyarrow/libarrow_flight.so*",
+    "pyarrow/_flight*.so",
+    "pyarrow/libarrow_s3*.so*",
+    "pyarrow/_s3fs*.so",
+    "pyarrow/_substrait*.so",
+    "pyarrow/libgandiva*",
+    "pyarrow/_gandiva*.so",
+    "pyarrow/include",
+    "pyarrow/src",
+    "pyarrow/tests",
+    "pyarrow/*.pyx",
+    "pyarrow/*.pxd",
+    "pyarrow/*.pxi",
+    "hf_xet",
+    "hf_xet-*",
+    "*/tests",
+    "**/__pycache__",
+    "numpy/_core/tests",
+    "numpy/*/tests",
+    "*.dist-info/RECORD",
+]
 
 
 def _key(name: str) -> str:
@@ -58,8 +105,11 @@ def probe() -> dict:
     have = {}
     for dist in importlib.metadata.distributions():
         have[_key(dist.metadata["Name"])] = dist.version
-    out = {"python": platform.python_version(), "machine": platform.machine(),
-           "have": {n: have.get(_key(n)) for n in sorted({*NEEDS, *TORCH_BRINGS})}}
+    out = {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "have": {n: have.get(_key(n)) for n in sorted({*NEEDS, *TORCH_BRINGS})},
+    }
     try:
         import torch
 
@@ -86,22 +136,57 @@ def build(python: str, have: list[str], out: Path) -> dict:
     have_keys = {_key(h) for h in have}
     with tempfile.TemporaryDirectory(prefix="fleetgen-wheelhouse-") as tmp:
         wheels, overlay = Path(tmp) / "wheels", Path(tmp) / "gpu-overlay"
-        freeze = subprocess.run([sys.executable, "-m", "pip", "freeze", "--exclude-editable"], check=True,
-                                capture_output=True, text=True).stdout
+        freeze = subprocess.run(
+            [sys.executable, "-m", "pip", "freeze", "--exclude-editable"], check=True, capture_output=True, text=True
+        ).stdout
         constraints = Path(tmp) / "constraints.txt"
         constraints.write_text("\n".join(line for line in freeze.splitlines() if "==" in line))
         wanted = [n for n in NEEDS if _key(n) not in have_keys]
         # Only what is missing, its dependencies being there (the H200 case: diffusers alone), or the
         # whole closure for a torch-only image.
         no_deps = ["--no-deps"] if len(wanted) < len(NEEDS) // 2 else []
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", *no_deps, "--only-binary=:all:",
-                        "--python-version", python,
-                        "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
-                        "--platform", "manylinux2014_x86_64", "-c", str(constraints), "-d", str(wheels),
-                        *pinned(wanted)], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                *no_deps,
+                "--only-binary=:all:",
+                "--python-version",
+                python,
+                "--platform",
+                "manylinux_2_28_x86_64",
+                "--platform",
+                "manylinux_2_17_x86_64",
+                "--platform",
+                "manylinux2014_x86_64",
+                "-c",
+                str(constraints),
+                "-d",
+                str(wheels),
+                *pinned(wanted),
+            ],
+            check=True,
+        )
         kept = [w for w in sorted(wheels.glob("*.whl")) if _key(w.name.split("-")[0]) not in have_keys]
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-compile",
-                        "--target", str(overlay), *map(str, kept)], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-deps",
+                "--no-index",
+                "--no-compile",
+                "--target",
+                str(overlay),
+                *map(str, kept),
+            ],
+            check=True,
+        )
         for pattern in PRUNE:
             for path in overlay.glob(pattern):
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
@@ -111,17 +196,27 @@ def build(python: str, have: list[str], out: Path) -> dict:
             subprocess.run(["xz", "-9", "-T0"], stdin=tar.stdout, stdout=f, check=True)
             tar.wait()
     size = out.stat().st_size
-    return {"python": python, "left_out": sorted(have_keys), "wheels": [w.name for w in kept],
-            "installed_bytes": installed, "archive": str(out), "archive_bytes": size, "within_limit": size <= LIMIT}
+    return {
+        "python": python,
+        "left_out": sorted(have_keys),
+        "wheels": [w.name for w in kept],
+        "installed_bytes": installed,
+        "archive": str(out),
+        "archive_bytes": size,
+        "within_limit": size <= LIMIT,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--probe", action="store_true", help="print what this machine has (run it on the GPU machine)")
     parser.add_argument("--python", default="3.12", help="the GPU machine's Python (major.minor; the lent H200: 3.12)")
-    parser.add_argument("--have", default=",".join(H200_HAS),
-                        help="packages the GPU machine has already (left out), comma-separated; default: what the "
-                        "lent H200 image has (all but diffusers); a torch-only image: --have " + ",".join(TORCH_BRINGS))
+    parser.add_argument(
+        "--have",
+        default=",".join(H200_HAS),
+        help="packages the GPU machine has already (left out), comma-separated; default: what the "
+        "lent H200 image has (all but diffusers); a torch-only image: --have " + ",".join(TORCH_BRINGS),
+    )
     parser.add_argument("--out", default="gpu-overlay.tar.xz")
     args = parser.parse_args()
     if args.probe:
@@ -130,8 +225,10 @@ def main() -> None:
     result = build(args.python, [h for h in args.have.split(",") if h], Path(args.out))
     print(json.dumps(result, indent=2))
     if not result["within_limit"]:
-        sys.exit(f"{args.out} is {result['archive_bytes'] / 2**20:.1f} MiB, over the 64 MiB a device session carries: "
-                 "leave out what the GPU machine has (`--have`, see `--probe`).")
+        sys.exit(
+            f"{args.out} is {result['archive_bytes'] / 2**20:.1f} MiB, over the 64 MiB a device session carries: "
+            "leave out what the GPU machine has (`--have`, see `--probe`)."
+        )
 
 
 if __name__ == "__main__":

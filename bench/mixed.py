@@ -35,9 +35,21 @@ STEPS = 4
 
 
 def _write(path: Path, rows: list[dict]) -> str:
-    pq.write_table(pa.Table.from_pylist(rows, schema=pa.schema(
-        [("id", pa.string()), ("prompt", pa.string()), ("seed", pa.int64()), ("width", pa.int32()),
-         ("lora", pa.string())])), path)
+    pq.write_table(
+        pa.Table.from_pylist(
+            rows,
+            schema=pa.schema(
+                [
+                    ("id", pa.string()),
+                    ("prompt", pa.string()),
+                    ("seed", pa.int64()),
+                    ("width", pa.int32()),
+                    ("lora", pa.string()),
+                ]
+            ),
+        ),
+        path,
+    )
     return str(path)
 
 
@@ -46,8 +58,20 @@ def _worker(model: str, out: str, adapters: list[str], batch: int, columns):
     from workers.worker import Worker
 
     settings = GenerationSettings(steps=STEPS, guidance=5.0, width=64, height=64, output_format="parquet")
-    return Worker(WorkerSpec("w0", model, out, settings, columns, max_batch=batch, device="cpu", threads=THREADS,
-                             adapters=tuple((a, a) for a in adapters), plan_size=(max(SIZES), 64)))
+    return Worker(
+        WorkerSpec(
+            "w0",
+            model,
+            out,
+            settings,
+            columns,
+            max_batch=batch,
+            device="cpu",
+            threads=THREADS,
+            adapters=tuple((a, a) for a in adapters),
+            plan_size=(max(SIZES), 64),
+        )
+    )
 
 
 def _seconds(worker, paths: list[str], out: str) -> float:
@@ -75,13 +99,23 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="fleetgen-bench-mixed-"))
     model = str(write_tiny_model(tmp / "tiny"))
     adapters = [str(write_tiny_lora(tmp / "loras" / f"{n}.safetensors", model, seed=i)) for i, n in enumerate("ab")]
-    rows = [{"id": f"r{i:03d}", "prompt": f"a lighthouse number {i}", "seed": i, "width": SIZES[i % 3],
-             "lora": adapters[i % 2]} for i in range(ROWS)]
+    rows = [
+        {
+            "id": f"r{i:03d}",
+            "prompt": f"a lighthouse number {i}",
+            "seed": i,
+            "width": SIZES[i % 3],
+            "lora": adapters[i % 2],
+        }
+        for i in range(ROWS)
+    ]
     mixed = _write(tmp / "mixed.parquet", rows)
     (tmp / "uniform").mkdir()
     looks = sorted({(r["width"], r["lora"]) for r in rows})
-    uniform = [_write(tmp / "uniform" / f"{n}.parquet", [r for r in rows if (r["width"], r["lora"]) == look])
-               for n, look in enumerate(looks)]
+    uniform = [
+        _write(tmp / "uniform" / f"{n}.parquet", [r for r in rows if (r["width"], r["lora"]) == look])
+        for n, look in enumerate(looks)
+    ]
     columns = resolve_columns([read_footer(mixed)], Columns(width="width", lora="lora"))
     grouped = _worker(model, str(tmp / "o"), adapters, 4, columns)
     single = _worker(model, str(tmp / "o"), adapters, 1, columns)
@@ -92,12 +126,23 @@ def main() -> None:
         t_mixed = _seconds(grouped, [mixed], str(tmp / f"mixed-{r}"))
         t_uniform = _seconds(grouped, uniform, str(tmp / f"uniform-{r}"))
         t_single = _seconds(single, [mixed], str(tmp / f"single-{r}"))
-        results.append({"mixed_s": round(t_mixed, 3), "uniform_s": round(t_uniform, 3),
-                        "ungrouped_s": round(t_single, 3), "mixed_vs_uniform": round(t_uniform / t_mixed, 3),
-                        "ungrouped_vs_uniform": round(t_uniform / t_single, 3)})
+        results.append(
+            {
+                "mixed_s": round(t_mixed, 3),
+                "uniform_s": round(t_uniform, 3),
+                "ungrouped_s": round(t_single, 3),
+                "mixed_vs_uniform": round(t_uniform / t_mixed, 3),
+                "ungrouped_vs_uniform": round(t_uniform / t_single, 3),
+            }
+        )
         print(json.dumps(results[-1]), flush=True)
     summary = {
-        "rows": ROWS, "looks": len(looks), "sizes": SIZES, "adapters": len(adapters), "steps": STEPS, "batch": 4,
+        "rows": ROWS,
+        "looks": len(looks),
+        "sizes": SIZES,
+        "adapters": len(adapters),
+        "steps": STEPS,
+        "batch": 4,
         "threads": THREADS,
         "mixed_images_per_s": round(ROWS / statistics.median(r["mixed_s"] for r in results), 2),
         "uniform_images_per_s": round(ROWS / statistics.median(r["uniform_s"] for r in results), 2),

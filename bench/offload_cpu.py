@@ -57,8 +57,13 @@ def stats_overhead(size: str, pairs: int) -> dict:
     def run() -> float:
         start = time.perf_counter()
         for i in range(0, n, batch):
-            pipe(prompt=["a red fox in the forest"] * batch, num_inference_steps=steps, width=64, height=64,
-                 generator=[torch.Generator().manual_seed(i + j) for j in range(batch)])
+            pipe(
+                prompt=["a red fox in the forest"] * batch,
+                num_inference_steps=steps,
+                width=64,
+                height=64,
+                generator=[torch.Generator().manual_seed(i + j) for j in range(batch)],
+            )
         return time.perf_counter() - start
 
     run()  # warm up
@@ -70,8 +75,14 @@ def stats_overhead(size: str, pairs: int) -> dict:
         onloads = sum(c["onloads"] for c in stats.snapshot()["components"].values())
         stats.close()
         ratios.append(on / off)
-    return {"level": level, "images": n, "steps": steps, "ratios": ratios, "median": statistics.median(ratios),
-            "onloads_per_run": onloads}
+    return {
+        "level": level,
+        "images": n,
+        "steps": steps,
+        "ratios": ratios,
+        "median": statistics.median(ratios),
+        "onloads_per_run": onloads,
+    }
 
 
 def plan_times() -> dict:
@@ -95,8 +106,11 @@ def main() -> None:
         print(f"plan {name}: build+profile {r['profile_s']:.2f} s, plan {r['plan_s']:.3f} s at 24 GiB -> {r['modes']}")
     for size in CASES:
         r = result["stats_overhead"][size] = stats_overhead(size, args.pairs)
-        print(f"stats overhead {size} ({r['level']} level, {r['onloads_per_run']} onloads/run): "
-              f"on/off = {' '.join(f'{x:.3f}' for x in r['ratios'])}, median {r['median']:.3f}", flush=True)
+        print(
+            f"stats overhead {size} ({r['level']} level, {r['onloads_per_run']} onloads/run): "
+            f"on/off = {' '.join(f'{x:.3f}' for x in r['ratios'])}, median {r['median']:.3f}",
+            flush=True,
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 

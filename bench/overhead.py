@@ -41,8 +41,14 @@ def plain(model: str, prompts: str, out: str, batch: int, steps: int) -> None:
     for i in range(0, len(rows), batch):
         chunk = rows[i : i + batch]
         gens = [torch.Generator().manual_seed(j) for j in range(i, i + len(chunk))]
-        images = pipe(prompt=[r["prompt"] for r in chunk], num_inference_steps=steps, guidance_scale=5.0,
-                      width=64, height=64, generator=gens).images
+        images = pipe(
+            prompt=[r["prompt"] for r in chunk],
+            num_inference_steps=steps,
+            guidance_scale=5.0,
+            width=64,
+            height=64,
+            generator=gens,
+        ).images
         for r, image in zip(chunk, images, strict=True):
             image.save(f"{out}/{r['id']}.png")
 
@@ -78,17 +84,64 @@ def main() -> None:
             runs = []
             for r in range(args.repeats):
                 a_out, b_out = tmp / f"{size}-plain-{r}", tmp / f"{size}-fleet-{r}"
-                a = _timed([sys.executable, __file__, "--plain", model, prompts, str(a_out), str(batch), str(steps)],
-                           a_out, "*.png", batch, env)
-                b = _timed(["fleetgen", "run", "--input", prompts, "--output", str(b_out), "--model", model,
-                            "--steps", str(steps), "--guidance", "5", "--width", "64", "--height", "64",
-                            "--workers", "1", "--cpu-threads", str(THREADS), "--max-batch", str(batch),
-                            "--rows-per-shard", str(n), "--device", "cpu"], b_out, "images/*/*.png", batch, env)
-                runs.append({"plain_ips": a[0], "fleetgen_ips": b[0], "ratio": b[0] / a[0],
-                             "plain_first_s": a[1], "fleetgen_first_s": b[1]})
+                a = _timed(
+                    [sys.executable, __file__, "--plain", model, prompts, str(a_out), str(batch), str(steps)],
+                    a_out,
+                    "*.png",
+                    batch,
+                    env,
+                )
+                b = _timed(
+                    [
+                        "fleetgen",
+                        "run",
+                        "--input",
+                        prompts,
+                        "--output",
+                        str(b_out),
+                        "--model",
+                        model,
+                        "--steps",
+                        str(steps),
+                        "--guidance",
+                        "5",
+                        "--width",
+                        "64",
+                        "--height",
+                        "64",
+                        "--workers",
+                        "1",
+                        "--cpu-threads",
+                        str(THREADS),
+                        "--max-batch",
+                        str(batch),
+                        "--rows-per-shard",
+                        str(n),
+                        "--device",
+                        "cpu",
+                    ],
+                    b_out,
+                    "images/*/*.png",
+                    batch,
+                    env,
+                )
+                runs.append(
+                    {
+                        "plain_ips": a[0],
+                        "fleetgen_ips": b[0],
+                        "ratio": b[0] / a[0],
+                        "plain_first_s": a[1],
+                        "fleetgen_first_s": b[1],
+                    }
+                )
                 print(f"{size} run {r}: " + "  ".join(f"{k}={v:.3f}" for k, v in runs[-1].items()), flush=True)
-            results[size] = {"images": n, "batch": batch, "steps": steps, "runs": runs,
-                             "median_ratio": statistics.median(x["ratio"] for x in runs)}
+            results[size] = {
+                "images": n,
+                "batch": batch,
+                "steps": steps,
+                "runs": runs,
+                "median_ratio": statistics.median(x["ratio"] for x in runs),
+            }
             print(f"{size}: median steady-state ratio fleetgen/plain = {results[size]['median_ratio']:.3f}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

@@ -75,8 +75,15 @@ class SimHost:
         except FileExistsError:
             won = False
         self.spans.setdefault(index, []).append((start, time.time()))
-        yield ShardResult(shard.id, f"w{index}", self.batches if won else 0, 0, time.time() - start,
-                          committed_by_other=not won, version="sim" if won else None)
+        yield ShardResult(
+            shard.id,
+            f"w{index}",
+            self.batches if won else 0,
+            0,
+            time.time() - start,
+            committed_by_other=not won,
+            version="sim" if won else None,
+        )
 
     async def close(self, index: int) -> None:
         return None
@@ -108,8 +115,10 @@ class SimActors(RayActors):
     """The pool's worker factory: virtual workers spread over `hosts` async actors."""
 
     def __init__(self, hosts: int, batch_seconds: float, batches: int, ledger: str):
-        self.hosts = [SimHost.options(max_concurrency=100_000, num_cpus=0).remote(batch_seconds, batches, ledger)
-                      for _ in range(hosts)]
+        self.hosts = [
+            SimHost.options(max_concurrency=100_000, num_cpus=0).remote(batch_seconds, batches, ledger)
+            for _ in range(hosts)
+        ]
         self.made = 0
         self.submitted: list[tuple[int, float]] = []  # (worker, when the driver sent it a shard)
 
@@ -132,8 +141,11 @@ def _quantiles(values: list[float]) -> dict:
     values = sorted(values)
     if not values:
         return {}
-    return {"median": round(1000 * statistics.median(values), 1), "p99": round(1000 * values[int(0.99 * (len(values) - 1))], 1),
-            "max": round(1000 * values[-1], 1)}
+    return {
+        "median": round(1000 * statistics.median(values), 1),
+        "p99": round(1000 * values[int(0.99 * (len(values) - 1))], 1),
+        "max": round(1000 * values[-1], 1),
+    }
 
 
 def simulate(workers: int, batch_seconds: float, batches: int, shards_per_worker: int, hosts: int) -> dict:
@@ -173,9 +185,18 @@ def simulate(workers: int, batch_seconds: float, batches: int, shards_per_worker
     ends = [sp[-1][1] for sp in spans.values()]
     ideal = shards_per_worker * batches * batch_seconds
     return {
-        "workers": workers, "hosts": hosts, "batch_seconds": batch_seconds, "batches_per_shard": batches,
-        "shards": len(shards), "speculated": speculated, "events": events, "batch_events": batches_seen, "shards_reported": len(results), "wall_seconds": round(wall, 2),
-        "ideal_seconds": round(ideal, 2), "workers_that_ran": len(spans),
+        "workers": workers,
+        "hosts": hosts,
+        "batch_seconds": batch_seconds,
+        "batches_per_shard": batches,
+        "shards": len(shards),
+        "speculated": speculated,
+        "events": events,
+        "batch_events": batches_seen,
+        "shards_reported": len(results),
+        "wall_seconds": round(wall, 2),
+        "ideal_seconds": round(ideal, 2),
+        "workers_that_ran": len(spans),
         "first_shard_started_s": round(min(starts) - started, 2) if starts else None,
         "last_worker_started_s": round(max(starts) - started, 2) if starts else None,
         "last_shard_ended_s": round(max(ends) - started, 2) if ends else None,
@@ -183,9 +204,11 @@ def simulate(workers: int, batch_seconds: float, batches: int, shards_per_worker
         "busy_fraction": round(inside / busy, 4) if busy else None,
         "driver_cpu_fraction": round(cpu / wall, 3),  # of one core, the pool's loop and Ray's client in the driver
         "driver_dispatch_ms": _quantiles(driver_gaps),
-        "dispatch_ms": {"median": round(1000 * statistics.median(gaps), 1) if gaps else None,
-                        "p99": round(1000 * gaps[int(0.99 * (len(gaps) - 1))], 1) if gaps else None,
-                        "max": round(1000 * gaps[-1], 1) if gaps else None},
+        "dispatch_ms": {
+            "median": round(1000 * statistics.median(gaps), 1) if gaps else None,
+            "p99": round(1000 * gaps[int(0.99 * (len(gaps) - 1))], 1) if gaps else None,
+            "max": round(1000 * gaps[-1], 1) if gaps else None,
+        },
     }
 
 

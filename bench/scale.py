@@ -53,8 +53,12 @@ def write_input(root: Path, rows: int) -> Path:
     folder.mkdir()
     n = min(rows, FILE_ROWS)
     ids = np.arange(n).astype(str)
-    table = pa.table({"id": pa.array(ids, pa.string()),
-                      "prompt": pa.array(np.char.add("a photo of thing number ", ids), pa.string())})
+    table = pa.table(
+        {
+            "id": pa.array(ids, pa.string()),
+            "prompt": pa.array(np.char.add("a photo of thing number ", ids), pa.string()),
+        }
+    )
     first = folder / "part-00000.parquet"
     pq.write_table(table, first)
     for i in range(1, rows // FILE_ROWS):
@@ -75,22 +79,37 @@ def write_manifests(out: Path, folder: Path) -> tuple[int, str]:
 
     shards = plan_shards(read_footers(list_input_files(str(folder))), ROWS_PER_SHARD)
     (out / "shards").mkdir(parents=True)
-    template = pa.Table.from_pylist([{"id": f"{i:09d}", "row_id": f"{i:09d}", "status": "ok", "prompt": "p",
-                                      "sha256": "0" * 64, "size": 1000, "image": f"images/x/{i}.png"}
-                                     for i in range(ROWS_PER_SHARD)], schema=MANIFEST_SCHEMA)
+    template = pa.Table.from_pylist(
+        [
+            {
+                "id": f"{i:09d}",
+                "row_id": f"{i:09d}",
+                "status": "ok",
+                "prompt": "p",
+                "sha256": "0" * 64,
+                "size": 1000,
+                "image": f"images/x/{i}.png",
+            }
+            for i in range(ROWS_PER_SHARD)
+        ],
+        schema=MANIFEST_SCHEMA,
+    )
     blobs: dict[int, bytes] = {}
     for shard in shards[:-1]:
         n = shard.length
         if n not in blobs:
             counts = {"rows": n, "images": n, "ok": n, "error": 0, "filtered": 0}
-            table = template.slice(0, n).replace_schema_metadata({ATTEMPT_KEY: b"bench", COUNTS_KEY: json.dumps(counts)})
+            table = template.slice(0, n).replace_schema_metadata(
+                {ATTEMPT_KEY: b"bench", COUNTS_KEY: json.dumps(counts)}
+            )
             buf = io.BytesIO()
             pq.write_table(table, buf)
             blobs[n] = buf.getvalue()
         (out / "shards" / f"{shard.id}.parquet").write_bytes(blobs[n])
     output = Output(str(out))
-    counts = {s.id: {"rows": s.length, "images": s.length, "ok": s.length, "error": 0, "filtered": 0}
-              for s in shards[:-1]}
+    counts = {
+        s.id: {"rows": s.length, "images": s.length, "ok": s.length, "error": 0, "filtered": 0} for s in shards[:-1]
+    }
     write_counts_index(output, counts, list_manifests(output))
     return len(shards), shards[-1].id
 
@@ -124,15 +143,23 @@ def timed(cmd: list[str], cwd: str | None = None, marks: dict[str, str] | None =
     seconds = time.perf_counter() - started
     if proc.returncode not in (0, 1):
         raise RuntimeError(f"{cmd} failed: {''.join(lines)[-2000:]}")
-    return {"seconds": round(seconds, 2), "peak_rss_mib": round(peak / 2**20), **seen,
-            "last_line": lines[-1].strip()[:200] if lines else ""}
+    return {
+        "seconds": round(seconds, 2),
+        "peak_rss_mib": round(peak / 2**20),
+        **seen,
+        "last_line": lines[-1].strip()[:200] if lines else "",
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1_000_000, 10_000_000])
-    parser.add_argument("--footers-up-to", type=int, default=10_000_000,
-                        help="time `status` without the index (one footer read per manifest) up to this many rows")
+    parser.add_argument(
+        "--footers-up-to",
+        type=int,
+        default=10_000_000,
+        help="time `status` without the index (one footer read per manifest) up to this many rows",
+    )
     parser.add_argument("--before", help="a checkout of an earlier fleetgen: its `status` is timed on the same output")
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -151,9 +178,14 @@ def main() -> None:
             shards, last = write_manifests(out, folder)
             setup = time.perf_counter() - started
             run = [*fleetgen, "run", "--input", str(folder), "--output", str(out), "--model", model, *_FAST]
-            result = {"rows": rows, "shards": shards, "setup_seconds": round(setup, 1),
-                      "first_dispatch": timed(run, marks={"to_dispatch": "shard(s) to generate",
-                                                          "to_first_worker_ready": " ready "})}
+            result = {
+                "rows": rows,
+                "shards": shards,
+                "setup_seconds": round(setup, 1),
+                "first_dispatch": timed(
+                    run, marks={"to_dispatch": "shard(s) to generate", "to_first_worker_ready": " ready "}
+                ),
+            }
             assert (out / "shards" / f"{last}.parquet").exists(), "the last shard was not generated"
             result["rerun"] = timed(run)
             result["status"] = timed([*fleetgen, "status", str(out)])

@@ -76,8 +76,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "p.parquet"
         ids = np.arange(args.rows).astype(str)
-        pq.write_table(pa.table({"id": ids, "prompt": np.char.add("a photo of a thing, number ", ids)}), path,
-                       row_group_size=args.rows)
+        pq.write_table(
+            pa.table({"id": ids, "prompt": np.char.add("a photo of a thing, number ", ids)}),
+            path,
+            row_group_size=args.rows,
+        )
         shards = plan_shards([read_footer(str(path))], 256)
         picked = shards[:: max(1, len(shards) // args.samples)]
         columns = Columns(seed=None, negative_prompt=None)
@@ -96,11 +99,15 @@ def main() -> None:
                     with fs.open(p, "rb") as f:
                         pq.ParquetFile(f).read_row_group(0, columns=columns.present()).slice(shard.offset, shard.length)
             seconds = (time.perf_counter() - started) / len(picked)
-            result[name] = {"seconds_per_shard": round(seconds, 4),
-                            "bytes_per_shard": round(sum(c.bytes for c in opened) / len(picked))}
+            result[name] = {
+                "seconds_per_shard": round(seconds, 4),
+                "bytes_per_shard": round(sum(c.bytes for c in opened) / len(picked)),
+            }
         shard_module.url_to_fs = real
-        result["streamed_over_whole"] = {k: round(result["streamed"][k] / result["whole_group"][k], 3)
-                                         for k in ("seconds_per_shard", "bytes_per_shard")}
+        result["streamed_over_whole"] = {
+            k: round(result["streamed"][k] / result["whole_group"][k], 3)
+            for k in ("seconds_per_shard", "bytes_per_shard")
+        }
     print(json.dumps(result, indent=2))
 
 

@@ -47,8 +47,16 @@ def build(root: Path, images: int, size: int, fmt: str) -> None:
             else:
                 key, member = f"data/{shard}.tar", f"{rid}.png"
                 blobs.append((member, data))
-            rows.append({"id": rid, "status": "ok", "image": key, "member": member,
-                         "sha256": hashlib.sha256(data).hexdigest(), "size": size})
+            rows.append(
+                {
+                    "id": rid,
+                    "status": "ok",
+                    "image": key,
+                    "member": member,
+                    "sha256": hashlib.sha256(data).hexdigest(),
+                    "size": size,
+                }
+            )
         if blobs:
             (root / "data").mkdir(exist_ok=True)
             with tarfile.open(root / "data" / f"{shard}.tar", "w", format=tarfile.PAX_FORMAT) as tar:
@@ -77,9 +85,17 @@ def main() -> None:
                 report = verify(str(root), deep=deep)
                 seconds = time.perf_counter() - started
                 assert report.clean, report.text()
-                results.append({"format": fmt, "deep": deep, "images": report.images, "hashed": report.hashed,
-                                "seconds": round(seconds, 3), "images_per_s": round(report.images / seconds),
-                                "hashed_mb_per_s": round(report.bytes_read / seconds / 1e6, 1)})
+                results.append(
+                    {
+                        "format": fmt,
+                        "deep": deep,
+                        "images": report.images,
+                        "hashed": report.hashed,
+                        "seconds": round(seconds, 3),
+                        "images_per_s": round(report.images / seconds),
+                        "hashed_mb_per_s": round(report.bytes_read / seconds / 1e6, 1),
+                    }
+                )
                 print(json.dumps(results[-1]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

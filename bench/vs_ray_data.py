@@ -46,8 +46,14 @@ class RayDataGenerator:
         from workers.writer import encode
 
         ids = [str(i) for i in batch["id"]]
-        images = self.pipe(prompt=list(batch["prompt"]), num_inference_steps=STEPS, guidance_scale=5.0, width=64,
-                           height=64, generator=generators([derive_seed(0, i) for i in ids])).images
+        images = self.pipe(
+            prompt=list(batch["prompt"]),
+            num_inference_steps=STEPS,
+            guidance_scale=5.0,
+            width=64,
+            height=64,
+            generator=generators([derive_seed(0, i) for i in ids]),
+        ).images
         for row_id, image in zip(ids, images, strict=True):
             (self.out / "images" / f"{row_id}.png").write_bytes(encode(image, "png"))
         self.calls += 1
@@ -62,11 +68,21 @@ def ray_data_run(prompts: str, model: str, out: Path) -> dict:
     started = time.time()
     # Blocks of 2 batches, like fleetgen's shards: without the repartition the one row group is one
     # block, and one actor would do all the work.
-    ds = ray.data.read_parquet(prompts).repartition(-(-rows // (BATCH * 2))).map_batches(
-        RayDataGenerator, fn_constructor_args=(model, str(out)), batch_size=BATCH, concurrency=WORKERS, num_cpus=1)
+    ds = (
+        ray.data.read_parquet(prompts)
+        .repartition(-(-rows // (BATCH * 2)))
+        .map_batches(
+            RayDataGenerator, fn_constructor_args=(model, str(out)), batch_size=BATCH, concurrency=WORKERS, num_cpus=1
+        )
+    )
     ids = [r["id"] for r in ds.iter_rows()]
-    return {"started": started, "seconds": time.time() - started, "rows_returned": len(ids),
-            "rows_returned_twice": len(ids) - len(set(ids)), "complete": True}
+    return {
+        "started": started,
+        "seconds": time.time() - started,
+        "rows_returned": len(ids),
+        "rows_returned_twice": len(ids) - len(set(ids)),
+        "complete": True,
+    }
 
 
 def fleetgen_run(prompts: str, model: str, out: Path) -> dict:
@@ -74,9 +90,26 @@ def fleetgen_run(prompts: str, model: str, out: Path) -> dict:
     from jobs.driver import run_job
 
     started = time.time()
-    s = run_job(validate(JobConfig(input=prompts, output=str(out), model=model, steps=STEPS, guidance=5.0, width=64,
-                                   height=64, workers=WORKERS, max_batch=BATCH, rows_per_shard=BATCH * 2,
-                                   device="cpu", id_column="id", max_restarts=3)), progress_stream=io.StringIO())
+    s = run_job(
+        validate(
+            JobConfig(
+                input=prompts,
+                output=str(out),
+                model=model,
+                steps=STEPS,
+                guidance=5.0,
+                width=64,
+                height=64,
+                workers=WORKERS,
+                max_batch=BATCH,
+                rows_per_shard=BATCH * 2,
+                device="cpu",
+                id_column="id",
+                max_restarts=3,
+            )
+        ),
+        progress_stream=io.StringIO(),
+    )
     return {"started": started, "seconds": time.time() - started, "complete": s.complete}
 
 
@@ -127,8 +160,11 @@ def main() -> None:
                     r.update(measure(files, r.pop("started")))
                     r["missing"] = args.rows - len({f.stem for f in files})
                     results[f"{side}/{scenario}"] = r
-                    print(f"{side:9s} {scenario:5s} " + json.dumps({k: round(v, 3) if isinstance(v, float) else v
-                                                                   for k, v in r.items()}), flush=True)
+                    print(
+                        f"{side:9s} {scenario:5s} "
+                        + json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}),
+                        flush=True,
+                    )
     finally:
         ray.shutdown()
     for scenario in ("clean", "kill"):

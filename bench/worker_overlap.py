@@ -37,15 +37,26 @@ class StandIn:
         rng = np.random.default_rng(0)
         ramp = np.linspace(0, 200, SIDE, dtype=np.float32)
         base = (ramp[None, :, None] + ramp[:, None, None] * 0.2) * np.ones((1, 1, 3), np.float32)
-        self.frames = [Image.fromarray(np.clip(base + rng.normal(0, 6, base.shape), 0, 255).astype(np.uint8))
-                       for _ in range(BATCH)]
+        self.frames = [
+            Image.fromarray(np.clip(base + rng.normal(0, 6, base.shape), 0, 255).astype(np.uint8)) for _ in range(BATCH)
+        ]
 
-    def __call__(self, prompt, num_inference_steps=1, guidance_scale=0.0, width=SIDE, height=SIDE, generator=None,
-                 output_type="pil", negative_prompt=None):
+    def __call__(
+        self,
+        prompt,
+        num_inference_steps=1,
+        guidance_scale=0.0,
+        width=SIDE,
+        height=SIDE,
+        generator=None,
+        output_type="pil",
+        negative_prompt=None,
+    ):
         time.sleep(self.seconds)
 
         class Out:
             images = self.frames[: len(prompt)]
+
         return Out()
 
 
@@ -58,8 +69,11 @@ def run(model: str, prompts: str, out: str, call: float, depth: int) -> dict:
 
     files = [read_footer(prompts)]
     settings = GenerationSettings(steps=1, guidance=0.0, width=SIDE, height=SIDE)
-    worker = Worker(WorkerSpec("w0", model, out, settings, resolve_columns(files, Columns()), max_batch=BATCH,
-                               device="cpu", threads=1))
+    worker = Worker(
+        WorkerSpec(
+            "w0", model, out, settings, resolve_columns(files, Columns()), max_batch=BATCH, device="cpu", threads=1
+        )
+    )
     worker.fitted.pipe = StandIn(call)
     worker._writer = Writer(depth)
     (shard,) = plan_shards(files, 10_000)
@@ -68,8 +82,13 @@ def run(model: str, prompts: str, out: str, call: float, depth: int) -> dict:
     total = time.perf_counter() - started
     inside = worker.stats["generate_seconds"]
     worker.close()
-    return {"depth": depth, "images": result.ok, "seconds": round(total, 3), "images_per_s": round(result.ok / total, 3),
-            "outside_share": round((total - inside) / total, 4)}
+    return {
+        "depth": depth,
+        "images": result.ok,
+        "seconds": round(total, 3),
+        "images_per_s": round(result.ok / total, 3),
+        "outside_share": round((total - inside) / total, 4),
+    }
 
 
 def main() -> None:
@@ -93,12 +112,18 @@ def main() -> None:
             print(json.dumps(runs[-1]), flush=True)
     inline = [x for x in runs if x["depth"] == 0]
     overlap = [x for x in runs if x["depth"] != 0]
-    summary = {"call_seconds": args.call, "batch": BATCH, "side": SIDE, "images": args.images,
-               "outside_share_inline": statistics.median(x["outside_share"] for x in inline),
-               "outside_share_overlapped": statistics.median(x["outside_share"] for x in overlap),
-               "speedup": round(statistics.median(o["images_per_s"] / i["images_per_s"]
-                                                  for i, o in zip(inline, overlap, strict=True)), 3),
-               "runs": runs}
+    summary = {
+        "call_seconds": args.call,
+        "batch": BATCH,
+        "side": SIDE,
+        "images": args.images,
+        "outside_share_inline": statistics.median(x["outside_share"] for x in inline),
+        "outside_share_overlapped": statistics.median(x["outside_share"] for x in overlap),
+        "speedup": round(
+            statistics.median(o["images_per_s"] / i["images_per_s"] for i, o in zip(inline, overlap, strict=True)), 3
+        ),
+        "runs": runs,
+    }
     print(json.dumps({k: v for k, v in summary.items() if k != "runs"}, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))

@@ -18,6 +18,22 @@ from cluster.events import (
 from cluster.pool import WorkerPool
 from cluster.sizing import Sizing, size_fleet
 
-__all__ = ["ClusterShape", "PoolEvent", "ShardFailed", "ShardSpeculated", "Sizing", "Tick", "Waiting", "WorkerFailed",
-           "WorkerLost", "WorkerPlaced", "WorkerPool", "WorkerReady", "WorkerReleased", "WorkerUnreachable", "connect",
-           "disconnect", "size_fleet"]
+__all__ = [
+    "ClusterShape",
+    "PoolEvent",
+    "ShardFailed",
+    "ShardSpeculated",
+    "Sizing",
+    "Tick",
+    "Waiting",
+    "WorkerFailed",
+    "WorkerLost",
+    "WorkerPlaced",
+    "WorkerPool",
+    "WorkerReady",
+    "WorkerReleased",
+    "WorkerUnreachable",
+    "connect",
+    "disconnect",
+    "size_fleet",
+]

@@ -65,10 +65,17 @@ class FleetWorker:
         ctx = ray.get_runtime_context()
         node = ctx.get_node_id()
         resources = node_resources(node)
-        return {"node_id": node, "node_ip": ray.util.get_node_ip_address(), "host": socket.gethostname(),
-                "pid": os.getpid(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "gpu_type": gpu_type(resources),
-                "node_memory": int(resources.get("memory", 0)) or None, "node_gpus": resources.get("GPU", 0),
-                "node_cpus": resources.get("CPU", 0)}
+        return {
+            "node_id": node,
+            "node_ip": ray.util.get_node_ip_address(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "gpu_type": gpu_type(resources),
+            "node_memory": int(resources.get("memory", 0)) or None,
+            "node_gpus": resources.get("GPU", 0),
+            "node_cpus": resources.get("CPU", 0),
+        }
 
     def start(self) -> dict:
         """Load the pipeline and plan for this device (once); returns `Worker.describe()` with
@@ -87,12 +94,16 @@ class FleetWorker:
         unless `--device cpu` says to compute on CPU anyway."""
         if not placement["gpu_ids"] or torch.cuda.is_available():
             return []
-        what = (f"Ray gave worker {self.spec.name} GPU {','.join(placement['gpu_ids'])} on {placement['host']} "
-                f"({placement['node_ip']}), but torch {torch.__version__} in its process sees no CUDA device")
+        what = (
+            f"Ray gave worker {self.spec.name} GPU {','.join(placement['gpu_ids'])} on {placement['host']} "
+            f"({placement['node_ip']}), but torch {torch.__version__} in its process sees no CUDA device"
+        )
         if self.spec.device != "cpu":
             cause = "a CPU-only torch build" if torch.version.cuda is None else "no usable NVIDIA driver"
-            raise ClusterError(f"{what} ({cause}). Install a CUDA build of torch on the GPU nodes (see cluster/), "
-                               "or pass `--device cpu` to compute on CPU on purpose.")
+            raise ClusterError(
+                f"{what} ({cause}). Install a CUDA build of torch on the GPU nodes (see cluster/), "
+                "or pass `--device cpu` to compute on CPU on purpose."
+            )
         return [f"{what}; computing on CPU as `--device cpu` says."]
 
     def iter_shard(self, shard: Shard) -> Iterator[BatchDone | ShardResult]:
@@ -115,7 +126,8 @@ class RayActors:
     def create(self, spec: WorkerSpec, options: dict, env_vars: dict[str, str], max_restarts: int):
         env = {"runtime_env": {"env_vars": env_vars}} if env_vars else {}
         return RemoteWorker.options(**options, **env, max_restarts=max_restarts, max_task_retries=0).remote(
-            spec, options)
+            spec, options
+        )
 
     def kill(self, handle) -> None:
         ray.kill(handle, no_restart=True)

@@ -48,8 +48,9 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> ClusterS
             where = f"the Ray cluster at `{address}`" if address else "a local Ray"
             raise ClusterError(f"Could not start or join {where}: {err}") from err
     res = ray.cluster_resources()
-    return ClusterShape(cpus=int(res.get("CPU", 0)), gpus=int(res.get("GPU", 0)), started_here=_started_here,
-                        on_cluster=bool(address))
+    return ClusterShape(
+        cpus=int(res.get("CPU", 0)), gpus=int(res.get("GPU", 0)), started_here=_started_here, on_cluster=bool(address)
+    )
 
 
 def disconnect() -> None:
@@ -58,4 +59,6 @@ def disconnect() -> None:
     if _started_here and ray.is_initialized():
         ray.shutdown()
         _started_here = False
+
+
 inits = 0  # Ray connections this process made (a test that makes one must say so: tests/conftest.py)

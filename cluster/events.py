@@ -9,8 +9,21 @@ from dataclasses import dataclass
 
 from workers.spec import BatchDone, ShardResult
 
-__all__ = ["BatchDone", "PoolEvent", "ShardFailed", "ShardResult", "ShardSpeculated", "Tick", "Waiting", "WorkerFailed",
-           "WorkerLost", "WorkerPlaced", "WorkerReady", "WorkerReleased", "WorkerUnreachable"]
+__all__ = [
+    "BatchDone",
+    "PoolEvent",
+    "ShardFailed",
+    "ShardResult",
+    "ShardSpeculated",
+    "Tick",
+    "Waiting",
+    "WorkerFailed",
+    "WorkerLost",
+    "WorkerPlaced",
+    "WorkerReady",
+    "WorkerReleased",
+    "WorkerUnreachable",
+]
 
 
 @dataclass(frozen=True)
@@ -98,5 +111,17 @@ class Tick:
     driver redraws its progress line so that a long wait still shows the job alive."""
 
 
-PoolEvent = (WorkerPlaced | WorkerReady | WorkerFailed | WorkerLost | WorkerUnreachable | WorkerReleased | Waiting
-             | BatchDone | ShardResult | ShardFailed | ShardSpeculated | Tick)
+PoolEvent = (
+    WorkerPlaced
+    | WorkerReady
+    | WorkerFailed
+    | WorkerLost
+    | WorkerUnreachable
+    | WorkerReleased
+    | Waiting
+    | BatchDone
+    | ShardResult
+    | ShardFailed
+    | ShardSpeculated
+    | Tick
+)

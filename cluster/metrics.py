@@ -34,8 +34,11 @@ class MeteredWorker(Worker):
         self._errors = Counter("fleetgen_row_errors", "Rows recorded as errors", tag_keys=TAGS)
         self._shards = Counter("fleetgen_shards_committed", "Shards committed", tag_keys=TAGS)
         self._rate = Gauge("fleetgen_images_per_second", "Images per second of generation time", tag_keys=TAGS)
-        self._onloaded = Gauge("fleetgen_onloaded_bytes", "Bytes moved host to device by group offloading, "
-                               "since the worker started", tag_keys=TAGS)
+        self._onloaded = Gauge(
+            "fleetgen_onloaded_bytes",
+            "Bytes moved host to device by group offloading, since the worker started",
+            tag_keys=TAGS,
+        )
         self._peak = Gauge("fleetgen_peak_device_bytes", "Peak device memory allocated", tag_keys=TAGS)
 
     def iter_shard(self, shard: Shard) -> Iterator[BatchDone | ShardResult]:

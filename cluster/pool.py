@@ -90,9 +90,17 @@ class _Actor:
 
 
 class WorkerPool:
-    def __init__(self, spec_for: Callable[[int], WorkerSpec], actor_options: dict, max_workers: int,
-                 max_attempts: int = 3, max_restarts: int = 2, placement_timeout: float = 300.0,
-                 env_vars: dict[str, str] | None = None, actors: RayActors | None = None):
+    def __init__(
+        self,
+        spec_for: Callable[[int], WorkerSpec],
+        actor_options: dict,
+        max_workers: int,
+        max_attempts: int = 3,
+        max_restarts: int = 2,
+        placement_timeout: float = 300.0,
+        env_vars: dict[str, str] | None = None,
+        actors: RayActors | None = None,
+    ):
         self.spec_for = spec_for  # the spec of the i-th actor created
         self.factory = actors or RayActors()
         self.options = actor_options
@@ -140,7 +148,9 @@ class WorkerPool:
     def _ask(self, actor: _Actor, now: float) -> None:
         """(Re)issue the call that moves a placing/loading/unavailable actor on."""
         if actor.call is None and actor.retry_at <= now:
-            actor.call = actor.handle.where.remote() if actor.state == ActorState.PLACING else actor.handle.start.remote()
+            actor.call = (
+                actor.handle.where.remote() if actor.state == ActorState.PLACING else actor.handle.start.remote()
+            )
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -155,24 +165,32 @@ class WorkerPool:
         asks = format_asks(self.options)
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         sizes = "; ".join(
-            f"{n['NodeManagerAddress']}: " + ", ".join(
+            f"{n['NodeManagerAddress']}: "
+            + ", ".join(
                 f"{k} {format_size(v) if k in ('memory', 'object_store_memory') else f'{v:g}'}"
-                for k, v in sorted(n["Resources"].items()) if not k.startswith("node:"))
-            for n in nodes)
+                for k, v in sorted(n["Resources"].items())
+                if not k.startswith("node:")
+            )
+            for n in nodes
+        )
         hint = self._gpu_hint(nodes)
         hint = f" {hint}" if hint else ""
-        return (f"No worker could be placed in {waited:.0f} s (`--placement-timeout`): each asks for {asks}. "
-                f"The cluster's {len(nodes)} node(s): {sizes or 'none'}.{hint} Lower what a worker asks "
-                "(`--host-memory`, `--gpus-per-worker`, `--cpu-threads`), or give the cluster node types that have it; "
-                "an autoscaler starts only the node types it is configured with.")
+        return (
+            f"No worker could be placed in {waited:.0f} s (`--placement-timeout`): each asks for {asks}. "
+            f"The cluster's {len(nodes)} node(s): {sizes or 'none'}.{hint} Lower what a worker asks "
+            "(`--host-memory`, `--gpus-per-worker`, `--cpu-threads`), or give the cluster node types that have it; "
+            "an autoscaler starts only the node types it is configured with."
+        )
 
     def _gpu_hint(self, nodes: list[dict] | None = None) -> str:
         """What to do when workers ask for GPUs and no node of the cluster has one (an autoscaler may
         still be starting one: the hint says both)."""
         nodes = [n for n in ray.nodes() if n.get("Alive")] if nodes is None else nodes
         if self.options.get("num_gpus") and not any(n["Resources"].get("GPU") for n in nodes):
-            return ("No node has a GPU yet: to run on CPUs, pass `--device cpu`; else the cluster needs GPU node "
-                    "types (an autoscaler starts them for pending workers).")
+            return (
+                "No node has a GPU yet: to run on CPUs, pass `--device cpu`; else the cluster needs GPU node "
+                "types (an autoscaler starts them for pending workers)."
+            )
         return ""
 
     def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
@@ -264,8 +282,16 @@ class _Run:
             shard = self.queue.popleft()
             self.attempts[shard.id] = self.attempts.get(shard.id, 0) + 1
             self._start_attempt(idle.pop(0), shard, now)
-        while idle and not self.queue and self.stopping_since is None and (stragglers := [
-                r for r, (_, sh) in self.running.items() if sh.id not in self.speculated and sh.id not in self.done]):
+        while (
+            idle
+            and not self.queue
+            and self.stopping_since is None
+            and (
+                stragglers := [
+                    r for r, (_, sh) in self.running.items() if sh.id not in self.speculated and sh.id not in self.done
+                ]
+            )
+        ):
             first = min(stragglers, key=self.began.__getitem__)
             actor, shard = idle.pop(0), self.running[first][1]
             self.speculated.add(shard.id)
@@ -289,15 +315,20 @@ class _Run:
         if self._in(ActorState.LOADING, ActorState.IDLE, ActorState.BUSY, ActorState.UNAVAILABLE):
             self.unplaced_since = self.noted = now
         elif self.queue and not self._in(ActorState.PLACING):
-            raise ClusterError(f"No worker left to run {len(self.queue)} shard(s): "
-                               f"{'; '.join(self.errors) or 'none could start'}.")
+            raise ClusterError(
+                f"No worker left to run {len(self.queue)} shard(s): {'; '.join(self.errors) or 'none could start'}."
+            )
         elif self.queue and self.stopping_since is None:
             if now - self.unplaced_since >= self.pool.placement_timeout:
                 raise ClusterError(self.pool._unplaceable(now - self.unplaced_since))
             if now - self.noted >= WAITING_NOTE:
                 self.noted = now
-                yield Waiting(len(self._in(ActorState.PLACING)), now - self.unplaced_since, format_asks(self.pool.options),
-                              self.pool._gpu_hint())
+                yield Waiting(
+                    len(self._in(ActorState.PLACING)),
+                    now - self.unplaced_since,
+                    format_asks(self.pool.options),
+                    self.pool._gpu_hint(),
+                )
 
     def _requeue_or_fail(self, shard: Shard, error: str) -> Iterator[PoolEvent]:
         self.live[shard.id] -= 1
@@ -342,7 +373,12 @@ class _Run:
             # "May or may not have been executed": the attempt may still be writing. Keep the
             # shard with this actor until it answers (its tasks run in order, so an answer means
             # the attempt is over) or is known dead.
-            actor.state, actor.shard, actor.call, actor.retry_at = ActorState.UNAVAILABLE, shard, None, time.monotonic() + POLL
+            actor.state, actor.shard, actor.call, actor.retry_at = (
+                ActorState.UNAVAILABLE,
+                shard,
+                None,
+                time.monotonic() + POLL,
+            )
             yield WorkerUnreachable(name, shard.id, _message(err))
             return
         except (RayActorError, RayTaskError) as err:

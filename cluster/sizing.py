@@ -37,9 +37,22 @@ def format_asks(options: dict) -> str:
     return ", ".join(f"{names.get(k, k)} {format_size(v) if k == 'memory' else f'{v:g}'}" for k, v in options.items())
 
 
-def size_fleet(shape: ClusterShape, *, device: str, gpus_per_worker: float | None, cpu_threads: int,
-               max_workers: int | None, budgets: int, host_memory: int | None, shards: int) -> Sizing:
-    gpu = bool(gpus_per_worker) or device.startswith("cuda") or (device == "auto" and (shape.on_cluster or shape.gpus > 0))
+def size_fleet(
+    shape: ClusterShape,
+    *,
+    device: str,
+    gpus_per_worker: float | None,
+    cpu_threads: int,
+    max_workers: int | None,
+    budgets: int,
+    host_memory: int | None,
+    shards: int,
+) -> Sizing:
+    gpu = (
+        bool(gpus_per_worker)
+        or device.startswith("cuda")
+        or (device == "auto" and (shape.on_cluster or shape.gpus > 0))
+    )
     if gpu:
         per = gpus_per_worker or (1 / math.ceil(budgets / shape.gpus) if budgets > shape.gpus > 0 else 1)
         computes_on_cpu = device == "cpu"

@@ -4,15 +4,7 @@ The rooms themselves are top-level packages (`offload`, `workers`, `cluster`, `j
 holds only what all of them need and imports none of them.
 """
 
-from fleetgen.errors import (
-    ClusterError,
-    ConfigError,
-    FleetgenError,
-    InputError,
-    OffloadError,
-    ShardError,
-    StorageError,
-)
+from fleetgen.errors import ClusterError, ConfigError, FleetgenError, InputError, OffloadError, ShardError, StorageError
 
 __version__ = "0.1.0"
 

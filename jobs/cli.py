@@ -20,75 +20,144 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output", help="output location (any fsspec URL)")
     g.add_argument("--model", help="pipeline directory or hub id")
     g.add_argument("--config", help="TOML file with the same settings (command line wins)")
-    g.add_argument("--revision", help="hub model: branch, tag or commit (default main, resolved once to a commit and "
-                   "pinned in job.json so workers and resumes use the same weights)")
+    g.add_argument(
+        "--revision",
+        help="hub model: branch, tag or commit (default main, resolved once to a commit and "
+        "pinned in job.json so workers and resumes use the same weights)",
+    )
     g.add_argument("--variant", help="weights variant, e.g. fp16 (loads *.fp16.safetensors)")
     g = p.add_argument_group("generation (part of the job fingerprint)")
-    g.add_argument("--steps", type=int, help="denoising steps (default: the model family's, e.g. 30 for SD, 28 for FLUX.1-dev)")
-    g.add_argument("--guidance", type=float, help="guidance scale (default: the model family's, e.g. 7.5 for SD, 3.5 for FLUX.1-dev)")
-    g.add_argument("--true-cfg-scale", type=float, help="Flux: apply negative prompts with true CFG at this scale (> 1; "
-                   "doubles the compute)")
+    g.add_argument(
+        "--steps", type=int, help="denoising steps (default: the model family's, e.g. 30 for SD, 28 for FLUX.1-dev)"
+    )
+    g.add_argument(
+        "--guidance",
+        type=float,
+        help="guidance scale (default: the model family's, e.g. 7.5 for SD, 3.5 for FLUX.1-dev)",
+    )
+    g.add_argument(
+        "--true-cfg-scale",
+        type=float,
+        help="Flux: apply negative prompts with true CFG at this scale (> 1; doubles the compute)",
+    )
     g.add_argument("--width", type=int, help="pixels, multiple of 8 (default 512)")
     g.add_argument("--height", type=int, help="pixels, multiple of 8 (default 512)")
     g.add_argument("--seed", type=int, help="job seed (default 0)")
     g.add_argument("--image-format", choices=["png", "jpeg", "webp"], help="default png")
     from workers.formats import FORMATS, format_names
 
-    g.add_argument("--output-format", choices=format_names(), help="default files; " + "; ".join(
-        f"{name}: {FORMATS[name].description}" for name in format_names()))
+    g.add_argument(
+        "--output-format",
+        choices=format_names(),
+        help="default files; " + "; ".join(f"{name}: {FORMATS[name].description}" for name in format_names()),
+    )
     g.add_argument("--prompt-column", help="default prompt")
     g.add_argument("--id-column", help="default id (used when present)")
     g.add_argument("--seed-column", help="default seed (used when present)")
     g.add_argument("--negative-prompt-column", help="default negative_prompt (used when present)")
     g.add_argument("--rows-per-shard", type=int, help="rows per shard (default 256)")
     g = p.add_argument_group("dataset synthesis (part of the job fingerprint)")
-    g.add_argument("--prompt-template", help="build each prompt from columns, e.g. 'a {style} photo of a {label}' "
-                   "(the manifest keeps the rendered prompt and the template)")
-    g.add_argument("--images-per-prompt", type=int, help="images per row (default 1); ids become <id>-<k>, each with "
-                   "its own stable seed; a `num_images` column overrides it per row")
-    g.add_argument("--lora", action="append", metavar="PATH_OR_ID[:SCALE]",
-                   help="a LoRA adapter on every image (repeatable); a row's `lora` column replaces them for that row")
-    g.add_argument("--keep-columns", help="carry only these input columns into the outputs, e.g. label,style "
-                   "(default: every column)")
+    g.add_argument(
+        "--prompt-template",
+        help="build each prompt from columns, e.g. 'a {style} photo of a {label}' "
+        "(the manifest keeps the rendered prompt and the template)",
+    )
+    g.add_argument(
+        "--images-per-prompt",
+        type=int,
+        help="images per row (default 1); ids become <id>-<k>, each with "
+        "its own stable seed; a `num_images` column overrides it per row",
+    )
+    g.add_argument(
+        "--lora",
+        action="append",
+        metavar="PATH_OR_ID[:SCALE]",
+        help="a LoRA adapter on every image (repeatable); a row's `lora` column replaces them for that row",
+    )
+    g.add_argument(
+        "--keep-columns",
+        help="carry only these input columns into the outputs, e.g. label,style (default: every column)",
+    )
     g.add_argument("--drop-columns", help="carry every input column but these")
     from workers.fields import roles
 
     for f in (f for f in roles() if f.setting):  # one per per-row role of the field table (workers/fields.py)
-        g.add_argument(f"--{f.role.replace('_', '-')}-column", help=f"per-row {f.role.replace('_', ' ')} (default "
-                       f"`{f.role}`, used when present; `none` to ignore it)")
+        g.add_argument(
+            f"--{f.role.replace('_', '-')}-column",
+            help=f"per-row {f.role.replace('_', ' ')} (default `{f.role}`, used when present; `none` to ignore it)",
+        )
     g = p.add_argument_group("execution")
-    g.add_argument("--workers", "--max-workers", type=int, dest="max_workers",
-                   help="at most this many workers (default: locally one per GPU, else CPUs / --cpu-threads; "
-                   "on a cluster one per shard to do, up to 1000: the autoscaler adds nodes for them)")
-    g.add_argument("--gpus-per-worker", type=float, help="Ray GPUs each worker asks for (default 1 for GPU workers; "
-                   "0.5 packs two on one GPU, each planning within its share)")
-    g.add_argument("--placement-timeout", type=float,
-                   help="seconds to wait with no worker placed before giving up with exit 2 (default 300)")
+    g.add_argument(
+        "--workers",
+        "--max-workers",
+        type=int,
+        dest="max_workers",
+        help="at most this many workers (default: locally one per GPU, else CPUs / --cpu-threads; "
+        "on a cluster one per shard to do, up to 1000: the autoscaler adds nodes for them)",
+    )
+    g.add_argument(
+        "--gpus-per-worker",
+        type=float,
+        help="Ray GPUs each worker asks for (default 1 for GPU workers; "
+        "0.5 packs two on one GPU, each planning within its share)",
+    )
+    g.add_argument(
+        "--placement-timeout",
+        type=float,
+        help="seconds to wait with no worker placed before giving up with exit 2 (default 300)",
+    )
     g.add_argument("--cpu-threads", type=int, help="torch threads per CPU worker (default 1)")
     g.add_argument("--max-batch", type=int, help="images per pipeline call (default 4)")
     g.add_argument("--max-attempts", type=int, help="tries per shard (default 3)")
     g.add_argument("--max-restarts", type=int, help="restarts of a dead worker before it is dropped (default 3)")
-    g.add_argument("--stop-grace", type=float,
-                   help="seconds running shards get to commit after SIGTERM/SIGINT (default 0: abandon)")
-    g.add_argument("--offload", choices=["auto", "none", "block", "leaf", "disk"],
-                   help="how workers place the pipeline (default auto: planned per device)")
-    g.add_argument("--gpu-memory", help="device budget per worker, e.g. 24GiB (default: free memory; "
-                   "on CPU workers, plan as if the device had this much)")
-    g.add_argument("--host-memory", help="host RAM per worker for offloaded copies (default: the node's RAM "
-                   "split between its workers)")
+    g.add_argument(
+        "--stop-grace",
+        type=float,
+        help="seconds running shards get to commit after SIGTERM/SIGINT (default 0: abandon)",
+    )
+    g.add_argument(
+        "--offload",
+        choices=["auto", "none", "block", "leaf", "disk"],
+        help="how workers place the pipeline (default auto: planned per device)",
+    )
+    g.add_argument(
+        "--gpu-memory",
+        help="device budget per worker, e.g. 24GiB (default: free memory; "
+        "on CPU workers, plan as if the device had this much)",
+    )
+    g.add_argument(
+        "--host-memory",
+        help="host RAM per worker for offloaded copies (default: the node's RAM split between its workers)",
+    )
     g.add_argument("--worker-memory", help="emulate a mixed fleet: one worker per budget, e.g. 16GiB,24GiB,80GiB")
-    g.add_argument("--device", help="where workers compute: auto | cpu | cuda | cuda:N (default auto: GPU workers "
-                   "on a cluster or a machine with GPUs, else CPU)")
-    g.add_argument("--dtype", help="auto | float32 | float16 | bfloat16 (default auto: the family's on CUDA, "
-                   "float32 on CPU)")
+    g.add_argument(
+        "--device",
+        help="where workers compute: auto | cpu | cuda | cuda:N (default auto: GPU workers "
+        "on a cluster or a machine with GPUs, else CPU)",
+    )
+    g.add_argument(
+        "--dtype", help="auto | float32 | float16 | bfloat16 (default auto: the family's on CUDA, float32 on CPU)"
+    )
     g.add_argument("--ray-address", help="Ray cluster to join (default RAY_ADDRESS, else start a local one)")
     g.add_argument("--overwrite", action="store_true", default=None, help="replace a different job at --output")
-    g.add_argument("--strict-prompts", action="store_true", default=None,
-                   help="a prompt longer than the text encoder takes is an error row (default: truncate, noted per row)")
-    g.add_argument("--retry-errors", action="store_true", default=None,
-                   help="also redo the error rows of committed shards; their ok images are kept as they are")
-    g.add_argument("--trust-remote-code", action="store_true", default=None,
-                   help="allow the model repo to run its own code (off by default)")
+    g.add_argument(
+        "--strict-prompts",
+        action="store_true",
+        default=None,
+        help="a prompt longer than the text encoder takes is an error row (default: truncate, noted per row)",
+    )
+    g.add_argument(
+        "--retry-errors",
+        action="store_true",
+        default=None,
+        help="also redo the error rows of committed shards; their ok images are kept as they are",
+    )
+    g.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        default=None,
+        help="allow the model repo to run its own code (off by default)",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -101,12 +170,21 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tiny-model", help="write a small random-weight pipeline to DIR")
     t.add_argument("dir", help="directory to write the pipeline to (created; loadable with from_pretrained)")
     t.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
-    t.add_argument("--size", choices=["tiny", "small"], default="tiny", help="tiny ≈ 1.7 M params, small ≈ 85 M (sd only)")
-    t.add_argument("--family", choices=["sd", "sdxl", "sd3", "flux", "flux-schnell", "pixart-sigma", "sana"], default="sd",
-                   help="the pipeline family to build (real diffusers classes, random weights)")
+    t.add_argument(
+        "--size", choices=["tiny", "small"], default="tiny", help="tiny ≈ 1.7 M params, small ≈ 85 M (sd only)"
+    )
+    t.add_argument(
+        "--family",
+        choices=["sd", "sdxl", "sd3", "flux", "flux-schnell", "pixart-sigma", "sana"],
+        default="sd",
+        help="the pipeline family to build (real diffusers classes, random weights)",
+    )
     pl = sub.add_parser("plan", help="dry run: the offload plan and batch each GPU size would get")
-    pl.add_argument("--model", required=True,
-                    help="shipped architecture (sd-1.5, sdxl, sd3-medium, flux.1-dev) or a pipeline directory")
+    pl.add_argument(
+        "--model",
+        required=True,
+        help="shipped architecture (sd-1.5, sdxl, sd3-medium, flux.1-dev) or a pipeline directory",
+    )
     pl.add_argument("--gpu-memory", action="append", required=True, help="a budget, e.g. 24GiB; repeat for more")
     pl.add_argument("--host-memory", help="host RAM per worker for offloaded copies (default 80%% of this machine's)")
     pl.add_argument("--width", type=int, default=1024, help="pixels to plan for (default 1024)")
@@ -115,8 +193,12 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--guidance", type=float, help="default: the model family's")
     pl.add_argument("--true-cfg-scale", type=float, help="Flux: true CFG scale (> 1 doubles the denoiser's batch)")
     pl.add_argument("--max-batch", type=int, default=8, help="largest batch the plan may choose (default 8)")
-    pl.add_argument("--offload", choices=["auto", "none", "block", "leaf", "disk"], default="auto",
-                    help="placements the plan may use (default auto: any)")
+    pl.add_argument(
+        "--offload",
+        choices=["auto", "none", "block", "leaf", "disk"],
+        default="auto",
+        help="placements the plan may use (default auto: any)",
+    )
     pl.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: the model family's")
     pl.add_argument("--bandwidth", type=float, default=20.0, help="host→device GB/s to assume (default 20)")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
@@ -127,10 +209,17 @@ def _parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="check every stored image against the manifests; find orphans and leftovers")
     v.add_argument("output", metavar="OUT", help="the job's output location (`--output` of the run), any fsspec URL")
     v.add_argument("--deep", action="store_true", help="hash every image (default: sizes, and a sample hashed)")
-    v.add_argument("--fix", action="store_true", help="remove orphans and leftovers; un-commit shards with missing "
-                   "or wrong images so that a rerun redoes them")
-    v.add_argument("--force", action="store_true", help="with --fix: repair even when most images look missing "
-                   "(by default --fix then changes nothing: a wrong location is likelier than lost images)")
+    v.add_argument(
+        "--fix",
+        action="store_true",
+        help="remove orphans and leftovers; un-commit shards with missing or wrong images so that a rerun redoes them",
+    )
+    v.add_argument(
+        "--force",
+        action="store_true",
+        help="with --fix: repair even when most images look missing "
+        "(by default --fix then changes nothing: a wrong location is likelier than lost images)",
+    )
     v.add_argument("--json", help="also write the report here")
     return p
 
@@ -140,8 +229,10 @@ def _run(config) -> int:
 
     summary = run_job(config)
     filtered = f", {summary.images_filtered} filtered by the safety checker" if summary.images_filtered else ""
-    print(f"{summary.images_ok} images ({summary.images_error} row errors{filtered}) in {summary.output} "
-          f"— {summary.shards_committed}/{summary.shards_total} shards committed in {summary.seconds:.1f} s")
+    print(
+        f"{summary.images_ok} images ({summary.images_error} row errors{filtered}) in {summary.output} "
+        f"— {summary.shards_committed}/{summary.shards_total} shards committed in {summary.seconds:.1f} s"
+    )
     for f in summary.failures[:FAILURES_SHOWN]:
         print(f"FAILED {f['shard']} after {f['attempts']} attempt(s): {f['error']}", file=sys.stderr)
     if len(summary.failures) > FAILURES_SHOWN:
@@ -186,11 +277,25 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plan":
             from jobs.planning import plan_rows, plan_workload, print_plans
 
-            work, family = plan_workload(args.model, width=args.width, height=args.height, steps=args.steps,
-                                         guidance=args.guidance, true_cfg_scale=args.true_cfg_scale,
-                                         max_batch=args.max_batch, offload=args.offload)
-            summary, rows = plan_rows(args.model, args.gpu_memory, args.host_memory, args.dtype or family.dtype, work,
-                                      bandwidth=args.bandwidth * 1e9, vae_upcast=family.upcasts_vae)
+            work, family = plan_workload(
+                args.model,
+                width=args.width,
+                height=args.height,
+                steps=args.steps,
+                guidance=args.guidance,
+                true_cfg_scale=args.true_cfg_scale,
+                max_batch=args.max_batch,
+                offload=args.offload,
+            )
+            summary, rows = plan_rows(
+                args.model,
+                args.gpu_memory,
+                args.host_memory,
+                args.dtype or family.dtype,
+                work,
+                bandwidth=args.bandwidth * 1e9,
+                vae_upcast=family.upcasts_vae,
+            )
             summary["family"] = family.name
             print_plans(summary, rows, args.json)
             return 0 if all("error" not in r for r in rows) else EXIT_INCOMPLETE
@@ -199,8 +304,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "verify":
             from jobs.verify import verify
 
-            report = verify(args.output, deep=args.deep, fix=args.fix, force=args.force,
-                            progress=lambda line: print(f"[fleetgen] {line}", file=sys.stderr, flush=True))
+            report = verify(
+                args.output,
+                deep=args.deep,
+                fix=args.fix,
+                force=args.force,
+                progress=lambda line: print(f"[fleetgen] {line}", file=sys.stderr, flush=True),
+            )
             print(report.text())
             if args.json:
                 import json

@@ -85,16 +85,26 @@ class _Job:
         if self.family is None or self.steps is None or self.guidance is None:
             raise ValueError("settings() needs the family's defaults resolved (jobs.models.resolve_defaults)")
         return GenerationSettings(
-            steps=self.steps, guidance=self.guidance, width=self.width, height=self.height, seed=self.seed,
-            image_format=self.image_format, output_format=self.output_format, family=self.family,
-            true_cfg_scale=self.true_cfg_scale, images_per_prompt=self.images_per_prompt,
-            prompt_template=self.prompt_template, loras=tuple(parse_lora(v) for v in self.lora),
+            steps=self.steps,
+            guidance=self.guidance,
+            width=self.width,
+            height=self.height,
+            seed=self.seed,
+            image_format=self.image_format,
+            output_format=self.output_format,
+            family=self.family,
+            true_cfg_scale=self.true_cfg_scale,
+            images_per_prompt=self.images_per_prompt,
+            prompt_template=self.prompt_template,
+            loras=tuple(parse_lora(v) for v in self.lora),
         )
 
     def budgets(self) -> tuple[int | None, int | None]:
         """`gpu_memory`, `host_memory` in bytes (None: the worker measures)."""
-        return tuple(None if v is None else parse_size(v, f"--{n.replace('_', '-')}")
-                     for n, v in (("gpu_memory", self.gpu_memory), ("host_memory", self.host_memory)))
+        return tuple(
+            None if v is None else parse_size(v, f"--{n.replace('_', '-')}")
+            for n, v in (("gpu_memory", self.gpu_memory), ("host_memory", self.host_memory))
+        )
 
     def worker_budgets(self) -> list[int]:
         """`--worker-memory` as bytes, one entry per worker ([] when not given)."""
@@ -104,8 +114,13 @@ class _Job:
 
     def columns(self) -> Columns:
         """The column names asked for; `jobs.sharding.resolve_columns` checks them against the input."""
-        return Columns(self.prompt_column, self.id_column, self.seed_column, self.negative_prompt_column,
-                       **{role: getattr(self, f"{role}_column") for role in SETTING_ROLES})
+        return Columns(
+            self.prompt_column,
+            self.id_column,
+            self.seed_column,
+            self.negative_prompt_column,
+            **{role: getattr(self, f"{role}_column") for role in SETTING_ROLES},
+        )
 
     def column_list(self, name: str) -> list[str] | None:
         """`keep_columns` or `drop_columns` as a list (None when not given)."""
@@ -118,8 +133,9 @@ class _Job:
 
 # Per-row settings: each `<role>_column`, when the input has that column, overrides the job's setting
 # for its row (`steps_column = "steps"`, ...; workers/fields.py has one entry per role).
-JobConfig = make_dataclass("JobConfig", [(f"{role}_column", "str", field(default=role)) for role in SETTING_ROLES],
-                           bases=(_Job,), frozen=True)
+JobConfig = make_dataclass(
+    "JobConfig", [(f"{role}_column", "str", field(default=role)) for role in SETTING_ROLES], bases=(_Job,), frozen=True
+)
 JobConfig.__module__ = __name__
 JobConfig.__doc__ = "A job: every option of `fleetgen run`, frozen. Validated by `validate`."
 
@@ -144,8 +160,11 @@ def parse_lora(value: str) -> Adapter:
     local = Path(source).expanduser()
     if local.exists():
         source = str(local.resolve())
-    elif source.startswith(("/", "./", "../", "~")) or source.endswith((".safetensors", ".bin")) \
-            or not HUB_ID.fullmatch(source):
+    elif (
+        source.startswith(("/", "./", "../", "~"))
+        or source.endswith((".safetensors", ".bin"))
+        or not HUB_ID.fullmatch(source)
+    ):
         raise ConfigError(f"`--lora` `{source}` is neither an existing file or directory nor a hub id like `org/name`.")
     return Adapter(source, scale)
 
@@ -166,31 +185,46 @@ def validate(config: JobConfig) -> JobConfig:
         _check(bool(getattr(c, name)), f"{_option(name)} is required.")
     _check(c.steps is None or c.steps >= 1, f"`--steps` must be a positive integer, got `{c.steps}`.")
     _check(c.guidance is None or c.guidance >= 0, f"`--guidance` must be 0 or more, got `{c.guidance}`.")
-    _check(c.true_cfg_scale is None or c.true_cfg_scale > 0,
-           f"`--true-cfg-scale` must be more than 0, got `{c.true_cfg_scale}`.")
+    _check(
+        c.true_cfg_scale is None or c.true_cfg_scale > 0,
+        f"`--true-cfg-scale` must be more than 0, got `{c.true_cfg_scale}`.",
+    )
     local = c.model.startswith(("/", "./", "../", "~"))  # a hub id is `org/name`
-    _check(not local or Path(c.model).expanduser().exists(),
-           f"`--model` `{c.model}` does not exist. Pass a pipeline directory or a hub id like `org/name`.")
+    _check(
+        not local or Path(c.model).expanduser().exists(),
+        f"`--model` `{c.model}` does not exist. Pass a pipeline directory or a hub id like `org/name`.",
+    )
     multiple = size_multiple(c.model)  # from a local model's configs; else 8, as every SD-family VAE needs
     for name in ("width", "height"):
         v = getattr(c, name)
         if multiple is None:
             _check(v >= 8 and v % 8 == 0, f"{_option(name)} must be a positive multiple of 8, got `{v}`.")
         else:
-            _check(v > 0 and v % multiple[0] == 0, f"{_option(name)} `{v}` is not a multiple of {multiple[0]}, which "
-                                                   f"the model at {c.model} needs ({multiple[1]}).")
+            _check(
+                v > 0 and v % multiple[0] == 0,
+                f"{_option(name)} `{v}` is not a multiple of {multiple[0]}, which "
+                f"the model at {c.model} needs ({multiple[1]}).",
+            )
     _check(c.seed >= 0, f"`--seed` must be 0 or more, got `{c.seed}`.")
-    _check(c.image_format in IMAGE_FORMATS,
-           f"`--image-format` must be one of {', '.join(IMAGE_FORMATS)}; got `{c.image_format}`.")
-    _check(c.output_format in format_names(),
-           f"`--output-format` must be one of {', '.join(format_names())}; got `{c.output_format}`.")
+    _check(
+        c.image_format in IMAGE_FORMATS,
+        f"`--image-format` must be one of {', '.join(IMAGE_FORMATS)}; got `{c.image_format}`.",
+    )
+    _check(
+        c.output_format in format_names(),
+        f"`--output-format` must be one of {', '.join(format_names())}; got `{c.output_format}`.",
+    )
     for name in ("workers", "max_workers"):
         v = getattr(c, name)
         _check(v is None or v >= 1, f"{_option(name)} must be 1 or more, got `{v}`.")
-    _check(c.workers is None or c.max_workers is None or c.workers == c.max_workers,
-           f"`--workers` ({c.workers}) and `--max-workers` ({c.max_workers}) disagree: they name the same limit, pass one.")
-    _check(c.gpus_per_worker is None or 0 < c.gpus_per_worker <= 1 or float(c.gpus_per_worker).is_integer(),
-           f"`--gpus-per-worker` must be a fraction in (0, 1] or a whole number, got `{c.gpus_per_worker}`.")
+    _check(
+        c.workers is None or c.max_workers is None or c.workers == c.max_workers,
+        f"`--workers` ({c.workers}) and `--max-workers` ({c.max_workers}) disagree: they name the same limit, pass one.",
+    )
+    _check(
+        c.gpus_per_worker is None or 0 < c.gpus_per_worker <= 1 or float(c.gpus_per_worker).is_integer(),
+        f"`--gpus-per-worker` must be a fraction in (0, 1] or a whole number, got `{c.gpus_per_worker}`.",
+    )
     _check(c.placement_timeout > 0, f"`--placement-timeout` must be more than 0 seconds, got `{c.placement_timeout}`.")
     _check(c.max_restarts >= 0, f"`--max-restarts` must be 0 or more, got `{c.max_restarts}`.")
     _check(c.stop_grace >= 0, f"`--stop-grace` must be 0 or more, got `{c.stop_grace}`.")
@@ -207,21 +241,34 @@ def validate(config: JobConfig) -> JobConfig:
         budgets = c.worker_budgets()
         _check(c.gpu_memory is None, "`--worker-memory` and `--gpu-memory` both set budgets: pass one of them.")
         limit = c.max_workers or c.workers
-        _check(limit in (None, len(budgets)), f"`--workers` is {limit} but `--worker-memory` lists "
-                                              f"{len(budgets)} budgets (one worker per budget).")
-    names = [c.prompt_column, c.id_column, c.seed_column, c.negative_prompt_column,
-             *(getattr(c, f"{role}_column") for role in SETTING_ROLES)]
+        _check(
+            limit in (None, len(budgets)),
+            f"`--workers` is {limit} but `--worker-memory` lists {len(budgets)} budgets (one worker per budget).",
+        )
+    names = [
+        c.prompt_column,
+        c.id_column,
+        c.seed_column,
+        c.negative_prompt_column,
+        *(getattr(c, f"{role}_column") for role in SETTING_ROLES),
+    ]
     _check(len(set(names)) == len(names), f"Column options must name different columns, got {names}.")
-    _check(1 <= c.images_per_prompt <= MAX_IMAGES_PER_ROW,
-           f"`--images-per-prompt` must be 1 to {MAX_IMAGES_PER_ROW}, got `{c.images_per_prompt}`.")
+    _check(
+        1 <= c.images_per_prompt <= MAX_IMAGES_PER_ROW,
+        f"`--images-per-prompt` must be 1 to {MAX_IMAGES_PER_ROW}, got `{c.images_per_prompt}`.",
+    )
     if c.prompt_template is not None:
         try:
             template_fields(c.prompt_template)
         except ValueError as err:
-            raise ConfigError(f"`--prompt-template` `{c.prompt_template}`: {err}; name columns like "
-                              "`a {style} photo of a {label}`.") from err
-    _check(c.keep_columns is None or c.drop_columns is None,
-           "`--keep-columns` and `--drop-columns` both choose the carried columns: pass one of them.")
+            raise ConfigError(
+                f"`--prompt-template` `{c.prompt_template}`: {err}; name columns like "
+                "`a {style} photo of a {label}`."
+            ) from err
+    _check(
+        c.keep_columns is None or c.drop_columns is None,
+        "`--keep-columns` and `--drop-columns` both choose the carried columns: pass one of them.",
+    )
     for value in c.lora:
         parse_lora(value)
     return c
@@ -230,10 +277,22 @@ def validate(config: JobConfig) -> JobConfig:
 def _coerce(name: str, value: object, source: str) -> object:
     """Type-check one setting from a TOML file (CLI values are typed by argparse)."""
     kind = FIELDS[name].type
-    wanted = {"int": int, "float": (int, float), "str": str, "bool": bool, "int | None": int, "str | None": str,
-              "float | None": (int, float), "tuple[str, ...]": list}[kind]
-    if isinstance(value, bool) and kind != "bool" or not isinstance(value, wanted) or (
-            kind.startswith("tuple") and not all(isinstance(v, str) for v in value)):
+    wanted = {
+        "int": int,
+        "float": (int, float),
+        "str": str,
+        "bool": bool,
+        "int | None": int,
+        "str | None": str,
+        "float | None": (int, float),
+        "tuple[str, ...]": list,
+    }[kind]
+    if (
+        isinstance(value, bool)
+        and kind != "bool"
+        or not isinstance(value, wanted)
+        or (kind.startswith("tuple") and not all(isinstance(v, str) for v in value))
+    ):
         shown = "a list of strings" if kind.startswith("tuple") else kind.replace(" | None", "")
         raise ConfigError(f"`{name}` in {source} must be {shown}, got `{value!r}`.")
     if kind.startswith("tuple"):

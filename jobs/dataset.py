@@ -34,8 +34,15 @@ def _type(t: pa.DataType) -> str:
     return str(t).replace("large_", "")
 
 
-def write_card(output: Output, config: JobConfig, family: Family, columns: Columns, schema: pa.Schema,
-               summary, counts: dict[str, dict] | None = None) -> None:
+def write_card(
+    output: Output,
+    config: JobConfig,
+    family: Family,
+    columns: Columns,
+    schema: pa.Schema,
+    summary,
+    counts: dict[str, dict] | None = None,
+) -> None:
     """`OUT/README.md`: a dataset card, and the wids index for webdataset output. `counts`: every
     committed shard's counts (jobs.state.shard_counts), when the caller has them."""
     counts = shard_counts(output) if counts is None else counts
@@ -46,15 +53,24 @@ def write_card(output: Output, config: JobConfig, family: Family, columns: Colum
     filtered = sum(c["filtered"] for c in counts.values())
     header = ""
     if fmt.data_files:
-        header = (f"---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: {fmt.data_files}\n"
-                  "---\n\n")
+        header = (
+            f"---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: {fmt.data_files}\n"
+            "---\n\n"
+        )
     model = config.model + (f" (revision `{config.revision}`)" if config.revision else "")
     settings = {
-        "model family": family.name, "steps": config.steps, "guidance": config.guidance,
-        "size": f"{config.width}x{config.height}", "seed": config.seed, "images per prompt": config.images_per_prompt,
-        "prompt template": config.prompt_template, "LoRA": ", ".join(config.lora) or None,
-        "true CFG scale": config.true_cfg_scale, "variant": config.variant,
-        "image format": config.image_format, "output format": fmt.name,
+        "model family": family.name,
+        "steps": config.steps,
+        "guidance": config.guidance,
+        "size": f"{config.width}x{config.height}",
+        "seed": config.seed,
+        "images per prompt": config.images_per_prompt,
+        "prompt template": config.prompt_template,
+        "LoRA": ", ".join(config.lora) or None,
+        "true CFG scale": config.true_cfg_scale,
+        "variant": config.variant,
+        "image format": config.image_format,
+        "output format": fmt.name,
     }
     per_row = [f"`{getattr(columns, role)}` ({role})" for role in SETTING_ROLES if getattr(columns, role)]
     carried = [f"| `{f.name}` | {_type(f.type)} | from the input |" for f in schema if f.name in columns.carry]
@@ -79,7 +95,8 @@ def write_card(output: Output, config: JobConfig, family: Family, columns: Colum
         "## Columns",
         "",
         "Every image has a record in its shard's manifest (`shards/*.parquet`, one row per image, ok or error)"
-        + (f" and beside the image in `data/` ({fmt.name})" if fmt.carries_records else "") + ".",
+        + (f" and beside the image in `data/` ({fmt.name})" if fmt.carries_records else "")
+        + ".",
         "",
         "| column | type | |",
         "|---|---|---|",

@@ -40,7 +40,18 @@ def prepare(directory: str) -> JobConfig:
     prompts = root / "prompts.parquet"
     if not prompts.exists():
         write_prompts(prompts)
-    return validate(JobConfig(
-        input=str(prompts), output=str(root / "out"), model=str(model), steps=8, guidance=5.0,
-        width=64, height=64, workers=2, max_batch=4, rows_per_shard=8, device="cpu",
-    ))
+    return validate(
+        JobConfig(
+            input=str(prompts),
+            output=str(root / "out"),
+            model=str(model),
+            steps=8,
+            guidance=5.0,
+            width=64,
+            height=64,
+            workers=2,
+            max_batch=4,
+            rows_per_shard=8,
+            device="cpu",
+        )
+    )

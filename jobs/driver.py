@@ -1,11 +1,11 @@
 """The job, end to end: read config → shard → claim the output → dispatch → collect → summarise.
 
-    files = footers of the input            (no rows read here)
-    shards = row ranges of row groups       (stable ids)
-    OUT/job.json                            (or: same job → resume; other job → refuse)
-    skip shards whose manifest exists       (committed earlier)
-    pool of actors pulls shards             (cluster/)
-    OUT/summary.json, OUT/_SUCCESS          (the latter only when every shard committed)
+files = footers of the input            (no rows read here)
+shards = row ranges of row groups       (stable ids)
+OUT/job.json                            (or: same job → resume; other job → refuse)
+skip shards whose manifest exists       (committed earlier)
+pool of actors pulls shards             (cluster/)
+OUT/summary.json, OUT/_SUCCESS          (the latter only when every shard committed)
 """
 
 from __future__ import annotations
@@ -24,22 +24,8 @@ from jobs.fleet import FleetRecord, follow
 from jobs.lock import OutputLock
 from jobs.models import HUB_ENV, MAX_ADAPTERS, describe, pin_revision, resolve_adapters, resolve_defaults
 from jobs.progress import Progress
-from jobs.sharding import (
-    distinct_strings,
-    largest,
-    list_input_files,
-    plan_shards,
-    read_footers,
-    resolve_columns,
-)
-from jobs.state import (
-    claim_output,
-    fingerprint,
-    list_manifests,
-    pinned_revision,
-    shard_counts,
-    sweep,
-)
+from jobs.sharding import distinct_strings, largest, list_input_files, plan_shards, read_footers, resolve_columns
+from jobs.state import claim_output, fingerprint, list_manifests, pinned_revision, shard_counts, sweep
 from jobs.summary import JobSummary, Run, finish
 from workers.formats import PLUGINS_ENV
 from workers.shard import Shard
@@ -50,8 +36,9 @@ CLOSE_TIMEOUT = 10.0  # seconds workers get to close (remove offload directories
 STOPPING_CLOSE = 0.5  # the same under SIGTERM: `ray job stop` SIGKILLs the driver 3 s after it by default
 
 
-def run_job(config: JobConfig, progress_stream=None, progress_interval: float = 5.0,
-            stop: threading.Event | None = None) -> JobSummary:
+def run_job(
+    config: JobConfig, progress_stream=None, progress_interval: float = 5.0, stop: threading.Event | None = None
+) -> JobSummary:
     """Run (or resume) the job. SIGTERM/SIGINT, or `stop` being set, stop dispatching; running
     shards get `config.stop_grace` seconds to commit, then are abandoned (redone by a rerun)."""
     started = time.monotonic()
@@ -61,28 +48,45 @@ def run_job(config: JobConfig, progress_stream=None, progress_interval: float = 
     files = read_footers(list_input_files(config.input))
     if sum(f.num_rows for f in files) == 0:
         raise InputError(f"`--input` {config.input} has no rows ({len(files)} file(s), all empty).")
-    columns = resolve_columns(files, config.columns(), config.prompt_template, config.column_list("keep_columns"),
-                              config.column_list("drop_columns"))
+    columns = resolve_columns(
+        files,
+        config.columns(),
+        config.prompt_template,
+        config.column_list("keep_columns"),
+        config.column_list("drop_columns"),
+    )
     config, pin_note = pin_revision(config, pinned_revision(output, config.model))
     config, family, sources = resolve_defaults(config, columns)
     adapters = resolve_adapters(config, columns, distinct_strings(files, columns.lora, MAX_ADAPTERS))
-    plan_size = (max(config.width, largest(files, columns.width) or 0),
-                 max(config.height, largest(files, columns.height) or 0))
+    plan_size = (
+        max(config.width, largest(files, columns.width) or 0),
+        max(config.height, largest(files, columns.height) or 0),
+    )
     shards = plan_shards(files, config.rows_per_shard)
     stop = stop or threading.Event()
     lock = OutputLock(output)
     note = lock.acquire()
     try:
-        claim_output(output, config, fingerprint(config, files, columns), shards_total=len(shards),
-                     family={**family.to_dict(), "sources": sources})
+        claim_output(
+            output,
+            config,
+            fingerprint(config, files, columns),
+            shards_total=len(shards),
+            family={**family.to_dict(), "sources": sources},
+        )
         sweep(output)
         listing = list_manifests(output)  # the run's one listing of shards/: the end adds what this run committed
         todo = [s for s in shards if s.id not in listing]
         retry = _with_errors(output, [s for s in shards if s.id in listing], listing) if config.retry_errors else []
         redone = {s.id for s in retry}  # counted as to do again
-        progress = Progress(len(shards), sum(s.length for s in shards), shards_done=len(shards) - len(todo) - len(retry),
-                            rows_done=sum(s.length for s in shards if s.id in listing and s.id not in redone),
-                            stream=progress_stream, interval=progress_interval)
+        progress = Progress(
+            len(shards),
+            sum(s.length for s in shards),
+            shards_done=len(shards) - len(todo) - len(retry),
+            rows_done=sum(s.length for s in shards if s.id in listing and s.id not in redone),
+            stream=progress_stream,
+            interval=progress_interval,
+        )
         lock.say = progress.log
         progress.log(describe(config, family, sources))
         for line in (pin_note, note, describe_columns(config, columns, adapters)):
@@ -156,24 +160,49 @@ def _dispatch(config: JobConfig, columns, run: Run, fleet: FleetRecord, adapters
         with _stop_on_signals(stop, progress):
             budgets = config.worker_budgets()
             gpu_memory, host_memory = config.budgets()
-            sizing = size_fleet(shape, device=config.device, gpus_per_worker=config.gpus_per_worker,
-                                cpu_threads=config.cpu_threads, max_workers=config.max_workers or config.workers,
-                                budgets=len(budgets), host_memory=host_memory, shards=len(todo))
+            sizing = size_fleet(
+                shape,
+                device=config.device,
+                gpus_per_worker=config.gpus_per_worker,
+                cpu_threads=config.cpu_threads,
+                max_workers=config.max_workers or config.workers,
+                budgets=len(budgets),
+                host_memory=host_memory,
+                shards=len(todo),
+            )
 
             def spec_for(i: int) -> WorkerSpec:
                 return WorkerSpec(
-                    name=f"w{i}", model=config.model, output=config.output, settings=config.settings(),
-                    columns=columns, max_batch=config.max_batch, device=config.device, dtype=config.dtype,
-                    threads=sizing.threads, trust_remote_code=config.trust_remote_code, offload=config.offload,
-                    gpu_memory=budgets[i % len(budgets)] if budgets else gpu_memory, host_memory=host_memory,
-                    strict_prompts=config.strict_prompts, revision=config.revision, variant=config.variant,
-                    adapters=adapters, plan_size=plan_size,
+                    name=f"w{i}",
+                    model=config.model,
+                    output=config.output,
+                    settings=config.settings(),
+                    columns=columns,
+                    max_batch=config.max_batch,
+                    device=config.device,
+                    dtype=config.dtype,
+                    threads=sizing.threads,
+                    trust_remote_code=config.trust_remote_code,
+                    offload=config.offload,
+                    gpu_memory=budgets[i % len(budgets)] if budgets else gpu_memory,
+                    host_memory=host_memory,
+                    strict_prompts=config.strict_prompts,
+                    revision=config.revision,
+                    variant=config.variant,
+                    adapters=adapters,
+                    plan_size=plan_size,
                 )
 
             progress.log(f"{sizing.describe()}; {len(todo)} shard(s) to generate")
-            pool = WorkerPool(spec_for, sizing.options, sizing.max_workers, max_attempts=config.max_attempts,
-                              max_restarts=config.max_restarts, placement_timeout=config.placement_timeout,
-                              env_vars={k: os.environ[k] for k in (*HUB_ENV, *STORAGE_ENV, PLUGINS_ENV) if k in os.environ})
+            pool = WorkerPool(
+                spec_for,
+                sizing.options,
+                sizing.max_workers,
+                max_attempts=config.max_attempts,
+                max_restarts=config.max_restarts,
+                placement_timeout=config.placement_timeout,
+                env_vars={k: os.environ[k] for k in (*HUB_ENV, *STORAGE_ENV, PLUGINS_ENV) if k in os.environ},
+            )
             follow(pool.run(todo, stop=stop, grace=config.stop_grace), run, fleet)
     finally:
         if pool is not None:

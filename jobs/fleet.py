@@ -21,8 +21,22 @@ from workers.storage import Output
 if TYPE_CHECKING:
     from jobs.summary import Run
 
-SUMMARY_FIELDS = ("worker", "images", "seconds", "starts", "device", "gpu_type", "host", "device_memory", "budget",
-                  "modes", "batch", "reason", "warnings", "failed")  # the summary's per-worker table
+SUMMARY_FIELDS = (
+    "worker",
+    "images",
+    "seconds",
+    "starts",
+    "device",
+    "gpu_type",
+    "host",
+    "device_memory",
+    "budget",
+    "modes",
+    "batch",
+    "reason",
+    "warnings",
+    "failed",
+)  # the summary's per-worker table
 EVENTS_KEPT = 200  # latest fleet events in fleet.json; the driver's log has them all
 WRITE_EVERY = 2.0  # seconds: at most one write per this, plus one at the end
 
@@ -52,7 +66,9 @@ class FleetRecord:
             w.update(state=state, since=now, **{k: v for k, v in fields.items() if v is not None})
             if event == "ready":
                 w["starts"] += 1
-            self.events = [*self.events, {"time": now, "worker": worker, "event": event, "detail": detail}][-EVENTS_KEPT:]
+            self.events = [*self.events, {"time": now, "worker": worker, "event": event, "detail": detail}][
+                -EVENTS_KEPT:
+            ]
             self._version += 1
         if self._thread is None:
             self._thread = threading.Thread(target=self._write_loop, name="fleetgen-fleet-record", daemon=True)
@@ -68,8 +84,11 @@ class FleetRecord:
         """The summary's per-worker table: workers that started or could not, with their speed and
         share of the images."""
         with self._lock:
-            rows = [{k: w.get(k) for k in SUMMARY_FIELDS if w["starts"] or k in (*SUMMARY_FIELDS[:4], "failed")}
-                    for w in self.workers.values() if w["starts"] or w.get("failed")]
+            rows = [
+                {k: w.get(k) for k in SUMMARY_FIELDS if w["starts"] or k in (*SUMMARY_FIELDS[:4], "failed")}
+                for w in self.workers.values()
+                if w["starts"] or w.get("failed")
+            ]
         for w in rows:
             if w.get("failed") is None:
                 w.pop("failed", None)
@@ -97,8 +116,9 @@ class FleetRecord:
             version = self._version
             if version == self._written:
                 return
-            data = json.dumps({"updated": time.time(), "workers": self.workers, "events": self.events},
-                              indent=1).encode()
+            data = json.dumps(
+                {"updated": time.time(), "workers": self.workers, "events": self.events}, indent=1
+            ).encode()
         try:
             self.output.put(FLEET, data)
         except StorageError as err:
@@ -149,21 +169,40 @@ def follow(events: Iterable, run: Run, fleet: FleetRecord) -> None:
             p = event.placement
             where = f"{p['host']} ({p['node_ip']})" + (f", GPU {','.join(p['gpu_ids'])}" if p["gpu_ids"] else "")
             where += f" [{p['gpu_type']}]" if p.get("gpu_type") else ""
-            fleet.note(event.worker, "placed", "loading", where, host=p["host"], node_ip=p["node_ip"],
-                       gpu_type=p.get("gpu_type"))
+            fleet.note(
+                event.worker,
+                "placed",
+                "loading",
+                where,
+                host=p["host"],
+                node_ip=p["node_ip"],
+                gpu_type=p.get("gpu_type"),
+            )
             progress.log(f"{event.worker} placed on {where}; loading the model")
         elif isinstance(event, WorkerReady):
             progress.start_clock()
             plan, info = event.info["plan"], event.info
             placement = info.get("placement") or {}
-            fleet.note(event.worker, "ready", "ready", info["device"]["name"], device=info["device"]["name"],
-                       gpu_type=placement.get("gpu_type"), host=placement.get("host"),
-                       device_memory=info["probe"]["total_bytes"], budget=plan["budget_bytes"] or None,
-                       modes=plan["modes"], batch=plan["batch_size"], reason=plan["reason"],
-                       warnings=info.get("warnings") or [])
+            fleet.note(
+                event.worker,
+                "ready",
+                "ready",
+                info["device"]["name"],
+                device=info["device"]["name"],
+                gpu_type=placement.get("gpu_type"),
+                host=placement.get("host"),
+                device_memory=info["probe"]["total_bytes"],
+                budget=plan["budget_bytes"] or None,
+                modes=plan["modes"],
+                batch=plan["batch_size"],
+                reason=plan["reason"],
+                warnings=info.get("warnings") or [],
+            )
             again = " again (restarted)" if fleet.workers[event.worker]["starts"] > 1 else ""
-            progress.log(f"{event.worker} ready{again} on {info['device']['name']} "
-                         f"(loaded in {info['load_seconds']:.1f} s): {plan['reason']}")
+            progress.log(
+                f"{event.worker} ready{again} on {info['device']['name']} "
+                f"(loaded in {info['load_seconds']:.1f} s): {plan['reason']}"
+            )
             for warning in info.get("warnings") or []:
                 progress.log(f"WARNING {event.worker}: {warning}")
         elif isinstance(event, WorkerFailed):
@@ -176,23 +215,29 @@ def follow(events: Iterable, run: Run, fleet: FleetRecord) -> None:
             progress.log(f"{event.worker} lost ({event.error}); its shard goes back on the queue; {then}")
         elif isinstance(event, WorkerUnreachable):
             fleet.note(event.worker, "unreachable", "unreachable", event.error)
-            progress.log(f"{event.worker} unreachable while running {event.shard_id} ({event.error}); the shard "
-                         "waits until the worker answers or is known dead, so that it never runs twice at once")
+            progress.log(
+                f"{event.worker} unreachable while running {event.shard_id} ({event.error}); the shard "
+                "waits until the worker answers or is known dead, so that it never runs twice at once"
+            )
         elif isinstance(event, WorkerReleased):
             fleet.note(event.worker, "released", "released", event.reason)
             progress.log(f"{event.worker} released: {event.reason}")
         elif isinstance(event, Waiting):
-            progress.log(f"waiting {event.seconds:.0f} s for {event.pending} worker(s) to be placed "
-                         f"(each asks {event.asks}); an autoscaler may be starting nodes"
-                         + (f". {event.hint}" if event.hint else ""))
+            progress.log(
+                f"waiting {event.seconds:.0f} s for {event.pending} worker(s) to be placed "
+                f"(each asks {event.asks}); an autoscaler may be starting nodes"
+                + (f". {event.hint}" if event.hint else "")
+            )
         elif isinstance(event, BatchDone):
             rows = min(event.rows, lengths[event.shard_id] - counted[event.shard_id])
             counted[event.shard_id] += rows
             progress.update(images=event.images, rows=rows)  # row errors: counted when their shard commits
         elif isinstance(event, ShardSpeculated):
             progress.speculated += 1
-            progress.log(f"straggler: {event.shard_id} has run {event.running_seconds:.0f} s; also given to "
-                         f"idle {event.worker} (first commit wins)")
+            progress.log(
+                f"straggler: {event.shard_id} has run {event.running_seconds:.0f} s; also given to "
+                f"idle {event.worker} (first commit wins)"
+            )
         elif isinstance(event, ShardResult):
             if event.version is not None:
                 run.committed[event.shard_id] = event

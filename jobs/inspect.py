@@ -41,15 +41,24 @@ def job_state(url: str) -> dict:
     left = (total_rows - rows_done) * (images / rows_done if rows_done else 1)  # images still to make
     summary = _json(out, SUMMARY)
     return {
-        "url": out.url, "job": job, "complete": out.exists(SUCCESS), "running": running,
+        "url": out.url,
+        "job": job,
+        "complete": out.exists(SUCCESS),
+        "running": running,
         "driver": lock.get("owner") if running else None,
         "shards_total": job.get("shards_total") or -(-total_rows // job["fingerprint"]["generation"]["rows_per_shard"]),
-        "shards_committed": len(committed), "rows_total": total_rows, "rows_done": rows_done,
-        "images_ok": sum(c["ok"] for c in counts.values()), "images_filtered": sum(c["filtered"] for c in counts.values()),
+        "shards_committed": len(committed),
+        "rows_total": total_rows,
+        "rows_done": rows_done,
+        "images_ok": sum(c["ok"] for c in counts.values()),
+        "images_filtered": sum(c["filtered"] for c in counts.values()),
         "images_error": sum(c["images"] - c["ok"] - c["filtered"] for c in counts.values()),
-        "failures": (summary or {}).get("failures", []), "workers": workers, "fleet": _json(out, FLEET),
+        "failures": (summary or {}).get("failures", []),
+        "workers": workers,
+        "fleet": _json(out, FLEET),
         "workers_failed": (summary or {}).get("workers_failed", []),
-        "eta_seconds": left / rate if rate and left else None, "counts": counts,
+        "eta_seconds": left / rate if rate and left else None,
+        "counts": counts,
     }
 
 
@@ -57,8 +66,14 @@ def status_text(state: dict) -> str:
     fp = state["job"]["fingerprint"]
     lines = [
         f"job at {state['url']}: model {fp['model']}",
-        "state: " + ("complete" if state["complete"] else f"running ({state['driver']})" if state["running"]
-                     else "stopped or failed (no driver running; rerun the same command to resume)"),
+        "state: "
+        + (
+            "complete"
+            if state["complete"]
+            else f"running ({state['driver']})"
+            if state["running"]
+            else "stopped or failed (no driver running; rerun the same command to resume)"
+        ),
         f"shards {state['shards_committed']}/{state['shards_total']} committed, rows {state['rows_done']}/"
         f"{state['rows_total']}: {state['images_ok']} images, {state['images_error']} row errors"
         + (f", {state['images_filtered']} filtered by the safety checker" if state["images_filtered"] else ""),
@@ -72,7 +87,9 @@ def status_text(state: dict) -> str:
         lines.append(f"worker {w['worker']} could not run: {w['error']}")
     for w in state["workers"]:
         st = w.get("stats") or {}
-        lines.append(f"  {w['worker']}: {w['device']['name']}, batch {w.get('batch_size')}, "
-                     f"{st.get('images', 0)} images, {st.get('images_per_second') or 0:.2f} img/s, "
-                     f"plan: {', '.join(f'{k} {v}' for k, v in w['plan']['modes'].items())}")
+        lines.append(
+            f"  {w['worker']}: {w['device']['name']}, batch {w.get('batch_size')}, "
+            f"{st.get('images', 0)} images, {st.get('images_per_second') or 0:.2f} img/s, "
+            f"plan: {', '.join(f'{k} {v}' for k, v in w['plan']['modes'].items())}"
+        )
     return "\n".join(lines)

@@ -52,8 +52,9 @@ def _gone(held: dict) -> bool:
 
 
 class OutputLock:
-    def __init__(self, output: Output, say: Callable[[str], None] | None = None,
-                 on_lost: Callable[[str], None] | None = None):
+    def __init__(
+        self, output: Output, say: Callable[[str], None] | None = None, on_lost: Callable[[str], None] | None = None
+    ):
         self.output = output
         self.say = say or (lambda message: None)  # where the heartbeat tells of an outage (the job's log)
         self.on_lost = on_lost  # called once when the heartbeat has failed for STALE seconds (the job stops)
@@ -64,8 +65,16 @@ class OutputLock:
         self._thread: threading.Thread | None = None
 
     def _record(self) -> bytes:
-        return json.dumps({"token": self.token, "owner": self.owner, "host": socket.gethostname(), "pid": os.getpid(),
-                           "started": self.started, "heartbeat": time.time()}).encode()
+        return json.dumps(
+            {
+                "token": self.token,
+                "owner": self.owner,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "started": self.started,
+                "heartbeat": time.time(),
+            }
+        ).encode()
 
     def _current(self) -> dict | None:
         try:
@@ -112,12 +121,15 @@ class OutputLock:
             except StorageError as err:
                 if failing_since is None:
                     failing_since = time.monotonic()
-                    self.say(f"lock heartbeat failed ({err}); retrying every {HEARTBEAT:g} s — the lock holds "
-                             f"for {STALE:g} s without one")
+                    self.say(
+                        f"lock heartbeat failed ({err}); retrying every {HEARTBEAT:g} s — the lock holds "
+                        f"for {STALE:g} s without one"
+                    )
                 elif not lost and time.monotonic() - failing_since >= STALE:
                     lost = True
-                    reason = (f"the output store has not taken a write for {time.monotonic() - failing_since:.0f} s "
-                              f"({err})")
+                    reason = (
+                        f"the output store has not taken a write for {time.monotonic() - failing_since:.0f} s ({err})"
+                    )
                     self.say(f"{reason}; another driver may take this output over now")
                     if self.on_lost is not None:
                         self.on_lost(reason)

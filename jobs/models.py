@@ -36,18 +36,24 @@ def pin_revision(config: JobConfig, pinned: str | None) -> tuple[JobConfig, str 
     try:
         sha = HfApi().model_info(m, revision=wanted).sha
     except GatedRepoError as err:
-        raise ConfigError(f"`--model` `{m}` is gated on the hub and this token cannot read it: accept its terms on "
-                          "its page, then set HF_TOKEN (a read token) where you run fleetgen; workers get it from "
-                          "the driver.") from err
+        raise ConfigError(
+            f"`--model` `{m}` is gated on the hub and this token cannot read it: accept its terms on "
+            "its page, then set HF_TOKEN (a read token) where you run fleetgen; workers get it from "
+            "the driver."
+        ) from err
     except RepositoryNotFoundError as err:
-        raise ConfigError(f"`--model` `{m}` was not found on the hub ({constants.ENDPOINT}). Check the id; a private "
-                          "repo needs HF_TOKEN.") from err
+        raise ConfigError(
+            f"`--model` `{m}` was not found on the hub ({constants.ENDPOINT}). Check the id; a private "
+            "repo needs HF_TOKEN."
+        ) from err
     except RevisionNotFoundError as err:
         raise ConfigError(f"`--revision` `{wanted}` does not exist in `{m}`.") from err
     except Exception as err:  # noqa: BLE001 - no network, a proxy, a timeout: one clear message
-        raise ConfigError(f"Could not reach the hub ({constants.ENDPOINT}) to resolve `--model` `{m}`: "
-                          f"{one_line(err)}. Check the network, "
-                          "or pass a local pipeline directory.") from err
+        raise ConfigError(
+            f"Could not reach the hub ({constants.ENDPOINT}) to resolve `--model` `{m}`: "
+            f"{one_line(err)}. Check the network, "
+            "or pass a local pipeline directory."
+        ) from err
     note = f"{m} pinned to commit {sha}"
     if pinned and not config.revision:
         note = f"{m}: using commit {sha}, pinned in job.json by the first run of this job"
@@ -64,12 +70,15 @@ def model_family(model: str, revision: str | None = None) -> Family:
         index = json.loads(Path(hf_hub_download(model, "model_index.json", revision=revision)).read_text())
         transformer = None
         if index.get("_class_name") in FAMILIES["flux"].pipelines:  # dev or schnell: its guidance embedding says
-            transformer = json.loads(Path(hf_hub_download(model, "transformer/config.json",
-                                                          revision=revision)).read_text())
+            transformer = json.loads(
+                Path(hf_hub_download(model, "transformer/config.json", revision=revision)).read_text()
+            )
     except Exception as err:  # noqa: BLE001 - any hub failure is the same to the user: say which and why
-        raise ConfigError(f"Could not read model_index.json of `--model` `{model}` from the hub: "
-                          f"{one_line(err)}. Check the id, "
-                          "the network, and HF_TOKEN for gated models, or pass a local pipeline directory.") from err
+        raise ConfigError(
+            f"Could not read model_index.json of `--model` `{model}` from the hub: "
+            f"{one_line(err)}. Check the id, "
+            "the network, and HF_TOKEN for gated models, or pass a local pipeline directory."
+        ) from err
     return detect(index, transformer)
 
 
@@ -85,14 +94,18 @@ def resolve_defaults(config: JobConfig, columns: Columns) -> tuple[JobConfig, Fa
         raise ConfigError(
             f"The input has a `{columns.negative_prompt}` column, but {family.name} ({family.pipelines[0]}) ignores "
             "negative prompts unless `--true-cfg-scale` is above 1 (which doubles its compute). Pass e.g. "
-            "`--true-cfg-scale 4`, or `--negative-prompt-column none` to generate without them.")
+            "`--true-cfg-scale 4`, or `--negative-prompt-column none` to generate without them."
+        )
     return replace(config, family=family.name, **values), family, sources
 
 
 def describe(config: JobConfig, family: Family, sources: dict) -> str:
     dtype = config.dtype if config.dtype != "auto" else f"{family.dtype} on CUDA, float32 on CPU"
-    parts = [f"steps {config.steps} ({sources['steps']})", f"guidance {config.guidance:g} ({sources['guidance']})",
-             f"dtype {dtype} ({sources['dtype']})"]
+    parts = [
+        f"steps {config.steps} ({sources['steps']})",
+        f"guidance {config.guidance:g} ({sources['guidance']})",
+        f"dtype {dtype} ({sources['dtype']})",
+    ]
     if config.true_cfg_scale:
         parts.append(f"true CFG scale {config.true_cfg_scale:g}")
     return f"model family {family.name} ({', '.join(family.pipelines) or 'any pipeline'}): {', '.join(parts)}"
@@ -114,8 +127,10 @@ def resolve_adapters(config: JobConfig, columns: Columns, column_values: list[st
         except ConfigError as err:
             raise ConfigError(f"Column `{columns.lora}`: {str(err).removeprefix('`--lora` ')}") from err
     if len(found) > MAX_ADAPTERS:
-        raise ConfigError(f"The job names more than {MAX_ADAPTERS} LoRA adapters (flags and column `{columns.lora}`); "
-                          "every worker loads all of them. Split the job by adapter.")
+        raise ConfigError(
+            f"The job names more than {MAX_ADAPTERS} LoRA adapters (flags and column `{columns.lora}`); "
+            "every worker loads all of them. Split the job by adapter."
+        )
     if found and not is_hub_id(config.model):
         import diffusers
 

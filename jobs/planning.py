@@ -14,20 +14,42 @@ from workers.pipeline import DTYPES
 from workers.probe import ASSUMED_BANDWIDTH, ASSUMED_FLOPS, host_available_bytes
 
 
-def plan_workload(model: str, *, width: int, height: int, steps: int | None, guidance: float | None,
-                  true_cfg_scale: float | None, max_batch: int, offload: str) -> tuple[Workload, Family]:
+def plan_workload(
+    model: str,
+    *,
+    width: int,
+    height: int,
+    steps: int | None,
+    guidance: float | None,
+    true_cfg_scale: float | None,
+    max_batch: int,
+    offload: str,
+) -> tuple[Workload, Family]:
     """The workload to plan for, with the model family's defaults and its own rule for whether
     guidance doubles the denoiser's batch (CFG families yes, guidance-distilled Flux no)."""
     family = read_family(resolve(model))
     guidance = family.guidance if guidance is None else guidance
-    work = Workload(width=width, height=height, steps=family.steps if steps is None else steps,
-                    cfg=family.doubles_batch(guidance, true_cfg_scale), max_batch=max_batch, offload=offload)
+    work = Workload(
+        width=width,
+        height=height,
+        steps=family.steps if steps is None else steps,
+        cfg=family.doubles_batch(guidance, true_cfg_scale),
+        max_batch=max_batch,
+        offload=offload,
+    )
     return work, family
 
 
-def plan_rows(model: str, budgets: list[str], host_memory: str | None, dtype: str, work: Workload,
-              bandwidth: float = ASSUMED_BANDWIDTH, flops: float = ASSUMED_FLOPS,
-              vae_upcast: bool = False) -> tuple[dict, list[dict]]:
+def plan_rows(
+    model: str,
+    budgets: list[str],
+    host_memory: str | None,
+    dtype: str,
+    work: Workload,
+    bandwidth: float = ASSUMED_BANDWIDTH,
+    flops: float = ASSUMED_FLOPS,
+    vae_upcast: bool = False,
+) -> tuple[dict, list[dict]]:
     """(the profile summary, one row per budget: the plan or the reason nothing fits). `vae_upcast`:
     the family's pipeline decodes in float32 (SDXL): its VAE is counted so."""
     profile = profile_modules(model, build_on_meta(model), DTYPES[dtype], vae_upcast=vae_upcast)
@@ -35,16 +57,28 @@ def plan_rows(model: str, budgets: list[str], host_memory: str | None, dtype: st
     rows = []
     for text in budgets:
         budget = parse_size(text, "--gpu-memory")
-        device = DeviceSpec(budget=budget, host_budget=host, bandwidth=bandwidth, flops=flops, streams=True,
-                            name=f"a {format_size(budget)} GPU")
+        device = DeviceSpec(
+            budget=budget,
+            host_budget=host,
+            bandwidth=bandwidth,
+            flops=flops,
+            streams=True,
+            name=f"a {format_size(budget)} GPU",
+        )
         try:
             rows.append({"gpu_memory": text, **plan(profile, device, work).to_dict()})
         except OffloadError as err:
             rows.append({"gpu_memory": text, "error": str(err)})
     summary = {
-        "model": model, "dtype": dtype, "host_memory_bytes": host, "bandwidth_bytes_per_s": bandwidth,
-        "flops": flops, "components": {n: {"class": c.cls, "params": c.params, "bytes": c.bytes, "per_step": c.per_step,
-                                           "blocks": len(c.blocks)} for n, c in profile.components.items()},
+        "model": model,
+        "dtype": dtype,
+        "host_memory_bytes": host,
+        "bandwidth_bytes_per_s": bandwidth,
+        "flops": flops,
+        "components": {
+            n: {"class": c.cls, "params": c.params, "bytes": c.bytes, "per_step": c.per_step, "blocks": len(c.blocks)}
+            for n, c in profile.components.items()
+        },
     }
     return summary, rows
 
@@ -56,10 +90,17 @@ def print_plans(summary: dict, rows: list[dict], as_json: bool, out=None) -> Non
         out.write("\n")
         return
     comps = summary["components"]
-    out.write(f"{summary['model']} ({summary.get('family', 'unknown')} family) at {summary['dtype']}: " + ", ".join(
-        f"{n} {c['class']} {c['params'] / 1e9:.2f} B params ({format_size(c['bytes'])})" for n, c in comps.items()) + "\n")
-    out.write(f"host RAM for offloaded copies {format_size(summary['host_memory_bytes'])}; assumed host→device "
-              f"{summary['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s, {summary['flops'] / 1e12:.0f} TFLOP/s\n\n")
+    out.write(
+        f"{summary['model']} ({summary.get('family', 'unknown')} family) at {summary['dtype']}: "
+        + ", ".join(
+            f"{n} {c['class']} {c['params'] / 1e9:.2f} B params ({format_size(c['bytes'])})" for n, c in comps.items()
+        )
+        + "\n"
+    )
+    out.write(
+        f"host RAM for offloaded copies {format_size(summary['host_memory_bytes'])}; assumed host→device "
+        f"{summary['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s, {summary['flops'] / 1e12:.0f} TFLOP/s\n\n"
+    )
     names = list(comps)
     header = ["gpu", *names, "batch", "peak", "pinned", "moved/img", "rel img/s"]
     table = [header]
@@ -67,9 +108,17 @@ def print_plans(summary: dict, rows: list[dict], as_json: bool, out=None) -> Non
         if "error" in r:
             table.append([r["gpu_memory"], "nothing fits", *[""] * (len(header) - 2)])
             continue
-        table.append([r["gpu_memory"], *[r["modes"][n] for n in names], str(r["batch_size"]),
-                      format_size(r["peak_bytes"]), format_size(r["pinned_bytes"]),
-                      format_size(r["moved_bytes_per_image"]), f"{r['predicted_relative_speed']:.2f}"])
+        table.append(
+            [
+                r["gpu_memory"],
+                *[r["modes"][n] for n in names],
+                str(r["batch_size"]),
+                format_size(r["peak_bytes"]),
+                format_size(r["pinned_bytes"]),
+                format_size(r["moved_bytes_per_image"]),
+                f"{r['predicted_relative_speed']:.2f}",
+            ]
+        )
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
         out.write("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() + "\n")

@@ -18,8 +18,16 @@ def _duration(seconds: float) -> str:
 class Progress:
     BAR = 24  # characters
 
-    def __init__(self, shards_total: int, rows_total: int, shards_done: int = 0, rows_done: int = 0,
-                 stream: TextIO | None = None, interval: float = 5.0, tty: bool | None = None):
+    def __init__(
+        self,
+        shards_total: int,
+        rows_total: int,
+        shards_done: int = 0,
+        rows_done: int = 0,
+        stream: TextIO | None = None,
+        interval: float = 5.0,
+        tty: bool | None = None,
+    ):
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty() if tty is None else tty
         self.interval = interval if not self.tty else 0.25  # seconds between redraws
@@ -53,8 +61,10 @@ class Progress:
         rows_rate = (self.rows_done - self._rows_at_start) / elapsed  # rows, not images: a row may make several
         left = self.rows_total - self.rows_done
         eta = _duration(left / rows_rate) if rows_rate > 0 and left > 0 else "-"
-        text = (f"shards {self.shards_done}/{self.shards_total}  rows {int(self.rows_done)}/{self.rows_total}  "
-                f"{rate:.2f} img/s  ETA {eta}")
+        text = (
+            f"shards {self.shards_done}/{self.shards_total}  rows {int(self.rows_done)}/{self.rows_total}  "
+            f"{rate:.2f} img/s  ETA {eta}"
+        )
         if self.errors or self.failed:
             text += f"  ({self.errors} row errors, {self.failed} shards failed)"
         return text

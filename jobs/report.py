@@ -44,15 +44,21 @@ def _bars(title: str, items: list[tuple[str, float, str]], limit: list[float] | 
     for i, (label, value, text) in enumerate(items):
         y = 24 + i * 26
         w = 360 * value / top
-        rows.append(f'<text x="0" y="{y + 14}">{html.escape(label)}</text>'
-                    f'<rect x="120" y="{y}" width="{w:.1f}" height="18" fill="#4c78a8"/>'
-                    f'<text x="{126 + w:.1f}" y="{y + 14}">{html.escape(text)}</text>')
+        rows.append(
+            f'<text x="0" y="{y + 14}">{html.escape(label)}</text>'
+            f'<rect x="120" y="{y}" width="{w:.1f}" height="18" fill="#4c78a8"/>'
+            f'<text x="{126 + w:.1f}" y="{y + 14}">{html.escape(text)}</text>'
+        )
         if limit and limit[i]:
             x = 120 + 360 * limit[i] / top
-            rows.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{y - 2}" y2="{y + 20}" stroke="#e45756" stroke-width="2"/>')
+            rows.append(
+                f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{y - 2}" y2="{y + 20}" stroke="#e45756" stroke-width="2"/>'
+            )
     height = 30 + 26 * len(items)
-    return (f'<figure><figcaption>{html.escape(title)}</figcaption><svg width="640" height="{height}" '
-            f'font-size="12" font-family="sans-serif">{"".join(rows)}</svg></figure>')
+    return (
+        f'<figure><figcaption>{html.escape(title)}</figcaption><svg width="640" height="{height}" '
+        f'font-size="12" font-family="sans-serif">{"".join(rows)}</svg></figure>'
+    )
 
 
 def sample_images(out: Output, counts: dict[str, dict], n: int = SAMPLE) -> list[dict]:
@@ -91,7 +97,7 @@ def write_report(url: str) -> str:
     sources = _sources(out, get_format(generation["output_format"]), sample, IMAGE_FORMATS[generation["image_format"]])
     cards = "".join(
         f'<figure class="card"><img src="{sources.get(r["id"], "")}" alt="{html.escape(r["id"])}">'
-        f'<figcaption><b>{html.escape(r["id"])}</b> seed {r["seed"]}<br>{html.escape(r["prompt"] or "")}</figcaption></figure>'
+        f"<figcaption><b>{html.escape(r['id'])}</b> seed {r['seed']}<br>{html.escape(r['prompt'] or '')}</figcaption></figure>"
         for r in sample
     )
     workers = state["workers"]
@@ -100,31 +106,66 @@ def write_report(url: str) -> str:
         st, off = w.get("stats") or {}, w.get("offload") or {}
         moved = sum(c["bytes_onloaded"] for c in (off.get("components") or {}).values())
         table_rows.append(
-            "<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in (
-                w["worker"], w["device"]["name"], format_size(w["device"]["total_bytes"]) if w["device"].get("total_bytes") else "-",
-                format_size(w["plan"]["budget_bytes"]) if w["plan"].get("budget_bytes") else "-",
-                ", ".join(f"{k} {v}" for k, v in w["plan"]["modes"].items()), w.get("batch_size"),
-                st.get("images", 0), f"{st.get('images_per_second') or 0:.2f}",
-                format_size(off["peak_device_bytes"]) if off.get("peak_device_bytes") else "-", format_size(moved),
-                w["plan"]["reason"])) + "</tr>")
+            "<tr>"
+            + "".join(
+                f"<td>{html.escape(str(v))}</td>"
+                for v in (
+                    w["worker"],
+                    w["device"]["name"],
+                    format_size(w["device"]["total_bytes"]) if w["device"].get("total_bytes") else "-",
+                    format_size(w["plan"]["budget_bytes"]) if w["plan"].get("budget_bytes") else "-",
+                    ", ".join(f"{k} {v}" for k, v in w["plan"]["modes"].items()),
+                    w.get("batch_size"),
+                    st.get("images", 0),
+                    f"{st.get('images_per_second') or 0:.2f}",
+                    format_size(off["peak_device_bytes"]) if off.get("peak_device_bytes") else "-",
+                    format_size(moved),
+                    w["plan"]["reason"],
+                )
+            )
+            + "</tr>"
+        )
     charts = ""
     if workers:
-        charts += _bars("images/s per worker", [(w["worker"], (w.get("stats") or {}).get("images_per_second") or 0,
-                                                 f"{(w.get('stats') or {}).get('images_per_second') or 0:.2f}") for w in workers])
+        charts += _bars(
+            "images/s per worker",
+            [
+                (
+                    w["worker"],
+                    (w.get("stats") or {}).get("images_per_second") or 0,
+                    f"{(w.get('stats') or {}).get('images_per_second') or 0:.2f}",
+                )
+                for w in workers
+            ],
+        )
         peaks = [((w.get("offload") or {}).get("peak_device_bytes") or 0) for w in workers]
         budgets = [w["plan"].get("budget_bytes") or 0 for w in workers]
-        charts += _bars("peak device memory (bar) against the budget (red line)",
-                        [(w["worker"], p, format_size(p) if p else "not measured (CPU)") for w, p in zip(workers, peaks, strict=True)],
-                        limit=budgets)
-        moved = [sum(c["bytes_onloaded"] for c in ((w.get("offload") or {}).get("components") or {}).values()) for w in workers]
-        charts += _bars("bytes moved host→device", [(w["worker"], m, format_size(m)) for w, m in zip(workers, moved, strict=True)])
+        charts += _bars(
+            "peak device memory (bar) against the budget (red line)",
+            [
+                (w["worker"], p, format_size(p) if p else "not measured (CPU)")
+                for w, p in zip(workers, peaks, strict=True)
+            ],
+            limit=budgets,
+        )
+        moved = [
+            sum(c["bytes_onloaded"] for c in ((w.get("offload") or {}).get("components") or {}).values())
+            for w in workers
+        ]
+        charts += _bars(
+            "bytes moved host→device", [(w["worker"], m, format_size(m)) for w, m in zip(workers, moved, strict=True)]
+        )
     errors = not_ok_rows(out, state["counts"])
-    failures = "".join(f"<tr><td>{html.escape(f['shard'])}</td><td>{f['attempts']}</td><td>{html.escape(f['error'])}</td></tr>"
-                       for f in state["failures"])
-    error_rows = "".join(f"<tr><td>{html.escape(r['id'])}</td><td>{html.escape(r['error'] or '')}</td></tr>" for r in errors)
+    failures = "".join(
+        f"<tr><td>{html.escape(f['shard'])}</td><td>{f['attempts']}</td><td>{html.escape(f['error'])}</td></tr>"
+        for f in state["failures"]
+    )
+    error_rows = "".join(
+        f"<tr><td>{html.escape(r['id'])}</td><td>{html.escape(r['error'] or '')}</td></tr>" for r in errors
+    )
     fp = state["job"]["fingerprint"]
     page = f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>fleetgen report: {html.escape(state['url'])}</title>
+<html><head><meta charset="utf-8"><title>fleetgen report: {html.escape(state["url"])}</title>
 <style>
 body {{ font-family: sans-serif; margin: 24px; color: #222; }}
 .sheet {{ display: grid; grid-template-columns: repeat(auto-fill, minmax(160px, 1fr)); gap: 12px; }}
@@ -133,14 +174,14 @@ table {{ border-collapse: collapse; font-size: 13px; }} td, th {{ border: 1px so
 </style></head>
 <body>
 <h1>fleetgen report</h1>
-<p>{html.escape(state['url'])} — model {html.escape(str(fp['model']))}, {fp['generation']['width']}×{fp['generation']['height']},
-{fp['generation']['steps']} steps, guidance {fp['generation']['guidance']}.<br>
-{'complete' if state['complete'] else 'not complete'}: shards {state['shards_committed']}/{state['shards_total']},
-{state['images_ok']} images, {state['images_error']} row errors, {len(state['failures'])} failed shards.</p>
-<h2>Sample</h2><div class="sheet">{cards or '<p>No images yet.</p>'}</div>
+<p>{html.escape(state["url"])} — model {html.escape(str(fp["model"]))}, {fp["generation"]["width"]}×{fp["generation"]["height"]},
+{fp["generation"]["steps"]} steps, guidance {fp["generation"]["guidance"]}.<br>
+{"complete" if state["complete"] else "not complete"}: shards {state["shards_committed"]}/{state["shards_total"]},
+{state["images_ok"]} images, {state["images_error"]} row errors, {len(state["failures"])} failed shards.</p>
+<h2>Sample</h2><div class="sheet">{cards or "<p>No images yet.</p>"}</div>
 <h2>Workers</h2>
 <table><tr><th>worker</th><th>device</th><th>memory</th><th>budget</th><th>plan</th><th>batch</th><th>images</th>
-<th>img/s</th><th>peak</th><th>moved</th><th>reason</th></tr>{''.join(table_rows)}</table>
+<th>img/s</th><th>peak</th><th>moved</th><th>reason</th></tr>{"".join(table_rows)}</table>
 {charts}
 <h2>Failures</h2>
 <table><tr><th>shard</th><th>attempts</th><th>error</th></tr>{failures or '<tr><td colspan="3">none</td></tr>'}</table>

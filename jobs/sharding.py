@@ -102,13 +102,19 @@ def _in_every_file(files: list[InputFile], name: str, what: str) -> bool:
     have = [f for f in files if name in f.schema.names]
     if 0 < len(have) < len(files):
         f = next(f for f in files if name not in f.schema.names)
-        raise InputError(f"{what} `{name}` is in {have[0].url} but not in {f.url}: all input files must have the "
-                         "same columns.")
+        raise InputError(
+            f"{what} `{name}` is in {have[0].url} but not in {f.url}: all input files must have the same columns."
+        )
     return bool(have)
 
 
-def resolve_columns(files: list[InputFile], wanted: Columns, template: str | None = None,
-                    keep: list[str] | None = None, drop: list[str] | None = None) -> Columns:
+def resolve_columns(
+    files: list[InputFile],
+    wanted: Columns,
+    template: str | None = None,
+    keep: list[str] | None = None,
+    drop: list[str] | None = None,
+) -> Columns:
     """Check the columns the job reads against every file, and choose the columns carried through.
 
     The prompt column (or, with a template, every column the template names) must be in every
@@ -120,8 +126,9 @@ def resolve_columns(files: list[InputFile], wanted: Columns, template: str | Non
     fields = template_fields(template) if template is not None else []
     for name in fields:
         if not _in_every_file(files, name, "Template column"):
-            raise InputError(f"`--prompt-template` names column `{name}`, which {first.url} does not have "
-                             f"(columns: {listed}).")
+            raise InputError(
+                f"`--prompt-template` names column `{name}`, which {first.url} does not have (columns: {listed})."
+            )
     for role in ROLES:
         name = getattr(wanted, role)
         if role == "prompt" and template is not None:
@@ -129,8 +136,10 @@ def resolve_columns(files: list[InputFile], wanted: Columns, template: str | Non
             continue
         present = _in_every_file(files, name, "Column")
         if role == "prompt" and not present:
-            raise InputError(f"Input column `{name}` not found in {first.url} (columns: {listed}). "
-                             "Pass `--prompt-column NAME`, or build prompts with `--prompt-template`.")
+            raise InputError(
+                f"Input column `{name}` not found in {first.url} (columns: {listed}). "
+                "Pass `--prompt-column NAME`, or build prompts with `--prompt-template`."
+            )
         if not present:
             resolved[role] = None
             continue
@@ -138,8 +147,9 @@ def resolve_columns(files: list[InputFile], wanted: Columns, template: str | Non
         for f in files:
             kind = f.schema.field(name).type
             if not any(check(kind) for check in checks):
-                raise InputError(f"Column `{name}` in {f.url} has type {kind}; the {role.replace('_', ' ')} column "
-                                 f"must be {must}.")
+                raise InputError(
+                    f"Column `{name}` in {f.url} has type {kind}; the {role.replace('_', ' ')} column must be {must}."
+                )
         resolved[role] = name
     roles = {n for n in resolved.values() if n}
     for option, names in (("--keep-columns", keep), ("--drop-columns", drop)):
@@ -150,8 +160,10 @@ def resolve_columns(files: list[InputFile], wanted: Columns, template: str | Non
     for name in carry:
         _in_every_file(files, name, "Column")
         if name in RESERVED_COLUMNS:
-            raise InputError(f"Input column `{name}` would be carried into the outputs, which have a `{name}` column "
-                             f"of their own. Pass `--drop-columns {name}` (a template can still read it), or rename it.")
+            raise InputError(
+                f"Input column `{name}` would be carried into the outputs, which have a `{name}` column "
+                f"of their own. Pass `--drop-columns {name}` (a template can still read it), or rename it."
+            )
     return Columns(**resolved, carry=tuple(carry), template_fields=tuple(fields))
 
 
@@ -214,10 +226,17 @@ def plan_shards(files: list[InputFile], rows_per_shard: int) -> list[Shard]:
         start = 0
         for group, rows in enumerate(f.row_groups):
             for offset in range(0, rows, rows_per_shard):
-                shards.append(Shard(
-                    id=f"shard-{len(shards):0{width}d}", path=f.url, file_index=file_index, row_group=group,
-                    row_group_start=start, offset=offset, length=min(rows_per_shard, rows - offset),
-                ))
+                shards.append(
+                    Shard(
+                        id=f"shard-{len(shards):0{width}d}",
+                        path=f.url,
+                        file_index=file_index,
+                        row_group=group,
+                        row_group_start=start,
+                        offset=offset,
+                        length=min(rows_per_shard, rows - offset),
+                    )
+                )
             start += rows
     return shards
 

@@ -45,7 +45,20 @@ if TYPE_CHECKING:  # the commands that read a job's output (status, verify) impo
     from jobs.sharding import InputFile
 
 # What --overwrite removes: everything fleetgen writes, nothing else under OUT.
-_JOB_OBJECTS = (JOB, SUMMARY, SUCCESS, FLEET, CARD, WIDS_INDEX, COUNTS_INDEX, SHARDS, WORKERS, STAGING, "images", "data")
+_JOB_OBJECTS = (
+    JOB,
+    SUMMARY,
+    SUCCESS,
+    FLEET,
+    CARD,
+    WIDS_INDEX,
+    COUNTS_INDEX,
+    SHARDS,
+    WORKERS,
+    STAGING,
+    "images",
+    "data",
+)
 
 
 def model_identity(model: str, revision: str | None = None, variant: str | None = None) -> str:
@@ -102,8 +115,9 @@ def _differences(old: dict, new: dict) -> list[str]:
     return out
 
 
-def claim_output(output: Output, config: JobConfig, job_fingerprint: dict, shards_total: int = 0,
-                 family: dict | None = None) -> dict:
+def claim_output(
+    output: Output, config: JobConfig, job_fingerprint: dict, shards_total: int = 0, family: dict | None = None
+) -> dict:
     """Write `OUT/job.json`, or check that the job already there is this one."""
     if output.exists(JOB):
         try:
@@ -136,8 +150,14 @@ def versions() -> dict:
     import diffusers
     import torch
 
-    return {"fleetgen": __version__, "python": platform.python_version(), "torch": torch.__version__,
-            "diffusers": diffusers.__version__, "host": platform.node(), "pid": os.getpid()}
+    return {
+        "fleetgen": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "diffusers": diffusers.__version__,
+        "host": platform.node(),
+        "pid": os.getpid(),
+    }
 
 
 def committed_shards(output: Output) -> set[str]:
@@ -160,9 +180,17 @@ def list_manifests(output: Output) -> dict[str, str]:
     return {name.removesuffix(".parquet"): v for name, v in output.listing(SHARDS, ".parquet").items()}
 
 
-_COUNTS_SCHEMA = pa.schema([("shard", pa.string()), ("version", pa.string()), ("rows", pa.int64()),
-                            ("images", pa.int64()), ("ok", pa.int64()), ("error", pa.int64()),
-                            ("filtered", pa.int64())])
+_COUNTS_SCHEMA = pa.schema(
+    [
+        ("shard", pa.string()),
+        ("version", pa.string()),
+        ("rows", pa.int64()),
+        ("images", pa.int64()),
+        ("ok", pa.int64()),
+        ("error", pa.int64()),
+        ("filtered", pa.int64()),
+    ]
+)
 COUNTS_FIELDS = ("rows", "images", "ok", "error", "filtered")
 
 
@@ -177,8 +205,9 @@ def _footer_counts(output: Output, shard: str) -> dict:
     return {"rows": len(statuses), "images": len(statuses), **ids}
 
 
-def shard_counts(output: Output, listing: dict[str, str] | None = None, threads: int = 32,
-                 known: dict[str, dict] | None = None) -> dict[str, dict]:
+def shard_counts(
+    output: Output, listing: dict[str, str] | None = None, threads: int = 32, known: dict[str, dict] | None = None
+) -> dict[str, dict]:
     """{shard: {"rows", "images", "ok", "error", "filtered"}} for every committed shard, without
     reading manifest rows: `OUT/counts.parquet` (written at the end of each run) holds the counts of
     the manifests it saw, keyed by their version in the listing; only manifests committed or
@@ -203,8 +232,11 @@ def shard_counts(output: Output, listing: dict[str, str] | None = None, threads:
 def write_counts_index(output: Output, counts: dict[str, dict], listing: dict[str, str] | None = None) -> None:
     """`OUT/counts.parquet`: the counts of every committed manifest at its current version."""
     listing = list_manifests(output) if listing is None else listing
-    rows = [{"shard": s, "version": listing[s], **{k: c.get(k, 0) for k in COUNTS_FIELDS}}
-            for s, c in counts.items() if s in listing]
+    rows = [
+        {"shard": s, "version": listing[s], **{k: c.get(k, 0) for k in COUNTS_FIELDS}}
+        for s, c in counts.items()
+        if s in listing
+    ]
     buf = io.BytesIO()
     pq.write_table(pa.Table.from_pylist(rows, schema=_COUNTS_SCHEMA), buf)
     output.put(COUNTS_INDEX, buf.getvalue())

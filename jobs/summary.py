@@ -149,16 +149,23 @@ def _summarise_offline(run: Run) -> JobSummary:
 def _summary(run: Run, counts: list[dict]) -> JobSummary:
     total = {k: sum(c[k] for c in counts) for k in ("ok", "error", "filtered", "images")}
     return JobSummary(
-        output=run.output.url, shards_total=len(run.shards), shards_committed=len(counts),
-        shards_skipped=len(run.shards) - len(run.todo), images_ok=total["ok"], images_filtered=total["filtered"],
+        output=run.output.url,
+        shards_total=len(run.shards),
+        shards_committed=len(counts),
+        shards_skipped=len(run.shards) - len(run.todo),
+        images_ok=total["ok"],
+        images_filtered=total["filtered"],
         images_error=total["images"] - total["ok"] - total["filtered"],
-        seconds=round(time.monotonic() - run.started, 3), failures=run.failures, workers=run.workers,
+        seconds=round(time.monotonic() - run.started, 3),
+        failures=run.failures,
+        workers=run.workers,
         stopped=run.stop.is_set(),
     )
 
 
 def _versions(output: Output, shard_ids: list[str], threads: int = 32) -> list[str | None]:
     """Each shard's manifest version, None where it has none (concurrent: one request each)."""
+
     def version(shard_id: str) -> str | None:
         try:
             return output.version(manifest_key(shard_id))
@@ -169,5 +176,3 @@ def _versions(output: Output, shard_ids: list[str], threads: int = 32) -> list[s
         return []
     with ThreadPoolExecutor(max_workers=min(threads, len(shard_ids))) as pool:
         return list(pool.map(version, shard_ids))
-
-

@@ -59,16 +59,23 @@ class VerifyReport:
             self.examples[kind].append(f"{where}{': ' + detail if detail else ''}")
 
     def text(self) -> str:
-        rate = f"{self.images / self.seconds:.0f} images/s, {self.bytes_read / self.seconds / 1e6:.1f} MB/s" \
-            if self.seconds else ""
-        lines = [f"verified {self.url}: {self.shards} committed shards, {self.images} images "
-                 f"({self.hashed} hashed{', every byte' if self.deep else ', a sample'}) in {self.seconds:.1f} s ({rate})"]
+        rate = (
+            f"{self.images / self.seconds:.0f} images/s, {self.bytes_read / self.seconds / 1e6:.1f} MB/s"
+            if self.seconds
+            else ""
+        )
+        lines = [
+            f"verified {self.url}: {self.shards} committed shards, {self.images} images "
+            f"({self.hashed} hashed{', every byte' if self.deep else ', a sample'}) in {self.seconds:.1f} s ({rate})"
+        ]
         for kind in KINDS:
             if self.counts[kind]:
                 lines.append(f"{self.counts[kind]} {kind}: " + "; ".join(self.examples[kind]))
         if self.uncommitted:
-            lines.append(f"--fix: un-committed {len(self.uncommitted)} shard(s) ({', '.join(self.uncommitted[:5])}"
-                         f"{', ...' if len(self.uncommitted) > 5 else ''}); rerun the job to redo them")
+            lines.append(
+                f"--fix: un-committed {len(self.uncommitted)} shard(s) ({', '.join(self.uncommitted[:5])}"
+                f"{', ...' if len(self.uncommitted) > 5 else ''}); rerun the job to redo them"
+            )
         if self.removed:
             lines.append(f"--fix: removed {self.removed} orphan, leftover or un-committed object(s) and prefix(es)")
         if self.refused:
@@ -77,8 +84,23 @@ class VerifyReport:
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("url", "deep", "shards", "images", "hashed", "bytes_read", "seconds",
-                                              "counts", "examples", "uncommitted", "removed", "refused")} | {"clean": self.clean}
+        return {
+            k: getattr(self, k)
+            for k in (
+                "url",
+                "deep",
+                "shards",
+                "images",
+                "hashed",
+                "bytes_read",
+                "seconds",
+                "counts",
+                "examples",
+                "uncommitted",
+                "removed",
+                "refused",
+            )
+        } | {"clean": self.clean}
 
 
 def _sha(data: bytes) -> str:
@@ -129,8 +151,14 @@ class _Checker:
         return ok
 
 
-def verify(url: str, deep: bool = False, fix: bool = False, progress: Callable[[str], None] | None = None,
-           interval: float = 5.0, force: bool = False) -> VerifyReport:
+def verify(
+    url: str,
+    deep: bool = False,
+    fix: bool = False,
+    progress: Callable[[str], None] | None = None,
+    interval: float = 5.0,
+    force: bool = False,
+) -> VerifyReport:
     """Check every committed shard; with `fix`, then repair what was proven damaged — unless the
     damage looks like a wrong location or a store that answers empty listings rather than lost
     objects (most images missing), in which case nothing is changed and the report says why
@@ -144,8 +172,10 @@ def verify(url: str, deep: bool = False, fix: bool = False, progress: Callable[[
         raise StorageError(f"{output.key_url(JOB)} is not a fleetgen job record ({err}).") from None
     fmt = get_format(generation.get("output_format", "files"))
     if fix and live_lock(output):
-        raise StorageError(f"{output.url} is in use by a running driver ({LOCK} has a fresh heartbeat): `--fix` only "
-                           "works on a job that is not running.")
+        raise StorageError(
+            f"{output.url} is in use by a running driver ({LOCK} has a fresh heartbeat): `--fix` only "
+            "works on a job that is not running."
+        )
     started = last = time.monotonic()
     report = VerifyReport(url=output.url, deep=deep)
     checker = _Checker(output, report, deep, fmt)
@@ -163,8 +193,9 @@ def verify(url: str, deep: bool = False, fix: bool = False, progress: Callable[[
             damaged[shard] = rows
         if progress and time.monotonic() - last >= interval:
             last = time.monotonic()
-            progress(f"verify: {n}/{len(committed)} shards, {report.images} images, "
-                     f"{sum(report.counts.values())} problems")
+            progress(
+                f"verify: {n}/{len(committed)} shards, {report.images} images, {sum(report.counts.values())} problems"
+            )
     _stray(output, set(committed), report, checker.orphans)
     if fix:
         report.refused = _looks_wrong(report) if not force else None
@@ -180,14 +211,17 @@ def _looks_wrong(report: VerifyReport) -> str | None:
     images gone, and un-committing every shard would throw a good job away."""
     missing = report.counts["missing"]
     if report.images and missing * 2 > report.images:
-        return (f"{missing} of {report.images} images are missing: that looks like a wrong location or a store "
-                "that answers empty listings, not lost images. Nothing was changed; check the URL and the store, "
-                "and pass `--fix --force` only if the images really are gone.")
+        return (
+            f"{missing} of {report.images} images are missing: that looks like a wrong location or a store "
+            "that answers empty listings, not lost images. Nothing was changed; check the URL and the store, "
+            "and pass `--fix --force` only if the images really are gone."
+        )
     return None
 
 
-def _repair(output: Output, report: VerifyReport, fmt: OutputFormat, damaged: dict[str, list[dict]],
-            orphans: list[str]) -> None:
+def _repair(
+    output: Output, report: VerifyReport, fmt: OutputFormat, damaged: dict[str, list[dict]], orphans: list[str]
+) -> None:
     """Un-commit the damaged shards (their manifest and objects go, so a rerun redoes them), remove
     the orphans and leftovers."""
     for shard in damaged:
@@ -223,5 +257,3 @@ def _stray(output: Output, committed: set[str], report: VerifyReport, orphans: l
         if output.find(f"{STAGING}/{shard}"):
             report.add("leftover", f"{STAGING}/{shard}/", "an attempt's staging")
         orphans.append(f"{STAGING}/{shard}")
-
-

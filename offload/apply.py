@@ -25,7 +25,9 @@ def pipeline_modules(pipe) -> dict[str, torch.nn.Module]:
     return {name: c for name, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
 
 
-def check(plan: OffloadPlan, profile: PipelineProfile, modules: dict[str, torch.nn.Module], device: torch.device) -> None:
+def check(
+    plan: OffloadPlan, profile: PipelineProfile, modules: dict[str, torch.nn.Module], device: torch.device
+) -> None:
     """Refuse what would fail, or silently compute wrong images, before any work."""
     unknown = set(plan.placements) - set(modules)
     if unknown:
@@ -34,11 +36,15 @@ def check(plan: OffloadPlan, profile: PipelineProfile, modules: dict[str, torch.
         if p.stream and device.type != "cuda":
             raise OffloadError(f"`{name}` {p.label}: streams need a CUDA device; this worker runs on {device}.")
         if p.disk and p.mode == "leaf" and profile.components[name].tied:
-            raise OffloadError(f"`{name}` {p.label}: leaf level + disk corrupts tied weights ({name} shares a "
-                               "weight between modules). Use block level + disk.")
+            raise OffloadError(
+                f"`{name}` {p.label}: leaf level + disk corrupts tied weights ({name} shares a "
+                "weight between modules). Use block level + disk."
+            )
         if p.disk and getattr(modules[name], "peft_config", None):
-            raise OffloadError(f"`{name}` {p.label}: disk offload with LoRA adapters gives wrong images or "
-                               "fails. Offload to host RAM instead.")
+            raise OffloadError(
+                f"`{name}` {p.label}: disk offload with LoRA adapters gives wrong images or "
+                "fails. Offload to host RAM instead."
+            )
 
 
 DISK_PREFIX = "fleetgen-offload-"  # + pid: a killed worker's files are removed by the next one
@@ -47,7 +53,7 @@ DISK_PREFIX = "fleetgen-offload-"  # + pid: a killed worker's files are removed 
 def sweep_stale_disk_dirs() -> None:
     """Remove disk-offload directories left by worker processes that no longer exist."""
     for path in Path(tempfile.gettempdir()).glob(f"{DISK_PREFIX}*"):
-        pid = path.name[len(DISK_PREFIX):].split("-", 1)[0]
+        pid = path.name[len(DISK_PREFIX) :].split("-", 1)[0]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             shutil.rmtree(path, ignore_errors=True)
 
@@ -72,10 +78,13 @@ class AppliedOffload:
             from diffusers.hooks import apply_group_offloading
 
             apply_group_offloading(
-                module, onload_device=device, offload_device=torch.device("cpu"),
+                module,
+                onload_device=device,
+                offload_device=torch.device("cpu"),
                 offload_type="block_level" if p.mode == "block" else "leaf_level",
                 num_blocks_per_group=p.blocks_per_group if p.mode == "block" else None,
-                use_stream=p.stream, offload_to_disk_path=disk,
+                use_stream=p.stream,
+                offload_to_disk_path=disk,
                 block_modules=list(profile.components[name].block_modules) or None,
             )
 
@@ -106,8 +115,12 @@ def unapply(pipe, placed: AppliedOffload | None = None) -> None:
 
 def offload_hooks(pipe) -> int:
     """How many offloading hooks the pipeline's modules carry (0 after `unapply`)."""
-    return sum(name in OFFLOAD_HOOKS for m in pipeline_modules(pipe).values() for sub in m.modules()
-               for name in getattr(getattr(sub, "_diffusers_hook", None), "hooks", {}))
+    return sum(
+        name in OFFLOAD_HOOKS
+        for m in pipeline_modules(pipe).values()
+        for sub in m.modules()
+        for name in getattr(getattr(sub, "_diffusers_hook", None), "hooks", {})
+    )
 
 
 def apply(pipe, plan: OffloadPlan, profile: PipelineProfile, device: torch.device, tag: str = "w") -> AppliedOffload:

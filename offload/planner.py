@@ -97,10 +97,16 @@ class OffloadPlan:
 
     def to_dict(self) -> dict:
         return {
-            "modes": self.modes, "batch_size": self.batch_size, "peak_bytes": self.peak_bytes,
-            "host_bytes": self.host_bytes, "pinned_bytes": self.pinned_bytes, "budget_bytes": self.budget,
-            "moved_bytes_per_image": self.moved_per_image, "predicted_seconds_per_image": self.seconds_per_image,
-            "predicted_relative_speed": round(self.relative_speed, 4), "reason": self.reason,
+            "modes": self.modes,
+            "batch_size": self.batch_size,
+            "peak_bytes": self.peak_bytes,
+            "host_bytes": self.host_bytes,
+            "pinned_bytes": self.pinned_bytes,
+            "budget_bytes": self.budget,
+            "moved_bytes_per_image": self.moved_per_image,
+            "predicted_seconds_per_image": self.seconds_per_image,
+            "predicted_relative_speed": round(self.relative_speed, 4),
+            "reason": self.reason,
         }
 
 
@@ -151,7 +157,9 @@ def _activations(c: ComponentProfile, prof: PipelineProfile, w: Workload) -> int
     return _tokens(c, prof, w) * max(c.hidden, 1) * prof.dtype_bytes * ACT_FACTOR * cfg
 
 
-def _call_seconds(c: ComponentProfile, p: Placement, prof: PipelineProfile, w: Workload, d: DeviceSpec, batch: int) -> float:
+def _call_seconds(
+    c: ComponentProfile, p: Placement, prof: PipelineProfile, w: Workload, d: DeviceSpec, batch: int
+) -> float:
     """Seconds `c` takes in one pipeline call of `batch` images."""
     forwards = w.steps if c.per_step else 1
     cfg = 2 if c.per_step and w.cfg else 1
@@ -194,11 +202,17 @@ def _options(c: ComponentProfile, prof: PipelineProfile, device: DeviceSpec, w: 
     for p in _candidates(c, device, w.offload):
         off = p.mode != "resident"
         pinned = (c.pinned or c.bytes) if p.stream else 0  # the pinned copy is the host copy with streams
-        out.append(_Option(
-            placement=p, resident=0 if off else c.bytes, phase=_floor(c, p) + acts,
-            host=pinned or (c.bytes if off and not p.disk else 0), pinned=pinned,
-            seconds=_call_seconds(c, p, prof, w, device, batch), moved=c.bytes * forwards if off else 0,
-        ))
+        out.append(
+            _Option(
+                placement=p,
+                resident=0 if off else c.bytes,
+                phase=_floor(c, p) + acts,
+                host=pinned or (c.bytes if off and not p.disk else 0),
+                pinned=pinned,
+                seconds=_call_seconds(c, p, prof, w, device, batch),
+                moved=c.bytes * forwards if off else 0,
+            )
+        )
     return [o for o in out if not any(x.dominates(o) for x in out)]
 
 
@@ -245,9 +259,15 @@ def plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> OffloadPlan:
     combo, batch, peak, host, seconds, moved = best
     placements = {n: o.placement for n, o in zip(names, combo, strict=True)}
     return OffloadPlan(
-        placements=placements, batch_size=batch, peak_bytes=int(peak), host_bytes=host,
-        pinned_bytes=sum(o.pinned for o in combo), moved_per_image=moved, seconds_per_image=seconds,
-        relative_speed=resident_ref / seconds, budget=device.budget,
+        placements=placements,
+        batch_size=batch,
+        peak_bytes=int(peak),
+        host_bytes=host,
+        pinned_bytes=sum(o.pinned for o in combo),
+        moved_per_image=moved,
+        seconds_per_image=seconds,
+        relative_speed=resident_ref / seconds,
+        budget=device.budget,
         reason=_reason(prof, device, w, placements, batch, peak, resident_peak, host),
     )
 
@@ -268,8 +288,10 @@ def _reason(prof, device, w, placements, batch, peak, resident_peak, host) -> st
         head = f"offload {parts}: {why}"
         if any(p.stream for p in offloaded.values()):
             head += "; streams overlap transfers with compute"
-        head += (f"; offloaded copies take {format_size(host)} of the {format_size(device.host_budget)} host RAM this worker may "
-                 "use (its share of the node)")
+        head += (
+            f"; offloaded copies take {format_size(host)} of the {format_size(device.host_budget)} host RAM this worker may "
+            "use (its share of the node)"
+        )
     cap = "`--max-batch`" if batch == w.max_batch else "memory"
     return f"{head}; batch {batch} (limited by {cap}); predicted peak {format_size(peak)} ({limit})"
 

@@ -15,8 +15,16 @@ import torch
 
 # The denoiser runs once per step; everything else once per pipeline call.
 PER_STEP = ("unet", "transformer", "transformer_2", "prior", "decoder")
-_LEAF_TYPES = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.ConvTranspose1d,
-               torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d, torch.nn.Linear, torch.nn.Embedding)
+_LEAF_TYPES = (
+    torch.nn.Conv1d,
+    torch.nn.Conv2d,
+    torch.nn.Conv3d,
+    torch.nn.ConvTranspose1d,
+    torch.nn.ConvTranspose2d,
+    torch.nn.ConvTranspose3d,
+    torch.nn.Linear,
+    torch.nn.Embedding,
+)
 _BLOCK_TYPES = (torch.nn.ModuleList, torch.nn.Sequential)
 
 
@@ -119,7 +127,11 @@ def _width(module: torch.nn.Module) -> int:
     """Channels of the main activations: the first UNet level, a transformer's inner dimension, a
     text encoder's hidden size; else the widest Linear output."""
     cfg = getattr(module, "config", None)
-    get = (lambda k: cfg.get(k) if isinstance(cfg, dict) else getattr(cfg, k, None)) if cfg is not None else (lambda k: None)
+    get = (
+        (lambda k: cfg.get(k) if isinstance(cfg, dict) else getattr(cfg, k, None))
+        if cfg is not None
+        else (lambda k: None)
+    )
     if get("block_out_channels"):
         return int(get("block_out_channels")[0])
     if isinstance(get("num_attention_heads"), int) and isinstance(get("attention_head_dim"), int):
@@ -142,11 +154,22 @@ def profile_component(name: str, module: torch.nn.Module, dtype_bytes: int, upca
     ids = [id(p) for _, p in module.named_parameters(remove_duplicate=False)]
     hidden = _width(module)
     return ComponentProfile(
-        name=name, cls=type(module).__name__, params=sum(p.numel() for p in module.parameters()), bytes=total,
-        per_step=name in PER_STEP, blocks=tuple(blocks), unmatched=total - sum(blocks),
-        largest_leaf=max(leaf_sizes, default=0), leaves=len(leaves), non_leaf=max(0, total - sum(leaf_sizes)),
-        block_modules=block_modules, tied=len(ids) != len(set(ids)), hidden=hidden,
-        adapters=bool(getattr(module, "peft_config", None)), upcast=upcast, pinned=_pinned_bytes(module, dtype_bytes),
+        name=name,
+        cls=type(module).__name__,
+        params=sum(p.numel() for p in module.parameters()),
+        bytes=total,
+        per_step=name in PER_STEP,
+        blocks=tuple(blocks),
+        unmatched=total - sum(blocks),
+        largest_leaf=max(leaf_sizes, default=0),
+        leaves=len(leaves),
+        non_leaf=max(0, total - sum(leaf_sizes)),
+        block_modules=block_modules,
+        tied=len(ids) != len(set(ids)),
+        hidden=hidden,
+        adapters=bool(getattr(module, "peft_config", None)),
+        upcast=upcast,
+        pinned=_pinned_bytes(module, dtype_bytes),
     )
 
 
@@ -156,19 +179,26 @@ def _config_value(module: torch.nn.Module | None, key: str, default: int) -> int
     return value if isinstance(value, int) else default
 
 
-def profile_modules(model: str, modules: dict[str, torch.nn.Module], dtype: torch.dtype,
-                    vae_upcast: bool = False) -> PipelineProfile:
+def profile_modules(
+    model: str, modules: dict[str, torch.nn.Module], dtype: torch.dtype, vae_upcast: bool = False
+) -> PipelineProfile:
     """`vae_upcast`: the pipeline runs its VAE in float32 when the run dtype is float16 and the VAE's
     config says `force_upcast` (the family says whether its pipeline does: SDXL's does)."""
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     vae = modules.get("vae")
     denoiser = next((modules[n] for n in PER_STEP if n in modules), None)
     vae_blocks = getattr(getattr(vae, "config", None), "block_out_channels", None) or [0, 0, 0, 0]
-    upcast = vae_upcast and dtype == torch.float16 and bool(getattr(getattr(vae, "config", None), "force_upcast", False))
+    upcast = (
+        vae_upcast and dtype == torch.float16 and bool(getattr(getattr(vae, "config", None), "force_upcast", False))
+    )
     return PipelineProfile(
-        model=model, dtype_bytes=dtype_bytes, vae_dtype_bytes=4 if upcast else dtype_bytes,
-        components={n: profile_component(n, m, 4 if upcast and n == "vae" else dtype_bytes, upcast and n == "vae")
-                    for n, m in modules.items()},
+        model=model,
+        dtype_bytes=dtype_bytes,
+        vae_dtype_bytes=4 if upcast else dtype_bytes,
+        components={
+            n: profile_component(n, m, 4 if upcast and n == "vae" else dtype_bytes, upcast and n == "vae")
+            for n, m in modules.items()
+        },
         latent_channels=_config_value(vae, "latent_channels", 4),
         vae_scale=2 ** (len(vae_blocks) - 1),
         vae_channels=vae_blocks[0] or 128,

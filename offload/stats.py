@@ -62,8 +62,11 @@ class OffloadStats:
         return hook
 
     def snapshot(self) -> dict:
-        out = {"components": {k: dict(v) for k, v in self.counts.items()}, "rss_bytes": rss_bytes(),
-               "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        out = {
+            "components": {k: dict(v) for k, v in self.counts.items()},
+            "rss_bytes": rss_bytes(),
+            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
         if self.device.type == "cuda":
             out["peak_device_bytes"] = torch.cuda.max_memory_allocated(self.device)
             out["peak_device_reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)

@@ -59,8 +59,19 @@ def setup_job(tmp_path, model, out, output_format, prompts=None, max_batch=3, **
     path = write_prompts(tmp_path / f"p-{len(prompts)}.parquet", prompts, id=[f"r{i}" for i in range(len(prompts))])
     files = [read_footer(str(path))]
     settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64, output_format=output_format)
-    worker = Worker(WorkerSpec("w0", model, str(out), settings, resolve_columns(files, Columns()), max_batch=max_batch,
-                               device="cpu", threads=1, **kw))
+    worker = Worker(
+        WorkerSpec(
+            "w0",
+            model,
+            str(out),
+            settings,
+            resolve_columns(files, Columns()),
+            max_batch=max_batch,
+            device="cpu",
+            threads=1,
+            **kw,
+        )
+    )
     # the part of the job record verify reads: the generation settings, the output format among them
     worker.output.put("job.json", json.dumps({"fingerprint": {"generation": dataclasses.asdict(settings)}}).encode())
     return worker, plan_shards(files, 3)
@@ -106,8 +117,9 @@ def _free_port() -> int:
 # connection closed mid-request), so that the faults of tests/faulty_store.py reach fleetgen's own
 # policy (workers/storage.py) and an outage is seen in a second, not in tens. Set before any Ray
 # worker starts: they read it at import.
-S3_CLIENT = {"config_kwargs": {"retries": {"max_attempts": 1, "mode": "standard"}, "connect_timeout": 5,
-                                             "read_timeout": 30}}
+S3_CLIENT = {
+    "config_kwargs": {"retries": {"max_attempts": 1, "mode": "standard"}, "connect_timeout": 5, "read_timeout": 30}
+}
 
 
 @pytest.fixture(scope="session")
@@ -124,7 +136,8 @@ def _s3_stack():
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 30
     while True:
@@ -137,8 +150,13 @@ def _s3_stack():
                 raise RuntimeError("moto server did not start") from None
             time.sleep(0.2)
     store = FaultyStore(f"http://127.0.0.1:{port}").start()
-    env = {"AWS_ENDPOINT_URL": store.endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-           "AWS_DEFAULT_REGION": "us-east-1", "FSSPEC_S3": json.dumps(S3_CLIENT)}
+    env = {
+        "AWS_ENDPOINT_URL": store.endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "FSSPEC_S3": json.dumps(S3_CLIENT),
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     saved_conf = fsspec.config.conf.get("s3")

@@ -29,12 +29,24 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 FAULTS = ("slowdown", "internal", "reset_before", "reset_after", "latency")
-_ERROR_XML = ('<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{message}</Message>'
-              "<RequestId>fleetgen-faulty-store</RequestId></Error>")
-_ANSWERS = {"slowdown": (503, "SlowDown", "Please reduce your request rate."),
-            "internal": (500, "InternalError", "We encountered an internal error. Please try again.")}
-_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "proxy-connection", "te", "trailer",
-        "upgrade"}
+_ERROR_XML = (
+    '<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{message}</Message>'
+    "<RequestId>fleetgen-faulty-store</RequestId></Error>"
+)
+_ANSWERS = {
+    "slowdown": (503, "SlowDown", "Please reduce your request rate."),
+    "internal": (500, "InternalError", "We encountered an internal error. Please try again."),
+}
+_HOP = {
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "content-length",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "upgrade",
+}
 
 
 @dataclass
@@ -49,9 +61,13 @@ class Rule:
     after: Rule | None = None  # active only once this other rule has fired all its times
 
     def matches(self, method: str, path: str, headers) -> bool:
-        return (self.times > 0 and (self.after is None or self.after.times == 0)
-                and (self.method is None or method == self.method)
-                and (self.path is None or self.path in path) and (self.header is None or self.header in headers))
+        return (
+            self.times > 0
+            and (self.after is None or self.after.times == 0)
+            and (self.method is None or method == self.method)
+            and (self.path is None or self.path in path)
+            and (self.header is None or self.header in headers)
+        )
 
 
 class FaultyStore:

@@ -25,8 +25,10 @@ class Repo:
     def push(self, directory: Path, branch: str = "main") -> str:
         """A commit holding every file under `directory`; `branch` moves to it. Returns its sha."""
         files = {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
-        sha = hashlib.sha1(json.dumps(sorted((k, hashlib.sha256(v).hexdigest()) for k, v in files.items())).encode()
-                           + str(len(self.commits)).encode()).hexdigest()
+        sha = hashlib.sha1(
+            json.dumps(sorted((k, hashlib.sha256(v).hexdigest()) for k, v in files.items())).encode()
+            + str(len(self.commits)).encode()
+        ).hexdigest()
         self.commits[sha] = files
         self.refs[branch] = sha
         return sha
@@ -101,8 +103,11 @@ class HubServer:
             if sha is None:
                 return self._error(h, 404, "RevisionNotFound", f"Invalid rev id: {parts[3]}")
             under = "/".join(parts[4:])
-            entries = [{"type": "file", "path": p, "size": len(b), "oid": hashlib.sha1(b).hexdigest()}
-                       for p, b in repo.commits[sha].items() if p.startswith(under)]
+            entries = [
+                {"type": "file", "path": p, "size": len(b), "oid": hashlib.sha1(b).hexdigest()}
+                for p, b in repo.commits[sha].items()
+                if p.startswith(under)
+            ]
             return self._json(h, entries, body)
         if api:  # /api/models/{repo}[/revision/{rev}]
             revision = parts[3] if len(parts) > 3 and parts[2] == "revision" else "main"
@@ -110,9 +115,17 @@ class HubServer:
             if sha is None:
                 return self._error(h, 404, "RevisionNotFound", f"Invalid rev id: {revision}")
             files = repo.commits[sha]
-            info = {"id": repo_id, "modelId": repo_id, "sha": sha, "private": False, "gated": "auto" if repo.gated
-                    else False, "disabled": False, "tags": ["diffusers"], "library_name": "diffusers",
-                    "siblings": [{"rfilename": p, "size": len(b)} for p, b in files.items()]}
+            info = {
+                "id": repo_id,
+                "modelId": repo_id,
+                "sha": sha,
+                "private": False,
+                "gated": "auto" if repo.gated else False,
+                "disabled": False,
+                "tags": ["diffusers"],
+                "library_name": "diffusers",
+                "siblings": [{"rfilename": p, "size": len(b)} for p, b in files.items()],
+            }
             return self._json(h, info, body)
         if len(parts) < 5 or parts[2] != "resolve":  # /{repo}/resolve/{rev}/{path}
             return self._error(h, 404, "EntryNotFound", "Not found")

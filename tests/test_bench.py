@@ -14,8 +14,12 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_gpu_offload_script_runs_tiny_on_cpu(tmp_path):
     out = tmp_path / "gpu.json"
-    subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_offload.py"), "--tiny", "--json", str(out)],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu_offload.py"), "--tiny", "--json", str(out)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     result = json.loads(out.read_text())
     assert set(result["modes"]) == {"resident", "block_level(1)", "leaf_level"}
     assert all(m["steps_per_s"] > 0 for m in result["modes"].values())
@@ -38,11 +42,20 @@ def test_streams_on_cuda_give_the_same_latents():
         pipe = build_tiny_flux()
         pipe.set_progress_bar_config(disable=True)
         apply(pipe, OffloadPlan(placements, 1), profile_pipeline(pipe), torch.device("cuda"))
-        return pipe(prompt=["a red fox"], num_inference_steps=3, width=32, height=32, max_sequence_length=32,
-                    generator=[torch.Generator().manual_seed(1)], output_type="np").images
+        return pipe(
+            prompt=["a red fox"],
+            num_inference_steps=3,
+            width=32,
+            height=32,
+            max_sequence_length=32,
+            generator=[torch.Generator().manual_seed(1)],
+            output_type="np",
+        ).images
 
     ref = run({})
-    streamed = run({"transformer": Placement("block", 1, stream=True), "text_encoder_2": Placement("leaf", stream=True)})
+    streamed = run(
+        {"transformer": Placement("block", 1, stream=True), "text_encoder_2": Placement("leaf", stream=True)}
+    )
     assert (abs(ref - streamed)).max() == 0
 
 
@@ -51,8 +64,12 @@ def test_gpu_check_dry_run_takes_every_path_on_cpu(tmp_path):
     """`make gpu-check-dry`: the GPU check's own code at tiny size on CPU (its gpu tests skip), so
     the script a GPU session runs once cannot rot."""
     out = tmp_path / "gpu-check.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["gpu_tests"]["returncode"] == 5 or "skipped" in result["gpu_tests"]["summary"]
@@ -78,9 +95,22 @@ def test_gpu_check_writes_every_row_as_it_goes_and_skips_past_its_time_limit(tmp
     """On a lent GPU only `$OUT` comes back: the JSON is there from the start and after each row;
     past `--time-limit`, rows are recorded as skipped instead of running past the session."""
     out = tmp_path / "OUT"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry", "--skip-tests",
-                           "--time-limit", "0", "--models", "sdxl"], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OUT": str(out)})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "gpu_check.py"),
+            "--dry",
+            "--skip-tests",
+            "--time-limit",
+            "0",
+            "--models",
+            "sdxl",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OUT": str(out)},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((out / "gpu-check.json").read_text())
     assert result["rows"] == [{"model": "sdxl", "run": "all", "skipped": "--time-limit 0 s reached"}]

@@ -77,8 +77,11 @@ def test_config_file_errors(tmp_path):
 def test_sizes_the_model_cannot_take_are_refused(tiny_model, tmp_path):
     from offload.architectures import HERE
 
-    with pytest.raises(ConfigError, match=r"`--width` `100` is not a multiple of 16, which the model at .*flux.1-dev "
-                                          r"needs \(VAE scale 8 x patch 2\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"`--width` `100` is not a multiple of 16, which the model at .*flux.1-dev "
+        r"needs \(VAE scale 8 x patch 2\)",
+    ):
         make_config({**BASE, "model": str(HERE / "flux.1-dev"), "width": 100, "height": 96})
     with pytest.raises(ConfigError, match="`--height` `1000` is not a multiple of 16"):
         make_config({**BASE, "model": str(HERE / "flux.1-dev"), "height": 1000})
@@ -87,7 +90,10 @@ def test_sizes_the_model_cannot_take_are_refused(tiny_model, tmp_path):
         make_config({**BASE, "model": str(HERE / "sd-1.5"), "width": 516})
     # The tiny VAE scales by 2, but StableDiffusionPipeline's own check refuses what is not a multiple
     # of 8: 68 passed here once and then failed every shard three times.
-    with pytest.raises(ConfigError, match=r"`--width` `68` is not a multiple of 8, which the model at .* needs "
-                                          r"\(VAE scale 2 x patch 1; StableDiffusionPipeline takes only multiples of 8\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"`--width` `68` is not a multiple of 8, which the model at .* needs "
+        r"\(VAE scale 2 x patch 1; StableDiffusionPipeline takes only multiples of 8\)",
+    ):
         make_config({**BASE, "model": tiny_model, "width": 68})
     assert make_config({**BASE, "model": tiny_model, "width": 72}).width == 72

@@ -41,13 +41,18 @@ def images_of(path, columns=None, **recipe):
 
 # --- rows → images → batches (pure) -------------------------------------------------------------
 
+
 def test_rows_become_images_with_their_settings(tmp_path):
-    path = write(tmp_path / "p.parquet", prompt=["a", "b", "c", "d", "e", "f"], id=["r0", "r1", "r2", "r3", "r4", "r5"],
-                 num_images=pa.array([2, None, 0, 1, 3, 1], pa.int32()),
-                 width=pa.array([128, None, 64, 65, None, 64], pa.int32()),
-                 steps=pa.array([None, 3, 2, 2, 0, 2], pa.int32()),
-                 guidance=[None, 2.5, float("nan"), 1.0, 1.0, math.inf],
-                 seed=pa.array([None, None, None, None, 7, None], pa.int64()))
+    path = write(
+        tmp_path / "p.parquet",
+        prompt=["a", "b", "c", "d", "e", "f"],
+        id=["r0", "r1", "r2", "r3", "r4", "r5"],
+        num_images=pa.array([2, None, 0, 1, 3, 1], pa.int32()),
+        width=pa.array([128, None, 64, 65, None, 64], pa.int32()),
+        steps=pa.array([None, 3, 2, 2, 0, 2], pa.int32()),
+        guidance=[None, 2.5, float("nan"), 1.0, 1.0, math.inf],
+        seed=pa.array([None, None, None, None, 7, None], pa.int64()),
+    )
     columns = Columns(num_images="num_images", width="width", steps="steps", guidance="guidance")
     images = images_of(path, columns, images_per_prompt=2, seed=5)
     by_id = {im.id: im for im in images}
@@ -64,8 +69,9 @@ def test_rows_become_images_with_their_settings(tmp_path):
     assert len(set(seeds)) == len(seeds)
     assert [im.seed for im in images_of(path, columns, images_per_prompt=2, seed=5)] == [im.seed for im in images]
     assert images_of(path, columns, images_per_prompt=2, seed=6)[0].seed != images[0].seed
-    r4 = images_of(write(tmp_path / "q.parquet", prompt=["x"], id=["r4"], seed=pa.array([7], pa.int64())),
-                   images_per_prompt=3)
+    r4 = images_of(
+        write(tmp_path / "q.parquet", prompt=["x"], id=["r4"], seed=pa.array([7], pa.int64())), images_per_prompt=3
+    )
     assert [im.seed for im in r4] == [7, 8, 9]
 
 
@@ -113,38 +119,60 @@ def test_columns_are_checked_before_any_worker(tmp_path):
 def test_synthesis_options_are_validated(tmp_path):
     lora = tmp_path / "a.safetensors"
     lora.write_bytes(b"")
-    config = make_config({"input": "p", "output": "o", "model": "org/m", "lora": [f"{lora}:0.7", "org/style-lora"],
-                          "prompt_template": "a {x}", "images_per_prompt": 4})
+    config = make_config(
+        {
+            "input": "p",
+            "output": "o",
+            "model": "org/m",
+            "lora": [f"{lora}:0.7", "org/style-lora"],
+            "prompt_template": "a {x}",
+            "images_per_prompt": 4,
+        }
+    )
     assert config.lora == (f"{lora}:0.7", "org/style-lora")
     from jobs.config import parse_lora
 
     assert parse_lora(f"{lora}:0.7") == Adapter(str(lora), 0.7)
     assert parse_lora("org/style-lora") == Adapter("org/style-lora", 1.0)
     base = {"input": "p", "output": "o", "model": "org/m"}
-    for bad, message in (({"lora": ("missing.safetensors",)}, "neither an existing file"),
-                         ({"prompt_template": "a {}"}, "`{}` is not a column name"),
-                         ({"prompt_template": "a {x.y}"}, "`{x.y}` is not a column name"),
-                         ({"images_per_prompt": 0}, "`--images-per-prompt` must be 1 to 1000"),
-                         ({"keep_columns": "a", "drop_columns": "b"}, "pass one of them")):
+    for bad, message in (
+        ({"lora": ("missing.safetensors",)}, "neither an existing file"),
+        ({"prompt_template": "a {}"}, "`{}` is not a column name"),
+        ({"prompt_template": "a {x.y}"}, "`{x.y}` is not a column name"),
+        ({"images_per_prompt": 0}, "`--images-per-prompt` must be 1 to 1000"),
+        ({"keep_columns": "a", "drop_columns": "b"}, "pass one of them"),
+    ):
         with pytest.raises(ConfigError, match=message):
             validate(JobConfig(**base, **bad))
 
 
 # --- whole jobs ----------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def classes(tmp_path_factory):
     """3 classes x 2 styles, with a class index, a list column and an id."""
     rows = [(label, style) for label in LABELS for style in STYLES]
-    return write(tmp_path_factory.mktemp("classes") / "labels.parquet", id=[f"{lab}-{sty}" for lab, sty in rows],
-                 label=[lab for lab, _ in rows], style=[sty for _, sty in rows],
-                 class_id=pa.array([LABELS.index(lab) for lab, _ in rows], pa.int16()),
-                 tags=[[lab, sty] for lab, sty in rows])
+    return write(
+        tmp_path_factory.mktemp("classes") / "labels.parquet",
+        id=[f"{lab}-{sty}" for lab, sty in rows],
+        label=[lab for lab, _ in rows],
+        style=[sty for _, sty in rows],
+        class_id=pa.array([LABELS.index(lab) for lab, _ in rows], pa.int16()),
+        tags=[[lab, sty] for lab, sty in rows],
+    )
 
 
 def synth(classes, model, out, **kw) -> JobConfig:
-    return validate(JobConfig(input=classes, output=str(out), model=model, prompt_template=TEMPLATE,
-                              **{"images_per_prompt": 3, "rows_per_shard": 3, "max_batch": 4, **FAST, **kw}))
+    return validate(
+        JobConfig(
+            input=classes,
+            output=str(out),
+            model=model,
+            prompt_template=TEMPLATE,
+            **{"images_per_prompt": 3, "rows_per_shard": 3, "max_batch": 4, **FAST, **kw},
+        )
+    )
 
 
 def test_template_job_is_a_dataset_for_real_readers(ray_cluster, tiny_model, classes, tmp_path):
@@ -153,7 +181,9 @@ def test_template_job_is_a_dataset_for_real_readers(ray_cluster, tiny_model, cla
     from jobs.driver import run_job
 
     out = tmp_path / "pq"
-    summary = run_job(synth(classes, tiny_model, out, output_format="parquet", workers=2), progress_stream=io.StringIO())
+    summary = run_job(
+        synth(classes, tiny_model, out, output_format="parquet", workers=2), progress_stream=io.StringIO()
+    )
     assert summary.complete and summary.images_ok == 18
     manifest = pq.read_table(out / "shards").to_pylist()
     ids = sorted(r["id"] for r in manifest)
@@ -188,8 +218,10 @@ def test_webdataset_output_reads_with_webdataset_and_wids(ray_cluster, tiny_mode
     from jobs.driver import run_job
 
     out = tmp_path / "wds"
-    run_job(synth(classes, tiny_model, out, output_format="webdataset", images_per_prompt=1, workers=1),
-            progress_stream=io.StringIO())
+    run_job(
+        synth(classes, tiny_model, out, output_format="webdataset", images_per_prompt=1, workers=1),
+        progress_stream=io.StringIO(),
+    )
     tars = sorted(str(p) for p in (out / "data").glob("*.tar"))
     assert [p.rsplit("/", 1)[1] for p in tars] == ["shard-00000.tar", "shard-00001.tar"]
     samples = list(wds.WebDataset(tars, shardshuffle=False).decode("pil"))
@@ -199,8 +231,10 @@ def test_webdataset_output_reads_with_webdataset_and_wids(ray_cluster, tiny_mode
         assert s["png"].size == (64, 64) and meta["class_id"] == LABELS.index(meta["label"])
         assert meta["prompt"] == f"a {meta['style']} of a {meta['label']}"
     index = json.loads((out / "wids-index.json").read_text())
-    assert [(e["url"], e["nsamples"]) for e in index["shardlist"]] == [("data/shard-00000.tar", 3),
-                                                                       ("data/shard-00001.tar", 3)]
+    assert [(e["url"], e["nsamples"]) for e in index["shardlist"]] == [
+        ("data/shard-00000.tar", 3),
+        ("data/shard-00001.tar", 3),
+    ]
     ds = wids.ShardListDataset(str(out / "wids-index.json"), cache_dir=str(tmp_path / "wids-cache"))
     assert len(ds) == 6
     assert {ds[i][".json"]["label"] for i in range(len(ds))} == set(LABELS)
@@ -215,14 +249,29 @@ def test_mixed_sizes_and_adapters_batch_by_look(tiny_model, tmp_path):
     a = str(write_tiny_lora(tmp_path / "loras" / "a.safetensors", tiny_model, seed=1))
     b = str(write_tiny_lora(tmp_path / "loras" / "b.safetensors", tiny_model, seed=2))
     n = 12
-    path = write(tmp_path / "p.parquet", prompt=["a lighthouse at dawn"] * n, id=[f"r{i}" for i in range(n)],
-                 seed=pa.array([42] * n, pa.int64()), width=pa.array([64, 128] * (n // 2), pa.int32()),
-                 lora=[[None, a, b][i % 3] for i in range(n)], lora_scale=[None, None, 0.5] * (n // 3))
+    path = write(
+        tmp_path / "p.parquet",
+        prompt=["a lighthouse at dawn"] * n,
+        id=[f"r{i}" for i in range(n)],
+        seed=pa.array([42] * n, pa.int64()),
+        width=pa.array([64, 128] * (n // 2), pa.int32()),
+        lora=[[None, a, b][i % 3] for i in range(n)],
+        lora_scale=[None, None, 0.5] * (n // 3),
+    )
     files = [read_footer(path)]
     cols = resolve_columns(files, Columns(width="width", lora="lora", lora_scale="lora_scale"))
     settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64, output_format="parquet")
-    spec = WorkerSpec("w0", tiny_model, str(tmp_path / "out"), settings, cols, max_batch=4, device="cpu",
-                      adapters=((a, a), (b, b)), plan_size=(128, 64))
+    spec = WorkerSpec(
+        "w0",
+        tiny_model,
+        str(tmp_path / "out"),
+        settings,
+        cols,
+        max_batch=4,
+        device="cpu",
+        adapters=((a, a), (b, b)),
+        plan_size=(128, 64),
+    )
     worker = Worker(spec)
     plain = Worker(WorkerSpec("w1", tiny_model, str(tmp_path / "plain"), settings, cols, device="cpu"))
     assert worker.profile.total_bytes > plain.profile.total_bytes  # the adapters' bytes are planned for
@@ -252,8 +301,19 @@ def test_retry_errors_redoes_exactly_the_error_rows(ray_cluster, tiny_model, tmp
     long = " ".join(["a very long prompt about a red fox"] * 20)  # > 77 CLIP tokens
     prompts = ["a cat", long, "a dog", "an owl", long, "a cow"]
     path = write(tmp_path / "p.parquet", prompt=prompts, id=[f"p{i}" for i in range(6)])
-    config = validate(JobConfig(input=path, output=str(tmp_path / "out"), model=tiny_model, output_format="webdataset",
-                                rows_per_shard=3, max_batch=3, workers=1, strict_prompts=True, **FAST))
+    config = validate(
+        JobConfig(
+            input=path,
+            output=str(tmp_path / "out"),
+            model=tiny_model,
+            output_format="webdataset",
+            rows_per_shard=3,
+            max_batch=3,
+            workers=1,
+            strict_prompts=True,
+            **FAST,
+        )
+    )
     first = run_job(config, progress_stream=io.StringIO())
     assert (first.images_ok, first.images_error) == (4, 2)
 
@@ -264,8 +324,9 @@ def test_retry_errors_redoes_exactly_the_error_rows(ray_cluster, tiny_model, tmp
     before = {s: members(s) for s in ("shard-00000", "shard-00001")}
     manifest_before = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "shards").to_pylist()}
     log = io.StringIO()
-    second = run_job(validate(JobConfig(**{**config.to_dict(), "strict_prompts": False, "retry_errors": True})),
-                     progress_stream=log)
+    second = run_job(
+        validate(JobConfig(**{**config.to_dict(), "strict_prompts": False, "retry_errors": True})), progress_stream=log
+    )
     assert "--retry-errors: 2 committed shard(s) have error rows" in log.getvalue()
     assert (second.images_ok, second.images_error, second.complete) == (6, 0, True)
     after = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "shards").to_pylist()}
@@ -281,8 +342,10 @@ def test_retry_errors_redoes_exactly_the_error_rows(ray_cluster, tiny_model, tmp
     for r in after.values():
         image = members(r["image"].rsplit("/", 1)[1].removesuffix(".tar"))[r["member"]]
         assert hashlib.sha256(image).hexdigest() == r["sha256"]
-    third = run_job(validate(JobConfig(**{**config.to_dict(), "strict_prompts": False, "retry_errors": True})),
-                    progress_stream=io.StringIO())
+    third = run_job(
+        validate(JobConfig(**{**config.to_dict(), "strict_prompts": False, "retry_errors": True})),
+        progress_stream=io.StringIO(),
+    )
     assert third.images_ok == 6 and third.shards_skipped == 2
 
 
@@ -295,20 +358,35 @@ def test_driver_reads_sizes_from_footers_and_adapters_from_the_column(tmp_path, 
     lora = tmp_path / "a.safetensors"
     lora.write_bytes(b"")
     path = tmp_path / "p.parquet"
-    pq.write_table(pa.table({"prompt": ["x"] * 6, "tags": [[1, 2]] * 6,  # a list column: leaf indices shift
-                             "width": pa.array([64, None, 256, 64, 128, None], pa.int32()),
-                             "lora": [str(lora), None, "", "org/style", str(lora), None]}), path, row_group_size=2)
+    pq.write_table(
+        pa.table(
+            {
+                "prompt": ["x"] * 6,
+                "tags": [[1, 2]] * 6,  # a list column: leaf indices shift
+                "width": pa.array([64, None, 256, 64, 128, None], pa.int32()),
+                "lora": [str(lora), None, "", "org/style", str(lora), None],
+            }
+        ),
+        path,
+        row_group_size=2,
+    )
     files = [read_footer(str(path))]
     assert largest(files, "width") == 256 and largest(files, None) is None
-    pq.write_table(pa.table({"prompt": ["y"], "tags": [[3]], "width": pa.array([512], pa.int32()), "lora": [None]}),
-                   tmp_path / "q.parquet", write_statistics=False)  # no statistics: the column is read
+    pq.write_table(
+        pa.table({"prompt": ["y"], "tags": [[3]], "width": pa.array([512], pa.int32()), "lora": [None]}),
+        tmp_path / "q.parquet",
+        write_statistics=False,
+    )  # no statistics: the column is read
     assert largest([*files, read_footer(str(tmp_path / "q.parquet"))], "width") == 512
     values = distinct_strings(files, "lora", 32)
     assert sorted(values) == sorted([str(lora), "", "org/style"])
     config = JobConfig(input=str(path), output="o", model=tiny_model, lora=("org/base:0.5",))
     cols = Columns(lora="lora")
-    assert resolve_adapters(config, cols, values) == (("org/base", "org/base"), (str(lora), str(lora)),
-                                                       ("org/style", "org/style"))
+    assert resolve_adapters(config, cols, values) == (
+        ("org/base", "org/base"),
+        (str(lora), str(lora)),
+        ("org/style", "org/style"),
+    )
     with pytest.raises(ConfigError, match="Column `lora`: `nope.safetensors` is neither an existing file"):
         resolve_adapters(config, cols, ["nope.safetensors"])
     with pytest.raises(ConfigError, match="more than 32 LoRA adapters"):

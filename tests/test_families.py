@@ -34,23 +34,46 @@ def _shard(path, **columns):
 
 def _worker(model, out, family, columns, **settings):
     base = {"steps": 2, "guidance": FAMILIES[family].guidance, "width": 64, "height": 64, "family": family}
-    return Worker(WorkerSpec("w0", model, str(out), GenerationSettings(**{**base, **settings}), columns,
-                             max_batch=2, device="cpu", threads=1))
+    return Worker(
+        WorkerSpec(
+            "w0",
+            model,
+            str(out),
+            GenerationSettings(**{**base, **settings}),
+            columns,
+            max_batch=2,
+            device="cpu",
+            threads=1,
+        )
+    )
 
 
 @pytest.mark.parametrize("family", ["sdxl", "sd3", "flux", "pixart-sigma", "sana"])
 def test_each_family_resolves_its_defaults_and_runs(family, models, ray_cluster, tmp_path):
     prompts = write_prompts(tmp_path / "p.parquet", ["a red fox", "a blue owl"])
     log = io.StringIO()
-    config = validate(JobConfig(input=str(prompts), output=str(tmp_path / "out"), model=models[family], width=64,
-                                height=64, device="cpu", workers=1))
+    config = validate(
+        JobConfig(
+            input=str(prompts),
+            output=str(tmp_path / "out"),
+            model=models[family],
+            width=64,
+            height=64,
+            device="cpu",
+            workers=1,
+        )
+    )
     summary = run_job(config, progress_stream=log, progress_interval=0)
     assert summary.complete and summary.images_ok == 2
     expected = FAMILIES[family]
     job = json.loads((tmp_path / "out" / "job.json").read_text())
     assert job["family"]["name"] == family and job["family"]["sources"]["steps"] == "family default"
     generation = job["fingerprint"]["generation"]
-    assert (generation["steps"], generation["guidance"], generation["family"]) == (expected.steps, expected.guidance, family)
+    assert (generation["steps"], generation["guidance"], generation["family"]) == (
+        expected.steps,
+        expected.guidance,
+        family,
+    )
     assert f"model family {family} ({expected.pipelines[0]}): steps {expected.steps} (family default)" in log.getvalue()
     rows = pq.read_table(tmp_path / "out" / "shards").to_pylist()
     assert {r["steps"] for r in rows} == {expected.steps}
@@ -66,10 +89,19 @@ def test_flags_win_over_family_defaults(models, tmp_path):
 
 
 def test_flux_negative_prompts_need_true_cfg_and_then_change_the_images(models, tmp_path):
-    with_neg = write_prompts(tmp_path / "neg.parquet", ["a red fox", "a blue owl"], id=["a", "b"],
-                             negative_prompt=["blurry", "dark"])
-    config = validate(JobConfig(input=str(with_neg), output=str(tmp_path / "refused"), model=models["flux"], width=64,
-                                height=64, device="cpu"))
+    with_neg = write_prompts(
+        tmp_path / "neg.parquet", ["a red fox", "a blue owl"], id=["a", "b"], negative_prompt=["blurry", "dark"]
+    )
+    config = validate(
+        JobConfig(
+            input=str(with_neg),
+            output=str(tmp_path / "refused"),
+            model=models["flux"],
+            width=64,
+            height=64,
+            device="cpu",
+        )
+    )
     with pytest.raises(ConfigError, match="ignores negative prompts unless `--true-cfg-scale` is above 1"):
         run_job(config, progress_stream=io.StringIO())
     assert not (tmp_path / "refused").exists()  # refused before anything was written
@@ -107,12 +139,26 @@ def test_safety_checker_flags_are_filtered_rows(tmp_path, ray_cluster):
 
     pipe = build_tiny_pipeline()
     torch.manual_seed(0)
-    checker = StableDiffusionSafetyChecker(CLIPConfig(
-        text_config={"hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2, "num_hidden_layers": 1,
-                     "vocab_size": 99},
-        vision_config={"hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2, "num_hidden_layers": 1,
-                       "image_size": 32, "patch_size": 8},
-        projection_dim=16))
+    checker = StableDiffusionSafetyChecker(
+        CLIPConfig(
+            text_config={
+                "hidden_size": 16,
+                "intermediate_size": 32,
+                "num_attention_heads": 2,
+                "num_hidden_layers": 1,
+                "vocab_size": 99,
+            },
+            vision_config={
+                "hidden_size": 16,
+                "intermediate_size": 32,
+                "num_attention_heads": 2,
+                "num_hidden_layers": 1,
+                "image_size": 32,
+                "patch_size": 8,
+            },
+            projection_dim=16,
+        )
+    )
     with torch.no_grad():
         checker.concept_embeds_weights.fill_(-10.0)  # every cosine distance is above these thresholds: flagged
     pipe.register_modules(safety_checker=checker, feature_extractor=CLIPImageProcessor(size=32, crop_size=32))
@@ -128,8 +174,21 @@ def test_safety_checker_flags_are_filtered_rows(tmp_path, ray_cluster):
     assert {(r["status"], r["nsfw"], r["image"]) for r in rows} == {("filtered", True, None)}
     assert not list((tmp_path / "out").rglob("*.png"))
 
-    summary = run_job(validate(JobConfig(input=str(path), output=str(tmp_path / "job"), model=str(model), steps=2,
-                                         width=64, height=64, device="cpu", workers=1)), progress_stream=io.StringIO())
+    summary = run_job(
+        validate(
+            JobConfig(
+                input=str(path),
+                output=str(tmp_path / "job"),
+                model=str(model),
+                steps=2,
+                width=64,
+                height=64,
+                device="cpu",
+                workers=1,
+            )
+        ),
+        progress_stream=io.StringIO(),
+    )
     assert (summary.images_ok, summary.images_filtered, summary.images_error) == (0, 2, 0)
     from jobs.inspect import job_state, status_text
 
@@ -146,13 +205,21 @@ def test_any_other_pipeline_is_called_with_only_what_it_takes(tmp_path):
 
     sd = build_tiny_pipeline()
     unet = UNet2DConditionModel(**{**sd.unet.config, "time_cond_proj_dim": 32})
-    pipe = LatentConsistencyModelPipeline(vae=sd.vae, text_encoder=sd.text_encoder, tokenizer=sd.tokenizer, unet=unet,
-                                          scheduler=LCMScheduler(), safety_checker=None, feature_extractor=None,
-                                          requires_safety_checker=False)
+    pipe = LatentConsistencyModelPipeline(
+        vae=sd.vae,
+        text_encoder=sd.text_encoder,
+        tokenizer=sd.tokenizer,
+        unet=unet,
+        scheduler=LCMScheduler(),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
     pipe.save_pretrained(tmp_path / "lcm")
     assert read_family(tmp_path / "lcm") is GENERIC
-    path = write_prompts(tmp_path / "p.parquet", ["a red fox", "a blue owl"], id=["a", "b"],
-                         negative_prompt=["blurry", None])
+    path = write_prompts(
+        tmp_path / "p.parquet", ["a red fox", "a blue owl"], id=["a", "b"], negative_prompt=["blurry", None]
+    )
     shard, columns = _shard(path)
     result = _worker(str(tmp_path / "lcm"), tmp_path / "out", "generic", columns, guidance=1.5).run_shard(shard)
     assert (result.ok, result.errors) == (2, 0)
@@ -165,7 +232,24 @@ def test_any_other_pipeline_is_called_with_only_what_it_takes(tmp_path):
 def test_plan_works_on_every_family_directory(family, models, capsys):
     from jobs.cli import main
 
-    assert main(["plan", "--model", models[family], "--gpu-memory", "1GiB", "--width", "64", "--height", "64",
-                 "--host-memory", "1GiB", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                models[family],
+                "--gpu-memory",
+                "1GiB",
+                "--width",
+                "64",
+                "--height",
+                "64",
+                "--host-memory",
+                "1GiB",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["family"] == family and out["dtype"] == FAMILIES[family].dtype and "error" not in out["plans"][0]

@@ -43,14 +43,22 @@ def test_chaos_workers_killed_at_random_moments(chaos_input, tiny_model, tmp_pat
     prompts, clean, _ = chaos_input
     killer = Killer(tmp_path / "out", kills=4, seed=1)
     killer.start()
-    summary = run_job(job(prompts, tiny_model, tmp_path / "out", max_attempts=10, max_restarts=5),
-                      progress_stream=io.StringIO())
+    summary = run_job(
+        job(prompts, tiny_model, tmp_path / "out", max_attempts=10, max_restarts=5), progress_stream=io.StringIO()
+    )
     killer.done.set()
     killer.join()
     assert len(killer.killed) == 4, "the job ended before every kill landed: make it longer"
     assert summary.complete and summary.images_ok == 160
-    assert check(tmp_path / "out", clean) == {"rows": 160, "missing": 0, "duplicates": 0, "stray_objects": 0,
-                                              "sha_mismatches": 0, "tmp_files": 0, "verify_deep": "clean"}
+    assert check(tmp_path / "out", clean) == {
+        "rows": 160,
+        "missing": 0,
+        "duplicates": 0,
+        "stray_objects": 0,
+        "sha_mismatches": 0,
+        "tmp_files": 0,
+        "verify_deep": "clean",
+    }
     assert not list((tmp_path / "out").rglob("*.tmp-*"))
     pids_now = {json.loads(f.read_text())["pid"] for f in (tmp_path / "out" / "workers").glob("*.json")}
     assert not pids_now & {k["pid"] for k in killer.killed}  # the workers that finished were restarted ones
@@ -71,9 +79,29 @@ def test_failing_shard_is_retried_bounded_then_reported(tiny_model, tmp_path, ra
 
     prompts = write_prompts(tmp_path / "p.parquet", [f"p{i}" for i in range(16)], row_group_size=8)
     _corrupt_first_row_group(prompts)
-    args = ["run", "--input", str(prompts), "--output", str(tmp_path / "out"), "--model", tiny_model,
-            "--steps", "2", "--width", "64", "--height", "64", "--device", "cpu", "--rows-per-shard", "8",
-            "--workers", "2", "--max-attempts", "2"]
+    args = [
+        "run",
+        "--input",
+        str(prompts),
+        "--output",
+        str(tmp_path / "out"),
+        "--model",
+        tiny_model,
+        "--steps",
+        "2",
+        "--width",
+        "64",
+        "--height",
+        "64",
+        "--device",
+        "cpu",
+        "--rows-per-shard",
+        "8",
+        "--workers",
+        "2",
+        "--max-attempts",
+        "2",
+    ]
     assert main(args) == 1
     err = capsys.readouterr().err
     assert "FAILED shard-00000 after 2 attempt(s): InputError: Could not read row group 0" in err
@@ -88,8 +116,14 @@ def test_failing_shard_is_retried_bounded_then_reported(tiny_model, tmp_path, ra
 
 def _driver(args: list[str], ray_address: str) -> subprocess.Popen:
     env = {**os.environ, "RAY_ADDRESS": ray_address}
-    return subprocess.Popen([sys.executable, "-m", "jobs", "run", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "jobs", "run", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_for_images(out: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -105,8 +139,30 @@ def _wait_for_images(out: Path, proc: subprocess.Popen, timeout: float = 120) ->
 def test_driver_stopped_or_killed_then_rerun_resumes(chaos_input, tiny_model, tmp_path, ray_cluster, sig):
     prompts, clean, _ = chaos_input
     out = tmp_path / "out"
-    args = ["--input", str(prompts), "--output", str(out), "--model", tiny_model, "--steps", "2", "--guidance", "5", "--width", "64",
-            "--height", "64", "--device", "cpu", "--rows-per-shard", "8", "--workers", "2", "--max-batch", "4"]
+    args = [
+        "--input",
+        str(prompts),
+        "--output",
+        str(out),
+        "--model",
+        tiny_model,
+        "--steps",
+        "2",
+        "--guidance",
+        "5",
+        "--width",
+        "64",
+        "--height",
+        "64",
+        "--device",
+        "cpu",
+        "--rows-per-shard",
+        "8",
+        "--workers",
+        "2",
+        "--max-batch",
+        "4",
+    ]
     proc = _driver(args, ray_cluster.get_runtime_context().gcs_address)
     _wait_for_images(out, proc)
     proc.send_signal(sig)
@@ -131,8 +187,15 @@ def test_driver_stopped_or_killed_then_rerun_resumes(chaos_input, tiny_model, tm
     assert again.complete and again.shards_skipped == len(committed_before)
     if sig == signal.SIGKILL:
         assert f"pid {proc.pid}: that process no longer exists on this host" in log.getvalue()
-    assert check(out, clean) == {"rows": 160, "missing": 0, "duplicates": 0, "stray_objects": 0, "sha_mismatches": 0,
-                                "tmp_files": 0, "verify_deep": "clean"}
+    assert check(out, clean) == {
+        "rows": 160,
+        "missing": 0,
+        "duplicates": 0,
+        "stray_objects": 0,
+        "sha_mismatches": 0,
+        "tmp_files": 0,
+        "verify_deep": "clean",
+    }
 
 
 def test_second_driver_refuses_naming_the_first(tiny_model, tmp_path, ray_cluster):
@@ -163,11 +226,21 @@ def test_pathological_row_costs_only_itself(tiny_model, tmp_path):
     from workers.spec import GenerationSettings, WorkerSpec
     from workers.worker import Worker
 
-    prompts = write_prompts(tmp_path / "p.parquet", ["a red fox", "a robot", "a blue owl", "a cat"],
-                            id=["fox", "robot", "owl", "cat"])
+    prompts = write_prompts(
+        tmp_path / "p.parquet", ["a red fox", "a robot", "a blue owl", "a cat"], id=["fox", "robot", "owl", "cat"]
+    )
     files = [read_footer(str(prompts))]
-    worker = Worker(WorkerSpec("w0", tiny_model, str(tmp_path / "out"), GenerationSettings(steps=2, width=64, height=64),
-                               resolve_columns(files, Columns()), max_batch=4, device="cpu"))
+    worker = Worker(
+        WorkerSpec(
+            "w0",
+            tiny_model,
+            str(tmp_path / "out"),
+            GenerationSettings(steps=2, width=64, height=64),
+            resolve_columns(files, Columns()),
+            max_batch=4,
+            device="cpu",
+        )
+    )
     robot = worker.pipe.tokenizer("robot").input_ids[1]
 
     def reject_robots(module, args, kwargs):
@@ -179,7 +252,9 @@ def test_pathological_row_costs_only_itself(tiny_model, tmp_path):
     result = worker.run_shard(plan_shards(files, 10)[0])
     assert (result.ok, result.errors) == (3, 1)
     rows = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "shards" / "shard-00000.parquet").to_pylist()}
-    assert rows["robot"]["status"] == "error" and rows["robot"]["error"] == "ValueError: this pipeline cannot draw robots"
+    assert (
+        rows["robot"]["status"] == "error" and rows["robot"]["error"] == "ValueError: this pipeline cannot draw robots"
+    )
     assert all(rows[i]["status"] == "ok" for i in ("fox", "owl", "cat"))
 
 
@@ -188,14 +263,16 @@ def test_ids_repeated_across_shards_overwrite_nothing_and_within_a_shard_fail_it
     that shard (naming the rows) and nothing else."""
     ids = ["a", "b", "c", "d", "a", "e", "f", "g", "h", "i", "h", "j"]
     prompts = write_prompts(tmp_path / "p.parquet", [f"prompt {i}" for i in range(12)], id=ids)
-    summary = run_job(job(prompts, tiny_model, tmp_path / "out", rows_per_shard=4, max_attempts=1),
-                      progress_stream=io.StringIO())
+    summary = run_job(
+        job(prompts, tiny_model, tmp_path / "out", rows_per_shard=4, max_attempts=1), progress_stream=io.StringIO()
+    )
     assert (summary.shards_committed, summary.images_ok) == (2, 8)
     [failure] = summary.failures
     assert failure["shard"] == "shard-00002"
     assert "1 id(s) of column `id` repeat within the shard (`h` at rows 8, 10;" in failure["error"]
     assert (tmp_path / "out" / "images" / "shard-00000" / "a.png").read_bytes() != (
-        tmp_path / "out" / "images" / "shard-00001" / "a.png").read_bytes()
+        tmp_path / "out" / "images" / "shard-00001" / "a.png"
+    ).read_bytes()
     assert verify(str(tmp_path / "out"), deep=True).clean
 
 
@@ -215,13 +292,26 @@ def test_straggler_is_given_to_an_idle_worker_and_only_the_winners_bytes_are_sto
     write_prompts(tmp_path / "in" / "a.parquet", [f"long shard {i}" for i in range(40)])
     write_prompts(tmp_path / "in" / "b.parquet", [f"short shard {i}" for i in range(4)])
     log = io.StringIO()
-    fast = run_job(job(tmp_path / "in", tiny_model, tmp_path / "out", workers=2, rows_per_shard=40, max_batch=2,
-                       output_format="webdataset"), progress_stream=log)
+    fast = run_job(
+        job(
+            tmp_path / "in",
+            tiny_model,
+            tmp_path / "out",
+            workers=2,
+            rows_per_shard=40,
+            max_batch=2,
+            output_format="webdataset",
+        ),
+        progress_stream=log,
+    )
     assert fast.complete and fast.images_ok == 44
     assert fast.speculative_attempts == 1 and "straggler: shard-00000" in log.getvalue()
     rows = manifest_rows(tmp_path / "out")
     assert len(rows) == len({r["id"] for r in rows}) == 44
-    written = sorted(p.relative_to(tmp_path / "out").as_posix() for p in (tmp_path / "out").rglob("*")
-                     if p.is_file() and p.parts[-2] in ("images", "data", "shard-00000", "shard-00001"))
+    written = sorted(
+        p.relative_to(tmp_path / "out").as_posix()
+        for p in (tmp_path / "out").rglob("*")
+        if p.is_file() and p.parts[-2] in ("images", "data", "shard-00000", "shard-00001")
+    )
     assert written == ["data/shard-00000.tar", "data/shard-00001.tar"]  # no stray object, staging or temporary file
     assert verify(str(tmp_path / "out"), deep=True).clean

@@ -61,15 +61,34 @@ def _cluster_config(port: int) -> dict:
         for name in ("fake-a", "fake-b")
     }
     return {
-        "cluster_name": "fleetgen-test", "max_workers": 2, "upscaling_speed": 1.0, "idle_timeout_minutes": 0.1,
-        "provider": {"type": "fake_multinode", "use_node_id_as_ip": True, "disable_node_updaters": True,
-                     "disable_launch_config_check": True, "gcs_address": f"127.0.0.1:{port}"},
-        "available_node_types": {"ray.head.default": {"resources": {"CPU": 0}, "node_config": {}, "max_workers": 0},
-                                 **worker_types},
+        "cluster_name": "fleetgen-test",
+        "max_workers": 2,
+        "upscaling_speed": 1.0,
+        "idle_timeout_minutes": 0.1,
+        "provider": {
+            "type": "fake_multinode",
+            "use_node_id_as_ip": True,
+            "disable_node_updaters": True,
+            "disable_launch_config_check": True,
+            "gcs_address": f"127.0.0.1:{port}",
+        },
+        "available_node_types": {
+            "ray.head.default": {"resources": {"CPU": 0}, "node_config": {}, "max_workers": 0},
+            **worker_types,
+        },
         "head_node_type": "ray.head.default",
-        "auth": {}, "docker": {}, "file_mounts": {}, "cluster_synced_files": [], "initialization_commands": [],
-        "setup_commands": [], "head_setup_commands": [], "worker_setup_commands": [], "head_start_ray_commands": [],
-        "worker_start_ray_commands": [], "rsync_exclude": [], "rsync_filter": [],
+        "auth": {},
+        "docker": {},
+        "file_mounts": {},
+        "cluster_synced_files": [],
+        "initialization_commands": [],
+        "setup_commands": [],
+        "head_setup_commands": [],
+        "worker_setup_commands": [],
+        "head_start_ray_commands": [],
+        "worker_start_ray_commands": [],
+        "rsync_exclude": [],
+        "rsync_filter": [],
     }
 
 
@@ -81,19 +100,43 @@ def autoscaling_head():
     temp = tempfile.mkdtemp(prefix="rayf", dir="/tmp")  # short: Ray's socket paths are length-limited
     config = Path(temp) / "cluster.json"
     config.write_text(json.dumps(_cluster_config(port)))
-    cmd = [str(BIN / "ray"), "start", "--head", "--block", f"--autoscaling-config={config}", "--port", str(port),
-           "--node-ip-address", "127.0.0.1", "--num-cpus", "0", "--num-gpus", "0", "--temp-dir", temp,
-           "--include-dashboard", "false", "--disable-usage-stats"]
+    cmd = [
+        str(BIN / "ray"),
+        "start",
+        "--head",
+        "--block",
+        f"--autoscaling-config={config}",
+        "--port",
+        str(port),
+        "--node-ip-address",
+        "127.0.0.1",
+        "--num-cpus",
+        "0",
+        "--num-gpus",
+        "0",
+        "--temp-dir",
+        temp,
+        "--include-dashboard",
+        "false",
+        "--disable-usage-stats",
+    ]
     # Node deaths noticed within ~2 s instead of Ray's default ~30 s.
-    env = _env(AUTOSCALER_UPDATE_INTERVAL_S="1", RAY_FAKE_CLUSTER="1", RAY_health_check_period_ms="500",
-               RAY_health_check_failure_threshold="3", RAY_health_check_timeout_ms="500")
+    env = _env(
+        AUTOSCALER_UPDATE_INTERVAL_S="1",
+        RAY_FAKE_CLUSTER="1",
+        RAY_health_check_period_ms="500",
+        RAY_health_check_failure_threshold="3",
+        RAY_health_check_timeout_ms="500",
+    )
     log = open(Path(temp) / "head.log", "w")
     head = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     address = f"127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
-        while subprocess.run([str(BIN / "ray"), "status", "--address", address], env=env,
-                             capture_output=True).returncode != 0:
+        while (
+            subprocess.run([str(BIN / "ray"), "status", "--address", address], env=env, capture_output=True).returncode
+            != 0
+        ):
             assert head.poll() is None, (Path(temp) / "head.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "the autoscaling head did not come up"
             time.sleep(1)
@@ -104,8 +147,13 @@ def autoscaling_head():
 
 
 def _driver(args: list[str], address: str, env: dict, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "jobs", "run", "--ray-address", address, *args], cwd=ROOT, env=env,
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "jobs", "run", "--ray-address", address, *args],
+        cwd=ROOT,
+        env=env,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _wait(what, check, proc: subprocess.Popen, log: Path, timeout: float = 180):
@@ -131,36 +179,80 @@ def _manifest_rows(out: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_autoscaler_starts_gpu_nodes_a_joining_node_gets_a_worker_a_lost_node_loses_nothing(
-        autoscaling_head, tiny_model, tmp_path, ray_cluster):
+    autoscaling_head, tiny_model, tmp_path, ray_cluster
+):
     """No GPU node is up when the job starts: its pending workers make the autoscaler start both
     node types; a node joined by hand mid-job (a replacement spot node) gets a worker; killing that
     node's raylet mid-job loses nothing: every row once, the same images as a clean run."""
     address, env = autoscaling_head
     prompts = write_prompts(tmp_path / "p.parquet", [f"elastic {i}" for i in range(N_ELASTIC)])
     out = tmp_path / "out"
-    common = ["--input", str(prompts), "--model", tiny_model, "--steps", "32", "--guidance", "5", "--width", "64",
-              "--height", "64", "--rows-per-shard", "2", "--max-batch", "2", "--device", "cpu"]
+    common = [
+        "--input",
+        str(prompts),
+        "--model",
+        tiny_model,
+        "--steps",
+        "32",
+        "--guidance",
+        "5",
+        "--width",
+        "64",
+        "--height",
+        "64",
+        "--rows-per-shard",
+        "2",
+        "--max-batch",
+        "2",
+        "--device",
+        "cpu",
+    ]
     log = tmp_path / "driver.log"
-    driver = _driver([*common, "--output", str(out), "--gpus-per-worker", "1", "--max-workers", "3",
-                      "--placement-timeout", "120"], address, env, log)
+    driver = _driver(
+        [*common, "--output", str(out), "--gpus-per-worker", "1", "--max-workers", "3", "--placement-timeout", "120"],
+        address,
+        env,
+        log,
+    )
     spot = None
     try:
         # The fake GPU node types are started by the autoscaler for the pending workers.
-        _wait("a worker placed on an autoscaled node",
-              lambda: {w.get("gpu_type") for w in _fleet(out).values()} & {"fake-a", "fake-b"}, driver, log)
+        _wait(
+            "a worker placed on an autoscaled node",
+            lambda: {w.get("gpu_type") for w in _fleet(out).values()} & {"fake-a", "fake-b"},
+            driver,
+            log,
+        )
         # A node joins mid-job: the third pending worker is placed on it.
-        spot = subprocess.Popen([sys.executable, "-c", JOIN_NODE, address, json.dumps({"fleetgen-gpu:fake-spot": 1})],
-                                env=env, stdout=open(tmp_path / "spot.log", "w"), stderr=subprocess.STDOUT)
-        name = _wait("a worker on the joining node", lambda: next(
-            (n for n, w in _fleet(out).items() if w.get("gpu_type") == "fake-spot" and w["state"] == "ready"), None),
-            driver, log)
-        _wait(f"{name} to commit a shard",
-              lambda: (out / "shards").exists() and name in {r["worker"] for r in _manifest_rows(out)}, driver, log)
+        spot = subprocess.Popen(
+            [sys.executable, "-c", JOIN_NODE, address, json.dumps({"fleetgen-gpu:fake-spot": 1})],
+            env=env,
+            stdout=open(tmp_path / "spot.log", "w"),
+            stderr=subprocess.STDOUT,
+        )
+        name = _wait(
+            "a worker on the joining node",
+            lambda: next(
+                (n for n, w in _fleet(out).items() if w.get("gpu_type") == "fake-spot" and w["state"] == "ready"), None
+            ),
+            driver,
+            log,
+        )
+        _wait(
+            f"{name} to commit a shard",
+            lambda: (out / "shards").exists() and name in {r["worker"] for r in _manifest_rows(out)},
+            driver,
+            log,
+        )
         # The node is lost mid-job (preempted): its raylet dies, taking the worker with it.
         raylet = next(p for p in psutil.Process(spot.pid).children(recursive=True) if p.name() == "raylet")
         raylet.send_signal(signal.SIGKILL)
-        _wait(f"{name} lost", lambda: _fleet(out).get(name, {}).get("state") in ("unreachable", "restarting", "lost"),
-              driver, log)
+        _wait(
+            f"{name} lost",
+            lambda: _fleet(out).get(name, {}).get("state") in ("unreachable", "restarting", "lost"),
+            driver,
+            log,
+        )
         assert driver.wait(timeout=240) == 0, log.read_text()[-4000:]
     finally:
         if driver.poll() is None:
@@ -182,9 +274,17 @@ def test_autoscaler_starts_gpu_nodes_a_joining_node_gets_a_worker_a_lost_node_lo
     status = status_text(job_state(str(out)))
     assert "fleet:" in status and "lost" in status and "released" in status
 
-    clean = run_job(validate(JobConfig(input=str(prompts), output=str(tmp_path / "clean"), model=tiny_model,
-                                       **{**FAST, "steps": 32, "rows_per_shard": 2, "max_batch": 2, "workers": 2})),
-                    progress_stream=io.StringIO())
+    clean = run_job(
+        validate(
+            JobConfig(
+                input=str(prompts),
+                output=str(tmp_path / "clean"),
+                model=tiny_model,
+                **{**FAST, "steps": 32, "rows_per_shard": 2, "max_batch": 2, "workers": 2},
+            )
+        ),
+        progress_stream=io.StringIO(),
+    )
     assert clean.complete
     assert {r["id"]: r["sha256"] for r in rows} == {r["id"]: r["sha256"] for r in _manifest_rows(tmp_path / "clean")}
 
@@ -197,8 +297,27 @@ def test_demand_that_cannot_be_placed_ends_the_job_naming_the_resource(autoscali
     out = tmp_path / "out"
     log = tmp_path / "driver.log"
     started = time.monotonic()
-    driver = _driver(["--input", str(prompts), "--output", str(out), "--model", tiny_model, "--device", "cpu",
-                      "--gpus-per-worker", "1", "--host-memory", "4TiB", "--placement-timeout", "8"], address, env, log)
+    driver = _driver(
+        [
+            "--input",
+            str(prompts),
+            "--output",
+            str(out),
+            "--model",
+            tiny_model,
+            "--device",
+            "cpu",
+            "--gpus-per-worker",
+            "1",
+            "--host-memory",
+            "4TiB",
+            "--placement-timeout",
+            "8",
+        ],
+        address,
+        env,
+        log,
+    )
     assert driver.wait(timeout=120) == 2, log.read_text()[-3000:]
     assert time.monotonic() - started < 60
     text = log.read_text()
@@ -212,8 +331,14 @@ def test_a_worker_that_fits_nothing_is_reported_and_the_job_goes_on(ray_cluster,
     # (with only two, it once finished first: the loading worker was released, its failure unseen).
     prompts = write_prompts(tmp_path / "p.parquet", [f"fit {i}" for i in range(18)])
     log = io.StringIO()
-    config = validate(JobConfig(input=str(prompts), output=str(tmp_path / "out"), model=tiny_model,
-                                **{**FAST, "rows_per_shard": 3, "worker_memory": "3MiB,1GiB"}))
+    config = validate(
+        JobConfig(
+            input=str(prompts),
+            output=str(tmp_path / "out"),
+            model=tiny_model,
+            **{**FAST, "rows_per_shard": 3, "worker_memory": "3MiB,1GiB"},
+        )
+    )
     summary = run_job(config, progress_stream=log, progress_interval=0)
     assert summary.complete and summary.images_ok == 18
     lines = [line for line in log.getvalue().splitlines() if "cannot run" in line]
@@ -277,12 +402,15 @@ def test_run_with_no_address_starts_its_own_ray_even_with_a_stale_cluster_file(t
     temp = Path(tempfile.mkdtemp(prefix="rays", dir="/tmp"))
     (temp / "ray").mkdir()
     (temp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{_free_port()}")  # nothing listens there
-    code = ("import ray, time; from cluster import connect, disconnect; t = time.monotonic(); "
-            "shape = connect(); print('started', shape.started_here, round(time.monotonic() - t)); disconnect()")
+    code = (
+        "import ray, time; from cluster import connect, disconnect; t = time.monotonic(); "
+        "shape = connect(); print('started', shape.started_here, round(time.monotonic() - t)); disconnect()"
+    )
     env = _env(RAY_TMPDIR=str(temp))
     try:
-        done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+        )
     finally:
         shutil.rmtree(temp, ignore_errors=True)
     assert done.returncode == 0 and "started True" in done.stdout, done.stdout + done.stderr[-3000:]

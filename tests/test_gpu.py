@@ -11,8 +11,15 @@ from workers.tiny_model import build_tiny_flux
 
 
 def latents(pipe):
-    return pipe(prompt=["a red fox"], num_inference_steps=2, width=32, height=32, max_sequence_length=32,
-                generator=[torch.Generator().manual_seed(1)], output_type="latent").images
+    return pipe(
+        prompt=["a red fox"],
+        num_inference_steps=2,
+        width=32,
+        height=32,
+        max_sequence_length=32,
+        generator=[torch.Generator().manual_seed(1)],
+        output_type="latent",
+    ).images
 
 
 def reapplied(device: torch.device, placements: dict) -> None:
@@ -43,5 +50,7 @@ def test_offload_undone_and_reapplied_on_cpu():
 def test_offload_with_streams_undone_and_reapplied_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    reapplied(torch.device("cuda"), {"transformer": Placement("block", 1, stream=True),
-                                     "text_encoder_2": Placement("leaf", stream=True)})
+    reapplied(
+        torch.device("cuda"),
+        {"transformer": Placement("block", 1, stream=True), "text_encoder_2": Placement("leaf", stream=True)},
+    )

@@ -33,8 +33,11 @@ def _repo(hub, root, name: str, gated: bool = False) -> Repo:
 
 
 def _job(prompts, model, out, **kw) -> JobConfig:
-    return validate(JobConfig(input=str(prompts), output=str(out), model=model,
-                              **{**FAST, "rows_per_shard": 2, "max_batch": 2, **kw}))
+    return validate(
+        JobConfig(
+            input=str(prompts), output=str(out), model=model, **{**FAST, "rows_per_shard": 2, "max_batch": 2, **kw}
+        )
+    )
 
 
 def _shas(out) -> dict:
@@ -74,8 +77,7 @@ def test_two_workers_on_one_node_download_once(hub, ray_cluster, tmp_path):
     server, root = hub
     repo = _repo(hub, root, "org/tiny-once")
     prompts = write_prompts(tmp_path / "p.parquet", [f"once {i}" for i in range(4)])
-    assert run_job(_job(prompts, "org/tiny-once", tmp_path / "out", workers=2),
-                   progress_stream=io.StringIO()).complete
+    assert run_job(_job(prompts, "org/tiny-once", tmp_path / "out", workers=2), progress_stream=io.StringIO()).complete
     fetched = {path: n for (name, _, path), n in server.downloads.items() if name == "org/tiny-once"}
     weights = [p for p in repo.commits[repo.refs["main"]] if p.endswith(".safetensors")]
     assert weights and all(fetched.get(p) == 1 for p in weights), fetched
@@ -108,8 +110,9 @@ def test_variant_loads_the_variant_files(hub, ray_cluster, tmp_path):
     repo = server.repos["org/tiny-variant"] = Repo()
     repo.push(both)
     prompts = write_prompts(tmp_path / "p.parquet", ["a variant"])
-    assert run_job(_job(prompts, "org/tiny-variant", tmp_path / "out", workers=1, variant="fp16"),
-                   progress_stream=io.StringIO()).complete
+    assert run_job(
+        _job(prompts, "org/tiny-variant", tmp_path / "out", workers=1, variant="fp16"), progress_stream=io.StringIO()
+    ).complete
     fetched = {path for (name, _, path), _ in server.downloads.items() if name == "org/tiny-variant"}
     assert "unet/diffusion_pytorch_model.fp16.safetensors" in fetched
     assert "unet/diffusion_pytorch_model.safetensors" not in fetched

@@ -26,8 +26,9 @@ def prompts(tmp_path_factory):
 
 
 def job(prompts, model, out, **kw) -> JobConfig:
-    return validate(JobConfig(input=prompts, output=str(out), model=model,
-                              **{"rows_per_shard": 3, "max_batch": 3, **FAST, **kw}))
+    return validate(
+        JobConfig(input=prompts, output=str(out), model=model, **{"rows_per_shard": 3, "max_batch": 3, **FAST, **kw})
+    )
 
 
 def shas(out) -> dict:
@@ -74,11 +75,15 @@ def test_resume_redoes_only_missing_shards(ray_cluster, tiny_model, prompts, tmp
     assert kept.stat().st_mtime_ns == kept_mtime  # committed shard untouched
     assert redone.stat().st_mtime_ns != redone_mtime  # uncommitted shard overwritten, not duplicated
     assert sorted(p.name for p in (out / "images" / "shard-00002").iterdir()) == [
-        "00000-000000006.png", "00000-000000007.png", "00000-000000008.png"]
+        "00000-000000006.png",
+        "00000-000000007.png",
+        "00000-000000008.png",
+    ]
 
     index = pq.read_table(out / "counts.parquet")  # the versions workers reported are the listing's
     assert dict(zip(index["shard"].to_pylist(), index["version"].to_pylist(), strict=True)) == list_manifests(
-        Output(str(out)))
+        Output(str(out))
+    )
     # all committed: no workers start, nothing is generated
     done = run_job(job(prompts, tiny_model, out, workers=2), progress_stream=io.StringIO())
     assert done.complete and done.shards_skipped == 4 and done.workers == []
@@ -98,18 +103,34 @@ def test_other_job_refuses_unless_overwrite(ray_cluster, tiny_model, prompts, tm
 
 def test_cli_run_with_config_file_and_webdataset(ray_cluster, tiny_model, prompts, tmp_path, capsys):
     cfg = tmp_path / "job.toml"
-    cfg.write_text(f'model = "{tiny_model}"\nsteps = 2\nwidth = 64\nheight = 64\nrows-per-shard = 6\n'
-                   'output_format = "webdataset"\ndevice = "cpu"\n')
-    code = main(["run", "--input", prompts, "--output", str(tmp_path / "out"), "--config", str(cfg),
-                 "--workers", "2", "--max-batch", "2"])
+    cfg.write_text(
+        f'model = "{tiny_model}"\nsteps = 2\nwidth = 64\nheight = 64\nrows-per-shard = 6\n'
+        'output_format = "webdataset"\ndevice = "cpu"\n'
+    )
+    code = main(
+        [
+            "run",
+            "--input",
+            prompts,
+            "--output",
+            str(tmp_path / "out"),
+            "--config",
+            str(cfg),
+            "--workers",
+            "2",
+            "--max-batch",
+            "2",
+        ]
+    )
     assert code == 0
     assert "12 images (0 row errors)" in capsys.readouterr().out
     assert sorted(p.name for p in (tmp_path / "out" / "data").iterdir()) == ["shard-00000.tar", "shard-00001.tar"]
 
 
 def test_cli_errors_exit_2_with_message(tmp_path, tiny_model, capsys):
-    code = main(["run", "--input", str(tmp_path / "none.parquet"), "--output", str(tmp_path / "o"),
-                 "--model", tiny_model])
+    code = main(
+        ["run", "--input", str(tmp_path / "none.parquet"), "--output", str(tmp_path / "o"), "--model", tiny_model]
+    )
     assert code == 2
     err = capsys.readouterr().err
     assert err.startswith("fleetgen: error: `--input`") and "does not exist" in err
@@ -135,8 +156,17 @@ def test_s3_input_and_output(ray_cluster, s3_server, tiny_model, tmp_path, monke
     fs.mkdir("fleetgen-test")
     local = write_prompts(tmp_path / "p.parquet", [f"s3 prompt {i}" for i in range(6)])
     fs.put(str(local), "fleetgen-test/in/p.parquet")
-    cfg = validate(JobConfig(input="s3://fleetgen-test/in/", output="s3://fleetgen-test/out", model=tiny_model,
-                             rows_per_shard=3, max_batch=3, workers=2, **FAST))
+    cfg = validate(
+        JobConfig(
+            input="s3://fleetgen-test/in/",
+            output="s3://fleetgen-test/out",
+            model=tiny_model,
+            rows_per_shard=3,
+            max_batch=3,
+            workers=2,
+            **FAST,
+        )
+    )
     summary = run_job(cfg, progress_stream=io.StringIO())
     assert summary.complete and summary.images_ok == 6
     fs.invalidate_cache()
@@ -147,7 +177,8 @@ def test_s3_input_and_output(ray_cluster, s3_server, tiny_model, tmp_path, monke
         assert hashlib.sha256(fs.cat(f"fleetgen-test/out/{r['image']}")).hexdigest() == r["sha256"]
     index = pq.read_table("fleetgen-test/out/counts.parquet", filesystem=fs)
     assert dict(zip(index["shard"].to_pylist(), index["version"].to_pylist(), strict=True)) == list_manifests(
-        Output("s3://fleetgen-test/out"))
+        Output("s3://fleetgen-test/out")
+    )
     # resume on S3: everything committed, nothing to do
     assert run_job(cfg, progress_stream=io.StringIO()).shards_skipped == 2
 
@@ -155,10 +186,13 @@ def test_s3_input_and_output(ray_cluster, s3_server, tiny_model, tmp_path, monke
 def test_emulated_mixed_fleet_plans_per_worker_same_images(ray_cluster, tiny_model, prompts, tmp_path):
     """`--worker-memory`: one worker per budget, each planning for its own; the images are the
     bytes a single uniform worker makes (same batch size)."""
-    mixed = run_job(job(prompts, tiny_model, tmp_path / "mixed", worker_memory="20MiB,1GiB", max_batch=1),
-                    progress_stream=io.StringIO())
-    uniform = run_job(job(prompts, tiny_model, tmp_path / "uniform", workers=1, max_batch=1),
-                      progress_stream=io.StringIO())
+    mixed = run_job(
+        job(prompts, tiny_model, tmp_path / "mixed", worker_memory="20MiB,1GiB", max_batch=1),
+        progress_stream=io.StringIO(),
+    )
+    uniform = run_job(
+        job(prompts, tiny_model, tmp_path / "uniform", workers=1, max_batch=1), progress_stream=io.StringIO()
+    )
     assert mixed.complete and uniform.complete
     by_worker = {w["worker"]: w for w in mixed.workers}
     assert by_worker["w0"]["budget"] == 20 * 2**20 and by_worker["w0"]["modes"]["unet"] != "resident"

@@ -75,8 +75,11 @@ def test_planner_fits_budget_and_more_memory_is_never_slower(profiles, name, siz
 
 def test_nothing_fits_names_the_need(profiles):
     with pytest.raises(OffloadError) as err:
-        plan(profiles["flux.1-dev"], DeviceSpec(budget=2 * GiB, host_budget=64 * GiB, name="gpu-3"),
-             Workload(width=1024, height=1024))
+        plan(
+            profiles["flux.1-dev"],
+            DeviceSpec(budget=2 * GiB, host_budget=64 * GiB, name="gpu-3"),
+            Workload(width=1024, height=1024),
+        )
     msg = str(err.value)
     assert msg.startswith("Nothing fits 2.0 GiB on gpu-3") and "needs" in msg and "1024x1024" in msg
     with pytest.raises(OffloadError, match="Raise `--host-memory`"):
@@ -102,11 +105,20 @@ SD_PLANS = {
     "block1": {"unet": P("block", 1), "text_encoder": P("block", 1), "vae": P("block", 1)},
     "block2": {"unet": P("block", 2), "text_encoder": P("block", 2), "vae": P("block", 2)},
     "leaf": {"unet": P("leaf"), "text_encoder": P("leaf"), "vae": P("leaf")},
-    "disk": {"unet": P("block", 1, disk=True), "text_encoder": P("block", 1, disk=True), "vae": P("block", 1, disk=True)},
+    "disk": {
+        "unet": P("block", 1, disk=True),
+        "text_encoder": P("block", 1, disk=True),
+        "vae": P("block", 1, disk=True),
+    },
     "mixed": {"unet": P("leaf"), "text_encoder": P("block", 1, disk=True), "vae": P("resident")},
 }
 FLUX_PLANS = {
-    "block1": {"transformer": P("block", 1), "text_encoder": P("block", 1), "text_encoder_2": P("block", 1), "vae": P("block", 1)},
+    "block1": {
+        "transformer": P("block", 1),
+        "text_encoder": P("block", 1),
+        "text_encoder_2": P("block", 1),
+        "vae": P("block", 1),
+    },
     "block2": {"transformer": P("block", 2), "text_encoder_2": P("block", 2)},
     "leaf": {"transformer": P("leaf"), "text_encoder": P("leaf"), "text_encoder_2": P("leaf"), "vae": P("leaf")},
     "disk": {"transformer": P("block", 1, disk=True), "text_encoder_2": P("block", 1, disk=True)},
@@ -127,8 +139,14 @@ def _images(pipe, placements, steps=3, flux=False):
     placed = apply(pipe, OffloadPlan(placements=placements, batch_size=2), prof, torch.device("cpu"))
     stats = OffloadStats(pipeline_modules(pipe), torch.device("cpu"))
     kwargs = {"max_sequence_length": 32, "width": 32, "height": 32} if flux else {"width": 64, "height": 64}
-    images = pipe(prompt=["a red fox", "a blue owl"], num_inference_steps=steps, guidance_scale=5.0,
-                  generator=[torch.Generator().manual_seed(s) for s in (1, 2)], output_type="np", **kwargs).images
+    images = pipe(
+        prompt=["a red fox", "a blue owl"],
+        num_inference_steps=steps,
+        guidance_scale=5.0,
+        generator=[torch.Generator().manual_seed(s) for s in (1, 2)],
+        output_type="np",
+        **kwargs,
+    ).images
     snap = stats.snapshot()
     dirs = list(placed.dirs)
     placed.close()
@@ -164,8 +182,12 @@ def test_stats_agree_with_groups_and_forwards(tiny_model):
     _, snap, prof = _images(_sd(tiny_model), SD_PLANS["block2"], steps=steps)
     unet, te = prof.components["unet"], prof.components["text_encoder"]
     groups = -(-len(unet.blocks) // 2) + 1  # blocks two at a time, plus the unmatched group
-    assert snap["components"]["unet"] == {"groups": groups, "onloads": steps * groups, "offloads": steps * groups,
-                                          "bytes_onloaded": steps * unet.bytes}
+    assert snap["components"]["unet"] == {
+        "groups": groups,
+        "onloads": steps * groups,
+        "offloads": steps * groups,
+        "bytes_onloaded": steps * unet.bytes,
+    }
     # the text encoder runs twice per call with guidance (prompt, then the empty negative prompt)
     te_groups = -(-len(te.blocks) // 2) + 1
     assert snap["components"]["text_encoder"]["onloads"] == 2 * te_groups
@@ -187,8 +209,10 @@ def test_refused_combinations_raise_before_any_work(tiny_model):
         apply(pipe, OffloadPlan({"text_encoder_2": P("leaf", disk=True)}, 1), prof, cpu)
     from diffusers.hooks import HookRegistry
 
-    assert getattr(pipe.transformer, "_diffusers_hook", None) is None or \
-        HookRegistry.check_if_exists_or_initialize(pipe.transformer).get_hook("group_offloading") is None
+    assert (
+        getattr(pipe.transformer, "_diffusers_hook", None) is None
+        or HookRegistry.check_if_exists_or_initialize(pipe.transformer).get_hook("group_offloading") is None
+    )
     peft = pytest.importorskip("peft")
     sd = _sd(tiny_model)
     sd.unet.add_adapter(peft.LoraConfig(r=4, target_modules=["to_q", "to_v"]))
@@ -208,8 +232,22 @@ def test_sizes():
 def test_plan_command_json(capsys):
     from jobs.cli import main
 
-    code = main(["plan", "--model", "flux.1-dev", "--gpu-memory", "24GiB", "--gpu-memory", "80GiB",
-                 "--gpu-memory", "2GiB", "--host-memory", "64GiB", "--json"])
+    code = main(
+        [
+            "plan",
+            "--model",
+            "flux.1-dev",
+            "--gpu-memory",
+            "24GiB",
+            "--gpu-memory",
+            "80GiB",
+            "--gpu-memory",
+            "2GiB",
+            "--host-memory",
+            "64GiB",
+            "--json",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     assert code == 1  # 2 GiB cannot hold it
     small, big, tiny = out["plans"]
@@ -227,8 +265,9 @@ def test_plans_count_the_denoiser_twice_only_where_guidance_runs_it_twice(capsys
     from jobs.cli import main
 
     def plan(*args) -> dict:
-        assert main(["plan", "--gpu-memory", "80GiB", "--host-memory", "64GiB", "--max-batch", "1", "--json",
-                     *args]) == 0
+        assert (
+            main(["plan", "--gpu-memory", "80GiB", "--host-memory", "64GiB", "--max-batch", "1", "--json", *args]) == 0
+        )
         return json.loads(capsys.readouterr().out)
 
     distilled, true_cfg = plan("--model", "flux.1-dev"), plan("--model", "flux.1-dev", "--true-cfg-scale", "4")
@@ -262,8 +301,24 @@ def test_plan_command_on_a_pipeline_directory(tiny_model, capsys):
     text-encoder config names its own model_type)."""
     from jobs.cli import main
 
-    assert main(["plan", "--model", tiny_model, "--gpu-memory", "1GiB", "--width", "64", "--height", "64",
-                 "--host-memory", "1GiB"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                tiny_model,
+                "--gpu-memory",
+                "1GiB",
+                "--width",
+                "64",
+                "--height",
+                "64",
+                "--host-memory",
+                "1GiB",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "text_encoder CLIPTextModel" in text and "1GiB: " in text and "nothing fits" not in text
 

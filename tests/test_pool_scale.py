@@ -1,7 +1,6 @@
 """The pool's loop keeps a big fleet busy: 100 fake workers (bench/pool_sim.py: virtual workers on a
 few async actors, real Ray streams) at 1 s per batch."""
 
-
 from bench.pool_sim import simulate
 
 

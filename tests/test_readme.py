@@ -21,28 +21,34 @@ def blocks(section: str) -> list[tuple[str, str]]:
     text = (ROOT / "README.md").read_text()
     start = text.index(f"\n## {section}\n")
     end = text.find("\n## ", start + 1)
-    return re.findall(r"```(\w+)\n(.*?)```", text[start:end if end > 0 else None], flags=re.S)
+    return re.findall(r"```(\w+)\n(.*?)```", text[start : end if end > 0 else None], flags=re.S)
 
 
 def shell(code: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 @pytest.fixture
 def user_env(ray_cluster, tmp_path) -> dict:
     """A user's shell: `fleetgen` and `python` on PATH; this session's Ray (saves starting one per
     command; the commands are the README's, unchanged)."""
-    return {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
-            "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address, "PYTHONPATH": str(ROOT)}
+    return {
+        **os.environ,
+        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+        "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address,
+        "PYTHONPATH": str(ROOT),
+    }
 
 
 def test_synthesising_a_dataset_runs_as_written(user_env, tmp_path):
     found = blocks("Synthesising a dataset")
     assert [lang for lang, _ in found] == ["python", "bash", "python"]
     (_, make_input), (_, commands), (_, load) = found
-    done = subprocess.run([sys.executable, "-c", make_input], cwd=tmp_path, env=user_env, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", make_input], cwd=tmp_path, env=user_env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     done = shell(commands, tmp_path, user_env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

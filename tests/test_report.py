@@ -31,10 +31,26 @@ def _browse(page: Path, *extra: str) -> str:
     profile = tempfile.mkdtemp()
     try:
         return subprocess.run(
-            [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             f"--user-data-dir={profile}", "--virtual-time-budget=5000", *extra, page.as_uri()],
-            capture_output=True, text=True, timeout=120, check=True).stdout
+            [
+                chromium(),
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                f"--user-data-dir={profile}",
+                "--virtual-time-budget=5000",
+                *extra,
+                page.as_uri(),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
     finally:
         shutil.rmtree(profile, ignore_errors=True)
 
@@ -43,8 +59,17 @@ def _browse(page: Path, *extra: str) -> str:
 def test_report_renders_with_every_image_loaded(ray_cluster, tiny_model, tmp_path, capsys, output_format):
     prompts = write_prompts(tmp_path / "p.parquet", [f"report <prompt> {i}" for i in range(30)] + [None])
     out = tmp_path / "out"
-    config = validate(JobConfig(input=str(prompts), output=str(out), model=tiny_model, rows_per_shard=8, workers=2,
-                                output_format=output_format, **FAST))
+    config = validate(
+        JobConfig(
+            input=str(prompts),
+            output=str(out),
+            model=tiny_model,
+            rows_per_shard=8,
+            workers=2,
+            output_format=output_format,
+            **FAST,
+        )
+    )
     assert run_job(config, progress_stream=io.StringIO()).complete
 
     assert main(["status", str(out)]) == 0
@@ -71,8 +96,14 @@ def test_status_of_a_stopped_job_says_how_to_resume(tmp_path, capsys):
 
     out = tmp_path / "out"
     (out / "shards").mkdir(parents=True)
-    (out / "job.json").write_text(json.dumps({"fingerprint": {"model": "m", "input": [{"rows": 10}],
-                                                              "generation": {"rows_per_shard": 5}}, "shards_total": 2}))
+    (out / "job.json").write_text(
+        json.dumps(
+            {
+                "fingerprint": {"model": "m", "input": [{"rows": 10}], "generation": {"rows_per_shard": 5}},
+                "shards_total": 2,
+            }
+        )
+    )
     assert main(["status", str(out)]) == 1
     text = capsys.readouterr().out
     assert "stopped or failed (no driver running; rerun the same command to resume)" in text
@@ -99,12 +130,21 @@ def test_report_reads_a_sample_of_manifests_not_all(tmp_path, monkeypatch):
     counts = {}
     for i in range(400):
         errors = 2 if i % 10 == 3 else 0  # 40 shards with 2 error rows each
-        rows = [{"id": f"{i}-{k}", "row_id": f"{i}-{k}", "status": "error" if k < errors else "ok", "prompt": "p",
-                 "error": "bad" if k < errors else None, "image": None if k < errors else f"images/shard-{i:05d}/{k}.png"}
-                for k in range(5)]
+        rows = [
+            {
+                "id": f"{i}-{k}",
+                "row_id": f"{i}-{k}",
+                "status": "error" if k < errors else "ok",
+                "prompt": "p",
+                "error": "bad" if k < errors else None,
+                "image": None if k < errors else f"images/shard-{i:05d}/{k}.png",
+            }
+            for k in range(5)
+        ]
         counts[f"shard-{i:05d}"] = {"rows": 5, "images": 5, "ok": 5 - errors, "error": errors, "filtered": 0}
         table = pa.Table.from_pylist(rows, schema=MANIFEST_SCHEMA).replace_schema_metadata(
-            {COUNTS_KEY: json.dumps(counts[f"shard-{i:05d}"])})
+            {COUNTS_KEY: json.dumps(counts[f"shard-{i:05d}"])}
+        )
         pq.write_table(table, tmp_path / "shards" / f"shard-{i:05d}.parquet")
     read = []
     real = jobs.report.read_manifests

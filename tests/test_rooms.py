@@ -20,24 +20,62 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _fleetgen(*args: str, ray_address: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "FLEETGEN_PLUGINS": "tests.plugins.throwaway", **({"RAY_ADDRESS": ray_address} if ray_address
-                                                                          else {})}
-    return subprocess.run([sys.executable, "-m", "jobs", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    env = {
+        **os.environ,
+        "FLEETGEN_PLUGINS": "tests.plugins.throwaway",
+        **({"RAY_ADDRESS": ray_address} if ray_address else {}),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "jobs", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def _lines(out: Path) -> dict[str, dict]:
-    return {line["id"]: line for p in sorted((out / "lines").iterdir()) for line in map(json.loads, p.read_text().splitlines())}
+    return {
+        line["id"]: line
+        for p in sorted((out / "lines").iterdir())
+        for line in map(json.loads, p.read_text().splitlines())
+    }
 
 
 def test_a_setting_and_a_format_added_as_one_entry_each_round_trip(ray_cluster, tiny_model, tmp_path):
     # Three rows alike but for `guidance_rescale` (none, 0, 0.7), one out of its range, one without a prompt.
-    prompts = write_prompts(tmp_path / "p.parquet", ["a lantern"] * 4 + [None], id=["none", "zero", "some", "bad", "np"],
-                            seed=[7] * 5, guidance_rescale=[None, 0.0, 0.7, 3.0, None], label=list("abcde"))
+    prompts = write_prompts(
+        tmp_path / "p.parquet",
+        ["a lantern"] * 4 + [None],
+        id=["none", "zero", "some", "bad", "np"],
+        seed=[7] * 5,
+        guidance_rescale=[None, 0.0, 0.7, 3.0, None],
+        label=list("abcde"),
+    )
     out = tmp_path / "out"
-    run = ["run", "--input", str(prompts), "--output", str(out), "--model", tiny_model, "--steps", "2", "--guidance",
-           "5", "--width", "64", "--height", "64", "--device", "cpu", "--rows-per-shard", "3", "--max-batch", "1",
-           "--workers", "1", "--output-format", "jsonl"]
+    run = [
+        "run",
+        "--input",
+        str(prompts),
+        "--output",
+        str(out),
+        "--model",
+        tiny_model,
+        "--steps",
+        "2",
+        "--guidance",
+        "5",
+        "--width",
+        "64",
+        "--height",
+        "64",
+        "--device",
+        "cpu",
+        "--rows-per-shard",
+        "3",
+        "--max-batch",
+        "1",
+        "--workers",
+        "1",
+        "--output-format",
+        "jsonl",
+    ]
     done = _fleetgen(*run, ray_address=ray_cluster.get_runtime_context().gcs_address)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "per-row settings: guidance_rescale ← `guidance_rescale`" in done.stderr
@@ -76,4 +114,3 @@ def test_a_setting_and_a_format_added_as_one_entry_each_round_trip(ray_cluster, 
     assert again.returncode == 0 and "resuming: 1 of 2 shards already committed" in again.stderr, again.stderr[-3000:]
     assert {i: hashlib.sha256(base64.b64decode(v["b64"])).hexdigest() for i, v in _lines(out).items()} == digest
     assert _fleetgen("verify", "--deep", str(out)).returncode == 0
-

@@ -29,4 +29,3 @@ def test_unsafe_ids_are_refused():
         assert unsafe_id_reason(bad) is not None, bad
     for good in ["a", "row-1", "Img_0001.v2", "x" * 128]:
         assert unsafe_id_reason(good) is None, good
-

@@ -35,8 +35,12 @@ def test_big_row_group_splits_into_row_ranges(tmp_path):
     shards = plan_shards(files, rows_per_shard=300)
     assert [(s.offset, s.length) for s in shards] == [(0, 300), (300, 300), (600, 300), (900, 100)]
     # a worker reads exactly its rows
-    rows = shard_rows(shards[3], read_shard(shards[3], Columns(id=None, seed=None, negative_prompt=None, **NO_SETTINGS)),
-                      Columns(id=None, seed=None, negative_prompt=None, **NO_SETTINGS), job_seed=0)
+    rows = shard_rows(
+        shards[3],
+        read_shard(shards[3], Columns(id=None, seed=None, negative_prompt=None, **NO_SETTINGS)),
+        Columns(id=None, seed=None, negative_prompt=None, **NO_SETTINGS),
+        job_seed=0,
+    )
     assert [r.prompt for r in rows] == [f"p{i}" for i in range(900, 1000)]
     assert rows[0].id == "00000-000000900"
 
@@ -47,8 +51,9 @@ def test_a_shard_reads_its_row_group_only_as_far_as_its_last_row(tmp_path, monke
 
     prompts = [f"a prompt that takes some bytes, number {i}" for i in range(40_000)]
     table = pa.table({"prompt": prompts, "id": [f"i{i}" for i in range(40_000)]})
-    pq.write_table(table, tmp_path / "p.parquet", data_page_size=32 * 1024,
-                   use_dictionary=False, compression="none")  # one row group, pages of 32 KiB
+    pq.write_table(
+        table, tmp_path / "p.parquet", data_page_size=32 * 1024, use_dictionary=False, compression="none"
+    )  # one row group, pages of 32 KiB
     shards = plan_shards(footers(str(tmp_path / "p.parquet")), rows_per_shard=3_000)
     cols = Columns(seed=None, negative_prompt=None, **NO_SETTINGS)
     monkeypatch.setattr(shard_module, "READ_BATCH", 1_000)  # shards cross batch boundaries
@@ -91,8 +96,12 @@ def test_empty_file_gives_no_shards(tmp_path):
 
 
 def test_nulls_become_error_rows_and_seeds_are_used(tmp_path):
-    write_prompts(tmp_path / "p.parquet", ["ok", None, "  ", "fine"], seed=pa.array([5, 6, None, None], pa.int64()),
-                  id=["r0", "r1", "r2", "../r3"])
+    write_prompts(
+        tmp_path / "p.parquet",
+        ["ok", None, "  ", "fine"],
+        seed=pa.array([5, 6, None, None], pa.int64()),
+        id=["r0", "r1", "r2", "../r3"],
+    )
     files = footers(str(tmp_path / "p.parquet"))
     cols = resolve_columns(files, Columns())
     assert cols == Columns("prompt", "id", "seed", None, **NO_SETTINGS)

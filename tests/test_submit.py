@@ -41,20 +41,44 @@ def _env() -> dict:
 @pytest.fixture(scope="module")
 def ray_head():
     """`ray start --head --block` on 127.0.0.1, shared by this module's jobs; stopped with what it started."""
-    ports = {name: _free_port() for name in ("port", "dashboard-port", "ray-client-server-port",
-                                             "dashboard-agent-listen-port", "metrics-export-port")}
+    ports = {
+        name: _free_port()
+        for name in (
+            "port",
+            "dashboard-port",
+            "ray-client-server-port",
+            "dashboard-agent-listen-port",
+            "metrics-export-port",
+        )
+    }
     temp = tempfile.mkdtemp(prefix="rayh", dir="/tmp")  # short: Ray's socket paths are length-limited
-    cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--num-cpus", "2",
-           "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--temp-dir", temp,
-           "--disable-usage-stats", *[a for k, v in ports.items() for a in (f"--{k}", str(v))]]
+    cmd = [
+        str(BIN / "ray"),
+        "start",
+        "--head",
+        "--block",
+        "--node-ip-address",
+        "127.0.0.1",
+        "--num-cpus",
+        "2",
+        "--include-dashboard",
+        "true",
+        "--dashboard-host",
+        "127.0.0.1",
+        "--temp-dir",
+        temp,
+        "--disable-usage-stats",
+        *[a for k, v in ports.items() for a in (f"--{k}", str(v))],
+    ]
     # A head with token authentication, as Ray 2.60 starts one wherever ~/.ray/auth_token exists (any
     # earlier `ray.init()` on the machine writes it); its home of its own, never the user's ~/.ray.
     home = Path(temp) / "home"
     home.mkdir()
     env = {**_env(), "HOME": str(home), "RAY_metrics_report_interval_ms": "1000"}  # metrics within ~1 s
     env.pop("RAY_AUTH_MODE", None)
-    subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=env, capture_output=True, timeout=60,
-                   check=True)
+    subprocess.run(
+        [str(BIN / "ray"), "get-auth-token", "--generate"], env=env, capture_output=True, timeout=60, check=True
+    )
     log = open(Path(temp) / "head.log", "w")
     head = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     address = f"http://127.0.0.1:{ports['dashboard-port']}"
@@ -70,8 +94,9 @@ def ray_head():
                 assert head.poll() is None, (Path(temp) / "head.log").read_text()[-3000:]
                 assert time.monotonic() < deadline, "the Ray head's dashboard did not come up"
                 time.sleep(1)
-        token = subprocess.run([str(BIN / "ray"), "get-auth-token"], env=env, capture_output=True, text=True,
-                               timeout=60).stdout.strip()
+        token = subprocess.run(
+            [str(BIN / "ray"), "get-auth-token"], env=env, capture_output=True, text=True, timeout=60
+        ).stdout.strip()
         assert token and token == (home / ".ray" / "auth_token").read_text().strip()
         assert "Token authentication is enabled" in (Path(temp) / "head.log").read_text()
         _TOKEN.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
@@ -100,24 +125,49 @@ def test_ray_job_submit_with_working_dir(ray_head, tiny_model, tmp_path):
     # then the tiny sizes and `--no-wait` (to watch the metrics while it runs).
     line = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("ray job submit"))
     words = line.split()
-    for flag, value in (("--address", address), ("--input", str(prompts)), ("--output", str(out)),
-                        ("--model", tiny_model)):
+    for flag, value in (
+        ("--address", address),
+        ("--input", str(prompts)),
+        ("--output", str(out)),
+        ("--model", tiny_model),
+    ):
         words[words.index(flag) + 1] = value
     assert words[:3] == ["ray", "job", "submit"] and words[words.index("--working-dir") + 1] == "."
-    cmd = [ray, "job", "submit", "--no-wait", *words[3:], "--steps", "24", "--width", "64", "--height", "64",
-           "--device", "cpu", "--rows-per-shard", "3", "--max-batch", "1", "--workers", "2"]
+    cmd = [
+        ray,
+        "job",
+        "submit",
+        "--no-wait",
+        *words[3:],
+        "--steps",
+        "24",
+        "--width",
+        "64",
+        "--height",
+        "64",
+        "--device",
+        "cpu",
+        "--rows-per-shard",
+        "3",
+        "--max-batch",
+        "1",
+        "--workers",
+        "2",
+    ]
     submitted = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
     job_id = re.search(r"(raysubmit_\w+)", submitted.stdout + submitted.stderr).group(1)
 
     def job_status() -> str:
-        out = subprocess.run([ray, "job", "status", "--address", address, job_id], env=_env(), capture_output=True,
-                             text=True, timeout=60)
+        out = subprocess.run(
+            [ray, "job", "status", "--address", address, job_id], env=_env(), capture_output=True, text=True, timeout=60
+        )
         return (out.stdout + out.stderr).lower()
 
     def job_logs() -> str:
-        return subprocess.run([ray, "job", "logs", "--address", address, job_id], env=_env(), capture_output=True,
-                              text=True, timeout=60).stdout[-3000:]
+        return subprocess.run(
+            [ray, "job", "logs", "--address", address, job_id], env=_env(), capture_output=True, text=True, timeout=60
+        ).stdout[-3000:]
 
     seen: dict[str, str] = {}
     wanted = {"ray_fleetgen_images", "ray_fleetgen_images_per_second"}
@@ -131,8 +181,13 @@ def test_ray_job_submit_with_working_dir(ray_head, tiny_model, tmp_path):
     assert rates and all('device="cpu' in k and re.search(r'worker="w[01]"', k) for k in rates)
     assert all(v > 0 for v in rates.values())
 
-    logs = subprocess.run([ray, "job", "logs", "--follow", "--address", address, job_id], env=_env(),
-                          capture_output=True, text=True, timeout=300)
+    logs = subprocess.run(
+        [ray, "job", "logs", "--follow", "--address", address, job_id],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert "succeeded" in job_status(), logs.stdout[-3000:]
     assert "[fleetgen] up to 2 worker(s) on CPU" in logs.stdout  # plain progress lines: the job log is not a TTY
     assert (out / "_SUCCESS").exists()
@@ -146,8 +201,24 @@ def _ray(*args, timeout=120) -> str:
 
 def _submit(address: str, args: list[str], env_vars: dict | None = None) -> str:
     runtime_env = {"excludes": [".venv", "demo-output", ".git", "test-artifacts"], "env_vars": env_vars or {}}
-    text = _ray("job", "submit", "--no-wait", "--address", address, "--working-dir", str(ROOT), "--runtime-env-json",
-                json.dumps(runtime_env), "--", "python", "-m", "jobs", "run", *args, timeout=300)
+    text = _ray(
+        "job",
+        "submit",
+        "--no-wait",
+        "--address",
+        address,
+        "--working-dir",
+        str(ROOT),
+        "--runtime-env-json",
+        json.dumps(runtime_env),
+        "--",
+        "python",
+        "-m",
+        "jobs",
+        "run",
+        *args,
+        timeout=300,
+    )
     return re.search(r"(raysubmit_\w+)", text).group(1)
 
 
@@ -160,7 +231,8 @@ def _wait_committed(out: Path, at_least: int, address: str, job_id: str) -> int:
     while (n := _committed(out)) < at_least:
         status = _ray("job", "status", "--address", address, job_id).lower()
         assert time.monotonic() < deadline and "failed" not in status and "succeeded" not in status, (
-            status + _ray("job", "logs", "--address", address, job_id)[-3000:])
+            status + _ray("job", "logs", "--address", address, job_id)[-3000:]
+        )
         time.sleep(0.2)
     return n
 
@@ -174,8 +246,28 @@ def test_ray_job_stop_writes_summary_and_releases_the_lock_then_a_resubmit_resum
     address, _ = ray_head
     prompts = write_prompts(tmp_path / "p.parquet", [f"stop me {i}" for i in range(16)])
     out = tmp_path / "out"
-    args = ["--input", str(prompts), "--output", str(out), "--model", tiny_model, "--steps", "32", "--width", "64",
-            "--height", "64", "--device", "cpu", "--rows-per-shard", "2", "--max-batch", "1", "--workers", "2"]
+    args = [
+        "--input",
+        str(prompts),
+        "--output",
+        str(out),
+        "--model",
+        tiny_model,
+        "--steps",
+        "32",
+        "--width",
+        "64",
+        "--height",
+        "64",
+        "--device",
+        "cpu",
+        "--rows-per-shard",
+        "2",
+        "--max-batch",
+        "1",
+        "--workers",
+        "2",
+    ]
 
     # Ray's default window: nothing running gets to finish, but what the driver must write is written.
     first = _submit(address, args)
@@ -244,8 +336,9 @@ def test_kuberay_rayjob_has_a_worker_group_per_gpu_type():
     job = next(d for d in docs if d["kind"] == "RayJob")
     _entrypoint_runs(job["spec"]["entrypoint"])
     groups = job["spec"]["rayClusterSpec"]["workerGroupSpecs"]
-    gpu_groups = [g for g in groups
-                  if g["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu")]
+    gpu_groups = [
+        g for g in groups if g["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu")
+    ]
     assert len(gpu_groups) >= 3
     assert len({g["groupName"] for g in gpu_groups}) == len(gpu_groups)
     assert job["spec"]["rayClusterSpec"]["enableInTreeAutoscaling"] is True

@@ -43,8 +43,9 @@ def bucket(name: str) -> str:
 
 @pytest.mark.parametrize("lost", [1, 2], ids=["client-retry-sees-412", "our-retry-sees-412"])
 @pytest.mark.parametrize("fmt", ["files", "webdataset"])
-def test_a_commit_whose_answer_is_lost_is_still_this_attempts(faulty_store, quick_retries, tiny_model, tmp_path, fmt,
-                                                              lost):
+def test_a_commit_whose_answer_is_lost_is_still_this_attempts(
+    faulty_store, quick_retries, tiny_model, tmp_path, fmt, lost
+):
     """The store applies the manifest's create-if-absent PUT and the connection is reset before the
     answer: the retry is told the key exists (412). The attempt reads it back, finds its own manifest
     and goes on — before, it gave up and deleted the images its committed manifest names."""
@@ -73,8 +74,9 @@ def test_a_move_whose_answer_is_lost_is_not_redone(faulty_store, quick_retries, 
     assert verify(out, deep=True).clean
 
 
-def test_a_commit_that_cannot_be_confirmed_keeps_its_staging_for_the_driver(faulty_store, quick_retries, tiny_model,
-                                                                            tmp_path):
+def test_a_commit_that_cannot_be_confirmed_keeps_its_staging_for_the_driver(
+    faulty_store, quick_retries, tiny_model, tmp_path
+):
     """The store applies the commit and then stops answering: the attempt cannot tell whether it
     won, so it deletes nothing; the driver's sweep (`finish_attempts`) then finishes the move."""
     from fleetgen.errors import ShardError
@@ -99,10 +101,16 @@ def test_an_outage_is_retried_then_one_storage_error_naming_the_url(faulty_store
     output = Output(bucket("outage-ops"))
     output.put("a.parquet", b"x")
     faulty_store.down = True
-    calls = {"put": lambda: output.put("k", b"x"), "get": lambda: output.get("a.parquet"),
-             "exists": lambda: output.exists("a.parquet"), "list": lambda: output.list("shards"),
-             "listing": lambda: output.listing("shards"), "remove": lambda: output.remove("a.parquet"),
-             "create": lambda: output.create("c", b"x"), "read_parquet": lambda: output.read_parquet("a.parquet")}
+    calls = {
+        "put": lambda: output.put("k", b"x"),
+        "get": lambda: output.get("a.parquet"),
+        "exists": lambda: output.exists("a.parquet"),
+        "list": lambda: output.list("shards"),
+        "listing": lambda: output.listing("shards"),
+        "remove": lambda: output.remove("a.parquet"),
+        "create": lambda: output.create("c", b"x"),
+        "read_parquet": lambda: output.read_parquet("a.parquet"),
+    }
     with pytest.raises(StorageError) as err:
         calls[op]()
     message = str(err.value)
@@ -120,8 +128,11 @@ def test_no_credentials_is_one_line_with_what_to_set(s3_server, monkeypatch):
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     s3fs.S3FileSystem.clear_instance_cache()
     try:
-        with pytest.raises(StorageError, match=r"^Could not reach s3://no-creds/out: NoCredentialsError: Unable to "
-                                               r"locate credentials \(set AWS_ACCESS_KEY_ID"):
+        with pytest.raises(
+            StorageError,
+            match=r"^Could not reach s3://no-creds/out: NoCredentialsError: Unable to "
+            r"locate credentials \(set AWS_ACCESS_KEY_ID",
+        ):
             Output("s3://no-creds/out").check()
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
@@ -161,8 +172,18 @@ def spellings(tmp_path: Path, monkeypatch) -> list[str]:
     (tmp_path / "link").symlink_to(real)
     monkeypatch.chdir(tmp_path / "a")
     monkeypatch.setenv("HOME", str(tmp_path))
-    return [str(real), f"{real}/", "../jobs/out", "../jobs/./out/", "./../jobs/out", "~/jobs/out",
-            f"file://{real}", f"file://{real}/", str(tmp_path / "link"), "../link/"]
+    return [
+        str(real),
+        f"{real}/",
+        "../jobs/out",
+        "../jobs/./out/",
+        "./../jobs/out",
+        "~/jobs/out",
+        f"file://{real}",
+        f"file://{real}/",
+        str(tmp_path / "link"),
+        "../link/",
+    ]
 
 
 def test_every_spelling_of_a_local_output_is_one_location(tiny_model, tmp_path, monkeypatch, capsys):
@@ -173,8 +194,14 @@ def test_every_spelling_of_a_local_output_is_one_location(tiny_model, tmp_path, 
     assert worker.run_shard(shards[0]).ok == 3
     real = tmp_path / "jobs" / "out"
     layout = sorted(p.relative_to(real).as_posix() for p in real.rglob("*") if p.is_file())
-    assert layout == ["images/shard-00000/r0.png", "images/shard-00000/r1.png", "images/shard-00000/r2.png",
-                      "job.json", "shards/shard-00000.parquet", "workers/w0.json"], layout
+    assert layout == [
+        "images/shard-00000/r0.png",
+        "images/shard-00000/r1.png",
+        "images/shard-00000/r2.png",
+        "job.json",
+        "shards/shard-00000.parquet",
+        "workers/w0.json",
+    ], layout
     for name in names:
         output = Output(name)
         assert output.url == str(real) and output.find("") == layout, name
@@ -206,8 +233,14 @@ def test_verify_fix_changes_nothing_when_most_images_look_missing(tiny_model, tm
 
 
 def _exits(args: list[str], env: dict | None = None) -> tuple[int, str]:
-    done = subprocess.run([sys.executable, "-m", "jobs", *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "jobs", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
     return done.returncode, done.stderr
 
 
@@ -221,8 +254,10 @@ def test_parquet_reads_never_abort_the_process_at_exit(tmp_path):
 
     path = tmp_path / "t.parquet"
     pq.write_table(pa.table({"id": [f"r{i}" for i in range(256)], "x": list(range(256))}), path)
-    code = (f"from workers.storage import read_parquet; data = open({str(path)!r}, 'rb').read(); "
-            "read_parquet(data); read_parquet(data, ['id'])")
+    code = (
+        f"from workers.storage import read_parquet; data = open({str(path)!r}, 'rb').read(); "
+        "read_parquet(data); read_parquet(data, ['id'])"
+    )
 
     def once(_):
         return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True).returncode
@@ -263,17 +298,29 @@ def test_status_and_verify_exit_0_a_hundred_times(tiny_model, tmp_path):
     for shard in shards:
         worker.run_shard(shard)
     # a finished job's records, as a run leaves them: status exits 0
-    (out / "job.json").write_text(json.dumps({"shards_total": 2, "fingerprint": {
-        "model": tiny_model, "input": [{"url": "p.parquet", "bytes": 1, "rows": 6}],
-        "generation": {"rows_per_shard": 3, "output_format": "parquet"}}}))
+    (out / "job.json").write_text(
+        json.dumps(
+            {
+                "shards_total": 2,
+                "fingerprint": {
+                    "model": tiny_model,
+                    "input": [{"url": "p.parquet", "bytes": 1, "rows": 6}],
+                    "generation": {"rows_per_shard": 3, "output_format": "parquet"},
+                },
+            }
+        )
+    )
     (out / "summary.json").write_text("{}")
     (out / "_SUCCESS").write_text("")
 
     (out / "counts.parquet").unlink(missing_ok=True)  # status reads the manifests' footers (it does not write)
-    runs = [["status", str(out)] if i % 2 == 0 else ["verify", str(out), *(["--deep"] if i % 4 == 1 else [])]
-            for i in range(200)]
-    done = subprocess.run([sys.executable, "-c", _EXIT_LOOP, json.dumps(runs)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+    runs = [
+        ["status", str(out)] if i % 2 == 0 else ["verify", str(out), *(["--deep"] if i % 4 == 1 else [])]
+        for i in range(200)
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_LOOP, json.dumps(runs)], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     codes = json.loads(done.stdout.strip().splitlines()[-1])
     assert codes == [0] * 200, [(i, c) for i, c in enumerate(codes) if c]
@@ -289,18 +336,36 @@ def _bad_inputs(tmp_path: Path, tiny_model: str, s3_server: str) -> list[tuple[l
     afile = tmp_path / "afile"
     afile.write_text("not a directory")
     base = ["run", "--input", prompts, "--model", tiny_model, "--device", "cpu", "--steps", "1"]
-    no_creds = {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
-                "AWS_CONFIG_FILE": "/nonexistent", "AWS_EC2_METADATA_DISABLED": "true"}
+    no_creds = {
+        "AWS_ACCESS_KEY_ID": "",
+        "AWS_SECRET_ACCESS_KEY": "",
+        "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+        "AWS_CONFIG_FILE": "/nonexistent",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
     return [
         ([*base, "--output", str(afile)], {}, f"`--output` {afile} is a file, not a directory"),
         ([*base, "--output", "/proc/fleetgen-out"], {}, "`--output` /proc/fleetgen-out is not writable"),
-        ([*base, "--output", str(tmp_path / "o"), "--width", "68"], {},
-         "`--width` `68` is not a multiple of 8, which the model at"),
-        ([*base, "--output", "s3://fleetgen-nocreds/out"], no_creds, "NoCredentialsError: Unable to locate credentials"),
-        ([*base, "--output", "s3://fleetgen-unreachable/out"], {"AWS_ENDPOINT_URL": "http://127.0.0.1:9"},
-         "Could not reach s3://fleetgen-unreachable/out after 2 attempts: EndpointConnectionError"),
-        (["run", "--input", str(tmp_path / "nope.parquet"), "--output", str(tmp_path / "o"), "--model", tiny_model],
-         {}, "does not exist"),
+        (
+            [*base, "--output", str(tmp_path / "o"), "--width", "68"],
+            {},
+            "`--width` `68` is not a multiple of 8, which the model at",
+        ),
+        (
+            [*base, "--output", "s3://fleetgen-nocreds/out"],
+            no_creds,
+            "NoCredentialsError: Unable to locate credentials",
+        ),
+        (
+            [*base, "--output", "s3://fleetgen-unreachable/out"],
+            {"AWS_ENDPOINT_URL": "http://127.0.0.1:9"},
+            "Could not reach s3://fleetgen-unreachable/out after 2 attempts: EndpointConnectionError",
+        ),
+        (
+            ["run", "--input", str(tmp_path / "nope.parquet"), "--output", str(tmp_path / "o"), "--model", tiny_model],
+            {},
+            "does not exist",
+        ),
     ]
 
 
@@ -337,10 +402,10 @@ def test_every_cli_option_has_help_and_every_run_option_is_in_the_readme():
             elif not isinstance(action, argparse._HelpAction | argparse._VersionAction):
                 if not action.help:
                     missing_help.append((path, action.option_strings or action.dest))
-                if path == ["run"] and not any(re.search(re.escape(f"`{o}") + r"(?![\w-])", table)
-                                               for o in action.option_strings):
+                if path == ["run"] and not any(
+                    re.search(re.escape(f"`{o}") + r"(?![\w-])", table) for o in action.option_strings
+                ):
                     missing_readme.append(action.option_strings)
 
     walk(_parser(), [])
     assert not missing_help and not missing_readme, (missing_help, missing_readme)
-

@@ -39,8 +39,18 @@ def reference(tmp_path_factory, tiny_model, ray_cluster):
     prompts = write_prompts(root / "p.parquet", [f"flaky store prompt {i}" for i in range(ROWS)])
     files = [read_footer(str(prompts))]
     settings = GenerationSettings(steps=FAST["steps"], guidance=FAST["guidance"], width=64, height=64)
-    worker = Worker(WorkerSpec("ref", tiny_model, str(root / "clean"), settings, resolve_columns(files, Columns()),
-                               max_batch=4, device="cpu", threads=1))
+    worker = Worker(
+        WorkerSpec(
+            "ref",
+            tiny_model,
+            str(root / "clean"),
+            settings,
+            resolve_columns(files, Columns()),
+            max_batch=4,
+            device="cpu",
+            threads=1,
+        )
+    )
     for shard in plan_shards(files, 8):
         worker.run_shard(shard)
     worker.close()
@@ -65,8 +75,7 @@ def s3_bucket(name: str) -> str:
     return f"s3://{name}/out"
 
 
-CLEAN = {"missing": 0, "duplicates": 0, "stray_objects": 0, "sha_mismatches": 0, "tmp_files": 0,
-         "verify_deep": "clean"}
+CLEAN = {"missing": 0, "duplicates": 0, "stray_objects": 0, "sha_mismatches": 0, "tmp_files": 0, "verify_deep": "clean"}
 
 
 def _first_commit(store, bucket: str, timeout: float = 120) -> None:
@@ -81,8 +90,9 @@ def _first_commit(store, bucket: str, timeout: float = 120) -> None:
         direct.invalidate_cache()
 
 
-def test_a_run_at_5_percent_faults_with_a_30_percent_burst_loses_nothing(reference, tiny_model, faulty_store,
-                                                                         quick_retries):
+def test_a_run_at_5_percent_faults_with_a_30_percent_burst_loses_nothing(
+    reference, tiny_model, faulty_store, quick_retries
+):
     """5 % of requests faulted from the start (every kind: 503, 500, resets before and after the
     request is applied, latency), 30 % for 3 s after the first commit. More seeds, and each
     scenario alone: bench/flaky_store.py (BENCHMARKS.md)."""
@@ -111,8 +121,9 @@ def test_a_run_at_5_percent_faults_with_a_30_percent_burst_loses_nothing(referen
     assert check(out, clean) == {"rows": ROWS, **CLEAN}
 
 
-def test_the_store_down_mid_run_ends_in_one_line_and_a_rerun_finishes(reference, tiny_model, faulty_store,
-                                                                      quick_retries, capsys, monkeypatch):
+def test_the_store_down_mid_run_ends_in_one_line_and_a_rerun_finishes(
+    reference, tiny_model, faulty_store, quick_retries, capsys, monkeypatch
+):
     """The store goes away after the first commit and stays away: the driver rides it out for the
     lock's lease (here 4 s, as `jobs.lock.STALE`; 60 s in a job), then stops as on SIGTERM —
     workers closed, no traceback, exit 1 with the reason in one line. The store back, a rerun of the
@@ -124,9 +135,31 @@ def test_the_store_down_mid_run_ends_in_one_line_and_a_rerun_finishes(reference,
     monkeypatch.setenv("FLEETGEN_STORAGE_ATTEMPTS", "2")
     prompts, clean = reference
     out = s3_bucket("flaky-outage")
-    args = ["run", "--input", str(prompts), "--output", out, "--model", tiny_model, "--steps", "2", "--guidance", "5",
-            "--width", "64", "--height", "64", "--device", "cpu", "--rows-per-shard", "8", "--workers", "2",
-            "--max-attempts", "5"]
+    args = [
+        "run",
+        "--input",
+        str(prompts),
+        "--output",
+        out,
+        "--model",
+        tiny_model,
+        "--steps",
+        "2",
+        "--guidance",
+        "5",
+        "--width",
+        "64",
+        "--height",
+        "64",
+        "--device",
+        "cpu",
+        "--rows-per-shard",
+        "8",
+        "--workers",
+        "2",
+        "--max-attempts",
+        "5",
+    ]
 
     def outage():
         _first_commit(faulty_store, "flaky-outage")
@@ -155,12 +188,46 @@ def test_a_job_run_as_dotdot_lands_where_every_command_looks(reference, tiny_mod
     (tmp_path / "a").mkdir()
     (tmp_path / "p.parquet").write_bytes(prompts.read_bytes())
     monkeypatch.chdir(tmp_path / "a")
-    assert main(["run", "--input", "../p.parquet", "--output", "../out/", "--model", tiny_model, "--steps", "2",
-                 "--guidance", "5", "--width", "64", "--height", "64", "--device", "cpu", "--rows-per-shard", "8",
-                 "--workers", "2"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--input",
+                "../p.parquet",
+                "--output",
+                "../out/",
+                "--model",
+                tiny_model,
+                "--steps",
+                "2",
+                "--guidance",
+                "5",
+                "--width",
+                "64",
+                "--height",
+                "64",
+                "--device",
+                "cpu",
+                "--rows-per-shard",
+                "8",
+                "--workers",
+                "2",
+            ]
+        )
+        == 0
+    )
     out = tmp_path / "out"
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "_SUCCESS", "counts.parquet", "fleet.json",
-                                                     "images", "job.json", "shards", "summary.json", "workers"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "README.md",
+        "_SUCCESS",
+        "counts.parquet",
+        "fleet.json",
+        "images",
+        "job.json",
+        "shards",
+        "summary.json",
+        "workers",
+    ]
     assert len(list((out / "images").glob("shard-*/*.png"))) == ROWS
     assert check(out, clean) == {"rows": ROWS, **CLEAN}
     for name in ("../out", "../out/", f"file://{out}", str(out)):
@@ -170,8 +237,9 @@ def test_a_job_run_as_dotdot_lands_where_every_command_looks(reference, tiny_mod
     capsys.readouterr()
 
 
-def test_a_rebuilt_model_refuses_to_resume_and_progress_counts_as_the_summary(tiny_model, tmp_path, ray_cluster,
-                                                                              capsys):
+def test_a_rebuilt_model_refuses_to_resume_and_progress_counts_as_the_summary(
+    tiny_model, tmp_path, ray_cluster, capsys
+):
     from workers.tiny_model import write_tiny_model
 
     model = str(write_tiny_model(tmp_path / "model", seed=0))
@@ -180,8 +248,27 @@ def test_a_rebuilt_model_refuses_to_resume_and_progress_counts_as_the_summary(ti
     summary = run_job(job(prompts, model, tmp_path / "out"), progress_stream=stream)
     assert summary.complete and summary.images_error == 2 and summary.images_ok == 4
     assert stream.getvalue().strip().splitlines()[-1].endswith("(2 row errors, 0 shards failed)")
-    args = ["run", "--input", str(prompts), "--output", str(tmp_path / "out"), "--model", model, "--steps", "2",
-            "--guidance", "5", "--width", "64", "--height", "64", "--device", "cpu", "--rows-per-shard", "8"]
+    args = [
+        "run",
+        "--input",
+        str(prompts),
+        "--output",
+        str(tmp_path / "out"),
+        "--model",
+        model,
+        "--steps",
+        "2",
+        "--guidance",
+        "5",
+        "--width",
+        "64",
+        "--height",
+        "64",
+        "--device",
+        "cpu",
+        "--rows-per-shard",
+        "8",
+    ]
     assert main(args) == 0  # the same model: a rerun resumes (nothing to do)
     write_tiny_model(tmp_path / "model", seed=1)  # rebuilt in place: same files, same sizes, other weights
     capsys.readouterr()

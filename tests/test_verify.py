@@ -192,14 +192,33 @@ def test_a_lock_of_a_dead_driver_on_this_host_is_taken_over_at_once(tmp_path):
         os._exit(0)
     os.waitpid(dead, 0)  # a pid that no longer exists
     output = Output(str(tmp_path))
-    (tmp_path / "_LOCK").write_text(json.dumps({"token": "x", "owner": f"{socket.gethostname()} pid {dead}",
-                                                "host": socket.gethostname(), "pid": dead, "started": time.time(),
-                                                "heartbeat": time.time()}))
+    (tmp_path / "_LOCK").write_text(
+        json.dumps(
+            {
+                "token": "x",
+                "owner": f"{socket.gethostname()} pid {dead}",
+                "host": socket.gethostname(),
+                "pid": dead,
+                "started": time.time(),
+                "heartbeat": time.time(),
+            }
+        )
+    )
     lock = OutputLock(output)
     assert "no longer exists on this host" in lock.acquire()
     lock.release()
-    (tmp_path / "_LOCK").write_text(json.dumps({"token": "y", "owner": "elsewhere pid 1", "host": "elsewhere",
-                                                "pid": 1, "started": time.time(), "heartbeat": time.time()}))
+    (tmp_path / "_LOCK").write_text(
+        json.dumps(
+            {
+                "token": "y",
+                "owner": "elsewhere pid 1",
+                "host": "elsewhere",
+                "pid": 1,
+                "started": time.time(),
+                "heartbeat": time.time(),
+            }
+        )
+    )
     with pytest.raises(Exception, match="in use by another fleetgen driver"):
         OutputLock(output).acquire()
 
@@ -212,14 +231,17 @@ def test_counts_come_from_footers_and_the_index_never_from_manifest_rows(tiny_mo
 
     out = tmp_path / "out"
     long = " ".join(["a very long prompt about a red fox"] * 20)
-    worker, shards = setup_job(tmp_path, tiny_model, out, "files", prompts=["a", "b", long, "c", "d", "e"],
-                               strict_prompts=True)
+    worker, shards = setup_job(
+        tmp_path, tiny_model, out, "files", prompts=["a", "b", long, "c", "d", "e"], strict_prompts=True
+    )
     for shard in shards:
         worker.run_shard(shard)
     output = Output(str(out))
     counts = shard_counts(output)
-    assert counts == {"shard-00000": {"rows": 3, "images": 3, "ok": 2, "error": 1, "filtered": 0},
-                      "shard-00001": {"rows": 3, "images": 3, "ok": 3, "error": 0, "filtered": 0}}
+    assert counts == {
+        "shard-00000": {"rows": 3, "images": 3, "ok": 2, "error": 1, "filtered": 0},
+        "shard-00001": {"rows": 3, "images": 3, "ok": 3, "error": 0, "filtered": 0},
+    }
     write_counts_index(output, counts)
     manifest = out / "shards" / "shard-00000.parquet"
     st = manifest.stat()
@@ -251,6 +273,7 @@ def test_the_end_of_a_run_counts_from_reports_and_looks_only_at_unreported_shard
     opened = []
     real = jobs.state._footer_counts
     monkeypatch.setattr(jobs.state, "_footer_counts", lambda o, s: opened.append(s) or real(o, s))
+
     def run(todo, stopped, listing, committed):
         from jobs.progress import Progress
         from jobs.summary import Run

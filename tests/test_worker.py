@@ -30,8 +30,15 @@ def shard_input(tmp_path_factory):
 
 
 def make_worker(model, out, output_format="files", max_batch=2, image_format="png"):
-    settings = GenerationSettings(steps=FAST["steps"], guidance=FAST["guidance"], width=64, height=64, seed=0,
-                                  image_format=image_format, output_format=output_format)
+    settings = GenerationSettings(
+        steps=FAST["steps"],
+        guidance=FAST["guidance"],
+        width=64,
+        height=64,
+        seed=0,
+        image_format=image_format,
+        output_format=output_format,
+    )
     cols = Columns("prompt", "id", None, None)
     return Worker(WorkerSpec("w0", model, str(out), settings, cols, max_batch=max_batch, device="cpu", threads=2))
 
@@ -64,8 +71,13 @@ def test_files_output_and_manifest(tiny_model, shard_input, tmp_path):
             assert r["seed"] is not None and r["worker"] == "w0" and r["seconds"] > 0
     # nothing outside the shard's prefix, nothing for the bad rows
     written = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
-    assert written == ["images/shard-00000/fox.png", "images/shard-00000/owl.png", "images/shard-00000/sea.png",
-                       "shards/shard-00000.parquet", "workers/w0.json"]
+    assert written == [
+        "images/shard-00000/fox.png",
+        "images/shard-00000/owl.png",
+        "images/shard-00000/sea.png",
+        "shards/shard-00000.parquet",
+        "workers/w0.json",
+    ]
     stats = json.loads((tmp_path / "workers" / "w0.json").read_text())
     assert stats["stats"]["images"] == 3 and stats["plan"]["batch_size"] == 2
 
@@ -100,8 +112,12 @@ def test_batch_size_changes_low_bits_only(tiny_model, shard_input, tmp_path):
     arrays = []
     for batch in (1, 3):
         make_worker(tiny_model, tmp_path / f"b{batch}", max_batch=batch).run_shard(shard)
-        arrays.append([np.asarray(Image.open(tmp_path / f"b{batch}" / "images" / "shard-00000" / f"{i}.png"),
-                                  dtype=np.int16) for i in ("fox", "owl", "sea")])
+        arrays.append(
+            [
+                np.asarray(Image.open(tmp_path / f"b{batch}" / "images" / "shard-00000" / f"{i}.png"), dtype=np.int16)
+                for i in ("fox", "owl", "sea")
+            ]
+        )
     for a, b in zip(*arrays, strict=True):
         assert np.abs(a - b).max() <= 2
 
@@ -143,7 +159,9 @@ def test_seed_column_is_used(tiny_model, tmp_path):
     shard = plan_shards(files, 10)[0]
     settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64)
     cols = resolve_columns(files, Columns())
-    Worker(WorkerSpec("w0", tiny_model, str(tmp_path / "o"), settings, cols, max_batch=1, device="cpu")).run_shard(shard)
+    Worker(WorkerSpec("w0", tiny_model, str(tmp_path / "o"), settings, cols, max_batch=1, device="cpu")).run_shard(
+        shard
+    )
     rows = manifest(tmp_path / "o").to_pylist()
     assert [r["seed"] for r in rows] == [9, 9, 10]
     assert rows[0]["sha256"] == rows[1]["sha256"] != rows[2]["sha256"]
@@ -156,13 +174,18 @@ def test_budget_on_cpu_plans_offload_and_keeps_images(tiny_model, shard_input, t
     settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64)
     cols = Columns("prompt", "id", None, None)
     resident = Worker(WorkerSpec("w0", tiny_model, str(tmp_path / "a"), settings, cols, max_batch=1, device="cpu"))
-    small = Worker(WorkerSpec("w1", tiny_model, str(tmp_path / "b"), settings, cols, max_batch=1, device="cpu",
-                              gpu_memory=20 * 2**20))
+    small = Worker(
+        WorkerSpec(
+            "w1", tiny_model, str(tmp_path / "b"), settings, cols, max_batch=1, device="cpu", gpu_memory=20 * 2**20
+        )
+    )
     assert set(resident.plan.modes.values()) == {"resident"}
     assert small.plan.modes["unet"] != "resident"
     resident.run_shard(shard)
     small.run_shard(shard)
-    assert manifest(tmp_path / "a").column("sha256").to_pylist() == manifest(tmp_path / "b").column("sha256").to_pylist()
+    assert (
+        manifest(tmp_path / "a").column("sha256").to_pylist() == manifest(tmp_path / "b").column("sha256").to_pylist()
+    )
     info = json.loads((tmp_path / "b" / "workers" / "w1.json").read_text())
     assert info["plan"]["peak_bytes"] <= 20 * 2**20 and "predicted peak" in info["plan"]["reason"]
     unet = info["offload"]["components"]["unet"]
@@ -188,8 +211,18 @@ def test_out_of_memory_steps_down_batch_then_plan(tiny_model, shard_input, tmp_p
 
     shard, _ = shard_input
     settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64)
-    worker = Worker(WorkerSpec("w0", tiny_model, str(tmp_path), settings, Columns("prompt", "id", None, None),
-                               max_batch=2, device="cpu", gpu_memory=2**30))
+    worker = Worker(
+        WorkerSpec(
+            "w0",
+            tiny_model,
+            str(tmp_path),
+            settings,
+            Columns("prompt", "id", None, None),
+            max_batch=2,
+            device="cpu",
+            gpu_memory=2**30,
+        )
+    )
     assert worker.batch_size == 2 and set(worker.plan.modes.values()) == {"resident"}
 
     from offload.stats import find_groups
@@ -220,8 +253,19 @@ def test_an_oom_in_the_sdxl_decode_leaves_the_vae_as_it_was(shard_input, tmp_pat
     shard, _ = shard_input
     pipe = build_tiny_sdxl(0).to(torch.float16)
     settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64, family="sdxl")
-    worker = Worker(WorkerSpec("w0", "tiny-sdxl", str(tmp_path), settings, Columns("prompt", "id", None, None),
-                               max_batch=3, device="cpu", dtype="float16"), pipe=pipe)
+    worker = Worker(
+        WorkerSpec(
+            "w0",
+            "tiny-sdxl",
+            str(tmp_path),
+            settings,
+            Columns("prompt", "id", None, None),
+            max_batch=3,
+            device="cpu",
+            dtype="float16",
+        ),
+        pipe=pipe,
+    )
     assert worker.profile.components["vae"].upcast and worker.profile.dtype_bytes == 2
     calls = []
 
@@ -289,8 +333,16 @@ def test_a_worker_that_cannot_start_leaves_a_given_pipeline_without_hooks(tmp_pa
 
     pipe = build_tiny_flux()
     settings = GenerationSettings(steps=2, guidance=3.5, width=64, height=64, family="flux")
-    spec = WorkerSpec("w0", "tiny-flux", str(tmp_path), settings, Columns("prompt", "id", None, None), device="cpu",
-                      offload="block", gpu_memory=2**30)
+    spec = WorkerSpec(
+        "w0",
+        "tiny-flux",
+        str(tmp_path),
+        settings,
+        Columns("prompt", "id", None, None),
+        device="cpu",
+        offload="block",
+        gpu_memory=2**30,
+    )
     import workers.fit
 
     real = workers.fit.OffloadStats
@@ -314,8 +366,15 @@ def test_long_prompts_are_truncated_and_noted_or_refused(tiny_model, tmp_path, s
     long = " ".join(["a red fox in the forest"] * 20)  # 120 words: more than CLIP's 77 tokens
     path = write_prompts(tmp_path / "p.parquet", ["a cat", long], id=["short", "long"])
     files = [read_footer(str(path))]
-    spec = WorkerSpec("w0", tiny_model, str(tmp_path / "o"), GenerationSettings(steps=2, width=64, height=64),
-                      resolve_columns(files, Columns()), device="cpu", strict_prompts=strict)
+    spec = WorkerSpec(
+        "w0",
+        tiny_model,
+        str(tmp_path / "o"),
+        GenerationSettings(steps=2, width=64, height=64),
+        resolve_columns(files, Columns()),
+        device="cpu",
+        strict_prompts=strict,
+    )
     Worker(spec).run_shard(plan_shards(files, 10)[0])
     rows = {r["id"]: r for r in manifest(tmp_path / "o").to_pylist()}
     assert rows["short"]["status"] == "ok" and rows["short"]["warning"] is None

@@ -45,9 +45,15 @@ class Look:
 
     def record(self) -> dict:
         """The look as an image's record holds it (workers/fields.py)."""
-        return {"width": self.width, "height": self.height, "steps": self.steps, "guidance": self.guidance,
-                "lora": [a.source for a in self.adapters], "lora_scale": [a.scale for a in self.adapters],
-                **dict(self.extra)}
+        return {
+            "width": self.width,
+            "height": self.height,
+            "steps": self.steps,
+            "guidance": self.guidance,
+            "lora": [a.source for a in self.adapters],
+            "lora_scale": [a.scale for a in self.adapters],
+            **dict(self.extra),
+        }
 
 
 @dataclass(frozen=True)
@@ -181,10 +187,12 @@ def _repeated_ids(shard: Shard, data: dict, columns: Columns, examples: int = 3)
         rows.setdefault(_row_id(shard, data, i, columns), []).append(shard.row_group_start + shard.offset + i)
     repeats = {k: v for k, v in rows.items() if len(v) > 1}
     shown = "; ".join(f"`{k}` at rows {', '.join(map(str, v[:4]))}" for k, v in list(repeats.items())[:examples])
-    return InputError(f"Shard {shard.id}: {len(repeats)} id(s) of column `{columns.id}` repeat within the shard "
-                      f"({shown}; rows of {shard.path}). Ids name a shard's images, so they must be unique within a "
-                      "shard (across shards they may repeat). Remove the duplicates, or pass `--id-column` naming a "
-                      "unique column.")
+    return InputError(
+        f"Shard {shard.id}: {len(repeats)} id(s) of column `{columns.id}` repeat within the shard "
+        f"({shown}; rows of {shard.path}). Ids name a shard's images, so they must be unique within a "
+        "shard (across shards they may repeat). Remove the duplicates, or pass `--id-column` naming a "
+        "unique column."
+    )
 
 
 def shard_images(shard: Shard, table: pa.Table, columns: Columns, recipe: Recipe) -> list[Image]:

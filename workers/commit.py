@@ -28,18 +28,26 @@ from workers.layout import MANIFEST_SCHEMA, STAGING, manifest_key
 from workers.storage import Output, parquet_schema, read_parquet
 
 ATTEMPT_KEY = b"fleetgen.attempt"  # manifest metadata: the attempt whose objects the manifest names
-COUNTS_KEY = b"fleetgen.counts"  # manifest metadata: {"rows", "images", "ok", "error", "filtered"}, read from the footer
+COUNTS_KEY = (
+    b"fleetgen.counts"  # manifest metadata: {"rows", "images", "ok", "error", "filtered"}, read from the footer
+)
 
 
 def counts_of(records: list[dict], rows: int) -> dict:
     """What a manifest's footer says about its shard, so that jobs/ can count without its rows."""
     statuses = [r["status"] for r in records]
-    return {"rows": rows, "images": len(records), "ok": statuses.count("ok"), "error": statuses.count("error"),
-            "filtered": statuses.count("filtered")}
+    return {
+        "rows": rows,
+        "images": len(records),
+        "ok": statuses.count("ok"),
+        "error": statuses.count("error"),
+        "filtered": statuses.count("filtered"),
+    }
 
 
-def manifest_bytes(records: list[dict], table: pa.Table, carry: tuple[str, ...], rows: list[int], attempt: str,
-                   counts: dict) -> bytes:
+def manifest_bytes(
+    records: list[dict], table: pa.Table, carry: tuple[str, ...], rows: list[int], attempt: str, counts: dict
+) -> bytes:
     """The manifest: one row per image, then the carried input columns of each image's row (`rows`:
     each image's row in `table`); its metadata names the attempt whose objects it names."""
     manifest = pa.Table.from_pylist(records, schema=MANIFEST_SCHEMA)
@@ -102,7 +110,7 @@ def promote(output: Output, shard_id: str, attempt: str, named: set[str]) -> int
     prefix = staging(shard_id, attempt)
     staged = output.find(prefix.rstrip("/"))
     for key in staged:
-        output.move(key, key[len(prefix):])
+        output.move(key, key[len(prefix) :])
     for key in output.find(f"images/{shard_id}"):
         if key not in named:
             output.remove(key)
@@ -142,4 +150,3 @@ def finish_attempts(output: Output) -> tuple[int, int]:
         output.remove(f"{STAGING}/{shard_id}")
     output.remove(STAGING)  # local disks keep empty directories
     return finished, removed
-

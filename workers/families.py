@@ -54,32 +54,111 @@ class Family:
 # and the size it was given (pick one of the model's trained sizes), the same on every worker.
 _AS_ASKED = {"clean_caption": False, "use_resolution_binning": False}
 
-FAMILIES = {f.name: f for f in (
-    Family("sd", ("StableDiffusionPipeline",), steps=30, guidance=7.5, dtype="float16", negative="negative_prompt",
-           tokenizer="tokenizer", max_sequence_length=None, cfg=True, note="SD 1.x/2.x; CLIP reads 77 tokens"),
-    Family("sdxl", ("StableDiffusionXLPipeline",), steps=30, guidance=5.0, dtype="float16",
-           negative="negative_prompt", tokenizer="tokenizer_2", max_sequence_length=None, cfg=True,
-           note="two CLIP encoders, 77 tokens each", upcasts_vae=True),
-    Family("sd3", ("StableDiffusion3Pipeline",), steps=28, guidance=7.0, dtype="bfloat16", negative="negative_prompt",
-           tokenizer="tokenizer_3", max_sequence_length=256, cfg=True,
-           note="CLIP encoders read 77 tokens, T5 reads up to 256"),
-    Family("flux", ("FluxPipeline",), steps=28, guidance=3.5, dtype="bfloat16", negative="true_cfg",
-           tokenizer="tokenizer_2", max_sequence_length=512, cfg=False,
-           note="FLUX.1-dev: guidance-distilled (the guidance is an input, not a second pass); negative "
-                "prompts need `--true-cfg-scale` > 1, which doubles the compute"),
-    Family("flux-schnell", ("FluxPipeline",), steps=4, guidance=0.0, dtype="bfloat16", negative="true_cfg",
-           tokenizer="tokenizer_2", max_sequence_length=256, cfg=False,
-           note="FLUX.1-schnell: timestep-distilled, 4 steps, no guidance"),
-    Family("pixart-sigma", ("PixArtSigmaPipeline",), steps=20, guidance=4.5, dtype="float16",
-           negative="negative_prompt", tokenizer="tokenizer", max_sequence_length=300, cfg=True,
-           extra=_AS_ASKED, note="T5 reads up to 300 tokens"),
-    Family("sana", ("SanaPipeline",), steps=20, guidance=4.5, dtype="bfloat16", negative="negative_prompt",
-           tokenizer="tokenizer", max_sequence_length=300, cfg=True, extra=_AS_ASKED,
-           note="Gemma reads up to 300 tokens"),
-)}
-GENERIC = Family("generic", (), steps=30, guidance=7.5, dtype="float16", negative="negative_prompt",
-                 tokenizer="tokenizer", max_sequence_length=None, cfg=True,
-                 note="not a known family: called with the arguments its __call__ accepts")
+FAMILIES = {
+    f.name: f
+    for f in (
+        Family(
+            "sd",
+            ("StableDiffusionPipeline",),
+            steps=30,
+            guidance=7.5,
+            dtype="float16",
+            negative="negative_prompt",
+            tokenizer="tokenizer",
+            max_sequence_length=None,
+            cfg=True,
+            note="SD 1.x/2.x; CLIP reads 77 tokens",
+        ),
+        Family(
+            "sdxl",
+            ("StableDiffusionXLPipeline",),
+            steps=30,
+            guidance=5.0,
+            dtype="float16",
+            negative="negative_prompt",
+            tokenizer="tokenizer_2",
+            max_sequence_length=None,
+            cfg=True,
+            note="two CLIP encoders, 77 tokens each",
+            upcasts_vae=True,
+        ),
+        Family(
+            "sd3",
+            ("StableDiffusion3Pipeline",),
+            steps=28,
+            guidance=7.0,
+            dtype="bfloat16",
+            negative="negative_prompt",
+            tokenizer="tokenizer_3",
+            max_sequence_length=256,
+            cfg=True,
+            note="CLIP encoders read 77 tokens, T5 reads up to 256",
+        ),
+        Family(
+            "flux",
+            ("FluxPipeline",),
+            steps=28,
+            guidance=3.5,
+            dtype="bfloat16",
+            negative="true_cfg",
+            tokenizer="tokenizer_2",
+            max_sequence_length=512,
+            cfg=False,
+            note="FLUX.1-dev: guidance-distilled (the guidance is an input, not a second pass); negative "
+            "prompts need `--true-cfg-scale` > 1, which doubles the compute",
+        ),
+        Family(
+            "flux-schnell",
+            ("FluxPipeline",),
+            steps=4,
+            guidance=0.0,
+            dtype="bfloat16",
+            negative="true_cfg",
+            tokenizer="tokenizer_2",
+            max_sequence_length=256,
+            cfg=False,
+            note="FLUX.1-schnell: timestep-distilled, 4 steps, no guidance",
+        ),
+        Family(
+            "pixart-sigma",
+            ("PixArtSigmaPipeline",),
+            steps=20,
+            guidance=4.5,
+            dtype="float16",
+            negative="negative_prompt",
+            tokenizer="tokenizer",
+            max_sequence_length=300,
+            cfg=True,
+            extra=_AS_ASKED,
+            note="T5 reads up to 300 tokens",
+        ),
+        Family(
+            "sana",
+            ("SanaPipeline",),
+            steps=20,
+            guidance=4.5,
+            dtype="bfloat16",
+            negative="negative_prompt",
+            tokenizer="tokenizer",
+            max_sequence_length=300,
+            cfg=True,
+            extra=_AS_ASKED,
+            note="Gemma reads up to 300 tokens",
+        ),
+    )
+}
+GENERIC = Family(
+    "generic",
+    (),
+    steps=30,
+    guidance=7.5,
+    dtype="float16",
+    negative="negative_prompt",
+    tokenizer="tokenizer",
+    max_sequence_length=None,
+    cfg=True,
+    note="not a known family: called with the arguments its __call__ accepts",
+)
 FAMILIES[GENERIC.name] = GENERIC
 
 
@@ -90,7 +169,11 @@ def detect(model_index: dict, transformer_config: dict | None = None) -> Family:
     found = [f for f in FAMILIES.values() if cls in f.pipelines]
     if not found:
         return GENERIC
-    if found[0].name == "flux" and transformer_config is not None and not transformer_config.get("guidance_embeds", True):
+    if (
+        found[0].name == "flux"
+        and transformer_config is not None
+        and not transformer_config.get("guidance_embeds", True)
+    ):
         return FAMILIES["flux-schnell"]
     return found[0]
 
@@ -106,13 +189,33 @@ def read_family(model_dir: str | Path) -> Family:
     return detect(index, json.loads(transformer.read_text()) if transformer.exists() else None)
 
 
-def call_kwargs(pipe, family: Family, prompts: list[str], negatives: list[str | None], *, steps: int,
-                guidance: float, width: int, height: int, true_cfg_scale: float | None, generator,
-                extra: dict | None = None) -> dict:
+def call_kwargs(
+    pipe,
+    family: Family,
+    prompts: list[str],
+    negatives: list[str | None],
+    *,
+    steps: int,
+    guidance: float,
+    width: int,
+    height: int,
+    true_cfg_scale: float | None,
+    generator,
+    extra: dict | None = None,
+) -> dict:
     """The arguments of one pipeline call for this family, keeping only those `pipe.__call__` takes.
     `extra`: per-row settings of the field table, by the keyword each is passed as."""
-    kwargs = {"prompt": prompts, "num_inference_steps": steps, "guidance_scale": guidance, "width": width,
-              "height": height, "generator": generator, "output_type": "pil", **family.extra, **(extra or {})}
+    kwargs = {
+        "prompt": prompts,
+        "num_inference_steps": steps,
+        "guidance_scale": guidance,
+        "width": width,
+        "height": height,
+        "generator": generator,
+        "output_type": "pil",
+        **family.extra,
+        **(extra or {}),
+    }
     if family.max_sequence_length:
         kwargs["max_sequence_length"] = family.max_sequence_length
     if any(negatives) and family.negative != "none":

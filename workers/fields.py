@@ -53,8 +53,15 @@ FIELDS: list[Field] = [
     Field("id", pa.string(), "the image id: the row id, or `<row id>-<k>` when rows make several images", stored=True),
     Field("row_id", pa.string(), "the input row's id", role="id", kind="id", setting=False, stored=True),
     Field("image_index", pa.int32(), "k: which of its row's images", stored=True),
-    Field("prompt", pa.string(), "as generated (rendered from the template when there is one)", role="prompt",
-          kind="text", setting=False, stored=True),
+    Field(
+        "prompt",
+        pa.string(),
+        "as generated (rendered from the template when there is one)",
+        role="prompt",
+        kind="text",
+        setting=False,
+        stored=True,
+    ),
     Field("negative_prompt", pa.string(), "", role="negative_prompt", kind="string", setting=False, stored=True),
     Field("seed", pa.int64(), "", role="seed", kind="int", setting=False, stored=True),
     Field("status", pa.string(), '"ok" | "error" | "filtered" (flagged by the pipeline\'s safety checker)'),
@@ -67,22 +74,65 @@ FIELDS: list[Field] = [
     Field("nsfw", pa.bool_(), "the safety checker's verdict, where the pipeline has one", stored=True),
     Field("width", pa.int32(), "pixels", role="width", kind="int", low=1, high=MAX_SIDE, pixels=True, stored=True),
     Field("height", pa.int32(), "pixels", role="height", kind="int", low=1, high=MAX_SIDE, pixels=True, stored=True),
-    Field("steps", pa.int32(), "denoising steps", role="steps", kind="int", low=1, high=MAX_STEPS, pixels=True,
-          stored=True),
-    Field("guidance", pa.float32(), "guidance scale", role="guidance", kind="number", low=0, high=1e4, pixels=True,
-          stored=True),
-    Field("lora", pa.list_(pa.string()), "the LoRA adapters applied, as the job or the row named them; a row's "
-          "column replaces the job's (\"\" for none)", role="lora", kind="string", hint="a LoRA path or hub id", pixels=True,
-          stored=True),
-    Field("lora_scale", pa.list_(pa.float32()), "their scales, in the same order", role="lora_scale", kind="number",
-          low=-100, high=100, pixels=True, stored=True),
+    Field(
+        "steps",
+        pa.int32(),
+        "denoising steps",
+        role="steps",
+        kind="int",
+        low=1,
+        high=MAX_STEPS,
+        pixels=True,
+        stored=True,
+    ),
+    Field(
+        "guidance",
+        pa.float32(),
+        "guidance scale",
+        role="guidance",
+        kind="number",
+        low=0,
+        high=1e4,
+        pixels=True,
+        stored=True,
+    ),
+    Field(
+        "lora",
+        pa.list_(pa.string()),
+        "the LoRA adapters applied, as the job or the row named them; a row's "
+        'column replaces the job\'s ("" for none)',
+        role="lora",
+        kind="string",
+        hint="a LoRA path or hub id",
+        pixels=True,
+        stored=True,
+    ),
+    Field(
+        "lora_scale",
+        pa.list_(pa.float32()),
+        "their scales, in the same order",
+        role="lora_scale",
+        kind="number",
+        low=-100,
+        high=100,
+        pixels=True,
+        stored=True,
+    ),
     Field("template", pa.string(), "the prompt template the prompt was rendered from (null: none)"),
     Field("batch", pa.int32(), "images in the pipeline call that made this one"),
     Field("worker", pa.string()),
     Field("device", pa.string()),
     Field("seconds", pa.float32(), "this image's share of its batch's wall time"),
-    Field("num_images", pa.int32(), "images of the row (overrides --images-per-prompt)", role="num_images",
-          kind="int", low=1, high=MAX_IMAGES_PER_ROW, record=False),
+    Field(
+        "num_images",
+        pa.int32(),
+        "images of the row (overrides --images-per-prompt)",
+        role="num_images",
+        kind="int",
+        low=1,
+        high=MAX_IMAGES_PER_ROW,
+        record=False,
+    ),
 ]
 
 # The roles the look is built from by hand (workers/batches.py); every other pixel-changing role is
@@ -97,8 +147,10 @@ def add_field(field: Field) -> Field:
     """A field from elsewhere: a plugin module (`FLEETGEN_PLUGINS`) adds it as the table first
     loads, so that the column option its role adds is one of `JobConfig`'s and the CLI's."""
     if _frozen:
-        raise RuntimeError(f"field `{field.name}` added after the field table was in use: name its module in "
-                           f"`{PLUGINS_ENV}` before fleetgen starts")
+        raise RuntimeError(
+            f"field `{field.name}` added after the field table was in use: name its module in "
+            f"`{PLUGINS_ENV}` before fleetgen starts"
+        )
     if any(f.name == field.name for f in FIELDS):
         raise ValueError(f"a field named `{field.name}` exists")
     FIELDS.insert(len([f for f in FIELDS if f.record]) if field.record else len(FIELDS), field)
@@ -143,4 +195,3 @@ def freeze() -> None:
     """The table is in use (workers/shard.py built `Columns` from it): no more fields."""
     global _frozen
     _frozen = True
-

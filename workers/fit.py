@@ -43,13 +43,19 @@ from workers.spec import Source, Workload
 HOST_SHARE = 0.8  # of available host RAM a worker may fill with offloaded copies
 # How CUDA libraries word an allocation failure they raise as a plain RuntimeError (cuBLAS and cuDNN
 # workspaces, pinning host memory): the same step-down as `torch.OutOfMemoryError`.
-OOM_WORDS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED", "cudaErrorMemoryAllocation",
-             "CUDA_ERROR_OUT_OF_MEMORY")
+OOM_WORDS = (
+    "out of memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "cudaErrorMemoryAllocation",
+    "CUDA_ERROR_OUT_OF_MEMORY",
+)
 
 
 def is_out_of_memory(err: BaseException) -> bool:
     return isinstance(err, torch.OutOfMemoryError) or (
-        isinstance(err, RuntimeError) and any(w in str(err) for w in OOM_WORDS))
+        isinstance(err, RuntimeError) and any(w in str(err) for w in OOM_WORDS)
+    )
 
 
 def _dtype(module: torch.nn.Module) -> torch.dtype | None:
@@ -83,26 +89,57 @@ def device_spec(device: torch.device, probe: dict, gpu_memory: int | None, host_
     cuda = device.type == "cuda"
     budget = gpu_memory or (probe["free_bytes"] if cuda else probe["host_available_bytes"])
     return DeviceSpec(
-        budget=budget, host_budget=host_memory or int(probe["host_available_bytes"] * HOST_SHARE),
-        bandwidth=probe["bandwidth"], flops=probe["flops"], streams=cuda,
+        budget=budget,
+        host_budget=host_memory or int(probe["host_available_bytes"] * HOST_SHARE),
+        bandwidth=probe["bandwidth"],
+        flops=probe["flops"],
+        streams=cuda,
         name=torch.cuda.get_device_name(device) if cuda else "cpu",
     )
 
 
-def choose_plan(profile: PipelineProfile, device: torch.device, probe: dict, *, offload: str, max_batch: int,
-                gpu_memory: int | None, host_memory: int | None, width: int, height: int, steps: int,
-                cfg: bool) -> OffloadPlan:
+def choose_plan(
+    profile: PipelineProfile,
+    device: torch.device,
+    probe: dict,
+    *,
+    offload: str,
+    max_batch: int,
+    gpu_memory: int | None,
+    host_memory: int | None,
+    width: int,
+    height: int,
+    steps: int,
+    cfg: bool,
+) -> OffloadPlan:
     """On a CPU worker with no `--gpu-memory` and `--offload auto|none`, everything is resident at
     `--max-batch`. Otherwise the planner fits the budget: `--gpu-memory`, else the free memory."""
     if device.type == "cpu" and gpu_memory is None and offload in ("auto", "none"):
-        return resident_plan(list(profile.components), max_batch,
-                             f"all resident: CPU worker without `--gpu-memory`; batch {max_batch} (`--max-batch`)")
-    return plan(profile, device_spec(device, probe, gpu_memory, host_memory),
-                _workload(offload, max_batch, width, height, steps, cfg))
+        return resident_plan(
+            list(profile.components),
+            max_batch,
+            f"all resident: CPU worker without `--gpu-memory`; batch {max_batch} (`--max-batch`)",
+        )
+    return plan(
+        profile,
+        device_spec(device, probe, gpu_memory, host_memory),
+        _workload(offload, max_batch, width, height, steps, cfg),
+    )
 
 
-def leaner_plan(profile: PipelineProfile, current: OffloadPlan, device: torch.device, probe: dict, *,
-                offload: str, host_memory: int | None, width: int, height: int, steps: int, cfg: bool) -> OffloadPlan:
+def leaner_plan(
+    profile: PipelineProfile,
+    current: OffloadPlan,
+    device: torch.device,
+    probe: dict,
+    *,
+    offload: str,
+    host_memory: int | None,
+    width: int,
+    height: int,
+    steps: int,
+    cfg: bool,
+) -> OffloadPlan:
     """After an out-of-memory error at batch 1: plan for ever smaller budgets until the placement
     changes; `OffloadError` when even the leanest plan does not fit. A step that goes from the
     current placement straight to "nothing fits" (where activations, not weights, fill the budget)
@@ -159,9 +196,18 @@ class FittedPipeline:
         self.device = resolve_device(source.device)
         self.dtype = resolve_dtype(source.dtype, self.device, self.family.dtype)
         self._given = pipe is not None
-        self.pipe = pipe if pipe is not None else load_pipeline(
-            source.model, self.dtype, source.trust_remote_code, revision=source.revision, variant=source.variant,
-            worker=tag)
+        self.pipe = (
+            pipe
+            if pipe is not None
+            else load_pipeline(
+                source.model,
+                self.dtype,
+                source.trust_remote_code,
+                revision=source.revision,
+                variant=source.variant,
+                worker=tag,
+            )
+        )
         self.pipe.set_progress_bar_config(disable=True)
         self.takes_negative = takes_negative_prompt(self.pipe)
         # Adapters before profiling and offloading: their bytes are planned for and offloaded with their layers.
@@ -171,10 +217,17 @@ class FittedPipeline:
         self.profile = profile_pipeline(self.pipe, source.model, vae_upcast=self.family.upcasts_vae)
         self.probe = probe(self.device, self.dtype)
         w = workload
-        self._fit = {"offload": w.offload, "width": w.width, "height": w.height, "steps": w.steps,
-                     "cfg": self.family.doubles_batch(w.guidance, w.true_cfg_scale), "host_memory": w.host_memory}
-        self.plan = choose_plan(self.profile, self.device, self.probe, max_batch=w.max_batch,
-                                gpu_memory=w.gpu_memory, **self._fit)
+        self._fit = {
+            "offload": w.offload,
+            "width": w.width,
+            "height": w.height,
+            "steps": w.steps,
+            "cfg": self.family.doubles_batch(w.guidance, w.true_cfg_scale),
+            "host_memory": w.host_memory,
+        }
+        self.plan = choose_plan(
+            self.profile, self.device, self.probe, max_batch=w.max_batch, gpu_memory=w.gpu_memory, **self._fit
+        )
         self.placed = None
         self.step_downs: list[dict] = []
         self.seconds = 0.0  # wall time in pipeline calls
@@ -205,8 +258,11 @@ class FittedPipeline:
             return {"warning": warning}
         n = len(tokenizer(prompt, truncation=False).input_ids)
         if n > limit and strict:
-            return {"status": "error", "error": f"prompt is {n} tokens; the text encoder takes {limit} (`--strict-prompts`)",
-                    "warning": warning}
+            return {
+                "status": "error",
+                "error": f"prompt is {n} tokens; the text encoder takes {limit} (`--strict-prompts`)",
+                "warning": warning,
+            }
         if n > limit:
             warning = "; ".join(filter(None, [warning, f"prompt truncated to {limit} of {n} tokens"]))
         return {"warning": warning}
@@ -268,16 +324,26 @@ class FittedPipeline:
             torch.cuda.empty_cache()
         if size > 1:
             before, self.batch_size = self.batch_size, max(1, min(self.batch_size, size) // 2)
-            self.step_downs.append({"from": f"batch {before}", "to": f"batch {self.batch_size}",
-                                    "reason": f"out of memory at batch {size}"})
+            self.step_downs.append(
+                {
+                    "from": f"batch {before}",
+                    "to": f"batch {self.batch_size}",
+                    "reason": f"out of memory at batch {size}",
+                }
+            )
             return True
         try:
             leaner = leaner_plan(self.profile, self.plan, self.device, self.probe, **self._fit)
         except FleetgenError:
             return False
         self._reapply(leaner)
-        self.step_downs.append({"from": self.plan.to_dict()["modes"], "to": leaner.to_dict()["modes"],
-                                "reason": f"out of memory at batch 1: {err[:200]}"})
+        self.step_downs.append(
+            {
+                "from": self.plan.to_dict()["modes"],
+                "to": leaner.to_dict()["modes"],
+                "reason": f"out of memory at batch 1: {err[:200]}",
+            }
+        )
         self.plan = leaner
         return True
 
@@ -289,9 +355,19 @@ class FittedPipeline:
 
     def _kwargs(self, prompts: list[str], negatives: list[str | None], look: Look, generator) -> dict:
         extra = {self._call_args[name]: value for name, value in look.extra if self._call_args.get(name)}
-        return call_kwargs(self.pipe, self.family, prompts, negatives, steps=look.steps, guidance=look.guidance,
-                           width=look.width, height=look.height, true_cfg_scale=self.workload.true_cfg_scale,
-                           generator=generator, extra=extra)
+        return call_kwargs(
+            self.pipe,
+            self.family,
+            prompts,
+            negatives,
+            steps=look.steps,
+            guidance=look.guidance,
+            width=look.width,
+            height=look.height,
+            true_cfg_scale=self.workload.true_cfg_scale,
+            generator=generator,
+            extra=extra,
+        )
 
     def _call(self, batch: list[Image]) -> list[Picture]:
         look = batch[0].look
@@ -300,14 +376,22 @@ class FittedPipeline:
             activate_adapters(self.pipe, self.adapters, look.adapters)
             self._active = look.adapters
         with components_dtypes_kept(self.pipe):
-            out = self.pipe(**self._kwargs([im.prompt for im in batch], [im.negative_prompt for im in batch], look,
-                                           generators([im.seed for im in batch])))
+            out = self.pipe(
+                **self._kwargs(
+                    [im.prompt for im in batch],
+                    [im.negative_prompt for im in batch],
+                    look,
+                    generators([im.seed for im in batch]),
+                )
+            )
         # A safety checker (SD 1.x) blacks out what it flags: such pictures are None.
         flags = getattr(out, "nsfw_content_detected", None) or [None] * len(batch)
         seconds = time.perf_counter() - started
         self.seconds += seconds
-        return [Picture(im, None if flagged else picture, flagged, len(batch), seconds / len(batch))
-                for im, picture, flagged in zip(batch, out.images, flags, strict=True)]
+        return [
+            Picture(im, None if flagged else picture, flagged, len(batch), seconds / len(batch))
+            for im, picture, flagged in zip(batch, out.images, flags, strict=True)
+        ]
 
     def close(self) -> None:
         self.offload_stats.close()

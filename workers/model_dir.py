@@ -35,7 +35,11 @@ def size_multiple(model: str) -> tuple[int, str] | None:
     patch = 1
     if denoiser:
         cls = index[denoiser][1] if isinstance(index[denoiser], list) else ""
-        cfg = json.loads((root / denoiser / "config.json").read_text()) if (root / denoiser / "config.json").exists() else {}
+        cfg = (
+            json.loads((root / denoiser / "config.json").read_text())
+            if (root / denoiser / "config.json").exists()
+            else {}
+        )
         patch = 2 if cls.startswith("Flux") else int(cfg.get("patch_size") or 1)  # Flux packs 2x2 latents
     reason = f"VAE scale {scale} x patch {patch}"
     if (scale * patch) % floor:

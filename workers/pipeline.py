@@ -39,8 +39,14 @@ def describe_device(device: torch.device) -> dict:
     return {"type": "cpu", "name": f"cpu ({os.cpu_count()} cores)", "total_bytes": None, "free_bytes": None}
 
 
-def load_pipeline(model: str, dtype: torch.dtype, trust_remote_code: bool = False, revision: str | None = None,
-                  variant: str | None = None, worker: str = "worker"):
+def load_pipeline(
+    model: str,
+    dtype: torch.dtype,
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+    variant: str | None = None,
+    worker: str = "worker",
+):
     """`DiffusionPipeline.from_pretrained` for a local directory or a hub id (at `revision`, through
     the node's cache, downloaded once per node); progress bars off."""
     from diffusers import DiffusionPipeline
@@ -51,8 +57,9 @@ def load_pipeline(model: str, dtype: torch.dtype, trust_remote_code: bool = Fals
     transformers_logging.disable_progress_bar()
     source = fetch_snapshot(model, revision, variant, worker) if is_hub_id(model) else model
     try:
-        pipe = DiffusionPipeline.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                 variant=variant)
+        pipe = DiffusionPipeline.from_pretrained(
+            source, dtype=dtype, trust_remote_code=trust_remote_code, variant=variant
+        )
     except (OSError, ValueError) as err:
         raise FleetgenError(f"Could not load the pipeline `{model}`: {err}") from err
     pipe.set_progress_bar_config(disable=True)
@@ -114,8 +121,9 @@ def load_adapters(pipe, sources: tuple[tuple[str, str], ...], worker: str = "wor
     if importlib.util.find_spec("peft") is None:
         raise ConfigError("`--lora` needs peft, which diffusers loads adapters with: pip install 'fleetgen[lora]'.")
     if not hasattr(pipe, "load_lora_weights"):
-        raise ConfigError(f"`--lora`: {type(pipe).__name__} cannot load LoRA adapters (diffusers has no LoRA "
-                          "loader for it).")
+        raise ConfigError(
+            f"`--lora`: {type(pipe).__name__} cannot load LoRA adapters (diffusers has no LoRA loader for it)."
+        )
     names = {}
     for i, (source, location) in enumerate(sources):
         name = f"lora{i}"

@@ -50,8 +50,9 @@ def probe(device: torch.device, dtype: torch.dtype) -> dict:
     out = {"host_available_bytes": host_available_bytes()}
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        out.update(free_bytes=free, total_bytes=total, bandwidth=_bandwidth(device), flops=_flops(device, dtype),
-                   measured=True)
+        out.update(
+            free_bytes=free, total_bytes=total, bandwidth=_bandwidth(device), flops=_flops(device, dtype), measured=True
+        )
     else:
         out.update(free_bytes=None, total_bytes=None, bandwidth=ASSUMED_BANDWIDTH, flops=ASSUMED_FLOPS, measured=False)
     return out

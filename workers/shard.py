@@ -49,13 +49,15 @@ def _present(self) -> list[str]:
 # field table, so a new per-row setting is a new attribute here with no other change.
 Columns = make_dataclass(
     "Columns",
-    [("prompt", "str | None", field(default="prompt")),  # None when `--prompt-template` builds the prompt
-     ("id", "str | None", field(default="id")),
-     ("seed", "str | None", field(default="seed")),
-     ("negative_prompt", "str | None", field(default="negative_prompt")),
-     *[(role, "str | None", field(default=None)) for role in SETTING_ROLES],  # JobConfig names them by role
-     ("carry", "tuple[str, ...]", field(default=())),  # input columns carried into manifests and outputs, as typed
-     ("template_fields", "tuple[str, ...]", field(default=()))],  # input columns the prompt template reads
+    [
+        ("prompt", "str | None", field(default="prompt")),  # None when `--prompt-template` builds the prompt
+        ("id", "str | None", field(default="id")),
+        ("seed", "str | None", field(default="seed")),
+        ("negative_prompt", "str | None", field(default="negative_prompt")),
+        *[(role, "str | None", field(default=None)) for role in SETTING_ROLES],  # JobConfig names them by role
+        ("carry", "tuple[str, ...]", field(default=())),  # input columns carried into manifests and outputs, as typed
+        ("template_fields", "tuple[str, ...]", field(default=())),
+    ],  # input columns the prompt template reads
     namespace={"roles": _roles, "present": _present, "__doc__": "Input column names per role; see above."},
     frozen=True,
 )
@@ -87,8 +89,10 @@ def read_shard(shard: Shard, columns: Columns) -> pa.Table:
                 if seen >= end:
                     break
         if first is None or seen < end:
-            raise InputError(f"Row group {shard.row_group} of {shard.path} has {seen} rows; shard {shard.id} needs "
-                             f"rows {shard.offset}-{end - 1} of it (the file changed since the job started?).")
+            raise InputError(
+                f"Row group {shard.row_group} of {shard.path} has {seen} rows; shard {shard.id} needs "
+                f"rows {shard.offset}-{end - 1} of it (the file changed since the job started?)."
+            )
         return pa.Table.from_batches(batches).slice(shard.offset - first, shard.length)
 
     try:

@@ -29,9 +29,14 @@ class GenerationSettings:
     loras: tuple[Adapter, ...] = ()  # adapters on every image (a row's `lora` column replaces them)
 
     def recipe(self, size_multiple: int = 8) -> Recipe:
-        return Recipe(Look(self.width, self.height, self.steps, self.guidance, self.loras), seed=self.seed,
-                      images_per_prompt=self.images_per_prompt, template=self.prompt_template,
-                      size_multiple=size_multiple, dotless_ids=get_format(self.output_format).dotless_ids)
+        return Recipe(
+            Look(self.width, self.height, self.steps, self.guidance, self.loras),
+            seed=self.seed,
+            images_per_prompt=self.images_per_prompt,
+            template=self.prompt_template,
+            size_multiple=size_multiple,
+            dotless_ids=get_format(self.output_format).dotless_ids,
+        )
 
 
 @dataclass(frozen=True)
@@ -57,17 +62,32 @@ class WorkerSpec:
     adapters: tuple[tuple[str, str], ...] = ()  # every LoRA the job uses (flags, `lora` column): (as named, location)
     plan_size: tuple[int, int] | None = None  # the largest (width, height) in the job, planned for
 
-
     def source(self) -> Source:
-        return Source(self.model, self.settings.family, self.device, self.dtype, self.trust_remote_code,
-                      self.revision, self.variant, self.adapters)
+        return Source(
+            self.model,
+            self.settings.family,
+            self.device,
+            self.dtype,
+            self.trust_remote_code,
+            self.revision,
+            self.variant,
+            self.adapters,
+        )
 
     def workload(self) -> Workload:
         s = self.settings
         width, height = self.plan_size or (s.width, s.height)
-        return Workload(width=width, height=height, steps=s.steps, guidance=s.guidance,
-                        true_cfg_scale=s.true_cfg_scale, max_batch=self.max_batch, offload=self.offload,
-                        gpu_memory=self.gpu_memory, host_memory=self.host_memory)
+        return Workload(
+            width=width,
+            height=height,
+            steps=s.steps,
+            guidance=s.guidance,
+            true_cfg_scale=s.true_cfg_scale,
+            max_batch=self.max_batch,
+            offload=self.offload,
+            gpu_memory=self.gpu_memory,
+            host_memory=self.host_memory,
+        )
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,10 @@ S3_PAGE = 1000  # keys per listing page, and the most one DeleteObjects request 
 TMP_MARK = ".tmp-"  # in the name of a local file being written; renamed away when complete
 
 _BACKEND_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
-_CREDENTIALS_HINT = {"s3": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or use an instance role",
-                     "gs": "set GOOGLE_APPLICATION_CREDENTIALS or run `gcloud auth application-default login`"}
+_CREDENTIALS_HINT = {
+    "s3": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or use an instance role",
+    "gs": "set GOOGLE_APPLICATION_CREDENTIALS or run `gcloud auth application-default login`",
+}
 
 
 def _client_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
@@ -57,8 +59,13 @@ def _client_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseEx
         # connection, endpoint, read-timeout, closed-connection and streaming errors; ClientError
         # (an answer the client did not translate, e.g. a 5xx it gave up on) may pass too
         transient += [boto.ConnectionError, boto.HTTPClientError, boto.IncompleteReadError]
-        permanent += [boto.NoCredentialsError, boto.PartialCredentialsError, boto.CredentialRetrievalError,
-                      boto.NoRegionError, boto.ParamValidationError]
+        permanent += [
+            boto.NoCredentialsError,
+            boto.PartialCredentialsError,
+            boto.CredentialRetrievalError,
+            boto.NoRegionError,
+            boto.ParamValidationError,
+        ]
     except ImportError:
         pass
     try:
@@ -82,7 +89,7 @@ def _hint(url: str, err: BaseException) -> str:
 
 
 def _kind(err: BaseException) -> str | None:
-    """"transient", "permanent", or None: not a store client's error (let it through as it is)."""
+    """ "transient", "permanent", or None: not a store client's error (let it through as it is)."""
     if type(err) is OSError and err.errno is None and not isinstance(err.__cause__, _TRANSIENT):
         return None  # raised by a library over bytes it has (pyarrow: "Couldn't deserialize thrift"), not by I/O
     if isinstance(err, _PERMANENT):
@@ -127,7 +134,7 @@ def resolve_url(url: str) -> str:
     trailing slashes."""
     url = url.strip()
     if url.startswith("file://"):
-        url = url[len("file://"):]
+        url = url[len("file://") :]
     if "://" not in url:
         return os.path.realpath(os.path.expanduser(url)) if url else url
     scheme, rest = url.split("://", 1)
@@ -141,9 +148,7 @@ def url_to_fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
     except ImportError as err:
         scheme = url.split("://", 1)[0] if "://" in url else "file"
         package = _BACKEND_PACKAGES.get(scheme, f"the fsspec backend for `{scheme}://`")
-        raise StorageError(
-            f"`{url}` needs {package}, which is not installed. Run `pip install {package}`."
-        ) from err
+        raise StorageError(f"`{url}` needs {package}, which is not installed. Run `pip install {package}`.") from err
     except ValueError as err:
         raise StorageError(f"`{url}` is not a URL fsspec understands: {err}") from err
 
@@ -211,8 +216,9 @@ class Output:
                 existing = os.path.dirname(existing)
             if not os.path.isdir(existing):
                 what = "is a file" if existing == self.root else f"is under {existing}, a file"
-                raise StorageError(f"`--output` {self.url} {what}, not a directory. Pass a directory (it is created "
-                                   "if absent).")
+                raise StorageError(
+                    f"`--output` {self.url} {what}, not a directory. Pass a directory (it is created if absent)."
+                )
             try:
                 os.rmdir(tempfile.mkdtemp(prefix=".fleetgen-probe-", dir=existing))
             except OSError as err:
@@ -316,6 +322,7 @@ class Output:
 
     def sizes(self, prefix: str) -> dict[str, int]:
         """{key: bytes} of every object under `prefix/`, recursively, from one listing."""
+
         def listing() -> dict:
             self.fs.invalidate_cache(self.path(prefix))
             return self.fs.find(self.path(prefix), detail=True)
@@ -326,7 +333,7 @@ class Output:
             return {}
         root = self.root + "/"
         keys = {posixpath.normpath(p): info.get("size") for p, info in found.items()}
-        return {p[len(root):] if p.startswith(root) else p: size for p, size in keys.items()}
+        return {p[len(root) :] if p.startswith(root) else p: size for p, size in keys.items()}
 
     def sweep_tmp(self, prefix: str) -> int:
         """Remove temporary files a killed writer left under `prefix/` (local disks only: object
@@ -386,6 +393,7 @@ class Output:
     def read_with(self, key: str, reader: Callable[[IO[bytes]], T]) -> T:
         """`reader(stream)` over the object, for one read too large to hold (a tar read member by
         member); a transient fault anywhere in it reads again from the start."""
+
         def read() -> T:
             with self.fs.open(self.path(key), "rb") as f:
                 return reader(f)
@@ -394,6 +402,7 @@ class Output:
 
     def version(self, key: str) -> str:
         """The object's version (`version_of`), as a listing of its prefix would give it."""
+
         def info() -> dict:
             self.fs.invalidate_cache(self.path(key))
             return self.fs.info(self.path(key))
@@ -462,15 +471,22 @@ class Output:
         page: dict = {"NextContinuationToken": None}
         while "NextContinuationToken" in page:
             token = page["NextContinuationToken"]
-            page = self.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=f"{key}/", MaxKeys=S3_PAGE,
-                                   **({"ContinuationToken": token} if token else {}))
+            page = self.fs.call_s3(
+                "list_objects_v2",
+                Bucket=bucket,
+                Prefix=f"{key}/",
+                MaxKeys=S3_PAGE,
+                **({"ContinuationToken": token} if token else {}),
+            )
             objects = [{"Key": o["Key"]} for o in page.get("Contents", [])]
             if objects:
                 done = self.fs.call_s3("delete_objects", Bucket=bucket, Delete={"Objects": objects, "Quiet": True})
                 if done.get("Errors"):  # per-key failures come back in a 200 answer, not as an exception
                     first = done["Errors"][0]
-                    raise PermissionError(f"{len(done['Errors'])} key(s) not deleted, e.g. {first.get('Key')}: "
-                                          f"{first.get('Code')} {first.get('Message')}")
+                    raise PermissionError(
+                        f"{len(done['Errors'])} key(s) not deleted, e.g. {first.get('Key')}: "
+                        f"{first.get('Code')} {first.get('Message')}"
+                    )
         self.fs.call_s3("delete_object", Bucket=bucket, Key=key)  # the object at the key itself (absent: a no-op)
         self.fs.invalidate_cache(path)
 

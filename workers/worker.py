@@ -105,11 +105,22 @@ class Worker:
         # bandwidth rather than clocked (see bench/gpu_offload.py for achieved GB/s).
         offload["transfer_seconds_estimated"] = round(moved / fitted.probe["bandwidth"], 4)
         measured = secs / stats["images"] if stats["images"] else None
-        compare = {"seconds_per_image": {"predicted": self.plan.seconds_per_image or None, "measured": measured},
-                   "peak_device_bytes": {"predicted": self.plan.peak_bytes or None,
-                                         "measured": offload.get("peak_device_bytes")}}
-        return {**self.info, "plan": self.plan.to_dict(), "batch_size": self.batch_size, "stats": stats,
-                "offload": offload, "predicted_vs_measured": compare, "step_downs": list(self.step_downs)}
+        compare = {
+            "seconds_per_image": {"predicted": self.plan.seconds_per_image or None, "measured": measured},
+            "peak_device_bytes": {
+                "predicted": self.plan.peak_bytes or None,
+                "measured": offload.get("peak_device_bytes"),
+            },
+        }
+        return {
+            **self.info,
+            "plan": self.plan.to_dict(),
+            "batch_size": self.batch_size,
+            "stats": stats,
+            "offload": offload,
+            "predicted_vs_measured": compare,
+            "step_downs": list(self.step_downs),
+        }
 
     def write_info(self) -> None:
         """`OUT/workers/<w>.json`. A status record: when the store does not take it, the work goes
@@ -176,8 +187,9 @@ class Worker:
         base, kept = self._keep_committed(shard, records) if shard.retry_errors else (None, set())
         todo = [im for im in images if records[im.id]["status"] == "ok" and im.id not in kept]
         attempt = uuid.uuid4().hex[:12]
-        return _Attempt(shard, attempt, table, images, records, todo, kept, base,
-                        self._open_sink(shard, table, base, attempt))
+        return _Attempt(
+            shard, attempt, table, images, records, todo, kept, base, self._open_sink(shard, table, base, attempt)
+        )
 
     def _make(self, at: _Attempt) -> Iterator[BatchDone | None]:
         """Every image to make, a batch at a time: a `BatchDone` per pipeline call, None (and
@@ -200,11 +212,18 @@ class Worker:
                 for image_id, error in failed.items():
                     at.records[image_id].update(status="error", error=error)
                 at.failures += len(failed)
-                yield BatchDone(at.shard.id, self.spec.name, len(made) - filtered, len(failed) + filtered,
-                                rows=sum(1 / counts[im.row] for im in batch))
+                yield BatchDone(
+                    at.shard.id,
+                    self.spec.name,
+                    len(made) - filtered,
+                    len(failed) + filtered,
+                    rows=sum(1 / counts[im.row] for im in batch),
+                )
         if at.todo and at.failures == len(at.todo) and at.base is None:
-            raise ShardError(f"Shard {at.shard.id}: every row failed in the pipeline; first error: "
-                             f"{at.records[at.todo[0].id]['error']}")
+            raise ShardError(
+                f"Shard {at.shard.id}: every row failed in the pipeline; first error: "
+                f"{at.records[at.todo[0].id]['error']}"
+            )
 
     def _commit(self, at: _Attempt) -> tuple[bool, str | None]:
         """Wait for the writer, commit the manifest, move the objects to their keys. Returns (won,
@@ -213,13 +232,16 @@ class Worker:
         at.sink.close()
         final = [at.records[im.id] for im in at.images]
         at.counts = counts_of(final, at.table.num_rows)
-        manifest = manifest_bytes(final, at.table, self.spec.columns.carry, [im.row for im in at.images], at.id,
-                                  at.counts)
+        manifest = manifest_bytes(
+            final, at.table, self.spec.columns.carry, [im.row for im in at.images], at.id, at.counts
+        )
         try:
             won = commit_manifest(self.output, at.shard.id, manifest, at.base)
         except StorageError as err:
-            raise _CommitUnknown(f"Shard {at.shard.id}: could not tell whether its commit landed ({err}); its staged "
-                             "objects are kept for the driver to finish or remove") from err
+            raise _CommitUnknown(
+                f"Shard {at.shard.id}: could not tell whether its commit landed ({err}); its staged "
+                "objects are kept for the driver to finish or remove"
+            ) from err
         if not won:
             return False, None
         try:
@@ -238,8 +260,10 @@ class Worker:
             at.sink.abort()
             discard(self.output, at.shard.id, at.id)
         except StorageError as err:
-            print(f"[fleetgen] {self.spec.name}: staging of {at.shard.id} left for the driver to remove ({err})",
-                  flush=True)
+            print(
+                f"[fleetgen] {self.spec.name}: staging of {at.shard.id} left for the driver to remove ({err})",
+                flush=True,
+            )
 
     def _open_sink(self, shard: Shard, table: pa.Table, base: bytes | None, attempt: str):
         s, carry = self.spec.settings, self.spec.columns.carry
@@ -273,19 +297,38 @@ class Worker:
     def _record(self, im: Image) -> dict:
         """The image's manifest row as far as it is known before it is made (workers/fields.py)."""
         return {
-            **dict.fromkeys(self._fields), "id": im.id, "row_id": im.row_id, "image_index": im.index,
-            "prompt": im.prompt, "negative_prompt": im.negative_prompt, "seed": im.seed,
-            "status": "error" if im.error else "ok", "error": im.error, **im.look.record(),
-            "template": self.recipe.template, "worker": self.spec.name, "device": self.info["device"]["name"],
+            **dict.fromkeys(self._fields),
+            "id": im.id,
+            "row_id": im.row_id,
+            "image_index": im.index,
+            "prompt": im.prompt,
+            "negative_prompt": im.negative_prompt,
+            "seed": im.seed,
+            "status": "error" if im.error else "ok",
+            "error": im.error,
+            **im.look.record(),
+            "template": self.recipe.template,
+            "worker": self.spec.name,
+            "device": self.info["device"]["name"],
         }
 
     def _made(self, p: Picture) -> Made:
         """A picture with what its manifest row gains, and the record stored beside it."""
         im = p.image
         if p.picture is None:  # the safety checker blacked it out: `filtered`, not stored
-            return Made(im.id, im.row, None, {}, {"status": "filtered", "nsfw": True, "batch": p.batch,
-                                                  "seconds": p.seconds,
-                                                  "error": "flagged by the pipeline's safety checker; not stored"})
+            return Made(
+                im.id,
+                im.row,
+                None,
+                {},
+                {
+                    "status": "filtered",
+                    "nsfw": True,
+                    "batch": p.batch,
+                    "seconds": p.seconds,
+                    "error": "flagged by the pipeline's safety checker; not stored",
+                },
+            )
         record = {**self._record(im), "nsfw": p.nsfw}
         meta = {**{name: record[name] for name in self._stored}, "model": self.spec.model}
         return Made(im.id, im.row, p.picture, meta, {"batch": p.batch, "nsfw": p.nsfw, "seconds": p.seconds})

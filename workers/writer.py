@@ -13,7 +13,11 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 WRITE_AHEAD = 2  # batches handed to the writer thread before the pipeline waits: one being written, one queued
-_ENCODE_ARGS = {"png": {"format": "PNG"}, "jpeg": {"format": "JPEG", "quality": 95}, "webp": {"format": "WEBP", "quality": 95}}
+_ENCODE_ARGS = {
+    "png": {"format": "PNG"},
+    "jpeg": {"format": "JPEG", "quality": 95},
+    "webp": {"format": "WEBP", "quality": 95},
+}
 
 
 def encode(image, image_format: str) -> bytes:

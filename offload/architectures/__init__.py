@@ -61,4 +61,3 @@ def build_on_meta(model: str) -> dict[str, torch.nn.Module]:
     if not modules:
         raise OffloadError(f"{root} lists no diffusers or transformers model components with a config.json.")
     return modules
-

@@ -18,9 +18,20 @@ from workers.fields import Field, add_field
 from workers.formats import OutputFormat, Unreadable, register
 from workers.storage import Output
 
-add_field(Field("guidance_rescale", pa.float32(), "rescales the guided noise prediction (a test's setting)",
-                role="guidance_rescale", kind="number", low=0, high=1, pixels=True, call_arg="guidance_rescale",
-                stored=True))
+add_field(
+    Field(
+        "guidance_rescale",
+        pa.float32(),
+        "rescales the guided noise prediction (a test's setting)",
+        role="guidance_rescale",
+        kind="number",
+        low=0,
+        high=1,
+        pixels=True,
+        call_arg="guidance_rescale",
+        stored=True,
+    )
+)
 
 
 def lines_key(shard_id: str) -> str:

@@ -28,8 +28,18 @@ from fleetgen.errors import ConfigError
 from workers.plugins import PLUGINS_ENV, load_plugins
 from workers.storage import Output
 
-__all__ = ["FORMATS", "PLUGINS_ENV", "OutputFormat", "Sink", "Stored", "Unreadable", "format_names", "get_format",
-           "open_sink", "register"]
+__all__ = [
+    "FORMATS",
+    "PLUGINS_ENV",
+    "OutputFormat",
+    "Sink",
+    "Stored",
+    "Unreadable",
+    "format_names",
+    "get_format",
+    "open_sink",
+    "register",
+]
 
 
 class Sink(Protocol):
@@ -64,8 +74,7 @@ class OutputFormat:
     data_files: str | None = None  # the card's `datasets` data_files pattern, when the objects are a dataset
     carries_records: bool = False  # each image's record is stored beside it (not only in the manifest)
 
-    def sink(self, output: Output, shard_id: str, image_format: str, carried: pa.Schema | None,
-             prefix: str) -> Sink:
+    def sink(self, output: Output, shard_id: str, image_format: str, carried: pa.Schema | None, prefix: str) -> Sink:
         raise NotImplementedError
 
     def shard_objects(self, shard_id: str) -> list[str]:
@@ -73,7 +82,9 @@ class OutputFormat:
         damaged shard."""
         raise NotImplementedError
 
-    def stored(self, output: Output, shard_id: str, rows: list[dict], wanted: set[str] | None) -> tuple[Stored, list[str]]:
+    def stored(
+        self, output: Output, shard_id: str, rows: list[dict], wanted: set[str] | None
+    ) -> tuple[Stored, list[str]]:
         """What the store holds for a committed shard's ok rows (`rows`: manifest rows with `id`,
         `image`, `member`, `size`): {image id: (size, bytes)} with the bytes of the ids in `wanted`
         (None: every image) where reading them costs nothing extra, and the keys in the shard's
@@ -109,8 +120,14 @@ def get_format(name: str) -> OutputFormat:
         raise ConfigError(f"`--output-format` must be one of {', '.join(FORMATS)}; got `{name}`.") from None
 
 
-def open_sink(output: Output, shard_id: str, output_format: str, image_format: str,
-              carried: pa.Schema | None = None, prefix: str = "") -> Sink:
+def open_sink(
+    output: Output,
+    shard_id: str,
+    output_format: str,
+    image_format: str,
+    carried: pa.Schema | None = None,
+    prefix: str = "",
+) -> Sink:
     """`carried`: the input columns carried into each image's record, as typed in the input.
     Objects are written at `prefix` + their final key (an attempt's staging, workers/commit.py);
     `add` returns the final keys."""

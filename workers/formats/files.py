@@ -10,8 +10,9 @@ from workers.storage import Output
 
 
 class FilesSink:
-    def __init__(self, output: Output, shard_id: str, image_format: str, carried: pa.Schema | None = None,
-                 prefix: str = ""):
+    def __init__(
+        self, output: Output, shard_id: str, image_format: str, carried: pa.Schema | None = None, prefix: str = ""
+    ):
         self.output, self.shard_id, self.image_format, self.prefix = output, shard_id, image_format, prefix
 
     def add(self, batch, carried=None):
@@ -43,15 +44,19 @@ class Files(OutputFormat):
     def shard_objects(self, shard_id: str) -> list[str]:
         return [f"images/{shard_id}"]
 
-    def stored(self, output: Output, shard_id: str, rows: list[dict], wanted: set[str] | None) -> tuple[Stored, list[str]]:
+    def stored(
+        self, output: Output, shard_id: str, rows: list[dict], wanted: set[str] | None
+    ) -> tuple[Stored, list[str]]:
         """One listing of the shard's prefix gives every size; bytes are read by who needs them."""
         sizes = output.sizes(f"images/{shard_id}")
         found = {r["id"]: (sizes.get(r["image"]), None) for r in rows}
         return found, sorted(sizes.keys() - {r["image"] for r in rows})
 
     def how_to_load(self, url: str, shards: list[str]) -> list[str]:
-        return [f"Images are objects under `{url}/images/<shard>/<id>.<ext>`; the manifests name each image's object "
-                "(column `image`)."]
+        return [
+            f"Images are objects under `{url}/images/<shard>/<id>.<ext>`; the manifests name each image's object "
+            "(column `image`)."
+        ]
 
 
 FILES = register(Files())

@@ -24,8 +24,9 @@ def stored_schema() -> pa.Schema:
     when a sink opens: fields a plugin added are in it)."""
     stored = [pa.field(f.name, f.type) for f in table() if f.stored]
     at = next(i for i, f in enumerate(stored) if f.name == "seed") + 1
-    return pa.schema([*stored[:at], _IMAGE, *stored[at:]],
-                     metadata={"huggingface": json.dumps({"info": {"features": _HF_FEATURES}})})
+    return pa.schema(
+        [*stored[:at], _IMAGE, *stored[at:]], metadata={"huggingface": json.dumps({"info": {"features": _HF_FEATURES}})}
+    )
 
 
 def data_key(shard_id: str) -> str:
@@ -41,8 +42,9 @@ def parquet_schema(carried: pa.Schema | None) -> pa.Schema:
 
 
 class ParquetSink:
-    def __init__(self, output: Output, shard_id: str, image_format: str, carried: pa.Schema | None = None,
-                 prefix: str = ""):
+    def __init__(
+        self, output: Output, shard_id: str, image_format: str, carried: pa.Schema | None = None, prefix: str = ""
+    ):
         self.output = output
         self.key = data_key(shard_id)
         self.ext = IMAGE_FORMATS[image_format]
@@ -52,8 +54,10 @@ class ParquetSink:
 
     def add(self, batch, carried=None):
         rows = [
-            {**{k: meta[k] for k in self.base.names if k in meta},
-             "image": {"bytes": data, "path": f"{row_id}.{self.ext}"}}
+            {
+                **{k: meta[k] for k in self.base.names if k in meta},
+                "image": {"bytes": data, "path": f"{row_id}.{self.ext}"},
+            }
             for row_id, data, meta in batch
         ]
         table = pa.Table.from_pylist(rows, schema=self.base)
@@ -86,7 +90,9 @@ class Parquet(OutputFormat):
     def shard_objects(self, shard_id: str) -> list[str]:
         return [data_key(shard_id)]
 
-    def stored(self, output: Output, shard_id: str, rows: list[dict], wanted: set[str] | None) -> tuple[Stored, list[str]]:
+    def stored(
+        self, output: Output, shard_id: str, rows: list[dict], wanted: set[str] | None
+    ) -> tuple[Stored, list[str]]:
         """The id column, then the image column of every row group (`wanted` None) or of the row
         groups holding a wanted id; an image whose bytes were not read has the manifest's size."""
         sizes = {r["id"]: r.get("size") for r in rows}
@@ -99,10 +105,11 @@ class Parquet(OutputFormat):
             for g in range(pf.metadata.num_row_groups):
                 starts.append(starts[-1] + pf.metadata.row_group(g).num_rows)
             for g in range(pf.metadata.num_row_groups):
-                if wanted is None or wanted & set(ids[starts[g]:starts[g + 1]]):
+                if wanted is None or wanted & set(ids[starts[g] : starts[g + 1]]):
                     group = pf.read_row_group(g, columns=["id", "image"], use_threads=False)
-                    for rid, image in zip(group.column("id").to_pylist(), group.column("image").to_pylist(),
-                                          strict=True):
+                    for rid, image in zip(
+                        group.column("id").to_pylist(), group.column("image").to_pylist(), strict=True
+                    ):
                         data = image["bytes"] if image else None
                         found[rid] = (len(data), data) if data is not None else (None, None)
             return found
@@ -116,8 +123,12 @@ class Parquet(OutputFormat):
         return {r["id"]: held.get(r["id"], (None, None)) for r in rows}, []
 
     def how_to_load(self, url: str, shards: list[str]) -> list[str]:
-        return ["```python", "import datasets", f'ds = datasets.load_dataset("{url}", split="train")  '
-                "# `image` is an Image feature", "```"]
+        return [
+            "```python",
+            "import datasets",
+            f'ds = datasets.load_dataset("{url}", split="train")  # `image` is an Image feature',
+            "```",
+        ]
 
 
 PARQUET = register(Parquet())

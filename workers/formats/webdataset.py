@@ -19,8 +19,9 @@ def tar_key(shard_id: str) -> str:
 
 
 class WebDatasetSink:
-    def __init__(self, output: Output, shard_id: str, image_format: str, carried: pa.Schema | None = None,
-                 prefix: str = ""):
+    def __init__(
+        self, output: Output, shard_id: str, image_format: str, carried: pa.Schema | None = None, prefix: str = ""
+    ):
         self.output = output
         self.key = tar_key(shard_id)
         self.ext = IMAGE_FORMATS[image_format]
@@ -68,7 +69,9 @@ class WebDataset(OutputFormat):
     def shard_objects(self, shard_id: str) -> list[str]:
         return [tar_key(shard_id)]
 
-    def stored(self, output: Output, shard_id: str, rows: list[dict], wanted: set[str] | None) -> tuple[Stored, list[str]]:
+    def stored(
+        self, output: Output, shard_id: str, rows: list[dict], wanted: set[str] | None
+    ) -> tuple[Stored, list[str]]:
         """The tar's headers, streamed; a member's bytes only when it is wanted."""
         ids = {r["member"]: r["id"] for r in rows}
 
@@ -97,18 +100,33 @@ class WebDataset(OutputFormat):
             key = tar_key(shard)
             if counts[shard]["ok"]:
                 shardlist.append({"url": key, "nsamples": counts[shard]["ok"], "filesize": output.size(key)})
-        index = {"__kind__": "wids-shard-index-v1", "wids_version": 1,
-                 "name": output.url.rstrip("/").rsplit("/", 1)[-1], "shardlist": shardlist}
+        index = {
+            "__kind__": "wids-shard-index-v1",
+            "wids_version": 1,
+            "name": output.url.rstrip("/").rsplit("/", 1)[-1],
+            "shardlist": shardlist,
+        }
         output.put(WIDS_INDEX, json.dumps(index, indent=2).encode())
 
     def how_to_load(self, url: str, shards: list[str]) -> list[str]:
         first, last = (shards[0], shards[-1]) if shards else ("shard-00000", "shard-00000")
         span = first.removeprefix("shard-") + ".." + last.removeprefix("shard-")
-        return ["```python", "import webdataset as wds", f'ds = wds.WebDataset("{url}/data/shard-{{{span}}}.tar")'
-                '.decode("pil")  # samples: png/jpg/webp + json (committed shards)', "", "import wids",
-                f'ds = wids.ShardListDataset("{url}/wids-index.json")  # random access, sizes from the index', "```",
-                "", *(["From an object store, webdataset reads `pipe:` URLs (e.g. `pipe:aws s3 cp URL -`)."]
-                      if "://" in url and not url.startswith("file://") else [])]
+        return [
+            "```python",
+            "import webdataset as wds",
+            f'ds = wds.WebDataset("{url}/data/shard-{{{span}}}.tar")'
+            '.decode("pil")  # samples: png/jpg/webp + json (committed shards)',
+            "",
+            "import wids",
+            f'ds = wids.ShardListDataset("{url}/wids-index.json")  # random access, sizes from the index',
+            "```",
+            "",
+            *(
+                ["From an object store, webdataset reads `pipe:` URLs (e.g. `pipe:aws s3 cp URL -`)."]
+                if "://" in url and not url.startswith("file://")
+                else []
+            ),
+        ]
 
 
 WEBDATASET = register(WebDataset())
