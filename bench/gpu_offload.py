@@ -25,16 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fleetgen.units import format_size  # noqa: E402
-from offload import (  # noqa: E402
-    DeviceSpec,
-    OffloadPlan,
-    OffloadStats,
-    Placement,
-    Workload,
-    apply,
-    plan,
-    profile_modules,
-)
+from offload import DeviceSpec, OffloadPlan, OffloadStats, Placement, Workload, apply, plan, profile_modules  # noqa: E402
 from offload.architectures import HERE  # noqa: E402
 from workers.probe import probe  # noqa: E402
 

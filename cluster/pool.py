@@ -46,9 +46,8 @@ from cluster.events import (
     WorkerUnreachable,
 )
 from cluster.metrics import failed_counter
-from cluster.sizing import format_asks
+from cluster.sizing import format_asks, gpu_hint, unplaceable
 from fleetgen.errors import ClusterError, one_line
-from fleetgen.units import format_size
 from workers.shard import Shard
 from workers.spec import ShardResult, WorkerSpec
 
@@ -161,38 +160,6 @@ class WorkerPool:
         abandoned uncommitted (a rerun redoes them)."""
         return _Run(self, shards, stop or threading.Event(), grace).events()
 
-    def _unplaceable(self, waited: float) -> str:
-        asks = format_asks(self.options)
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
-        sizes = "; ".join(
-            f"{n['NodeManagerAddress']}: "
-            + ", ".join(
-                f"{k} {format_size(v) if k in ('memory', 'object_store_memory') else f'{v:g}'}"
-                for k, v in sorted(n["Resources"].items())
-                if not k.startswith("node:")
-            )
-            for n in nodes
-        )
-        hint = self._gpu_hint(nodes)
-        hint = f" {hint}" if hint else ""
-        return (
-            f"No worker could be placed in {waited:.0f} s (`--placement-timeout`): each asks for {asks}. "
-            f"The cluster's {len(nodes)} node(s): {sizes or 'none'}.{hint} Lower what a worker asks "
-            "(`--host-memory`, `--gpus-per-worker`, `--cpu-threads`), or give the cluster node types that have it; "
-            "an autoscaler starts only the node types it is configured with."
-        )
-
-    def _gpu_hint(self, nodes: list[dict] | None = None) -> str:
-        """What to do when workers ask for GPUs and no node of the cluster has one (an autoscaler may
-        still be starting one: the hint says both)."""
-        nodes = [n for n in ray.nodes() if n.get("Alive")] if nodes is None else nodes
-        if self.options.get("num_gpus") and not any(n["Resources"].get("GPU") for n in nodes):
-            return (
-                "No node has a GPU yet: to run on CPUs, pass `--device cpu`; else the cluster needs GPU node "
-                "types (an autoscaler starts them for pending workers)."
-            )
-        return ""
-
     def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
         """Close every worker (offload directories removed), waiting at most `timeout` seconds for
         those still busy, then kill them all. Attempts abandoned here (a stop, a lost store) may end
@@ -210,12 +177,6 @@ class WorkerPool:
         for handle in refs.values():
             self.factory.kill(handle)
         self.actors, self.closing, self.close_deadline = {}, {}, {}
-
-    def __enter__(self) -> WorkerPool:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class _Run:
@@ -320,14 +281,14 @@ class _Run:
             )
         elif self.queue and self.stopping_since is None:
             if now - self.unplaced_since >= self.pool.placement_timeout:
-                raise ClusterError(self.pool._unplaceable(now - self.unplaced_since))
+                raise ClusterError(unplaceable(self.pool.options, now - self.unplaced_since))
             if now - self.noted >= WAITING_NOTE:
                 self.noted = now
                 yield Waiting(
                     len(self._in(ActorState.PLACING)),
                     now - self.unplaced_since,
                     format_asks(self.pool.options),
-                    self.pool._gpu_hint(),
+                    gpu_hint(self.pool.options),
                 )
 
     def _requeue_or_fail(self, shard: Shard, error: str) -> Iterator[PoolEvent]:

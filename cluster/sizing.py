@@ -72,3 +72,43 @@ def size_fleet(
     if host_memory:
         options["memory"] = host_memory
     return Sizing(options=options, max_workers=max(1, min(max_workers, shards)), gpu=gpu, threads=threads)
+
+
+def _alive() -> list[dict]:
+    import ray
+
+    return [n for n in ray.nodes() if n.get("Alive")]
+
+
+def unplaceable(options: dict, waited: float) -> str:
+    """Why no worker asking `options` could be placed in `waited` seconds, naming what every node has."""
+    nodes = _alive()
+    sizes = "; ".join(
+        f"{n['NodeManagerAddress']}: "
+        + ", ".join(
+            f"{k} {format_size(v) if k in ('memory', 'object_store_memory') else f'{v:g}'}"
+            for k, v in sorted(n["Resources"].items())
+            if not k.startswith("node:")
+        )
+        for n in nodes
+    )
+    hint = gpu_hint(options, nodes)
+    hint = f" {hint}" if hint else ""
+    return (
+        f"No worker could be placed in {waited:.0f} s (`--placement-timeout`): each asks for {format_asks(options)}. "
+        f"The cluster's {len(nodes)} node(s): {sizes or 'none'}.{hint} Lower what a worker asks "
+        "(`--host-memory`, `--gpus-per-worker`, `--cpu-threads`), or give the cluster node types that have it; "
+        "an autoscaler starts only the node types it is configured with."
+    )
+
+
+def gpu_hint(options: dict, nodes: list[dict] | None = None) -> str:
+    """What to do when workers ask for GPUs and no node of the cluster has one (an autoscaler may
+    still be starting one: the hint says both)."""
+    nodes = _alive() if nodes is None else nodes
+    if options.get("num_gpus") and not any(n["Resources"].get("GPU") for n in nodes):
+        return (
+            "No node has a GPU yet: to run on CPUs, pass `--device cpu`; else the cluster needs GPU node "
+            "types (an autoscaler starts them for pending workers)."
+        )
+    return ""

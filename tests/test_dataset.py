@@ -17,7 +17,7 @@ from fleetgen.errors import ConfigError, InputError
 from jobs.config import JobConfig, make_config, validate
 from jobs.sharding import plan_shards, read_footer, resolve_columns
 from tests.conftest import FAST
-from workers.batches import Adapter, Look, Recipe, make_batches, shard_images
+from workers.batches import Adapter, Look, Recipe, group_images, shard_images
 from workers.shard import Columns, read_shard
 from workers.spec import GenerationSettings, WorkerSpec
 from workers.worker import Worker
@@ -73,6 +73,11 @@ def test_rows_become_images_with_their_settings(tmp_path):
         write(tmp_path / "q.parquet", prompt=["x"], id=["r4"], seed=pa.array([7], pa.int64())), images_per_prompt=3
     )
     assert [im.seed for im in r4] == [7, 8, 9]
+
+
+def make_batches(images, batch_size: int):
+    """As the worker cuts them: each look's images in order, `batch_size` at a time."""
+    return [g[i : i + batch_size] for g in group_images(images) for i in range(0, len(g), batch_size)]
 
 
 def test_batches_share_a_look_and_keep_order(tmp_path):

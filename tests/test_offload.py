@@ -340,7 +340,7 @@ def test_components_with_lora_adapters_are_never_planned_to_disk(profiles):
 def test_after_an_oom_a_leaner_placement_is_found_even_where_a_step_down_overshoots():
     """Activation-heavy plans: from the smallest budget that holds everything resident, a 25 % step
     lands where nothing fits; the budgets between still hold a leaner placement, which is chosen."""
-    from workers.fit import STEP_DOWN, choose_plan, leaner_plan
+    from workers.plans import STEP_DOWN, choose_plan, leaner_plan
 
     profile = profile_pipeline(build_tiny_flux())
     probe = {"host_available_bytes": 2**34, "free_bytes": None, "bandwidth": 2e10, "flops": 1e12}

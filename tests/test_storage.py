@@ -3,13 +3,13 @@ import threading
 import pytest
 
 from fleetgen.errors import StorageError
-from workers import storage
+from workers import policy, storage
 from workers.storage import Output
 
 
 def test_storage_retries_a_transient_fault_and_names_the_url_of_a_persistent_one(tmp_path, monkeypatch):
     """Real faults on a real filesystem: a file squatting where a directory must go."""
-    monkeypatch.setattr(storage, "BACKOFF", 0.05)
+    monkeypatch.setattr(policy, "BACKOFF", 0.05)
     out = Output(str(tmp_path / "out"))
     (tmp_path / "out").mkdir()
     blocker = tmp_path / "out" / "images"

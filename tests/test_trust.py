@@ -20,7 +20,7 @@ from jobs.lock import OutputLock
 from jobs.verify import verify
 from tests.conftest import setup_job
 from tests.faulty_store import Rule
-from workers import storage
+from workers import policy
 from workers.storage import Output
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def quick_retries(monkeypatch):
     """The storage policy's backoff at 10 ms: the same attempts, seconds sooner."""
-    monkeypatch.setattr(storage, "BACKOFF", 0.01)
+    monkeypatch.setattr(policy, "BACKOFF", 0.01)
 
 
 def bucket(name: str) -> str:

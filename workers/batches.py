@@ -231,8 +231,3 @@ def group_images(images: list[Image]) -> list[list[Image]]:
         if image.error is None:
             groups.setdefault(image.look, []).append(image)
     return list(groups.values())
-
-
-def make_batches(images: list[Image], batch_size: int) -> list[list[Image]]:
-    """Pipeline calls of at most `batch_size` images that share a look."""
-    return [g[i : i + batch_size] for g in group_images(images) for i in range(0, len(g), batch_size)]

@@ -24,6 +24,7 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from fleetgen.errors import ShardError
 from workers.layout import MANIFEST_SCHEMA, STAGING, manifest_key
 from workers.storage import Output, parquet_schema, read_parquet
 
@@ -57,6 +58,22 @@ def manifest_bytes(
     buf = io.BytesIO()
     pq.write_table(manifest, buf)
     return buf.getvalue()
+
+
+def keep_committed(output: Output, shard_id: str, records: dict) -> tuple[bytes, set[str]]:
+    """For a retry of a committed shard's error rows: take every committed record that is not an
+    error as it is (its image stays where it is stored). Returns the committed manifest's bytes (if
+    they change meanwhile, another attempt committed first) and the ids kept."""
+    try:
+        base = output.get(manifest_key(shard_id))
+    except FileNotFoundError as err:
+        raise ShardError(f"Shard {shard_id} has no committed manifest to retry the error rows of.") from err
+    kept = set()
+    for old in read_parquet(base, columns=MANIFEST_SCHEMA.names).to_pylist():
+        if old["id"] in records and old["status"] != "error":
+            records[old["id"]] = old
+            kept.add(old["id"])
+    return base, kept
 
 
 def staging(shard_id: str, attempt: str) -> str:

@@ -3,11 +3,7 @@
 Only this module talks to fsspec, so any backend fsspec knows (local paths, `file://`, `s3://`,
 `gs://`, `memory://`) works the same, and a missing backend fails with the package to install.
 
-One error policy for every store operation (`guarded`): a fault that may pass — an `OSError`, a
-timeout, a botocore connection/read/endpoint error, an aiohttp client error, a 5xx the client gave
-up on — is retried with backoff, then raised as a `StorageError` naming the URL and the error in
-one line; an error no retry fixes (no credentials, access denied) is raised at once, the same way;
-`FileNotFoundError` passes through (callers decide what absent means). Writes that may be applied
+Every store operation goes through one error policy (workers/policy.py). Writes that may be applied
 while their answer is lost are written so that doing them twice is harmless (`put`, `move`,
 `remove`), or read back (`create`).
 """
@@ -18,114 +14,21 @@ import os
 import posixpath
 import shutil
 import tempfile
-import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import IO, TypeVar
+from typing import IO
 
 import fsspec
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from fleetgen.errors import StorageError, one_line
-
-T = TypeVar("T")
-# Per storage operation, beside the client's own retries. FLEETGEN_STORAGE_ATTEMPTS and
-# FLEETGEN_STORAGE_BACKOFF override them (read at each operation; the driver hands them to its
-# workers), for an operator who knows their store, and for tests.
-ATTEMPTS = 4  # tries; waits 0.5 s, 1 s, 2 s between them
-BACKOFF = 0.5  # seconds before the first retry, doubling
-STORAGE_ENV = ("FLEETGEN_STORAGE_ATTEMPTS", "FLEETGEN_STORAGE_BACKOFF")
+from workers.arrow_io import TMP_MARK, RenameOnClose, parquet_schema, read_parquet
+from workers.policy import STORAGE_ENV, T, guarded
 
 S3_PAGE = 1000  # keys per listing page, and the most one DeleteObjects request takes
-TMP_MARK = ".tmp-"  # in the name of a local file being written; renamed away when complete
 
 _BACKEND_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
-_CREDENTIALS_HINT = {
-    "s3": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or use an instance role",
-    "gs": "set GOOGLE_APPLICATION_CREDENTIALS or run `gcloud auth application-default login`",
-}
-
-
-def _client_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
-    """(transient, permanent) exception types of the store clients that are installed. botocore's
-    and aiohttp's errors are not `OSError`s: a policy that catches `OSError` alone misses them."""
-    transient: list[type[BaseException]] = [OSError, TimeoutError]
-    permanent: list[type[BaseException]] = [PermissionError, IsADirectoryError]
-    try:
-        from botocore import exceptions as boto
-
-        # connection, endpoint, read-timeout, closed-connection and streaming errors; ClientError
-        # (an answer the client did not translate, e.g. a 5xx it gave up on) may pass too
-        transient += [boto.ConnectionError, boto.HTTPClientError, boto.IncompleteReadError]
-        permanent += [
-            boto.NoCredentialsError,
-            boto.PartialCredentialsError,
-            boto.CredentialRetrievalError,
-            boto.NoRegionError,
-            boto.ParamValidationError,
-        ]
-    except ImportError:
-        pass
-    try:
-        import aiohttp
-
-        transient.append(aiohttp.ClientError)
-    except ImportError:
-        pass
-    return tuple(transient), tuple(permanent)
-
-
-_TRANSIENT, _PERMANENT = _client_errors()
-
-
-def _hint(url: str, err: BaseException) -> str:
-    name = type(err).__name__
-    if "Credential" in name:
-        scheme = url.split("://", 1)[0] if "://" in url else ""
-        return f" ({_CREDENTIALS_HINT.get(scheme.rstrip('a'), 'give fleetgen credentials for this store')})"
-    return ""
-
-
-def _kind(err: BaseException) -> str | None:
-    """ "transient", "permanent", or None: not a store client's error (let it through as it is)."""
-    if type(err) is OSError and err.errno is None and not isinstance(err.__cause__, _TRANSIENT):
-        return None  # raised by a library over bytes it has (pyarrow: "Couldn't deserialize thrift"), not by I/O
-    if isinstance(err, _PERMANENT):
-        return "permanent"
-    if isinstance(err, _TRANSIENT):
-        return "transient"
-    response = getattr(err, "response", None)  # botocore's ClientError: an answer it did not translate
-    if isinstance(response, dict) and "Error" in response:
-        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
-        return "transient" if status >= 500 or status == 429 else "permanent"
-    return None
-
-
-def guarded(what: str, url: str, op: Callable[[], T], attempts: int | None = None, read: bool = True) -> T:
-    """Run one store operation under the error policy (see the module's doc). `read`: a
-    `FileNotFoundError` passes through (absent); a write that meets one (a missing bucket) fails."""
-    attempts = attempts or int(os.environ.get("FLEETGEN_STORAGE_ATTEMPTS") or ATTEMPTS)
-    backoff = float(os.environ.get("FLEETGEN_STORAGE_BACKOFF") or BACKOFF)
-    for attempt in range(attempts):
-        try:
-            return op()
-        except FileNotFoundError as err:
-            if read:
-                raise
-            raise StorageError(f"Could not {what} {url}: {one_line(err)}") from err
-        except Exception as err:
-            kind = _kind(err)
-            if kind is None or isinstance(err, StorageError):
-                raise
-            if kind == "permanent":
-                raise StorageError(f"Could not {what} {url}: {one_line(err)}{_hint(url, err)}") from err
-            if attempt == attempts - 1:
-                tries = f" after {attempts} attempts" if attempts > 1 else ""
-                raise StorageError(f"Could not {what} {url}{tries}: {one_line(err)}") from err
-            time.sleep(backoff * 2**attempt)
-    raise AssertionError("unreachable")
 
 
 def resolve_url(url: str) -> str:
@@ -151,19 +54,6 @@ def url_to_fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
         raise StorageError(f"`{url}` needs {package}, which is not installed. Run `pip install {package}`.") from err
     except ValueError as err:
         raise StorageError(f"`{url}` is not a URL fsspec understands: {err}") from err
-
-
-def read_parquet(data: bytes, columns: list[str] | None = None) -> pa.Table:
-    """A Parquet object's table from its bytes, decoded on this thread. pyarrow 26's thread pools
-    make a short-lived process abort at exit ("terminate called without an active exception", exit
-    134): in about a third of runs after `pq.read_table` over a buffer or a Python file object, and
-    now and then (1 in ~200 on a loaded machine) after a threaded `ParquetFile.read`; a read that
-    never starts pool work does not. A manifest or a shard's data file decodes in milliseconds."""
-    return pq.ParquetFile(pa.BufferReader(data), pre_buffer=False).read(columns=columns, use_threads=False)
-
-
-def parquet_schema(data: bytes) -> pa.Schema:
-    return pq.ParquetFile(pa.BufferReader(data), pre_buffer=False).schema_arrow
 
 
 def version_of(entry: dict) -> str:
@@ -354,7 +244,7 @@ class Output:
         def open_() -> IO[bytes]:
             if self.local:
                 self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
-                return _RenameOnClose(self.fs, path)
+                return RenameOnClose(self.fs, path)
             return self.fs.open(path, "wb")
 
         return self._retry("open for writing", key, open_, read=False)
@@ -368,7 +258,7 @@ class Output:
                 discard()  # local: removes the temporary file; fsspec buffered files: aborts the (multipart) upload
             except Exception:  # noqa: BLE001 - an abort the store did not answer: the upload never completes
                 pass
-            if hasattr(stream, "closed") and not isinstance(stream, _RenameOnClose):
+            if hasattr(stream, "closed") and not isinstance(stream, RenameOnClose):
                 stream.closed = True  # so that garbage collection does not flush (and complete) it
 
     def get(self, key: str) -> bytes:
@@ -491,24 +381,14 @@ class Output:
         self.fs.invalidate_cache(path)
 
 
-class _RenameOnClose:
-    """A local file written under a temporary name and renamed to `path` when closed."""
-
-    def __init__(self, fs, path: str):
-        self._fs, self._path = fs, path
-        self._tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex[:8]}"
-        self._file = fs.open(self._tmp, "wb")
-
-    def __getattr__(self, name):
-        return getattr(self._file, name)
-
-    def close(self) -> None:
-        if not self._file.closed:
-            self._file.close()
-            self._fs.mv(self._tmp, self._path)
-
-    def discard(self) -> None:
-        if not self._file.closed:
-            self._file.close()
-        if self._fs.exists(self._tmp):
-            self._fs.rm_file(self._tmp)
+__all__ = [
+    "STORAGE_ENV",
+    "TMP_MARK",
+    "Output",
+    "guarded",
+    "parquet_schema",
+    "read_parquet",
+    "resolve_url",
+    "url_to_fs",
+    "version_of",
+]

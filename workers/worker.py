@@ -21,15 +21,24 @@ import torch
 from fleetgen import __version__
 from fleetgen.errors import ShardError, StorageError
 from workers.batches import Image, group_images, shard_images
-from workers.commit import commit_manifest, committed_since, counts_of, discard, manifest_bytes, promote, staging
-from workers.fields import records, stored_names
-from workers.fit import FittedPipeline, Picture
+from workers.commit import (
+    commit_manifest,
+    committed_since,
+    counts_of,
+    discard,
+    keep_committed,
+    manifest_bytes,
+    promote,
+    staging,
+)
+from workers.fit import FittedPipeline
 from workers.formats import open_sink
-from workers.layout import MANIFEST_SCHEMA, manifest_key, worker_key
+from workers.layout import manifest_key, worker_key
 from workers.pipeline import describe_device
+from workers.records import Records
 from workers.shard import Shard, read_shard
 from workers.spec import BatchDone, ShardResult, WorkerSpec
-from workers.storage import Output, read_parquet
+from workers.storage import Output
 from workers.writer import Made, Writer, encode_and_store
 
 
@@ -69,8 +78,6 @@ class Worker:
         self.output = Output(spec.output)
         self.fitted = FittedPipeline(spec.source(), spec.workload(), spec.name, pipe)
         self.recipe = spec.settings.recipe(self.fitted.size_multiple)
-        self._fields = [f.name for f in records()]  # the manifest's columns
-        self._stored = [name for name in stored_names() if name != "sha256"]  # the writer adds the digest
         self._writer = Writer()
         self.stats = {"shards": 0, "images": 0, "errors": 0}
         self.info = {
@@ -85,6 +92,7 @@ class Worker:
             "load_seconds": round(time.perf_counter() - started, 3),
             "versions": {"fleetgen": __version__, "torch": torch.__version__, "python": platform.python_version()},
         }
+        self._records = Records(self.recipe.template, spec.name, self.info["device"]["name"], spec.model)
         self.write_info()
 
     # What the fitted pipeline decided, as the worker reports it.
@@ -180,11 +188,11 @@ class Worker:
         """Read the shard, build its images and their manifest records, open its sink."""
         table = read_shard(shard, self.spec.columns)
         images = shard_images(shard, table, self.spec.columns, self.recipe)
-        records = {im.id: self._record(im) for im in images}
+        records = {im.id: self._records.new(im) for im in images}
         for im in images:
             if im.error is None:
                 records[im.id].update(self.fitted.prompt_note(im.prompt, im.negative_prompt, self.spec.strict_prompts))
-        base, kept = self._keep_committed(shard, records) if shard.retry_errors else (None, set())
+        base, kept = keep_committed(self.output, shard.id, records) if shard.retry_errors else (None, set())
         todo = [im for im in images if records[im.id]["status"] == "ok" and im.id not in kept]
         attempt = uuid.uuid4().hex[:12]
         return _Attempt(
@@ -204,7 +212,7 @@ class Worker:
                 batch = group[i : i + self.batch_size]
                 i += len(batch)
                 pictures, failed = self.fitted.generate(batch)
-                made = [self._made(p) for p in pictures]
+                made = [self._records.made(p) for p in pictures]
                 # Counted before the writer thread takes the batch: it drops each picture once encoded.
                 filtered = sum(m.picture is None for m in made)  # flagged by a safety checker: not stored
                 # Encoding, hashing and storing run on the writer thread while the device makes the next batch.
@@ -273,65 +281,11 @@ class Worker:
             sink.keep_existing()  # a retry: the shard's stored images stay, byte for byte
         return sink
 
-    def _keep_committed(self, shard: Shard, records: dict) -> tuple[bytes, set[str]]:
-        """For a retry: take every committed record that is not an error as it is (its image stays
-        where it is stored). Returns the committed manifest's bytes (if they change meanwhile,
-        another attempt committed first) and the ids kept."""
-        try:
-            base = self.output.get(manifest_key(shard.id))
-        except FileNotFoundError as err:
-            raise ShardError(f"Shard {shard.id} has no committed manifest to retry the error rows of.") from err
-        kept = set()
-        for old in read_parquet(base, columns=MANIFEST_SCHEMA.names).to_pylist():
-            if old["id"] in records and old["status"] != "error":
-                records[old["id"]] = old
-                kept.add(old["id"])
-        return base, kept
-
     def _encode_and_store(self, sink, made: list[Made], records: dict, table: pa.Table) -> None:
         """On the writer thread: encode, hash and store a batch (workers/writer.py)."""
         carry = self.spec.columns.carry
         carried = table.select(list(carry)).take([m.row for m in made]) if carry else None
         encode_and_store(sink, made, records, carried, self.spec.settings.image_format)
-
-    def _record(self, im: Image) -> dict:
-        """The image's manifest row as far as it is known before it is made (workers/fields.py)."""
-        return {
-            **dict.fromkeys(self._fields),
-            "id": im.id,
-            "row_id": im.row_id,
-            "image_index": im.index,
-            "prompt": im.prompt,
-            "negative_prompt": im.negative_prompt,
-            "seed": im.seed,
-            "status": "error" if im.error else "ok",
-            "error": im.error,
-            **im.look.record(),
-            "template": self.recipe.template,
-            "worker": self.spec.name,
-            "device": self.info["device"]["name"],
-        }
-
-    def _made(self, p: Picture) -> Made:
-        """A picture with what its manifest row gains, and the record stored beside it."""
-        im = p.image
-        if p.picture is None:  # the safety checker blacked it out: `filtered`, not stored
-            return Made(
-                im.id,
-                im.row,
-                None,
-                {},
-                {
-                    "status": "filtered",
-                    "nsfw": True,
-                    "batch": p.batch,
-                    "seconds": p.seconds,
-                    "error": "flagged by the pipeline's safety checker; not stored",
-                },
-            )
-        record = {**self._record(im), "nsfw": p.nsfw}
-        meta = {**{name: record[name] for name in self._stored}, "model": self.spec.model}
-        return Made(im.id, im.row, p.picture, meta, {"batch": p.batch, "nsfw": p.nsfw, "seconds": p.seconds})
 
     def close(self) -> None:
         self._writer.close()

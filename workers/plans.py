@@ -1,0 +1,143 @@
+"""This worker's plans: the plan for its device, a leaner one after an out-of-memory error, and
+what counts as one; each component's dtype kept across a pipeline call."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from fleetgen.errors import OffloadError
+from offload import DeviceSpec, OffloadPlan, PipelineProfile, plan, resident_plan
+from offload import Workload as PlannerWorkload
+
+HOST_SHARE = 0.8  # of available host RAM a worker may fill with offloaded copies
+# How CUDA libraries word an allocation failure they raise as a plain RuntimeError (cuBLAS and cuDNN
+# workspaces, pinning host memory): the same step-down as `torch.OutOfMemoryError`.
+OOM_WORDS = (
+    "out of memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "cudaErrorMemoryAllocation",
+    "CUDA_ERROR_OUT_OF_MEMORY",
+)
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and any(w in str(err) for w in OOM_WORDS)
+    )
+
+
+def _dtype(module: torch.nn.Module) -> torch.dtype | None:
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+
+
+@contextmanager
+def components_dtypes_kept(pipe):
+    """Every component keeps its dtype whatever happens in a pipeline call. SDXL's pipeline casts
+    its float16 VAE to float32 for the decode and back only when the decode succeeds: after an OOM
+    there, every later call would fail ("Input type (c10::Half) and bias type (float)") and the
+    profile would read 4-byte weights."""
+    modules = {n: m for n, m in getattr(pipe, "components", {}).items() if isinstance(m, torch.nn.Module)}
+    before = {n: _dtype(m) for n, m in modules.items()}
+    try:
+        yield
+    finally:
+        for name, module in modules.items():
+            if before[name] is not None and _dtype(module) != before[name]:
+                module.to(dtype=before[name])
+
+
+STEP_DOWN = 0.75  # after an OOM at batch 1, re-plan for this fraction of the previous budget
+
+
+def _workload(offload: str, max_batch: int, width: int, height: int, steps: int, cfg: bool) -> PlannerWorkload:
+    return PlannerWorkload(width=width, height=height, steps=steps, cfg=cfg, max_batch=max_batch, offload=offload)
+
+
+def device_spec(device: torch.device, probe: dict, gpu_memory: int | None, host_memory: int | None) -> DeviceSpec:
+    cuda = device.type == "cuda"
+    budget = gpu_memory or (probe["free_bytes"] if cuda else probe["host_available_bytes"])
+    return DeviceSpec(
+        budget=budget,
+        host_budget=host_memory or int(probe["host_available_bytes"] * HOST_SHARE),
+        bandwidth=probe["bandwidth"],
+        flops=probe["flops"],
+        streams=cuda,
+        name=torch.cuda.get_device_name(device) if cuda else "cpu",
+    )
+
+
+def choose_plan(
+    profile: PipelineProfile,
+    device: torch.device,
+    probe: dict,
+    *,
+    offload: str,
+    max_batch: int,
+    gpu_memory: int | None,
+    host_memory: int | None,
+    width: int,
+    height: int,
+    steps: int,
+    cfg: bool,
+) -> OffloadPlan:
+    """On a CPU worker with no `--gpu-memory` and `--offload auto|none`, everything is resident at
+    `--max-batch`. Otherwise the planner fits the budget: `--gpu-memory`, else the free memory."""
+    if device.type == "cpu" and gpu_memory is None and offload in ("auto", "none"):
+        return resident_plan(
+            list(profile.components),
+            max_batch,
+            f"all resident: CPU worker without `--gpu-memory`; batch {max_batch} (`--max-batch`)",
+        )
+    return plan(
+        profile,
+        device_spec(device, probe, gpu_memory, host_memory),
+        _workload(offload, max_batch, width, height, steps, cfg),
+    )
+
+
+def leaner_plan(
+    profile: PipelineProfile,
+    current: OffloadPlan,
+    device: torch.device,
+    probe: dict,
+    *,
+    offload: str,
+    host_memory: int | None,
+    width: int,
+    height: int,
+    steps: int,
+    cfg: bool,
+) -> OffloadPlan:
+    """After an out-of-memory error at batch 1: plan for ever smaller budgets until the placement
+    changes; `OffloadError` when even the leanest plan does not fit. A step that goes from the
+    current placement straight to "nothing fits" (where activations, not weights, fill the budget)
+    is bisected for the budgets between, where a leaner placement may still fit."""
+    high = current.budget or probe.get("free_bytes") or probe["host_available_bytes"]
+    work = _workload(offload, 1, width, height, steps, cfg)
+
+    def at(budget: int) -> OffloadPlan:
+        return plan(profile, device_spec(device, probe, budget, host_memory), work)
+
+    while True:
+        budget = int(high * STEP_DOWN)
+        try:
+            leaner = at(budget)
+        except OffloadError:
+            low = budget  # nothing fits here; the current placement fits at `high`
+            while high - low > max(1, high // 1000):
+                middle = (low + high) // 2
+                try:
+                    leaner = at(middle)
+                except OffloadError:
+                    low = middle
+                    continue
+                if leaner.placements != current.placements:
+                    return leaner
+                high = middle
+            raise
+        if leaner.placements != current.placements:
+            return leaner
+        high = budget

@@ -1,0 +1,52 @@
+"""An image's records, as the field table (workers/fields.py) says: its manifest row, and what is
+stored beside the image (parquet rows, webdataset JSON)."""
+
+from __future__ import annotations
+
+from workers.batches import Image
+from workers.fields import records, stored_names
+from workers.fit import Picture
+from workers.writer import Made
+
+
+class Records:
+    """The records of one worker's images: what every one of them shares, given once."""
+
+    def __init__(self, template: str | None, worker: str, device: str, model: str):
+        self.template, self.worker, self.device, self.model = template, worker, device, model
+        self.fields = [f.name for f in records()]  # the manifest's columns
+        self.stored = [name for name in stored_names() if name != "sha256"]  # the writer adds the digest
+
+    def new(self, im: Image) -> dict:
+        """The image's manifest row as far as it is known before it is made."""
+        return {
+            **dict.fromkeys(self.fields),
+            "id": im.id,
+            "row_id": im.row_id,
+            "image_index": im.index,
+            "prompt": im.prompt,
+            "negative_prompt": im.negative_prompt,
+            "seed": im.seed,
+            "status": "error" if im.error else "ok",
+            "error": im.error,
+            **im.look.record(),
+            "template": self.template,
+            "worker": self.worker,
+            "device": self.device,
+        }
+
+    def made(self, p: Picture) -> Made:
+        """A picture with what its manifest row gains, and the record stored beside it."""
+        im = p.image
+        if p.picture is None:  # the safety checker blacked it out: `filtered`, not stored
+            flagged = {
+                "status": "filtered",
+                "nsfw": True,
+                "batch": p.batch,
+                "seconds": p.seconds,
+                "error": "flagged by the pipeline's safety checker; not stored",
+            }
+            return Made(im.id, im.row, None, {}, flagged)
+        record = {**self.new(im), "nsfw": p.nsfw}
+        meta = {**{name: record[name] for name in self.stored}, "model": self.model}
+        return Made(im.id, im.row, p.picture, meta, {"batch": p.batch, "nsfw": p.nsfw, "seconds": p.seconds})
