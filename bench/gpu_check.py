@@ -59,7 +59,10 @@ from workers.spec import GenerationSettings, WorkerSpec  # noqa: E402
 from workers.worker import Worker  # noqa: E402
 
 GiB = 2**30
-GPU_TESTS = ["tests/test_bench.py", "tests/test_gpu.py"]  # the files holding `gpu`-marked tests (no Ray imports)
+GPU_TESTS = [
+    "tests/bench/test_bench.py",
+    "tests/offload/test_gpu.py",
+]  # the files holding `gpu`-marked tests (no Ray imports)
 GPU_TESTS_TIMEOUT = 240  # seconds
 # model: (shipped architecture, family, dtype on CUDA, tiny builder and dtype for --dry)
 MODELS = {

@@ -41,6 +41,27 @@ os.environ.update(HF_HOME=_HF_HOME, HF_ENDPOINT=f"http://127.0.0.1:{HUB_PORT}", 
 FAST = {"steps": 2, "guidance": 5.0, "width": 64, "height": 64, "device": "cpu"}
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_job(prompts, model: str, out, **kw):
+    """A validated job at the tiny sizes (`FAST`), `kw` over them."""
+    from jobs.config import JobConfig, validate
+
+    return validate(JobConfig(input=str(prompts), output=str(out), model=model, **{**FAST, **kw}))
+
+
+def start_driver(args: list[str], env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
+    """`python -m jobs run ARGS` as a user starts it, from the repository root; its output to `log`
+    (else pipes, text)."""
+    out = (
+        {"stdout": open(log, "w"), "stderr": subprocess.STDOUT}
+        if log
+        else {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    )
+    return subprocess.Popen([sys.executable, "-m", "jobs", "run", *args], cwd=ROOT, env=env or dict(os.environ), **out)
+
+
 def write_prompts(path: Path, prompts: list, row_group_size: int | None = None, **columns) -> Path:
     table = pa.table({"prompt": pa.array(prompts, pa.string()), **columns})
     pq.write_table(table, path, row_group_size=row_group_size)

@@ -15,7 +15,7 @@ from jobs.config import JobConfig, validate
 from jobs.driver import run_job
 from tests.conftest import FAST, write_prompts
 
-ARTIFACTS = Path(os.environ.get("FLEETGEN_ARTIFACTS", Path(__file__).resolve().parents[1] / "test-artifacts"))
+ARTIFACTS = Path(os.environ.get("FLEETGEN_ARTIFACTS", Path(__file__).resolve().parents[2] / "test-artifacts"))
 
 
 def chromium() -> str:

@@ -1,5 +1,6 @@
 """Whole jobs on a real local Ray (one per test run): dispatch, determinism, resume, refusal, S3."""
 
+import functools
 import hashlib
 import io
 import json
@@ -13,7 +14,7 @@ from jobs.cli import main
 from jobs.config import JobConfig, validate
 from jobs.driver import run_job
 from jobs.state import list_manifests
-from tests.conftest import FAST, write_prompts
+from tests.conftest import FAST, make_job, write_prompts
 from workers.storage import Output
 
 N = 12
@@ -25,10 +26,7 @@ def prompts(tmp_path_factory):
     return str(write_prompts(path, [f"prompt number {i}" for i in range(N)], row_group_size=6))
 
 
-def job(prompts, model, out, **kw) -> JobConfig:
-    return validate(
-        JobConfig(input=prompts, output=str(out), model=model, **{"rows_per_shard": 3, "max_batch": 3, **FAST, **kw})
-    )
+job = functools.partial(make_job, rows_per_shard=3, max_batch=3)
 
 
 def shas(out) -> dict:

@@ -26,9 +26,9 @@ from cluster import ClusterShape, size_fleet
 from jobs.config import JobConfig, validate
 from jobs.driver import run_job
 from jobs.inspect import job_state, status_text
-from tests.conftest import FAST, _free_port, stop_tree, write_prompts
+from tests.conftest import FAST, _free_port, start_driver, stop_tree, write_prompts
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 NODE = {"CPU": 1, "GPU": 1}
 # A node joining by hand, on loopback, the way the fake provider starts its nodes (`ray start
@@ -147,13 +147,7 @@ def autoscaling_head():
 
 
 def _driver(args: list[str], address: str, env: dict, log: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "jobs", "run", "--ray-address", address, *args],
-        cwd=ROOT,
-        env=env,
-        stdout=open(log, "w"),
-        stderr=subprocess.STDOUT,
-    )
+    return start_driver(["--ray-address", address, *args], env, log)
 
 
 def _wait(what, check, proc: subprocess.Popen, log: Path, timeout: float = 180):

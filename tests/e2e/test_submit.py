@@ -20,7 +20,7 @@ import yaml
 from cluster.actor import GPU_TYPE_PREFIX
 from tests.conftest import _free_port, stop_tree, write_prompts
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
@@ -91,6 +91,7 @@ def test_gpu_check_dry_run_takes_every_path_on_cpu(tmp_path):
     assert "forced OOM" in proc.stdout and "s/image" in proc.stdout
 
 
+@pytest.mark.slow
 def test_gpu_check_writes_every_row_as_it_goes_and_skips_past_its_time_limit(tmp_path):
     """On a lent GPU only `$OUT` comes back: the JSON is there from the start and after each row;
     past `--time-limit`, rows are recorded as skipped instead of running past the session."""

@@ -1,6 +1,6 @@
 """The README works as written: its walk-throughs run block by block, in a fresh directory, with the
 `fleetgen` this checkout installs on PATH (as after `make demo`'s install or `pip install -e .`).
-The `ray job submit` line is submitted by copy in tests/test_submit.py."""
+The `ray job submit` line is submitted by copy in tests/e2e/test_submit.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 
@@ -67,6 +67,7 @@ def test_synthesising_a_dataset_runs_as_written(user_env, tmp_path):
     assert first["image"].size == (64, 64) and len(namespace["ds"]) == 18
 
 
+@pytest.mark.slow
 def test_the_plan_example_runs_as_written(tmp_path):
     text = (ROOT / "README.md").read_text()
     line = next(line for line in text.splitlines() if line.startswith("fleetgen plan --model"))

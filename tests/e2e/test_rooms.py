@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import write_prompts
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _fleetgen(*args: str, ray_address: str | None = None) -> subprocess.CompletedProcess:

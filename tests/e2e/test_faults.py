@@ -1,12 +1,12 @@
 """Faults injected for real: SIGKILLed workers and drivers, SIGTERM, a corrupt row group, a row
 the pipeline rejects, a second driver, a missing bucket. Real local Ray, real files, real S3."""
 
+import functools
 import io
 import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,17 +15,14 @@ import pytest
 
 from bench.chaos import Killer, check, manifest_rows
 from fleetgen.errors import StorageError
-from jobs.config import JobConfig, validate
 from jobs.driver import run_job
 from jobs.verify import verify
-from tests.conftest import FAST, write_prompts
+from tests.conftest import make_job, start_driver, write_prompts
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def job(prompts, model, out, **kw) -> JobConfig:
-    base = {"rows_per_shard": 8, "max_batch": 4, "workers": 2, **FAST}
-    return validate(JobConfig(input=str(prompts), output=str(out), model=model, **{**base, **kw}))
+job = functools.partial(make_job, rows_per_shard=8, max_batch=4, workers=2)
 
 
 @pytest.fixture(scope="module")
@@ -114,18 +111,6 @@ def test_failing_shard_is_retried_bounded_then_reported(tiny_model, tmp_path, ra
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["shards_skipped"] == 1
 
 
-def _driver(args: list[str], ray_address: str) -> subprocess.Popen:
-    env = {**os.environ, "RAY_ADDRESS": ray_address}
-    return subprocess.Popen(
-        [sys.executable, "-m", "jobs", "run", *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
 def _wait_for_images(out: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not any((out / "images").glob("*/*.png")):
@@ -163,7 +148,7 @@ def test_driver_stopped_or_killed_then_rerun_resumes(chaos_input, tiny_model, tm
         "--max-batch",
         "4",
     ]
-    proc = _driver(args, ray_cluster.get_runtime_context().gcs_address)
+    proc = start_driver(args, {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address})
     _wait_for_images(out, proc)
     proc.send_signal(sig)
     start = time.monotonic()
@@ -287,7 +272,7 @@ def test_straggler_is_given_to_an_idle_worker_and_only_the_winners_bytes_are_sto
     """Shard A (40 rows) and shard B (4 rows): the worker done with B takes A as well; whichever
     commits first wins, the other attempt stops and its staging goes: the stored bytes are the
     winner's (verify --deep), and no object is stored twice or left behind. (A losing attempt of
-    another batch size, whose bytes differ, is in tests/test_verify.py.)"""
+    another batch size, whose bytes differ, is in tests/jobs/test_verify.py.)"""
     (tmp_path / "in").mkdir()
     write_prompts(tmp_path / "in" / "a.parquet", [f"long shard {i}" for i in range(40)])
     write_prompts(tmp_path / "in" / "b.parquet", [f"short shard {i}" for i in range(4)])

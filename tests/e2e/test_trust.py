@@ -23,7 +23,7 @@ from tests.faulty_store import Rule
 from workers import policy
 from workers.storage import Output
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

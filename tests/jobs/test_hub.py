@@ -1,6 +1,7 @@
 """Hub models through the real `huggingface_hub` client, against a hub-shaped HTTP server on
 loopback (tests/hub_server.py, via HF_ENDPOINT) serving a tiny pipeline at two revisions."""
 
+import functools
 import io
 import json
 import os
@@ -9,9 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from fleetgen.errors import ConfigError
-from jobs.config import JobConfig, validate
 from jobs.driver import run_job
-from tests.conftest import FAST, HUB_PORT, write_prompts
+from tests.conftest import HUB_PORT, make_job, write_prompts
 from tests.hub_server import HubServer, Repo
 from workers.tiny_model import write_tiny_model
 
@@ -32,12 +32,7 @@ def _repo(hub, root, name: str, gated: bool = False) -> Repo:
     return repo
 
 
-def _job(prompts, model, out, **kw) -> JobConfig:
-    return validate(
-        JobConfig(
-            input=str(prompts), output=str(out), model=model, **{**FAST, "rows_per_shard": 2, "max_batch": 2, **kw}
-        )
-    )
+_job = functools.partial(make_job, rows_per_shard=2, max_batch=2)
 
 
 def _shas(out) -> dict:

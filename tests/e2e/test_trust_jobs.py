@@ -4,6 +4,7 @@ one line and exit 1, and a rerun finishes. Paths as typed, a rebuilt model, coun
 
 from __future__ import annotations
 
+import functools
 import io
 import threading
 import time
@@ -12,17 +13,14 @@ import pytest
 
 from bench.chaos import check, manifest_rows
 from jobs.cli import main
-from jobs.config import JobConfig, validate
 from jobs.driver import run_job
-from tests.conftest import FAST, write_prompts
+from tests.conftest import FAST, make_job, write_prompts
 
 pytestmark = pytest.mark.chaos
 ROWS = 64
 
 
-def job(prompts, model, out, **kw) -> JobConfig:
-    base = {"rows_per_shard": 8, "max_batch": 4, "workers": 2, **FAST}
-    return validate(JobConfig(input=str(prompts), output=str(out), model=model, **{**base, **kw}))
+job = functools.partial(make_job, rows_per_shard=8, max_batch=4, workers=2)
 
 
 @pytest.fixture(scope="module")
