@@ -58,9 +58,9 @@ def reference(tmp_path_factory, tiny_model, ray_cluster):
 @pytest.fixture
 def quick_retries(monkeypatch):
     """The storage policy's backoff at 50 ms, here and in the workers (the driver hands them its env)."""
-    from workers import storage
+    from workers import policy
 
-    monkeypatch.setattr(storage, "BACKOFF", 0.05)
+    monkeypatch.setattr(policy, "BACKOFF", 0.05)
     monkeypatch.setenv("FLEETGEN_STORAGE_BACKOFF", "0.05")
 
 
