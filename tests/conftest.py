@@ -51,6 +51,16 @@ def make_job(prompts, model: str, out, **kw):
     return validate(JobConfig(input=str(prompts), output=str(out), model=model, **{**FAST, **kw}))
 
 
+def run_args(prompts, out, model: str, **options) -> list[str]:
+    """`fleetgen run` arguments at the tiny sizes (`FAST`), `options` over them as `--name value`
+    (underscores become dashes; None leaves an option out)."""
+    args = ["--input", str(prompts), "--output", str(out), "--model", str(model)]
+    for name, value in {**FAST, **options}.items():
+        if value is not None:
+            args += [f"--{name.replace('_', '-')}", str(value)]
+    return args
+
+
 def start_driver(args: list[str], env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
     """`python -m jobs run ARGS` as a user starts it, from the repository root; its output to `log`
     (else pipes, text)."""

@@ -17,7 +17,7 @@ from bench.chaos import Killer, check, manifest_rows
 from fleetgen.errors import StorageError
 from jobs.driver import run_job
 from jobs.verify import verify
-from tests.conftest import make_job, start_driver, write_prompts
+from tests.conftest import make_job, run_args, start_driver, write_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,26 +78,7 @@ def test_failing_shard_is_retried_bounded_then_reported(tiny_model, tmp_path, ra
     _corrupt_first_row_group(prompts)
     args = [
         "run",
-        "--input",
-        str(prompts),
-        "--output",
-        str(tmp_path / "out"),
-        "--model",
-        tiny_model,
-        "--steps",
-        "2",
-        "--width",
-        "64",
-        "--height",
-        "64",
-        "--device",
-        "cpu",
-        "--rows-per-shard",
-        "8",
-        "--workers",
-        "2",
-        "--max-attempts",
-        "2",
+        *run_args(prompts, tmp_path / "out", tiny_model, guidance=None, rows_per_shard=8, workers=2, max_attempts=2),
     ]
     assert main(args) == 1
     err = capsys.readouterr().err
@@ -124,30 +105,7 @@ def _wait_for_images(out: Path, proc: subprocess.Popen, timeout: float = 120) ->
 def test_driver_stopped_or_killed_then_rerun_resumes(chaos_input, tiny_model, tmp_path, ray_cluster, sig):
     prompts, clean, _ = chaos_input
     out = tmp_path / "out"
-    args = [
-        "--input",
-        str(prompts),
-        "--output",
-        str(out),
-        "--model",
-        tiny_model,
-        "--steps",
-        "2",
-        "--guidance",
-        "5",
-        "--width",
-        "64",
-        "--height",
-        "64",
-        "--device",
-        "cpu",
-        "--rows-per-shard",
-        "8",
-        "--workers",
-        "2",
-        "--max-batch",
-        "4",
-    ]
+    args = run_args(prompts, out, tiny_model, rows_per_shard=8, workers=2, max_batch=4)
     proc = start_driver(args, {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address})
     _wait_for_images(out, proc)
     proc.send_signal(sig)

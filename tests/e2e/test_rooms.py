@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import write_prompts
+from tests.conftest import run_args, write_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,30 +51,9 @@ def test_a_setting_and_a_format_added_as_one_entry_each_round_trip(ray_cluster, 
     out = tmp_path / "out"
     run = [
         "run",
-        "--input",
-        str(prompts),
-        "--output",
-        str(out),
-        "--model",
-        tiny_model,
-        "--steps",
-        "2",
-        "--guidance",
-        "5",
-        "--width",
-        "64",
-        "--height",
-        "64",
-        "--device",
-        "cpu",
-        "--rows-per-shard",
-        "3",
-        "--max-batch",
-        "1",
-        "--workers",
-        "1",
-        "--output-format",
-        "jsonl",
+        *run_args(
+            str(prompts), str(out), tiny_model, rows_per_shard="3", max_batch="1", workers="1", output_format="jsonl"
+        ),
     ]
     done = _fleetgen(*run, ray_address=ray_cluster.get_runtime_context().gcs_address)
     assert done.returncode == 0, done.stderr[-3000:]

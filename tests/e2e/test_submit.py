@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from cluster.actor import GPU_TYPE_PREFIX
-from tests.conftest import _free_port, stop_tree, write_prompts
+from tests.conftest import _free_port, run_args, stop_tree, write_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -246,28 +246,7 @@ def test_ray_job_stop_writes_summary_and_releases_the_lock_then_a_resubmit_resum
     address, _ = ray_head
     prompts = write_prompts(tmp_path / "p.parquet", [f"stop me {i}" for i in range(16)])
     out = tmp_path / "out"
-    args = [
-        "--input",
-        str(prompts),
-        "--output",
-        str(out),
-        "--model",
-        tiny_model,
-        "--steps",
-        "32",
-        "--width",
-        "64",
-        "--height",
-        "64",
-        "--device",
-        "cpu",
-        "--rows-per-shard",
-        "2",
-        "--max-batch",
-        "1",
-        "--workers",
-        "2",
-    ]
+    args = run_args(prompts, out, tiny_model, guidance=None, steps=32, rows_per_shard=2, max_batch=1, workers=2)
 
     # Ray's default window: nothing running gets to finish, but what the driver must write is written.
     first = _submit(address, args)

@@ -14,7 +14,7 @@ import pytest
 from bench.chaos import check, manifest_rows
 from jobs.cli import main
 from jobs.driver import run_job
-from tests.conftest import FAST, make_job, write_prompts
+from tests.conftest import FAST, make_job, run_args, write_prompts
 
 pytestmark = pytest.mark.chaos
 ROWS = 64
@@ -133,31 +133,7 @@ def test_the_store_down_mid_run_ends_in_one_line_and_a_rerun_finishes(
     monkeypatch.setenv("FLEETGEN_STORAGE_ATTEMPTS", "2")
     prompts, clean = reference
     out = s3_bucket("flaky-outage")
-    args = [
-        "run",
-        "--input",
-        str(prompts),
-        "--output",
-        out,
-        "--model",
-        tiny_model,
-        "--steps",
-        "2",
-        "--guidance",
-        "5",
-        "--width",
-        "64",
-        "--height",
-        "64",
-        "--device",
-        "cpu",
-        "--rows-per-shard",
-        "8",
-        "--workers",
-        "2",
-        "--max-attempts",
-        "5",
-    ]
+    args = ["run", *run_args(str(prompts), out, tiny_model, rows_per_shard="8", workers="2", max_attempts="5")]
 
     def outage():
         _first_commit(faulty_store, "flaky-outage")
@@ -186,34 +162,7 @@ def test_a_job_run_as_dotdot_lands_where_every_command_looks(reference, tiny_mod
     (tmp_path / "a").mkdir()
     (tmp_path / "p.parquet").write_bytes(prompts.read_bytes())
     monkeypatch.chdir(tmp_path / "a")
-    assert (
-        main(
-            [
-                "run",
-                "--input",
-                "../p.parquet",
-                "--output",
-                "../out/",
-                "--model",
-                tiny_model,
-                "--steps",
-                "2",
-                "--guidance",
-                "5",
-                "--width",
-                "64",
-                "--height",
-                "64",
-                "--device",
-                "cpu",
-                "--rows-per-shard",
-                "8",
-                "--workers",
-                "2",
-            ]
-        )
-        == 0
-    )
+    assert main(["run", *run_args("../p.parquet", "../out/", tiny_model, rows_per_shard="8", workers="2")]) == 0
     out = tmp_path / "out"
     assert sorted(p.name for p in out.iterdir()) == [
         "README.md",
@@ -246,27 +195,7 @@ def test_a_rebuilt_model_refuses_to_resume_and_progress_counts_as_the_summary(
     summary = run_job(job(prompts, model, tmp_path / "out"), progress_stream=stream)
     assert summary.complete and summary.images_error == 2 and summary.images_ok == 4
     assert stream.getvalue().strip().splitlines()[-1].endswith("(2 row errors, 0 shards failed)")
-    args = [
-        "run",
-        "--input",
-        str(prompts),
-        "--output",
-        str(tmp_path / "out"),
-        "--model",
-        model,
-        "--steps",
-        "2",
-        "--guidance",
-        "5",
-        "--width",
-        "64",
-        "--height",
-        "64",
-        "--device",
-        "cpu",
-        "--rows-per-shard",
-        "8",
-    ]
+    args = ["run", *run_args(str(prompts), str(tmp_path / "out"), model, rows_per_shard="8")]
     assert main(args) == 0  # the same model: a rerun resumes (nothing to do)
     write_tiny_model(tmp_path / "model", seed=1)  # rebuilt in place: same files, same sizes, other weights
     capsys.readouterr()
