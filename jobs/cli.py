@@ -255,7 +255,12 @@ def _status(url: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    try:
+        parser = _parser()  # reads the field table and the formats: FLEETGEN_PLUGINS loads here
+    except FleetgenError as err:
+        print(f"fleetgen: error: {err}", file=sys.stderr)
+        return EXIT_ERROR
+    args = parser.parse_args(argv)
     try:
         if args.command == "run":
             from jobs.config import make_config

@@ -84,14 +84,12 @@ class FleetRecord:
         """The summary's per-worker table: workers that started or could not, with their speed and
         share of the images."""
         with self._lock:
-            rows = [
-                {k: w.get(k) for k in SUMMARY_FIELDS if w["starts"] or k in (*SUMMARY_FIELDS[:4], "failed")}
-                for w in self.workers.values()
-                if w["starts"] or w.get("failed")
-            ]
-        for w in rows:
-            if w.get("failed") is None:
-                w.pop("failed", None)
+            rows = []
+            for w in self.workers.values():
+                if w["starts"]:  # started: its plan and device, and why it failed later if it did
+                    rows.append({k: w.get(k) for k in SUMMARY_FIELDS if k != "failed" or w.get("failed")})
+                elif w.get("failed"):  # never started
+                    rows.append({k: w[k] for k in ("worker", "images", "seconds", "starts", "failed")})
         total = sum(w["images"] for w in rows) or 1
         for w in rows:
             w["images_per_second"] = round(w["images"] / w["seconds"], 3) if w["seconds"] else None

@@ -129,6 +129,7 @@ def resolve_columns(
             raise InputError(
                 f"`--prompt-template` names column `{name}`, which {first.url} does not have (columns: {listed})."
             )
+    kinds = _kinds()
     for role in ROLES:
         name = getattr(wanted, role)
         if role == "prompt" and template is not None:
@@ -143,7 +144,7 @@ def resolve_columns(
         if not present:
             resolved[role] = None
             continue
-        checks, must = _kinds()[role]
+        checks, must = kinds[role]
         for f in files:
             kind = f.schema.field(name).type
             if not any(check(kind) for check in checks):

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from fleetgen.errors import InputError
-from workers.fields import extra_settings, roles
+from workers.fields import extra_settings
+from workers.fields import roles as table_roles
 from workers.layout import unsafe_id_reason
 from workers.seeds import MAX_SEED, derive_seed
 from workers.shard import Columns, Shard
@@ -112,12 +113,13 @@ def _number(value, kind: str, name: str, low: float, high: float) -> tuple[objec
     return value, None
 
 
-def _look(values: dict, recipe: Recipe) -> tuple[Look, int, str | None]:
+def _look(values: dict, recipe: Recipe, settings: list, extras: list) -> tuple[Look, int, str | None]:
     """The row's look and image count from its setting columns, each checked as the field table
-    says (workers/fields.py); the first invalid one is the error."""
+    says (workers/fields.py: `settings`, its per-row settings; `extras`, those the look carries as
+    they are); the first invalid one is the error."""
     base, errors, got = recipe.look, [], {}
-    for f in roles():
-        if not f.setting or values.get(f.role) is None:
+    for f in settings:
+        if values.get(f.role) is None:
             continue
         if f.kind in ("int", "number"):
             v, err = _number(values[f.role], "int" if f.kind == "int" else "float", f.role, f.low, f.high)
@@ -141,7 +143,7 @@ def _look(values: dict, recipe: Recipe) -> tuple[Look, int, str | None]:
         adapters = (Adapter(lora, 1.0 if scale is None else scale),) if lora.strip() else ()
     elif scale is not None:
         adapters = tuple(Adapter(a.source, scale) for a in adapters)
-    extra = tuple((f.name, got[f.role]) for f in extra_settings() if got.get(f.role) is not None)
+    extra = tuple((f.name, got[f.role]) for f in extras if got.get(f.role) is not None)
     error = next((e for e in errors if e), None)
     return Look(width, height, steps, guidance, adapters, extra), count, error
 
@@ -199,6 +201,7 @@ def shard_images(shard: Shard, table: pa.Table, columns: Columns, recipe: Recipe
     """A shard's images, in row order then k; error images where a row cannot be generated."""
     data = {name: table.column(name).to_pylist() for name in columns.present()}
     roles = columns.roles()
+    settings, extras = [f for f in table_roles() if f.setting], extra_settings()  # once per shard, not per row
     suffixed = recipe.suffixed(columns)
     images = []
     first: dict[str, int] = {}  # row id -> its first row
@@ -207,7 +210,7 @@ def shard_images(shard: Shard, table: pa.Table, columns: Columns, recipe: Recipe
         if first.setdefault(row_id, i) != i:
             raise _repeated_ids(shard, data, columns)
         values = {role: data[name][i] for role, name in roles.items()}
-        look, count, error = _look(values, recipe)
+        look, count, error = _look(values, recipe, settings, extras)
         seed, seed_error = _as_seed(values.get("seed")) if columns.seed else (None, None)
         prompt, prompt_error = _prompt(data, i, columns, recipe)
         negative = values.get("negative_prompt")

@@ -35,8 +35,9 @@ class Records:
             "device": self.device,
         }
 
-    def made(self, p: Picture) -> Made:
-        """A picture with what its manifest row gains, and the record stored beside it."""
+    def made(self, p: Picture, record: dict) -> Made:
+        """A picture with what its manifest row (`record`, from `new`) gains, and the record stored
+        beside it."""
         im = p.image
         if p.picture is None:  # the safety checker blacked it out: `filtered`, not stored
             flagged = {
@@ -47,6 +48,5 @@ class Records:
                 "error": "flagged by the pipeline's safety checker; not stored",
             }
             return Made(im.id, im.row, None, {}, flagged)
-        record = {**self.new(im), "nsfw": p.nsfw}
-        meta = {**{name: record[name] for name in self.stored}, "model": self.model}
+        meta = {**{name: record[name] for name in self.stored}, "nsfw": p.nsfw, "model": self.model}
         return Made(im.id, im.row, p.picture, meta, {"batch": p.batch, "nsfw": p.nsfw, "seconds": p.seconds})

@@ -212,7 +212,7 @@ class Worker:
                 batch = group[i : i + self.batch_size]
                 i += len(batch)
                 pictures, failed = self.fitted.generate(batch)
-                made = [self._records.made(p) for p in pictures]
+                made = [self._records.made(p, at.records[p.image.id]) for p in pictures]
                 # Counted before the writer thread takes the batch: it drops each picture once encoded.
                 filtered = sum(m.picture is None for m in made)  # flagged by a safety checker: not stored
                 # Encoding, hashing and storing run on the writer thread while the device makes the next batch.

@@ -366,6 +366,11 @@ def _bad_inputs(tmp_path: Path, tiny_model: str, s3_server: str) -> list[tuple[l
             {},
             "does not exist",
         ),
+        (
+            [*base, "--output", str(tmp_path / "o")],
+            {"FLEETGEN_PLUGINS": "no_such_plugin"},
+            "`FLEETGEN_PLUGINS` names `no_such_plugin`, which cannot be imported",
+        ),
     ]
 
 
