@@ -7,6 +7,7 @@ import sys
 
 from fleetgen import __version__
 from fleetgen.errors import FleetgenError
+from workers.family_table import TABLE
 
 EXIT_INCOMPLETE = 1  # the job ran but not every shard committed
 EXIT_ERROR = 2  # bad input, config or environment: nothing (more) was generated
@@ -26,6 +27,11 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         "pinned in job.json so workers and resumes use the same weights)",
     )
     g.add_argument("--variant", help="weights variant, e.g. fp16 (loads *.fp16.safetensors)")
+    g.add_argument(
+        "--family",
+        help="the model's entry in the family table (README), where the checkpoint does not say, e.g. "
+        "z-image for the base model (default: detected from model_index.json, the transformer's config, the name)",
+    )
     g = p.add_argument_group("generation (part of the job fingerprint)")
     g.add_argument(
         "--steps", type=int, help="denoising steps (default: the model family's, e.g. 30 for SD, 28 for FLUX.1-dev)"
@@ -175,7 +181,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--family",
-        choices=["sd", "sdxl", "sd3", "flux", "flux-schnell", "pixart-sigma", "sana"],
+        choices=[f.name for f in TABLE],
         default="sd",
         help="the pipeline family to build (real diffusers classes, random weights)",
     )
@@ -275,9 +281,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"demo images: {config.output}/images/  (manifests: {config.output}/shards/)")
             return code
         if args.command == "tiny-model":
+            from workers.families import identify_dir
             from workers.tiny_model import write_tiny_model
 
-            print(f"wrote {write_tiny_model(args.dir, seed=args.seed, size=args.size, family=args.family)}")
+            path = write_tiny_model(args.dir, seed=args.seed, size=args.size, family=args.family)
+            detected, why = identify_dir(path)
+            hint = "" if detected.name == args.family else f"; run it with `--family {args.family}`"
+            print(f"wrote {path} ({args.family}; detected as {detected.name}: {why}{hint})")
             return 0
         if args.command == "plan":
             from jobs.planning import plan_rows, plan_workload, print_plans

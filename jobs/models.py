@@ -7,13 +7,14 @@ config file win.
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import replace
 from pathlib import Path
 
 from fleetgen.errors import ConfigError, one_line
 from jobs.config import JobConfig, parse_lora
-from workers.families import FAMILIES, Family, detect, read_family
+from workers.families import GENERIC, READS_TRANSFORMER, Family, choose, identify, identify_dir
 from workers.model_dir import is_hub_id
 from workers.shard import Columns
 
@@ -60,16 +61,22 @@ def pin_revision(config: JobConfig, pinned: str | None) -> tuple[JobConfig, str 
     return replace(config, revision=sha), note
 
 
-def model_family(model: str, revision: str | None = None) -> Family:
-    """The family of a local pipeline directory, or of a hub model from its model_index.json."""
+def model_family(model: str, revision: str | None = None) -> tuple[Family, str, str]:
+    """(the family of a local pipeline directory or a hub model, why, its pipeline class), from its
+    model_index.json (and its transformer's config where that tells variants apart)."""
     if not is_hub_id(model):
-        return read_family(model)
+        family, why = identify_dir(model)
+        return (
+            family,
+            why,
+            json.loads((Path(model).expanduser() / "model_index.json").read_text()).get("_class_name", ""),
+        )
     try:
         from huggingface_hub import hf_hub_download
 
         index = json.loads(Path(hf_hub_download(model, "model_index.json", revision=revision)).read_text())
         transformer = None
-        if index.get("_class_name") in FAMILIES["flux"].pipelines:  # dev or schnell: its guidance embedding says
+        if index.get("_class_name") in READS_TRANSFORMER:  # e.g. FLUX.1 dev or schnell: its guidance embedding says
             transformer = json.loads(
                 Path(hf_hub_download(model, "transformer/config.json", revision=revision)).read_text()
             )
@@ -79,23 +86,114 @@ def model_family(model: str, revision: str | None = None) -> Family:
             f"{one_line(err)}. Check the id, "
             "the network, and HF_TOKEN for gated models, or pass a local pipeline directory."
         ) from err
-    return detect(index, transformer)
+    family, why = identify(index, transformer, model)
+    return family, why, index.get("_class_name", "")
+
+
+def check_components(model: str) -> None:
+    """A local pipeline whose processor needs a package this machine lacks (FLUX.2's Pixtral and
+    Qwen-Image 2's Qwen3-VL processors need torchvision) is refused here, in one line naming the
+    package, before any worker loads it. Only processors are checked: importing them is cheap, and
+    tokenizers and models need nothing more than fleetgen's own dependencies."""
+    if is_hub_id(model):
+        return  # its files are on the hub: the worker's load says the same in one line
+    index = json.loads((Path(model).expanduser() / "model_index.json").read_text())
+    wanted = {
+        name: spec[1]
+        for name, spec in index.items()
+        if isinstance(spec, list) and spec[0] == "transformers" and str(spec[1]).endswith("Processor")
+    }
+    if not wanted:
+        return
+    import transformers
+
+    for name, cls in wanted.items():
+        missing = getattr(getattr(transformers, cls, None), "_backends", None)  # transformers' placeholder
+        if missing:
+            raise ConfigError(
+                f"`--model` {model}: its {name} is a {cls}, which transformers builds only with "
+                f"{' and '.join(missing)}; install it (the build that matches your torch) where the job runs. "
+                'README: "Models that need more packages".'
+            )
+
+
+def check_generic(cls: str) -> None:
+    """A pipeline outside the family table is called with what its `__call__` takes; one that
+    cannot make an image from a prompt alone (video, an input image, a mask) is refused here, in one
+    line, rather than failing every shard on the workers."""
+    import diffusers
+
+    pipeline = getattr(diffusers, cls, None) if cls else None
+    if not isinstance(pipeline, type) or not issubclass(pipeline, diffusers.DiffusionPipeline):
+        raise ConfigError(
+            f"`{cls or 'no _class_name'}` is not a pipeline of the installed diffusers {diffusers.__version__}: "
+            "upgrade diffusers (`pip install -U diffusers`) or check the model's model_index.json."
+        )
+    params = inspect.signature(pipeline.__call__).parameters
+    if "prompt" not in params:
+        raise ConfigError(f"{cls} takes no text prompt: fleetgen makes images from prompts.")
+    if "num_frames" in params:
+        raise ConfigError(f"{cls} makes video (it takes `num_frames`): fleetgen's jobs make images.")
+    inputs = [n for n in ("mask_image", "control_image", "strength") if n in params]
+    required = [
+        n
+        for n, p in params.items()
+        if n not in ("self", "prompt")
+        and p.default is inspect.Parameter.empty
+        and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    ]
+    if inputs or required:
+        raise ConfigError(
+            f"{cls} needs inputs besides a prompt ({', '.join(f'`{n}`' for n in inputs + required)}): "
+            "fleetgen's jobs are text-to-image."
+        )
+
+
+def _check_negatives(config: JobConfig, columns: Columns, family: Family, guidance: float) -> None:
+    """A negative-prompt column the pipeline would ignore at these settings is refused, naming what
+    would apply it (a job never stores images that silently left out part of their input)."""
+    if not columns.negative_prompt:
+        return
+    none = "`--negative-prompt-column none` to generate without them"
+    what = f"The input has a `{columns.negative_prompt}` column, but {family.name} ({family.pipelines[0]})"
+    if family.negative == "none":
+        raise ConfigError(f"{what} takes no negative prompts. Pass {none}.")
+    if family.negative == "true_cfg" and not (config.true_cfg_scale or 0) > 1:
+        raise ConfigError(
+            f"{what} ignores negative prompts unless `--true-cfg-scale` is above 1 (which doubles its compute). "
+            f"Pass e.g. `--true-cfg-scale 4`, or {none}."
+        )
+    if family.negative == "negative_prompt" and not family.guided(guidance):
+        raise ConfigError(
+            f"{what} applies negative prompts only with guidance above 1 (a second pass); this job's guidance "
+            f"is {guidance:g}. Pass e.g. `--guidance 4`, or {none}."
+        )
 
 
 def resolve_defaults(config: JobConfig, columns: Columns) -> tuple[JobConfig, Family, dict]:
     """(the config with the family's defaults filled in, the family, {setting: where its value came from})."""
-    family = model_family(config.model, config.revision)
+    detected, why, cls = model_family(config.model, config.revision)
+    check_components(config.model)
+    family, chosen = choose(detected, config.family, cls)
+    if family is GENERIC:
+        check_generic(cls)
     given = {"steps": config.steps, "guidance": config.guidance}
     defaults = {"steps": family.steps, "guidance": family.guidance}
     values = {k: v if v is not None else defaults[k] for k, v in given.items()}
     sources = {k: "given" if v is not None else "family default" for k, v in given.items()}
     sources["dtype"] = "given" if config.dtype != "auto" else "family default"
-    if columns.negative_prompt and family.negative == "true_cfg" and not (config.true_cfg_scale or 0) > 1:
+    sources["family"] = chosen or why
+    if config.true_cfg_scale and family.negative != "true_cfg":
+        where = "its guidance (`--guidance`)" if family.guidance_arg == "true_cfg_scale" else "none"
         raise ConfigError(
-            f"The input has a `{columns.negative_prompt}` column, but {family.name} ({family.pipelines[0]}) ignores "
-            "negative prompts unless `--true-cfg-scale` is above 1 (which doubles its compute). Pass e.g. "
-            "`--true-cfg-scale 4`, or `--negative-prompt-column none` to generate without them."
+            f"`--true-cfg-scale` is for FLUX.1 (flux, flux-schnell); {family.name} takes "
+            f"{'it as ' + where if where != 'none' else 'none'}."
         )
+    if not family.uses_guidance and config.guidance not in (None, family.guidance):
+        raise ConfigError(
+            f"{family.name} ({family.pipelines[0]}) ignores the guidance ({family.note}); leave `--guidance` out."
+        )
+    _check_negatives(config, columns, family, values["guidance"])
     return replace(config, family=family.name, **values), family, sources
 
 
@@ -108,7 +206,11 @@ def describe(config: JobConfig, family: Family, sources: dict) -> str:
     ]
     if config.true_cfg_scale:
         parts.append(f"true CFG scale {config.true_cfg_scale:g}")
-    return f"model family {family.name} ({', '.join(family.pipelines) or 'any pipeline'}): {', '.join(parts)}"
+    if family.negative_default is not None:
+        parts.append(f"negative prompt {family.negative_default!r} where a row has none")
+    line = f"model family {family.name} ({', '.join(family.pipelines) or 'any pipeline'}): {', '.join(parts)}"
+    why = sources.get("family")
+    return f"{line}; why {family.name}: {why}" if why else line
 
 
 MAX_ADAPTERS = 32  # every worker loads every adapter of the job up front and holds it in memory

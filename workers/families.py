@@ -1,192 +1,115 @@
-"""Pipeline families: how each kind of text-to-image pipeline is called, and its defaults.
+"""Pipeline families: which entry of the family table (workers/family_table.py) a model is, and
+how that entry calls its pipeline.
 
-One table. The worker asks it how to call its pipeline (which arguments, how a negative prompt is
-applied, which tokenizer bounds a prompt); the driver asks it for the defaults a job resolves
-(steps, guidance, dtype); the planner gets plain numbers from it (whether guidance doubles the
-denoiser's batch). Any other text-to-image `DiffusionPipeline` is called through the generic entry,
-with only the arguments its `__call__` accepts.
+The worker asks how to call its pipeline (which arguments, how a negative prompt is applied, which
+tokenizer bounds a prompt); the driver asks for the defaults a job resolves (steps, guidance,
+dtype); the planner gets plain numbers (whether guidance doubles the denoiser's batch). Any other
+text-to-image `DiffusionPipeline` is called through the generic entry, with only the arguments its
+`__call__` accepts.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
-from dataclasses import asdict, dataclass, field
+import math
 from pathlib import Path
 
 from fleetgen.errors import ConfigError
+from workers.family_table import FAMILIES, GENERIC, Family
+
+__all__ = ["FAMILIES", "GENERIC", "Family", "call_kwargs", "detect", "identify", "prepare_call", "read_family"]
 
 
-@dataclass(frozen=True)
-class Family:
-    name: str
-    pipelines: tuple[str, ...]  # diffusers pipeline class names (model_index.json `_class_name`)
-    steps: int  # default denoising steps
-    guidance: float  # default guidance scale (0 where the model is guidance-distilled without it)
-    dtype: str  # default dtype on CUDA (CPU computes in float32)
-    negative: str  # how a negative prompt is applied: "negative_prompt" | "true_cfg" (Flux) | "none"
-    tokenizer: str  # the pipeline attribute whose tokenizer reads the whole prompt (the longest limit)
-    max_sequence_length: int | None  # passed to the pipeline and the prompt limit; None: the tokenizer's own
-    cfg: bool  # guidance > 1 runs the denoiser on a doubled batch (classifier-free guidance)
-    extra: dict = field(default_factory=dict)  # fixed call arguments
-    note: str = ""
-    # What the pipeline's own input check demands of width and height, whatever the VAE (diffusers'
-    # SD, SDXL and PixArt pipelines refuse sizes that are not multiples of 8); the VAE scale x patch
-    # multiple of the model is added to it (workers/model_dir.py, workers/pipeline.py).
-    size_floor: int = 8
-    # The pipeline decodes with its VAE cast to float32 when the run dtype is float16 and the VAE's
-    # config says `force_upcast` (SDXL): the planner counts that VAE at 4 bytes per weight and
-    # activation, and never streams it (its pinned copy would stay float16).
-    upcasts_vae: bool = False
-
-    def doubles_batch(self, guidance: float, true_cfg_scale: float | None) -> bool:
-        """Whether the denoiser runs on twice the images per step."""
-        if self.negative == "true_cfg":
-            return bool(true_cfg_scale and true_cfg_scale > 1)
-        return self.cfg and guidance > 1
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-# PixArt and Sana by default rewrite the prompt (`clean_caption`, which needs bs4 and ftfy) and
-# generate at the nearest trained aspect-ratio bin, then resize: fleetgen generates exactly the prompt
-# and the size it was given (pick one of the model's trained sizes), the same on every worker.
-_AS_ASKED = {"clean_caption": False, "use_resolution_binning": False}
-
-FAMILIES = {
-    f.name: f
-    for f in (
-        Family(
-            "sd",
-            ("StableDiffusionPipeline",),
-            steps=30,
-            guidance=7.5,
-            dtype="float16",
-            negative="negative_prompt",
-            tokenizer="tokenizer",
-            max_sequence_length=None,
-            cfg=True,
-            note="SD 1.x/2.x; CLIP reads 77 tokens",
-        ),
-        Family(
-            "sdxl",
-            ("StableDiffusionXLPipeline",),
-            steps=30,
-            guidance=5.0,
-            dtype="float16",
-            negative="negative_prompt",
-            tokenizer="tokenizer_2",
-            max_sequence_length=None,
-            cfg=True,
-            note="two CLIP encoders, 77 tokens each",
-            upcasts_vae=True,
-        ),
-        Family(
-            "sd3",
-            ("StableDiffusion3Pipeline",),
-            steps=28,
-            guidance=7.0,
-            dtype="bfloat16",
-            negative="negative_prompt",
-            tokenizer="tokenizer_3",
-            max_sequence_length=256,
-            cfg=True,
-            note="CLIP encoders read 77 tokens, T5 reads up to 256",
-        ),
-        Family(
-            "flux",
-            ("FluxPipeline",),
-            steps=28,
-            guidance=3.5,
-            dtype="bfloat16",
-            negative="true_cfg",
-            tokenizer="tokenizer_2",
-            max_sequence_length=512,
-            cfg=False,
-            note="FLUX.1-dev: guidance-distilled (the guidance is an input, not a second pass); negative "
-            "prompts need `--true-cfg-scale` > 1, which doubles the compute",
-        ),
-        Family(
-            "flux-schnell",
-            ("FluxPipeline",),
-            steps=4,
-            guidance=0.0,
-            dtype="bfloat16",
-            negative="true_cfg",
-            tokenizer="tokenizer_2",
-            max_sequence_length=256,
-            cfg=False,
-            note="FLUX.1-schnell: timestep-distilled, 4 steps, no guidance",
-        ),
-        Family(
-            "pixart-sigma",
-            ("PixArtSigmaPipeline",),
-            steps=20,
-            guidance=4.5,
-            dtype="float16",
-            negative="negative_prompt",
-            tokenizer="tokenizer",
-            max_sequence_length=300,
-            cfg=True,
-            extra=_AS_ASKED,
-            note="T5 reads up to 300 tokens",
-        ),
-        Family(
-            "sana",
-            ("SanaPipeline",),
-            steps=20,
-            guidance=4.5,
-            dtype="bfloat16",
-            negative="negative_prompt",
-            tokenizer="tokenizer",
-            max_sequence_length=300,
-            cfg=True,
-            extra=_AS_ASKED,
-            note="Gemma reads up to 300 tokens",
-        ),
-    )
-}
-GENERIC = Family(
-    "generic",
-    (),
-    steps=30,
-    guidance=7.5,
-    dtype="float16",
-    negative="negative_prompt",
-    tokenizer="tokenizer",
-    max_sequence_length=None,
-    cfg=True,
-    note="not a known family: called with the arguments its __call__ accepts",
-)
-FAMILIES[GENERIC.name] = GENERIC
+def _variant(cls: str, index: dict, transformer: dict | None, name: str) -> tuple[str, str]:
+    """(entry, why) for a pipeline class that several checkpoints share; `name` is the hub id or the
+    directory's path, lower-case (names are the only thing that tells some variants apart)."""
+    embeds = None if transformer is None else transformer.get("guidance_embeds")
+    if cls == "FluxPipeline":
+        if embeds is False:
+            return "flux-schnell", "its transformer has no guidance embedding (FLUX.1-schnell)"
+        if embeds:
+            return "flux", "its transformer has a guidance embedding (FLUX.1-dev)"
+        return "flux", "guessed FLUX.1-dev (its transformer config was not read); `--family flux-schnell` for schnell"
+    if cls == "Flux2KleinPipeline":
+        if index.get("is_distilled"):
+            return "flux2-klein", "model_index.json says is_distilled"
+        return "flux2-klein-base", "model_index.json does not say is_distilled (the base model)"
+    if cls == "HunyuanImagePipeline":
+        if embeds:
+            return "hunyuanimage-distilled", "its transformer has a guidance embedding (the distilled model)"
+        return "hunyuanimage", "its transformer has no guidance embedding"
+    if cls == "ZImagePipeline":
+        if "turbo" in name:
+            return "z-image-turbo", "its name says Turbo"
+        if "z-image" in name or "z_image" in name:
+            return "z-image", "its name says Z-Image and not Turbo (the base model)"
+        return "z-image-turbo", (
+            "guessed Turbo: nothing in the checkpoint tells Turbo from the base model and its name does "
+            "not say; `--family z-image` for the base model"
+        )
+    if cls == "HiDreamImagePipeline":
+        for word, entry in (("fast", "hidream-fast"), ("dev", "hidream-dev"), ("full", "hidream")):
+            if word in name.rsplit("hidream", 1)[-1]:
+                return entry, f"its name says {word.capitalize()}"
+        return "hidream", (
+            "guessed HiDream-I1-Full: Full, Dev and Fast share one architecture and its name does not "
+            "say; `--family hidream-dev` or `--family hidream-fast` for the distilled ones"
+        )
+    raise AssertionError(cls)
 
 
-def detect(model_index: dict, transformer_config: dict | None = None) -> Family:
-    """The family of a pipeline from its `model_index.json` (and, for Flux, its transformer's
-    config: FLUX.1-schnell has no guidance embedding)."""
+_SHARED = ("FluxPipeline", "Flux2KleinPipeline", "HunyuanImagePipeline", "ZImagePipeline", "HiDreamImagePipeline")
+READS_TRANSFORMER = ("FluxPipeline", "HunyuanImagePipeline")  # variants told apart by the transformer's config
+
+
+def identify(model_index: dict, transformer_config: dict | None = None, name: str = "") -> tuple[Family, str]:
+    """(the family of a pipeline, why) from its `model_index.json`, its transformer's config where
+    that tells variants apart, and its hub id or path."""
     cls = model_index.get("_class_name", "")
     found = [f for f in FAMILIES.values() if cls in f.pipelines]
     if not found:
-        return GENERIC
-    if (
-        found[0].name == "flux"
-        and transformer_config is not None
-        and not transformer_config.get("guidance_embeds", True)
-    ):
-        return FAMILIES["flux-schnell"]
-    return found[0]
+        return GENERIC, f"{cls or 'a pipeline without _class_name'} is not in the family table"
+    if cls in _SHARED:
+        entry, why = _variant(cls, model_index, transformer_config, name.lower())
+        return FAMILIES[entry], f"{cls}: {why}"
+    return found[0], cls
 
 
-def read_family(model_dir: str | Path) -> Family:
-    """The family of a local pipeline directory (with or without weights)."""
+def detect(model_index: dict, transformer_config: dict | None = None, name: str = "") -> Family:
+    return identify(model_index, transformer_config, name)[0]
+
+
+def identify_dir(model_dir: str | Path) -> tuple[Family, str]:
+    """(the family of a local pipeline directory, with or without weights, why)."""
     root = Path(model_dir).expanduser()
     try:
         index = json.loads((root / "model_index.json").read_text())
     except (OSError, ValueError) as err:
         raise ConfigError(f"`--model` {model_dir} has no readable model_index.json: {err}") from err
     transformer = root / "transformer" / "config.json"
-    return detect(index, json.loads(transformer.read_text()) if transformer.exists() else None)
+    config = json.loads(transformer.read_text()) if transformer.exists() else None
+    return identify(index, config, str(root.resolve()))
+
+
+def read_family(model_dir: str | Path) -> Family:
+    return identify_dir(model_dir)[0]
+
+
+def choose(family: Family, given: str | None, detected_class: str) -> tuple[Family, str | None]:
+    """`--family NAME` over the detected family: (the family, why) or refused when NAME is unknown or
+    is for another pipeline class."""
+    if not given or given == family.name:
+        return family, None
+    if given not in FAMILIES:
+        raise ConfigError(f"`--family` must be one of {', '.join(FAMILIES)}; got `{given}`.")
+    chosen = FAMILIES[given]
+    if chosen.pipelines and detected_class not in chosen.pipelines:
+        raise ConfigError(
+            f"`--family {given}` is for {', '.join(chosen.pipelines)}; this model is a "
+            f"{detected_class or 'pipeline without _class_name'} ({family.name})."
+        )
+    return chosen, f"`--family {given}` (detected: {family.name})"
 
 
 def call_kwargs(
@@ -208,7 +131,6 @@ def call_kwargs(
     kwargs = {
         "prompt": prompts,
         "num_inference_steps": steps,
-        "guidance_scale": guidance,
         "width": width,
         "height": height,
         "generator": generator,
@@ -216,16 +138,33 @@ def call_kwargs(
         **family.extra,
         **(extra or {}),
     }
+    if family.guidance_arg != "guider":  # the guider's scale is set on it (prepare_call)
+        kwargs[family.guidance_arg] = guidance
     if family.max_sequence_length:
         kwargs["max_sequence_length"] = family.max_sequence_length
-    if any(negatives) and family.negative != "none":
-        kwargs["negative_prompt"] = [n or "" for n in negatives]
+    if family.negative != "none" and (any(negatives) or family.negative_default is not None):
+        kwargs["negative_prompt"] = [n or family.negative_default or "" for n in negatives]
     if family.negative == "true_cfg" and true_cfg_scale:
         kwargs["true_cfg_scale"] = true_cfg_scale
     accepted = inspect.signature(pipe.__call__).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
         return kwargs
     return {k: v for k, v in kwargs.items() if k in accepted}
+
+
+def prepare_call(pipe, family: Family, *, guidance: float, width: int, height: int) -> None:
+    """What a call of this family needs set on the pipeline rather than passed to it: the scale of
+    its guider objects (HunyuanImage 2.1), and the area it rescales every size to (HiDream)."""
+    if family.guidance_arg == "guider":
+        for name in ("guider", "ocr_guider"):
+            guider = getattr(pipe, name, None)
+            if guider is not None and guider.guidance_scale != guidance:
+                setattr(pipe, name, guider.new(guidance_scale=guidance))  # its other settings as loaded
+    if family.pins_area:
+        # The pipeline scales width and height by sqrt(default area / asked area), then floors each to
+        # its multiple: a default area a hair above the asked one makes the scale 1 (+1e-9, which the
+        # floor drops), so the asked size, a multiple already, is the size made.
+        pipe.default_sample_size = math.sqrt(width * height) / pipe.vae_scale_factor * (1 + 1e-9)
 
 
 def takes_negative_prompt(pipe) -> bool:

@@ -14,7 +14,7 @@ from fleetgen.errors import FleetgenError, OffloadError, one_line
 from offload import OffloadPlan, OffloadStats, apply, pipeline_modules, profile_pipeline
 from offload.apply import unapply
 from workers.batches import Adapter, Image, Look
-from workers.families import FAMILIES, GENERIC, Family, call_kwargs, prompt_limit, takes_negative_prompt
+from workers.families import FAMILIES, GENERIC, Family, call_kwargs, prepare_call, prompt_limit, takes_negative_prompt
 from workers.fields import extra_settings
 from workers.pipeline import (
     activate_adapters,
@@ -213,6 +213,7 @@ class FittedPipeline:
 
     def _kwargs(self, prompts: list[str], negatives: list[str | None], look: Look, generator) -> dict:
         extra = {self._call_args[name]: value for name, value in look.extra if self._call_args.get(name)}
+        prepare_call(self.pipe, self.family, guidance=look.guidance, width=look.width, height=look.height)
         return call_kwargs(
             self.pipe,
             self.family,
@@ -242,6 +243,10 @@ class FittedPipeline:
                     generators([im.seed for im in batch]),
                 )
             )
+        made = {getattr(p, "size", None) for p in out.images}
+        if made != {(look.width, look.height)}:  # a pipeline that rescales: its records would say otherwise
+            sizes = ", ".join(sorted(f"{w}x{h}" for w, h in made if w) or ["no images"])
+            raise FleetgenError(f"{type(self.pipe).__name__} made {sizes} where {look.width}x{look.height} was asked")
         # A safety checker (SD 1.x) blacks out what it flags: such pictures are None.
         flags = getattr(out, "nsfw_content_detected", None) or [None] * len(batch)
         seconds = time.perf_counter() - started

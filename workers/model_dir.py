@@ -15,12 +15,33 @@ def is_hub_id(model: str) -> bool:
     return not Path(model).expanduser().exists()
 
 
+def vae_scale(vae: dict) -> int:
+    """Pixels per latent, from a VAE's config: AutoencoderKL (and FLUX.2's) list `block_out_channels`,
+    Sana's AutoencoderDC `encoder_block_out_channels`, the Wan-style VAEs (Qwen-Image, Wan) their
+    `temperal_downsample` stages, HunyuanImage's its `spatial_compression_ratio`."""
+    if vae.get("spatial_compression_ratio"):
+        return int(vae["spatial_compression_ratio"])
+    if "temperal_downsample" in vae:
+        return 2 ** len(vae["temperal_downsample"])
+    return 2 ** (len(vae.get("block_out_channels") or vae.get("encoder_block_out_channels") or [0, 0, 0, 0]) - 1)
+
+
+def denoiser_patch(cls: str, config: dict) -> int:
+    """Latents per token side: FLUX.1, FLUX.2 and Chroma pack 2x2 latents in the pipeline; the others
+    say `patch_size` (a number, or per axis as HunyuanImage's [1, 1] and Wan's [1, 2, 2]: the last is
+    spatial) or Z-Image's `all_patch_size`."""
+    if cls.startswith(("Flux", "Chroma")):
+        return 2
+    patch = config.get("patch_size") or config.get("all_patch_size") or 1
+    return int(patch[-1] if isinstance(patch, (list, tuple)) else patch)
+
+
 def size_multiple(model: str) -> tuple[int, str] | None:
     """What image sizes must be a multiple of, from a local pipeline directory's configs (None for
     a hub id: it is checked when the worker loads it), with the reason: the pipeline's own rule (its
     family's `size_floor`, e.g. SD pipelines refuse sizes that are not multiples of 8 whatever their
     VAE) and the VAE scale times the denoiser's patch."""
-    from workers.families import detect
+    from workers.families import identify_dir
 
     root = Path(model).expanduser()
     try:
@@ -28,19 +49,14 @@ def size_multiple(model: str) -> tuple[int, str] | None:
         vae = json.loads((root / "vae" / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    floor = detect(index).size_floor
-    # AutoencoderKL lists `block_out_channels`; Sana's AutoencoderDC `encoder_block_out_channels`.
-    scale = 2 ** (len(vae.get("block_out_channels") or vae.get("encoder_block_out_channels") or [0, 0, 0, 0]) - 1)
+    floor = identify_dir(root)[0].size_floor
+    scale = vae_scale(vae)
     denoiser = next((n for n in ("transformer", "unet") if n in index), None)
     patch = 1
     if denoiser:
         cls = index[denoiser][1] if isinstance(index[denoiser], list) else ""
-        cfg = (
-            json.loads((root / denoiser / "config.json").read_text())
-            if (root / denoiser / "config.json").exists()
-            else {}
-        )
-        patch = 2 if cls.startswith("Flux") else int(cfg.get("patch_size") or 1)  # Flux packs 2x2 latents
+        path = root / denoiser / "config.json"
+        patch = denoiser_patch(cls or "", json.loads(path.read_text()) if path.exists() else {})
     reason = f"VAE scale {scale} x patch {patch}"
     if (scale * patch) % floor:
         reason += f"; {index.get('_class_name', 'the pipeline')} takes only multiples of {floor}"

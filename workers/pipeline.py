@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -10,8 +11,9 @@ from pathlib import Path
 import torch
 
 from fleetgen.errors import ConfigError, FleetgenError, one_line
-from workers.model_dir import is_hub_id
+from workers.model_dir import denoiser_patch, is_hub_id
 
+BACKEND_HINT = ' (README: "Models that need more packages")'
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # --dtype names
 
 
@@ -39,6 +41,43 @@ def describe_device(device: torch.device) -> dict:
     return {"type": "cpu", "name": f"cpu ({os.cpu_count()} cores)", "total_bytes": None, "free_bytes": None}
 
 
+class _Once(logging.Filter):
+    """The pipeline libraries' own warnings (diffusers', transformers'): each distinct one once per
+    worker process, tagged with the worker, instead of once per call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tag, self.seen = "worker", set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        decided = getattr(record, "fleetgen_once", None)  # a record passes every handler's filters
+        if decided is not None:
+            return decided
+        text = record.getMessage()
+        record.fleetgen_once = text not in self.seen
+        if record.fleetgen_once:
+            self.seen.add(text)
+            record.msg, record.args = f"[fleetgen] {self.tag}: {record.name.split('.')[0]} says: {text}", ()
+        return record.fleetgen_once
+
+
+_ONCE = _Once()
+
+
+def warnings_once(tag: str) -> None:
+    """Route the libraries' warnings through `_ONCE` for worker `tag` (installed once per process)."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    _ONCE.tag = tag
+    for library in (diffusers_logging, transformers_logging):
+        for handler in library._get_library_root_logger().handlers:
+            if _ONCE not in handler.filters:
+                handler.addFilter(_ONCE)
+
+
 def load_pipeline(
     model: str,
     dtype: torch.dtype,
@@ -55,13 +94,16 @@ def load_pipeline(
 
     diffusers_logging.disable_progress_bar()
     transformers_logging.disable_progress_bar()
+    warnings_once(worker)
     source = fetch_snapshot(model, revision, variant, worker) if is_hub_id(model) else model
     try:
         pipe = DiffusionPipeline.from_pretrained(
             source, dtype=dtype, trust_remote_code=trust_remote_code, variant=variant
         )
-    except (OSError, ValueError) as err:
-        raise FleetgenError(f"Could not load the pipeline `{model}`: {err}") from err
+    except ImportError as err:  # a component whose class needs a package this worker lacks
+        raise FleetgenError(f"Could not load the pipeline `{model}`: {one_line(err)}{BACKEND_HINT}") from err
+    except (OSError, ValueError, AttributeError) as err:  # AttributeError: a class this diffusers lacks
+        raise FleetgenError(f"Could not load the pipeline `{model}`: {one_line(err)}") from err
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -98,15 +140,10 @@ def fetch_snapshot(model: str, revision: str | None, variant: str | None, worker
 def pipe_size_multiple(pipe, floor: int = 8) -> int:
     """What image sizes must be a multiple of for a loaded pipeline (as `size_multiple` for a
     directory): the pipeline's own rule (`floor`, its family's) and the VAE's scale factor times the
-    denoiser's patch (Flux packs 2x2 latents)."""
+    denoiser's patch."""
     scale = int(getattr(pipe, "vae_scale_factor", None) or 8)
     denoiser = getattr(pipe, "transformer", None)
-    if denoiser is None:
-        patch = 1
-    elif type(denoiser).__name__.startswith("Flux"):
-        patch = 2
-    else:
-        patch = int(getattr(denoiser.config, "patch_size", None) or 1)
+    patch = 1 if denoiser is None else denoiser_patch(type(denoiser).__name__, dict(denoiser.config))
     return math.lcm(scale * patch, floor)
 
 

@@ -19,6 +19,8 @@ from workers.tiny_families import (
     build_tiny_sd3,
     build_tiny_sdxl,
 )
+from workers.tiny_frontier import build_tiny_flux2, build_tiny_flux2_klein, build_tiny_qwen_image, build_tiny_z_image
+from workers.tiny_hunyuan_chroma_hidream import build_tiny_chroma, build_tiny_hidream, build_tiny_hunyuanimage
 from workers.tiny_parts import _evaluated, _tokenizer
 
 __all__ = [
@@ -142,6 +144,18 @@ TINY_FAMILIES = {
     "flux-schnell": build_tiny_flux,
     "pixart-sigma": build_tiny_pixart_sigma,
     "sana": build_tiny_sana,
+    "flux2": build_tiny_flux2,
+    "flux2-klein": build_tiny_flux2_klein,
+    "flux2-klein-base": lambda seed: build_tiny_flux2_klein(seed, is_distilled=False),
+    "qwen-image": build_tiny_qwen_image,
+    "z-image-turbo": build_tiny_z_image,
+    "z-image": build_tiny_z_image,  # the same architecture: the directory's name tells them apart
+    "hunyuanimage": build_tiny_hunyuanimage,
+    "hunyuanimage-distilled": lambda seed: build_tiny_hunyuanimage(seed, distilled=True),
+    "chroma": build_tiny_chroma,
+    "hidream": build_tiny_hidream,
+    "hidream-dev": build_tiny_hidream,
+    "hidream-fast": build_tiny_hidream,
 }
 
 

@@ -58,7 +58,7 @@ def _tokenizer(model_max_length: int = 77):
     )
 
 
-def _clip(tokenizer, seed: int, projection: bool = False, hidden: int = 32):
+def _clip(tokenizer, seed: int, projection: bool = False, hidden: int = 32, positions: int = 77):
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     torch.manual_seed(seed)
@@ -71,7 +71,7 @@ def _clip(tokenizer, seed: int, projection: bool = False, hidden: int = 32):
         num_attention_heads=4,
         num_hidden_layers=2,
         vocab_size=len(tokenizer),
-        max_position_embeddings=77,
+        max_position_embeddings=positions,
         projection_dim=32,
     )
     return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config)

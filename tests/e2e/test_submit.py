@@ -113,113 +113,32 @@ def _metrics(port: int) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("ray_fleetgen_")]
 
 
-@pytest.mark.slow
-def test_ray_job_submit_with_working_dir(ray_head, tiny_model, tmp_path):
-    """Submit, watch the workers' metrics while it runs (as Prometheus would scrape the node),
-    wait for success, check the output."""
-    address, metrics_port = ray_head
-    prompts = write_prompts(tmp_path / "p.parquet", [f"submitted {i}" for i in range(24)])
-    out = tmp_path / "out"
-    ray = str(BIN / "ray")
-    # The README's command, by copy: its address, input, output and model replaced by this test's,
-    # then the tiny sizes and `--no-wait` (to watch the metrics while it runs).
-    line = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("ray job submit"))
-    words = line.split()
-    for flag, value in (
-        ("--address", address),
-        ("--input", str(prompts)),
-        ("--output", str(out)),
-        ("--model", tiny_model),
-    ):
-        words[words.index(flag) + 1] = value
-    assert words[:3] == ["ray", "job", "submit"] and words[words.index("--working-dir") + 1] == "."
-    cmd = [
-        ray,
-        "job",
-        "submit",
-        "--no-wait",
-        *words[3:],
-        "--steps",
-        "24",
-        "--width",
-        "64",
-        "--height",
-        "64",
-        "--device",
-        "cpu",
-        "--rows-per-shard",
-        "3",
-        "--max-batch",
-        "1",
-        "--workers",
-        "2",
-    ]
-    submitted = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
-    job_id = re.search(r"(raysubmit_\w+)", submitted.stdout + submitted.stderr).group(1)
-
-    def job_status() -> str:
-        out = subprocess.run(
-            [ray, "job", "status", "--address", address, job_id], env=_env(), capture_output=True, text=True, timeout=60
-        )
-        return (out.stdout + out.stderr).lower()
-
-    def job_logs() -> str:
-        return subprocess.run(
-            [ray, "job", "logs", "--address", address, job_id], env=_env(), capture_output=True, text=True, timeout=60
-        ).stdout[-3000:]
-
-    seen: dict[str, str] = {}
-    wanted = {"ray_fleetgen_images", "ray_fleetgen_images_per_second"}
-    deadline = time.monotonic() + 240
-    while not wanted <= {k.split("{")[0].removesuffix("_total") for k in seen}:
-        if time.monotonic() > deadline or any(w in job_status() for w in ("succeeded", "failed", "stopped")):
-            pytest.fail(f"fleetgen metrics not seen while the job ran (seen: {sorted(seen)}); job log:\n{job_logs()}")
-        seen.update({line.rsplit(" ", 1)[0]: line.rsplit(" ", 1)[1] for line in _metrics(metrics_port)})
-        time.sleep(0.5)
-    rates = {k: float(v) for k, v in seen.items() if k.startswith("ray_fleetgen_images_per_second{")}
-    assert rates and all('device="cpu' in k and re.search(r'worker="w[01]"', k) for k in rates)
-    assert all(v > 0 for v in rates.values())
-
-    logs = subprocess.run(
-        [ray, "job", "logs", "--follow", "--address", address, job_id],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert "succeeded" in job_status(), logs.stdout[-3000:]
-    assert "[fleetgen] up to 2 worker(s) on CPU" in logs.stdout  # plain progress lines: the job log is not a TTY
-    assert (out / "_SUCCESS").exists()
-    assert len(list((out / "images").rglob("*.png"))) == 24
-
-
 def _ray(*args, timeout=120) -> str:
     done = subprocess.run([str(BIN / "ray"), *args], env=_env(), capture_output=True, text=True, timeout=timeout)
     return done.stdout + done.stderr
 
 
-def _submit(address: str, args: list[str], env_vars: dict | None = None) -> str:
-    runtime_env = {"excludes": [".venv", "demo-output", ".git", "test-artifacts"], "env_vars": env_vars or {}}
-    text = _ray(
-        "job",
-        "submit",
-        "--no-wait",
-        "--address",
-        address,
-        "--working-dir",
-        str(ROOT),
-        "--runtime-env-json",
-        json.dumps(runtime_env),
-        "--",
-        "python",
-        "-m",
-        "jobs",
-        "run",
-        *args,
-        timeout=300,
-    )
-    return re.search(r"(raysubmit_\w+)", text).group(1)
+def _readme_submit(address: str, prompts: Path, out: Path, model: str) -> list[str]:
+    """The README's `ray job submit` command, by copy: its address, input, output and model replaced
+    by this test's, then `--no-wait` (to watch the job while it runs) and the tiny sizes."""
+    line = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("ray job submit"))
+    words = line.split()
+    for flag, value in (("--address", address), ("--input", str(prompts)), ("--output", str(out)), ("--model", model)):
+        words[words.index(flag) + 1] = value
+    assert words[:3] == ["ray", "job", "submit"] and words[words.index("--working-dir") + 1] == "."
+    tiny = run_args(prompts, out, model, guidance=None, steps=32, rows_per_shard=2, max_batch=1, workers=2)
+    tiny = tiny[tiny.index("--steps") :]  # input, output and model are the README's
+    return ["job", "submit", "--no-wait", *words[3:], *tiny]
+
+
+def _submit(words: list[str], env_vars: dict | None = None, extra: tuple[str, ...] = ()) -> str:
+    """Submit from the repository (the README's `--working-dir .`); `env_vars` in the job's runtime env."""
+    at = words.index("--working-dir") + 2
+    runtime_env = ["--runtime-env-json", json.dumps({"env_vars": env_vars})] if env_vars else []
+    cmd = [str(BIN / "ray"), *words[:at], *runtime_env, *words[at:], *extra]
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return re.search(r"(raysubmit_\w+)", done.stdout + done.stderr).group(1)
 
 
 def _committed(out: Path) -> int:
@@ -237,23 +156,47 @@ def _wait_committed(out: Path, at_least: int, address: str, job_id: str) -> int:
     return n
 
 
+def _wait_metrics(metrics_port: int, address: str, job_id: str) -> dict[str, str]:
+    """The workers' metrics as Prometheus would scrape the node while the job runs."""
+    seen: dict[str, str] = {}
+    wanted = {"ray_fleetgen_images", "ray_fleetgen_images_per_second"}
+    deadline = time.monotonic() + 240
+    while not wanted <= {k.split("{")[0].removesuffix("_total") for k in seen}:
+        status = _ray("job", "status", "--address", address, job_id).lower()
+        if time.monotonic() > deadline or any(w in status for w in ("succeeded", "failed", "stopped")):
+            logs = _ray("job", "logs", "--address", address, job_id)[-3000:]
+            pytest.fail(f"fleetgen metrics not seen while the job ran (seen: {sorted(seen)}); job log:\n{logs}")
+        seen.update({line.rsplit(" ", 1)[0]: line.rsplit(" ", 1)[1] for line in _metrics(metrics_port)})
+        time.sleep(0.5)
+    return seen
+
+
 @pytest.mark.slow
-def test_ray_job_stop_writes_summary_and_releases_the_lock_then_a_resubmit_resumes(ray_head, tiny_model, tmp_path):
-    """`ray job stop` SIGTERMs the driver and SIGKILLs it `RAY_JOB_STOP_WAIT_TIME_S` later (3 s by
-    default): within that the driver stops dispatching, writes summary.json and releases _LOCK. A
-    job submitted with a longer window in its runtime env gives running shards `--stop-grace` to
-    commit. A resubmit resumes and finishes, every row once."""
-    address, _ = ray_head
+def test_readme_submit_then_ray_job_stop_writes_summary_and_releases_the_lock_then_a_resubmit_resumes(
+    ray_head, tiny_model, tmp_path
+):
+    """The README's `ray job submit` (with `--working-dir .`) as a user types it, three times over one
+    output. The workers' metrics are scraped while it runs. `ray job stop` SIGTERMs the driver and
+    SIGKILLs it `RAY_JOB_STOP_WAIT_TIME_S` later (3 s by default): within that the driver stops
+    dispatching, writes summary.json and releases _LOCK. A job submitted with a longer window in its
+    runtime env (the README's second command) gives running shards `--stop-grace` to commit. A
+    resubmit resumes and succeeds, every row once."""
+    address, metrics_port = ray_head
     prompts = write_prompts(tmp_path / "p.parquet", [f"stop me {i}" for i in range(16)])
     out = tmp_path / "out"
-    args = run_args(prompts, out, tiny_model, guidance=None, steps=32, rows_per_shard=2, max_batch=1, workers=2)
+    words = _readme_submit(address, prompts, out, tiny_model)
 
     # Ray's default window: nothing running gets to finish, but what the driver must write is written.
-    first = _submit(address, args)
+    first = _submit(words)
+    seen = _wait_metrics(metrics_port, address, first)
+    rates = {k: float(v) for k, v in seen.items() if k.startswith("ray_fleetgen_images_per_second{")}
+    assert rates and all('device="cpu' in k and re.search(r'worker="w[01]"', k) for k in rates)
+    assert all(v > 0 for v in rates.values())
     _wait_committed(out, 1, address, first)
     _ray("job", "stop", "--address", address, first)
     assert "stopped" in _ray("job", "status", "--address", address, first).lower()
     logs = _ray("job", "logs", "--address", address, first)
+    assert "[fleetgen] up to 2 worker(s) on CPU" in logs  # plain progress lines: the job log is not a TTY
     assert "SIGTERM: no new shards" in logs, logs[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stopped"] and not summary["complete"] and summary["exit_code"] == 1
@@ -261,7 +204,9 @@ def test_ray_job_stop_writes_summary_and_releases_the_lock_then_a_resubmit_resum
     assert "stopped before the end; rerun the same command to resume" in logs  # its last words: not SIGKILLed
 
     # A longer window, asked for in the job's runtime env: running shards commit within `--stop-grace`.
-    second = _submit(address, [*args, "--stop-grace", "60"], env_vars={"RAY_JOB_STOP_WAIT_TIME_S": "90"})
+    readme = (ROOT / "README.md").read_text()
+    assert '--runtime-env-json \'{"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "120"}}\'' in readme
+    second = _submit(words, env_vars={"RAY_JOB_STOP_WAIT_TIME_S": "90"}, extra=("--stop-grace", "60"))
     before = _wait_committed(out, summary["shards_committed"] + 1, address, second)
     _ray("job", "stop", "--address", address, second, timeout=120)
     logs = _ray("job", "logs", "--address", address, second)
@@ -270,13 +215,14 @@ def test_ray_job_stop_writes_summary_and_releases_the_lock_then_a_resubmit_resum
     assert summary["shards_committed"] > before, logs[-3000:]  # the shards running at the stop committed
     assert _committed(out) < 8
 
-    # Resubmitted at once: the lock is free, committed shards are skipped, the job finishes.
-    third = _submit(address, args)
+    # Resubmitted at once: the lock is free, committed shards are skipped, the job succeeds.
+    third = _submit(words)
     final = _ray("job", "logs", "--follow", "--address", address, third, timeout=300)
     assert "succeeded" in _ray("job", "status", "--address", address, third).lower(), final[-3000:]
     assert "resuming:" in final and (out / "_SUCCESS").exists()
     ids = [r["id"] for r in pq.read_table(out / "shards", columns=["id"]).to_pylist()]
     assert len(ids) == 16 == len(set(ids))
+    assert len(list((out / "images").rglob("*.png"))) == 16
 
 
 CLUSTER = ROOT / "cluster"

@@ -85,7 +85,12 @@ def test_flags_win_over_family_defaults(models, tmp_path):
     config = JobConfig(input="x", output="y", model=models["flux"], steps=3)
     resolved, family, sources = resolve_defaults(config, Columns("prompt", None, None, None))
     assert (family.name, resolved.steps, resolved.guidance) == ("flux", 3, 3.5)
-    assert sources == {"steps": "given", "guidance": "family default", "dtype": "family default"}
+    assert sources == {
+        "steps": "given",
+        "guidance": "family default",
+        "dtype": "family default",
+        "family": "FluxPipeline: its transformer has a guidance embedding (FLUX.1-dev)",
+    }
 
 
 def test_flux_negative_prompts_need_true_cfg_and_then_change_the_images(models, tmp_path):

@@ -1,0 +1,297 @@
+"""The 2025-26 families (FLUX.2 dev and klein, Qwen-Image, Z-Image, HunyuanImage 2.1, Chroma,
+HiDream-I1) on tiny random-weight pipelines built from their real diffusers classes: each is
+detected, resolves its card's defaults, is called the way its card calls it, makes the size asked,
+and refuses what it would silently ignore."""
+
+import importlib.util
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image as PILImage
+
+from fleetgen.errors import ConfigError, ShardError
+from jobs.config import JobConfig, validate
+from jobs.models import check_generic, describe, resolve_defaults
+from jobs.sharding import plan_shards, read_footer, resolve_columns
+from tests.conftest import write_prompts
+from workers.families import FAMILIES, call_kwargs, identify_dir
+from workers.model_dir import size_multiple
+from workers.pipeline import pipe_size_multiple
+from workers.shard import Columns
+from workers.spec import GenerationSettings, WorkerSpec
+from workers.tiny_model import TINY_FAMILIES, write_tiny_model
+from workers.worker import Worker
+
+# What each model's card (its published example call) and the pipeline's `__call__` say, written
+# here independently of the table: (steps, guidance, dtype, how a negative prompt is taken).
+CARDS = {
+    "flux2": (50, 4.0, "bfloat16", "none"),  # FLUX.2-dev: 50 steps, guidance 4, no negative prompt
+    "flux2-klein": (4, 1.0, "bfloat16", "none"),  # klein 4B/9B distilled: 4 steps, guidance 1
+    "flux2-klein-base": (50, 4.0, "bfloat16", "none"),  # klein base: 50 steps, guidance 4 (CFG)
+    "qwen-image": (50, 4.0, "bfloat16", "negative_prompt"),  # true_cfg_scale 4, negative " "
+    "z-image-turbo": (9, 0.0, "bfloat16", "negative_prompt"),  # 9 steps, guidance 0
+    "z-image": (50, 4.0, "bfloat16", "negative_prompt"),
+    "hunyuanimage": (50, 3.5, "bfloat16", "negative_prompt"),
+    "hunyuanimage-distilled": (8, 3.25, "bfloat16", "none"),  # distilled_guidance_scale 3.25
+    "chroma": (40, 3.0, "bfloat16", "negative_prompt"),  # Chroma1-HD: 40 steps, guidance 3
+    "hidream": (50, 5.0, "bfloat16", "negative_prompt"),  # I1-Full: 50 steps, guidance 5
+    "hidream-dev": (28, 0.0, "bfloat16", "negative_prompt"),  # I1-Dev: 28 steps, guidance 0
+    "hidream-fast": (16, 0.0, "bfloat16", "negative_prompt"),  # I1-Fast: 16 steps, guidance 0
+}
+ROOT = Path(__file__).resolve().parents[2]
+LONG = " ".join(["a red fox in the forest at night"] * 20)  # 160 words: 162 tokens here
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """One tiny model per entry, in a directory named as its checkpoint is (names tell Z-Image from
+    Turbo and HiDream Full, Dev and Fast apart)."""
+    root = tmp_path_factory.mktemp("frontier")
+    return {f: str(write_tiny_model(root / f, family=f)) for f in CARDS}
+
+
+def _columns(path):
+    files = [read_footer(str(path))]
+    return plan_shards(files, 100)[0], resolve_columns(files, Columns())
+
+
+def _run(model, out, family, path, **settings) -> dict:
+    """One shard through a worker in this process (no Ray): {id: its manifest row}."""
+    shard, columns = _columns(path)
+    base = {"steps": 2, "guidance": FAMILIES[family].guidance, "width": 64, "height": 64, "family": family}
+    spec = WorkerSpec(
+        "w0", model, str(out), GenerationSettings(**{**base, **settings}), columns, max_batch=2, device="cpu"
+    )
+    Worker(spec).run_shard(shard)
+    return {r["id"]: r for r in pq.read_table(Path(out) / "shards").to_pylist()}
+
+
+def test_every_entry_has_a_tiny_model_and_a_cli_choice():
+    from jobs.cli import _parser
+
+    table = [f for f in FAMILIES if f != "generic"]
+    assert sorted(TINY_FAMILIES) == sorted(table)
+    tiny = next(a for a in _parser()._subparsers._group_actions[0].choices["tiny-model"]._actions if a.dest == "family")
+    assert sorted(tiny.choices) == sorted(table)
+
+
+@pytest.mark.parametrize("family", sorted(CARDS))
+def test_detected_and_resolved_to_the_cards_defaults(family, models, tmp_path):
+    prompts = write_prompts(tmp_path / "p.parquet", ["a red fox"])
+    config = JobConfig(input=str(prompts), output=str(tmp_path / "o"), model=models[family])
+    resolved, found, sources = resolve_defaults(config, Columns("prompt", None, None, None))
+    steps, guidance, dtype, negative = CARDS[family]
+    assert (found.name, resolved.steps, resolved.guidance, found.dtype, found.negative) == (
+        family,
+        steps,
+        guidance,
+        dtype,
+        negative,
+    )
+    line = describe(resolved, found, sources)
+    assert f"model family {family} ({found.pipelines[0]}): steps {steps} (family default)" in line
+    assert sources["family"] and f"why {family}: " in line  # the detection says why
+    assert found.text_encoder and found.sizes and found.note
+
+
+@pytest.mark.parametrize("family", sorted(CARDS))
+def test_each_makes_the_size_asked_and_records_what_it_used(family, models, tmp_path):
+    """128x64 (not square: HiDream rescales any size to its default area unless pinned)."""
+    path = write_prompts(tmp_path / "p.parquet", ["a red fox", "a blue owl"], id=["a", "b"])
+    rows = _run(models[family], tmp_path / "out", family, path, width=128, height=64)
+    assert {r["status"] for r in rows.values()} == {"ok"}, rows
+    for r in rows.values():
+        assert (r["width"], r["height"], r["steps"], r["guidance"]) == (128, 64, 2, FAMILIES[family].guidance)
+        assert PILImage.open(tmp_path / "out" / r["image"]).size == (128, 64)
+
+
+def test_a_pipeline_that_rescales_is_an_error_row_never_a_wrong_record(models, tmp_path):
+    """HiDream called without the area pin (as the generic entry calls it): it makes its default
+    area, and the rows say so instead of recording the asked size over other pixels."""
+    path = write_prompts(tmp_path / "p.parquet", ["a red fox", "a blue owl"], id=["a", "b"])
+    with pytest.raises(ShardError, match="FleetgenError: HiDreamImagePipeline made 360x180 where 128x64 was asked"):
+        _run(models["hidream"], tmp_path / "out", "generic", path, width=128, height=64, guidance=5.0)
+    assert not list((tmp_path / "out").rglob("*.png"))  # every row failed: the shard is retried, nothing stored
+
+
+def test_shared_classes_are_told_apart_and_an_unsure_guess_names_the_flag(models, tmp_path):
+    import shutil
+
+    for family in ("flux2-klein", "flux2-klein-base", "hunyuanimage", "hunyuanimage-distilled"):
+        assert identify_dir(models[family])[0].name == family  # from the checkpoint's configs
+    unnamed = shutil.copytree(models["z-image"], tmp_path / "zimg")
+    found, why = identify_dir(unnamed)
+    assert found.name == "z-image-turbo" and "`--family z-image` for the base model" in why
+    prompts = write_prompts(tmp_path / "p.parquet", ["a red fox"])
+    config = JobConfig(input=str(prompts), output=str(tmp_path / "o"), model=str(unnamed), family="z-image")
+    resolved, found, sources = resolve_defaults(config, Columns("prompt", None, None, None))
+    assert (found.name, resolved.steps) == ("z-image", 50)
+    assert sources["family"] == "`--family z-image` (detected: z-image-turbo)"
+    with pytest.raises(ConfigError, match=r"`--family flux` is for FluxPipeline; this model is a ZImagePipeline"):
+        resolve_defaults(JobConfig(input="x", output="y", model=str(unnamed), family="flux"), Columns())
+    with pytest.raises(ConfigError, match="`--family` must be one of sd, sdxl"):
+        resolve_defaults(JobConfig(input="x", output="y", model=str(unnamed), family="zimage"), Columns())
+
+
+@pytest.mark.parametrize(
+    ("family", "settings", "message"),
+    [
+        ("flux2", {}, r"flux2 \(Flux2Pipeline\) takes no negative prompts"),
+        ("flux2-klein-base", {}, "takes no negative prompts"),
+        ("hunyuanimage-distilled", {}, "takes no negative prompts"),
+        ("z-image-turbo", {}, "applies negative prompts only with guidance above 1 .*guidance is 0"),
+        ("hidream-fast", {}, "applies negative prompts only with guidance above 1"),
+    ],
+)
+def test_a_negative_column_the_pipeline_would_ignore_is_refused(family, settings, message, models, tmp_path):
+    path = write_prompts(tmp_path / "n.parquet", ["a red fox"], negative_prompt=["blurry"])
+    config = validate(JobConfig(input=str(path), output=str(tmp_path / "o"), model=models[family], **settings))
+    with pytest.raises(ConfigError, match=message):
+        resolve_defaults(config, Columns("prompt", None, None, "negative_prompt"))
+
+
+def test_settings_a_family_ignores_are_refused(models):
+    with pytest.raises(ConfigError, match=r"flux2-klein \(Flux2KleinPipeline\) ignores the guidance"):
+        resolve_defaults(JobConfig(input="x", output="y", model=models["flux2-klein"], guidance=4.0), Columns())
+    with pytest.raises(ConfigError, match="qwen-image takes it as its guidance"):
+        resolve_defaults(JobConfig(input="x", output="y", model=models["qwen-image"], true_cfg_scale=4.0), Columns())
+
+
+@pytest.mark.parametrize("family", ["z-image", "chroma", "hidream", "hunyuanimage"])
+def test_negatives_change_the_images_where_the_family_applies_them(family, models, tmp_path):
+    plain = write_prompts(tmp_path / "p.parquet", ["a red fox"], id=["a"])
+    negative = write_prompts(tmp_path / "n.parquet", ["a red fox"], id=["a"], negative_prompt=["blurry dark"])
+    a = _run(models[family], tmp_path / "plain", family, plain)["a"]
+    b = _run(models[family], tmp_path / "neg", family, negative)["a"]
+    assert a["status"] == b["status"] == "ok" and a["sha256"] != b["sha256"]
+
+
+def test_qwen_image_guidance_is_its_true_cfg_with_a_blank_negative(models, tmp_path):
+    """Its guidance goes to `true_cfg_scale`, which runs only with a negative prompt: " " stands in
+    for rows without one (as its card does), so guidance 4 and guidance 1 differ."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(models["qwen-image"])
+    kwargs = call_kwargs(
+        pipe,
+        FAMILIES["qwen-image"],
+        ["a", "b"],
+        [None, "dark"],
+        steps=2,
+        guidance=4.0,
+        width=64,
+        height=64,
+        true_cfg_scale=None,
+        generator=None,
+    )
+    assert kwargs["true_cfg_scale"] == 4.0 and "guidance_scale" not in kwargs
+    assert kwargs["negative_prompt"] == [" ", "dark"]
+    path = write_prompts(tmp_path / "p.parquet", ["a red fox"], id=["a"])
+    four = _run(models["qwen-image"], tmp_path / "g4", "qwen-image", path)["a"]
+    one = _run(models["qwen-image"], tmp_path / "g1", "qwen-image", path, guidance=1.0)["a"]
+    assert four["sha256"] != one["sha256"]
+
+
+def test_hunyuanimage_guidance_reaches_its_guiders(models, tmp_path):
+    path = write_prompts(tmp_path / "p.parquet", ["a red fox"], id=["a"])
+    a = _run(models["hunyuanimage"], tmp_path / "a", "hunyuanimage", path)["a"]
+    b = _run(models["hunyuanimage"], tmp_path / "b", "hunyuanimage", path, guidance=7.0)["a"]
+    again = _run(models["hunyuanimage"], tmp_path / "c", "hunyuanimage", path)["a"]
+    assert a["sha256"] != b["sha256"] and a["sha256"] == again["sha256"]
+
+
+@pytest.mark.parametrize(("family", "limit"), [("hidream", 128), ("flux2", 512), ("qwen-image", 512)])
+def test_a_long_prompt_is_noted_by_its_encoders_limit(family, limit, models, tmp_path):
+    prompt = LONG if limit < 162 else " ".join([LONG] * 4)
+    path = write_prompts(tmp_path / "p.parquet", [prompt], id=["long"])
+    row = _run(models[family], tmp_path / "out", family, path)["long"]
+    assert row["status"] == "ok"
+    assert row["warning"].startswith(f"prompt truncated to {limit} of ")
+
+
+def test_size_multiples_agree_between_the_configs_and_the_loaded_pipeline(models):
+    from diffusers import DiffusionPipeline
+
+    for family in ("flux2", "qwen-image", "z-image", "hunyuanimage", "chroma", "hidream"):
+        multiple, reason = size_multiple(models[family])
+        pipe = DiffusionPipeline.from_pretrained(models[family])
+        assert multiple == pipe_size_multiple(pipe, FAMILIES[family].size_floor), (family, reason)
+    assert size_multiple(models["hunyuanimage"])[0] == 64  # twice its VAE's scale, as its pipeline demands
+
+
+def test_pipelines_that_are_not_text_to_image_are_refused_in_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"^WanPipeline makes video \(it takes `num_frames`\)"):
+        check_generic("WanPipeline")
+    with pytest.raises(
+        ConfigError, match=r"StableDiffusionImg2ImgPipeline needs inputs besides a prompt \(`strength`\)"
+    ):
+        check_generic("StableDiffusionImg2ImgPipeline")
+    with pytest.raises(ConfigError, match="`NoSuchPipeline` is not a pipeline of the installed diffusers"):
+        check_generic("NoSuchPipeline")
+    check_generic("LatentConsistencyModelPipeline")  # text-to-image: called with what it takes
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="torchvision is installed here")
+def test_a_processor_that_needs_torchvision_is_refused_before_any_worker(models, tmp_path):
+    """FLUX.2 dev's published layout has a PixtralProcessor as its tokenizer, which transformers
+    builds only with torchvision (not installable beside this machine's CPU torch)."""
+    import shutil
+
+    model = shutil.copytree(models["flux2"], tmp_path / "flux2")
+    index = json.loads((model / "model_index.json").read_text())
+    index["tokenizer"] = ["transformers", "PixtralProcessor"]
+    (model / "model_index.json").write_text(json.dumps(index))
+    prompts = write_prompts(tmp_path / "p.parquet", ["a red fox"])
+    with pytest.raises(
+        ConfigError, match=r"its tokenizer is a PixtralProcessor, which transformers builds only with torchvision"
+    ):
+        resolve_defaults(JobConfig(input=str(prompts), output="o", model=str(model)), Columns())
+
+
+def test_a_pipelines_own_warning_reaches_the_log_once_per_worker(models, tmp_path):
+    """FLUX.2 klein distilled warns on every call that guidance above 1 is ignored: one line in the
+    worker's stderr for three calls (a worker of its own, as an actor is)."""
+    path = write_prompts(tmp_path / "p.parquet", ["a", "b", "c", "d", "e"])
+    script = (
+        "import sys; from tests.workers.test_frontier import _run; "
+        "_run(sys.argv[1], sys.argv[2], 'flux2-klein', sys.argv[3], guidance=4.0)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, models["flux2-klein"], str(tmp_path / "out"), str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if "diffusers says:" in line]
+    assert lines == ["[fleetgen] w0: diffusers says: Guidance scale 4.0 is ignored for step-wise distilled models."]
+
+
+@pytest.mark.parametrize("family", ["qwen-image"])
+def test_a_frontier_job_end_to_end_verifies_deep(family, models, tmp_path, ray_cluster):
+    from jobs.driver import run_job
+    from jobs.verify import verify
+
+    prompts = write_prompts(tmp_path / "p.parquet", ["a red fox", "a blue owl", "a green tree"])
+    log = io.StringIO()
+    config = JobConfig(
+        input=str(prompts), output=str(tmp_path / "out"), model=models[family], steps=2, width=64, height=64
+    )
+    summary = run_job(validate(replace_device(config)), progress_stream=log)
+    assert summary.complete and summary.images_ok == 3
+    job = json.loads((tmp_path / "out" / "job.json").read_text())
+    assert job["family"]["name"] == family and job["family"]["negative_default"] == " "
+    assert "negative prompt ' ' where a row has none" in log.getvalue()
+    assert verify(str(tmp_path / "out"), deep=True).clean
+
+
+def replace_device(config: JobConfig) -> JobConfig:
+    from dataclasses import replace
+
+    return replace(config, device="cpu", workers=1)
