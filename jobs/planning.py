@@ -55,8 +55,23 @@ def plan_rows(
     profile = profile_modules(model, build_on_meta(model), DTYPES[dtype], vae_upcast=vae_upcast)
     host = parse_size(host_memory, "--host-memory") if host_memory else int(host_available_bytes() * 0.8)
     rows = []
+    loading = profile.total_bytes  # from_pretrained loads every component to host RAM before placing any
     for text in budgets:
         budget = parse_size(text, "--gpu-memory")
+        if loading > host:
+            rows.append(
+                {
+                    "gpu_memory": text,
+                    "binds": ["host RAM"],
+                    "error": (
+                        f"Nothing loads (host RAM binds): loading holds every component's weights in host RAM "
+                        f"({format_size(loading)} at {dtype}; diffusers' from_pretrained loads to the CPU before fleetgen "
+                        f"places anything), more than the {format_size(host)} host budget. Use a node with more RAM "
+                        "(`--host-memory`), or a smaller dtype or quantized weights."
+                    ),
+                }
+            )
+            continue
         device = DeviceSpec(
             budget=budget,
             host_budget=host,
@@ -68,11 +83,13 @@ def plan_rows(
         try:
             rows.append({"gpu_memory": text, **plan(profile, device, work).to_dict()})
         except OffloadError as err:
-            rows.append({"gpu_memory": text, "error": str(err)})
+            binds = "host RAM" if "(host RAM binds)" in str(err) else "device memory"
+            rows.append({"gpu_memory": text, "binds": [binds], "error": str(err)})
     summary = {
         "model": model,
         "dtype": dtype,
         "host_memory_bytes": host,
+        "load_host_bytes": loading,
         "bandwidth_bytes_per_s": bandwidth,
         "flops": flops,
         "components": {
@@ -98,15 +115,18 @@ def print_plans(summary: dict, rows: list[dict], as_json: bool, out=None) -> Non
         + "\n"
     )
     out.write(
-        f"host RAM for offloaded copies {format_size(summary['host_memory_bytes'])}; assumed host→device "
+        f"host RAM {format_size(summary['host_memory_bytes'])} (loading holds {format_size(summary['load_host_bytes'])}, "
+        "then the offloaded copies); assumed host→device "
         f"{summary['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s, {summary['flops'] / 1e12:.0f} TFLOP/s\n\n"
     )
     names = list(comps)
-    header = ["gpu", *names, "batch", "peak", "pinned", "moved/img", "rel img/s"]
+    header = ["gpu", *names, "batch", "peak", "pinned", "moved/img", "rel img/s", "binds"]
     table = [header]
     for r in rows:
+        binds = ", ".join(r.get("binds") or []) or "neither"
         if "error" in r:
-            table.append([r["gpu_memory"], "nothing fits", *[""] * (len(header) - 2)])
+            what = "nothing loads" if r["error"].startswith("Nothing loads") else "nothing fits"
+            table.append([r["gpu_memory"], what, *[""] * (len(header) - 3), binds])
             continue
         table.append(
             [
@@ -117,6 +137,7 @@ def print_plans(summary: dict, rows: list[dict], as_json: bool, out=None) -> Non
                 format_size(r["pinned_bytes"]),
                 format_size(r["moved_bytes_per_image"]),
                 f"{r['predicted_relative_speed']:.2f}",
+                binds,
             ]
         )
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]

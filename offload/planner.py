@@ -15,7 +15,6 @@ so more memory never yields a plan predicted slower.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 from fleetgen.errors import OffloadError
@@ -30,8 +29,19 @@ FORWARD_SECONDS = 1e-3  # fixed cost of one forward (kernel launches, Python): w
 # they are estimates: the measured peak is in each worker's stats.
 ACT_FACTOR = 64
 VAE_ACT_FACTOR = 12
-TEXT_TOKENS = {"T5EncoderModel": 512, "UMT5EncoderModel": 512}  # else 77 (CLIP)
+# Tokens a text encoder reads per prompt (the families' `max_sequence_length`); else 77 (CLIP).
+TEXT_TOKENS = {
+    "T5EncoderModel": 512,
+    "UMT5EncoderModel": 512,
+    "Mistral3ForConditionalGeneration": 512,  # FLUX.2 dev
+    "Qwen3ForCausalLM": 512,  # FLUX.2 klein
+    "Qwen3Model": 512,  # Z-Image
+    "Qwen2_5_VLForConditionalGeneration": 1024,  # Qwen-Image (512 + its template), HunyuanImage (1000)
+    "LlamaForCausalLM": 128,  # HiDream
+    "Gemma2Model": 300,  # Sana
+}
 OFFLOAD_CHOICES = ("auto", "none", "block", "leaf", "disk")
+BUDGETS = {"device": "device memory", "host": "host RAM"}  # what a plan says binds it
 
 
 @dataclass(frozen=True)
@@ -90,6 +100,7 @@ class OffloadPlan:
     budget: int = 0
     reason: str = ""
     extra: dict = field(default_factory=dict)
+    binds: tuple[str, ...] = ()  # the budgets that made this plan slower than one without them (BUDGETS)
 
     @property
     def modes(self) -> dict[str, str]:
@@ -107,6 +118,7 @@ class OffloadPlan:
             "predicted_seconds_per_image": self.seconds_per_image,
             "predicted_relative_speed": round(self.relative_speed, 4),
             "reason": self.reason,
+            "binds": list(self.binds),
         }
 
 
@@ -216,6 +228,59 @@ def _options(c: ComponentProfile, prof: PipelineProfile, device: DeviceSpec, w: 
     return [o for o in out if not any(x.dominates(o) for x in out)]
 
 
+def _combos(
+    tables: list[list[_Option]], limit: float, host_budget: float, bound: float, dims: int = 4
+) -> list[tuple[_Option, ...]]:
+    """The combinations of one option per component worth comparing, in `itertools.product` order:
+    none another beats on every one of the first `dims` counts (device bytes held throughout, the
+    largest phase, host bytes, seconds), and none that already breaks a limit: device bytes held
+    plus the largest phase over `limit`, host bytes over `host_budget`, seconds over `bound`. Built
+    one component at a time, dropping such partial combinations as it goes: each count only grows
+    as components are added (the phase is a maximum), so a dropped one could never end better.
+    HiDream's six components are 154 k products at one batch size; what is left is a few hundred."""
+    partial: list[tuple[tuple[_Option, ...], tuple]] = [((), (0, 0, 0, 0.0, 0, 0))]
+    for options in tables:
+        grown = []
+        for combo, (resident, phase, host, seconds, moved, off) in partial:
+            for o in options:
+                counts = (
+                    resident + o.resident,
+                    max(phase, o.phase),
+                    host + o.host,
+                    seconds + o.seconds,
+                    moved + o.moved,
+                    off + (o.placement.mode != "resident"),
+                )
+                if counts[0] + counts[1] > limit or counts[2] > host_budget or counts[3] > bound:
+                    continue
+                grown.append((combo + (o,), counts))
+        if not grown:
+            return []
+        partial = _frontier(grown, dims)
+    return [combo for combo, _ in partial]
+
+
+def _frontier(items: list[tuple[tuple, tuple]], dims: int = 4) -> list[tuple[tuple, tuple]]:
+    """The items no other item dominates on the first `dims` counts (device bytes held throughout,
+    the largest phase, host bytes, seconds: what decides a plan), in their order; of items equal on
+    those, the one first by bytes moved, components offloaded, then position (the plan's
+    tie-breaks). Vectorised: six components' frontier can be thousands of items."""
+    import numpy as np
+
+    counts = np.array([c for _, c in items], dtype=np.float64)
+    order = np.lexsort((np.arange(len(items)), *counts.T[::-1]))  # by every count, then position
+    kept = np.zeros(len(items), dtype=bool)
+    frontier = np.empty((len(items), dims))
+    n = 0
+    for i in order:
+        if n and (frontier[:n] <= counts[i, :dims]).all(axis=1).any():
+            continue  # another item is as good on every count (and first on the tie-breaks)
+        frontier[n] = counts[i, :dims]
+        n += 1
+        kept[i] = True
+    return [item for item, keep in zip(items, kept, strict=True) if keep]
+
+
 def plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> OffloadPlan:
     """The fastest predicted plan whose peak fits `device.budget`; `OffloadError` when none does."""
     if w.offload not in OFFLOAD_CHOICES:
@@ -224,26 +289,62 @@ def plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> OffloadPlan:
     limit = device.budget * (1 - MARGIN)
     resident_ref = sum(_call_seconds(prof.components[n], Placement("resident"), prof, w, device, 1) for n in names)
     resident_peak = prof.total_bytes + max(_activations(c, prof, w) for c in prof.components.values())
-    best, best_key, leanest = None, None, None
-    for batch in range(1, w.max_batch + 1):
-        tables = [_options(prof.components[n], prof, device, w, batch) for n in names]
-        for combo in itertools.product(*tables):
+    inf = float("inf")
+    tables = [[_options(prof.components[n], prof, device, w, b) for n in names] for b in range(1, w.max_batch + 1)]
+
+    def search(limit: float, host_budget: float, bound: float):
+        """The best (key, combo, batch, peak, host, seconds, moved) within the limits, faster per
+        image than `bound` seconds; None when there is none. Each batch size's best bounds the next;
+        the largest first, as it is most often the fastest per image (the key decides, not the order)."""
+        found = None
+
+        def consider(combo, batch):
+            nonlocal found
             peak = sum(o.resident for o in combo) + max(o.phase for o in combo)
             host = sum(o.host for o in combo)
-            if host > device.host_budget:
-                continue
-            if leanest is None or peak < leanest[0]:
-                leanest = (peak, combo)
-            if peak > limit:
-                continue
             seconds = sum(o.seconds for o in combo) / batch
+            if peak > limit or host > host_budget or seconds > bound:
+                return
             moved = sum(o.moved for o in combo) // batch
             key = (seconds, moved, sum(o.placement.mode != "resident" for o in combo), -batch)
-            if best_key is None or key < best_key:
-                best_key, best = key, (combo, batch, peak, host, seconds, moved)
-    if leanest is None:
+            if found is None or key < found[0]:
+                found = (key, combo, batch, peak, host, seconds, moved)
+
+        for batch in range(w.max_batch, 0, -1):
+            options = tables[batch - 1]
+            # All resident first, where it fits: usually the fastest, its time prunes the search.
+            resident = [next((o for o in opts if o.placement.mode == "resident"), None) for opts in options]
+            if all(resident):
+                consider(tuple(resident), batch)
+            if found is None:  # a quick feasible plan bounds the search: offload the largest first
+                greedy = [r or opts[0] for r, opts in zip(resident, options, strict=True)]
+                for i in sorted(range(len(options)), key=lambda i: -greedy[i].resident):
+                    fastest = min((o for o in options[i] if not o.resident), key=lambda o: o.seconds, default=None)
+                    if fastest is not None:
+                        greedy[i] = fastest
+                        consider(tuple(greedy), batch)
+            per_image = found[0][0] if found else bound
+            for combo in _combos(options, limit, host_budget, per_image * batch):
+                consider(combo, batch)
+        return found
+
+    found = search(limit, device.host_budget, inf)
+    best = found[1:] if found else None
+    best_key = found[0] if found else None
+    leanest = None
+    if best is None:  # the leanest plan the host allows, for the message: device bytes only
+        fits_host = _combos(tables[0], inf, device.host_budget, inf, dims=3)
+        peaks = [(sum(o.resident for o in c) + max(o.phase for o in c), c) for c in fits_host]
+        leanest = min(peaks, key=lambda pc: pc[0]) if peaks else None
+    # A budget binds when lifting it alone finds a faster plan.
+    unbound = {}
+    if best is not None:
+        for lifted, lim, host_budget in (("device", inf, device.host_budget), ("host", limit, inf)):
+            faster = search(lim, host_budget, best_key[0])
+            unbound[lifted] = faster[0] if faster else None
+    if best is None and leanest is None:
         raise OffloadError(
-            f"Nothing fits the host: every plan with `--offload {w.offload}` keeps more than "
+            f"Nothing fits the host (host RAM binds): every plan with `--offload {w.offload}` keeps more than "
             f"{format_size(device.host_budget)} of offloaded weights in host RAM. Raise `--host-memory` or use "
             "`--offload disk`."
         )
@@ -251,13 +352,15 @@ def plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> OffloadPlan:
         peak, combo = leanest
         modes = ", ".join(f"{n} {o.placement.label}" for n, o in zip(names, combo, strict=True))
         raise OffloadError(
-            f"Nothing fits {format_size(device.budget)}{' on ' + device.name if device.name else ''} with `--offload "
+            f"Nothing fits {format_size(device.budget)}{' on ' + device.name if device.name else ''} (device memory binds) "
+            f"with `--offload "
             f"{w.offload}`: the leanest plan ({modes}, batch 1) needs {format_size(peak / (1 - MARGIN))} including the "
             f"{MARGIN:.0%} margin, at {w.width}x{w.height}. Use a smaller size or a larger `--gpu-memory`"
             + (", or `--offload auto`." if w.offload != "auto" else ".")
         )
     combo, batch, peak, host, seconds, moved = best
     placements = {n: o.placement for n, o in zip(names, combo, strict=True)}
+    binds = tuple(BUDGETS[b] for b in ("device", "host") if unbound[b] is not None and unbound[b] < best_key)
     return OffloadPlan(
         placements=placements,
         batch_size=batch,
@@ -268,11 +371,12 @@ def plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> OffloadPlan:
         seconds_per_image=seconds,
         relative_speed=resident_ref / seconds,
         budget=device.budget,
-        reason=_reason(prof, device, w, placements, batch, peak, resident_peak, host),
+        reason=_reason(prof, device, w, placements, batch, peak, resident_peak, host, binds),
+        binds=binds,
     )
 
 
-def _reason(prof, device, w, placements, batch, peak, resident_peak, host) -> str:
+def _reason(prof, device, w, placements, batch, peak, resident_peak, host, binds) -> str:
     offloaded = {n: p for n, p in placements.items() if p.mode != "resident"}
     limit = f"{format_size(device.budget * (1 - MARGIN))} usable of {format_size(device.budget)}"
     if not offloaded:
@@ -293,7 +397,8 @@ def _reason(prof, device, w, placements, batch, peak, resident_peak, host) -> st
             "use (its share of the node)"
         )
     cap = "`--max-batch`" if batch == w.max_batch else "memory"
-    return f"{head}; batch {batch} (limited by {cap}); predicted peak {format_size(peak)} ({limit})"
+    bound = " and ".join(binds) if binds else "neither budget (a larger one would not be faster)"
+    return f"{head}; batch {batch} (limited by {cap}); predicted peak {format_size(peak)} ({limit}); binds: {bound}"
 
 
 def resident_plan(names: list[str], batch_size: int, reason: str) -> OffloadPlan:

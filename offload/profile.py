@@ -136,10 +136,15 @@ def _width(module: torch.nn.Module) -> int:
         return int(get("block_out_channels")[0])
     if isinstance(get("num_attention_heads"), int) and isinstance(get("attention_head_dim"), int):
         return get("num_attention_heads") * get("attention_head_dim")
-    for key in ("hidden_size", "d_model"):
+    for key in ("hidden_size", "d_model", "dim"):  # "dim": Z-Image's transformer
         if isinstance(get(key), int):
             return get(key)
-    return max((m.out_features for m in module.modules() if isinstance(m, torch.nn.Linear)), default=0)
+    text = get("text_config")  # vision-language encoders (Mistral 3, Qwen2.5-VL): the language model's width
+    width = getattr(text, "hidden_size", None) if text is not None else None
+    if isinstance(width, int):
+        return width
+    # the widest Linear *input*: an output head's width is the vocabulary, not the activations
+    return max((m.in_features for m in module.modules() if isinstance(m, torch.nn.Linear)), default=0)
 
 
 def profile_component(name: str, module: torch.nn.Module, dtype_bytes: int, upcast: bool = False) -> ComponentProfile:
@@ -184,10 +189,13 @@ def profile_modules(
 ) -> PipelineProfile:
     """`vae_upcast`: the pipeline runs its VAE in float32 when the run dtype is float16 and the VAE's
     config says `force_upcast` (the family says whether its pipeline does: SDXL's does)."""
+    from workers.model_dir import denoiser_patch, vae_scale
+
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     vae = modules.get("vae")
     denoiser = next((modules[n] for n in PER_STEP if n in modules), None)
-    vae_blocks = getattr(getattr(vae, "config", None), "block_out_channels", None) or [0, 0, 0, 0]
+    vae_config = dict(getattr(vae, "config", None) or {})
+    vae_blocks = vae_config.get("block_out_channels") or [0, 0, 0, 0]
     upcast = (
         vae_upcast and dtype == torch.float16 and bool(getattr(getattr(vae, "config", None), "force_upcast", False))
     )
@@ -199,10 +207,10 @@ def profile_modules(
             n: profile_component(n, m, 4 if upcast and n == "vae" else dtype_bytes, upcast and n == "vae")
             for n, m in modules.items()
         },
-        latent_channels=_config_value(vae, "latent_channels", 4),
-        vae_scale=2 ** (len(vae_blocks) - 1),
-        vae_channels=vae_blocks[0] or 128,
-        patch=_config_value(denoiser, "patch_size", 1) if type(denoiser).__name__ != "FluxTransformer2DModel" else 2,
+        latent_channels=_config_value(vae, "latent_channels", _config_value(vae, "z_dim", 4)),  # z_dim: Wan-style VAEs
+        vae_scale=vae_scale(vae_config) if vae_config else 8,
+        vae_channels=vae_blocks[0] or vae_config.get("base_dim") or 128,
+        patch=denoiser_patch(type(denoiser).__name__, dict(getattr(denoiser, "config", None) or {})),
     )
 
 
