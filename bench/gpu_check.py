@@ -54,6 +54,7 @@ from fleetgen.errors import FleetgenError  # noqa: E402
 from fleetgen.units import format_size, parse_size  # noqa: E402
 from jobs.sharding import plan_shards, read_footer, resolve_columns  # noqa: E402
 from offload.apply import offload_hooks  # noqa: E402
+from workers.families import FAMILIES  # noqa: E402
 from workers.shard import Columns  # noqa: E402
 from workers.spec import GenerationSettings, WorkerSpec  # noqa: E402
 from workers.worker import Worker  # noqa: E402
@@ -68,7 +69,13 @@ GPU_TESTS_TIMEOUT = 240  # seconds
 MODELS = {
     "sdxl": ("sdxl", "sdxl", torch.float16, "build_tiny_sdxl", torch.float16),
     "flux.1-dev": ("flux.1-dev", "flux", torch.bfloat16, "build_tiny_flux", torch.float32),
+    "flux.2-dev": ("flux.2-dev", "flux2", torch.bfloat16, "build_tiny_flux2", torch.float32),
+    "qwen-image": ("qwen-image", "qwen-image", torch.bfloat16, "build_tiny_qwen_image", torch.float32),
+    "flux.2-klein-4b": ("flux.2-klein-4b", "flux2-klein", torch.bfloat16, "build_tiny_flux2_klein", torch.float32),
 }
+# `--models frontier`: the largest of these whose random weights fit this machine (built on the GPU,
+# then moved to host RAM as a loaded checkpoint starts): FLUX.2 dev needs ~105 GiB of each.
+FRONTIER = ("flux.2-dev", "qwen-image", "flux.2-klein-4b")
 OOM_HEADROOM = 512 * 2**20  # the forced OOM holds a worker to its weights plus this
 HOST_SHARE = 0.7  # of MemTotal, the default host budget on CUDA (MemAvailable reads low on a VM that grows on use)
 
@@ -119,6 +126,27 @@ def build(model: str, device: torch.device, dry: bool):
     return pipe, dtype
 
 
+def frontier(device: torch.device, args, mem: dict, results) -> str | None:
+    """The largest FRONTIER model whose weights fit both the device (they are built there) and the
+    host budget (then moved there); recorded with the sizes that decided it."""
+    from offload import profile_modules
+    from offload.architectures import build_on_meta
+
+    if args.dry:
+        return FRONTIER[0]
+    device_bytes = torch.cuda.mem_get_info(device)[1] * 0.9
+    host_bytes = args.host_bytes or mem["MemTotal"] * HOST_SHARE
+    sizes = {}
+    for model in FRONTIER:
+        architecture, _, dtype, *_ = MODELS[model]
+        sizes[model] = profile_modules(architecture, build_on_meta(architecture), dtype).total_bytes
+        if sizes[model] < min(device_bytes, host_bytes):
+            results.data["frontier"] = {"chosen": model, "weights_bytes": sizes, "host_budget_bytes": host_bytes}
+            return model
+    results.data["frontier"] = {"chosen": None, "weights_bytes": sizes, "host_budget_bytes": host_bytes}
+    return None
+
+
 def write_prompts(path: Path, n: int) -> tuple[list, Columns]:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -149,7 +177,7 @@ class Run:
         size = 64 if args.dry else args.size
         self.settings = GenerationSettings(
             steps=2 if args.dry else args.steps,
-            guidance=3.5 if self.family == "flux" else 5.0,
+            guidance=FAMILIES[self.family].guidance,
             width=size,
             height=size,
             family=self.family,
@@ -401,7 +429,12 @@ class Results:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry", action="store_true", help="tiny models on CPU: checks the script, not the GPU")
-    parser.add_argument("--models", default="flux.1-dev,sdxl", help="in this order (the headline model first)")
+    parser.add_argument(
+        "--models",
+        default="flux.1-dev,sdxl,frontier",
+        help="in this order (the headline model first); frontier: the largest of "
+        f"{', '.join(FRONTIER)} that fits this machine's device and host RAM",
+    )
     parser.add_argument("--budgets", default="8,16,24", help="GiB, emulated on one GPU")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--size", type=int, default=1024)
@@ -461,8 +494,9 @@ def main() -> None:
         results.data["gpu_tests"] = tests = gpu_tests()
         results.write()
         print(f"gpu tests: {tests['summary']} ({tests['seconds']} s)", flush=True)
+    models = [frontier(device, args, mem, results) if m == "frontier" else m for m in args.models.split(",")]
     with tempfile.TemporaryDirectory(prefix="fleetgen-gpu-check-") as tmp:
-        for model in args.models.split(","):
+        for model in [m for m in models if m]:
             late = time.perf_counter() - started > args.time_limit
             if late:
                 results.add({"model": model, "run": "all", "skipped": f"--time-limit {args.time_limit:g} s reached"})

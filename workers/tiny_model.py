@@ -212,10 +212,19 @@ def build_random_pipeline(architecture: str, device: torch.device | str, dtype: 
                     components[name] = module_cls(module_cls.config_class.from_dict(config)).eval()
     finally:
         torch.set_default_dtype(previous)
-    for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+    from workers.tiny_frontier import _chat_tokenizer
+
+    for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4"):
         if name in components:
-            t5 = "T5" in type(components[name]).__name__
-            components[name.replace("text_encoder", "tokenizer")] = _tokenizer(model_max_length=512 if t5 else 77)
+            kind = type(components[name]).__name__
+            tokenizer = (
+                _chat_tokenizer()  # the language-model encoders are prompted through a chat template
+                if kind.startswith(("Mistral", "Qwen", "Llama"))
+                else _tokenizer(model_max_length=512 if "T5" in kind else 77)
+            )
+            components[name.replace("text_encoder", "tokenizer")] = tokenizer
     scheduler = "EulerDiscreteScheduler" if "unet" in components else "FlowMatchEulerDiscreteScheduler"
     kwargs = {"add_watermarker": False} if cls.__name__.startswith("StableDiffusionXL") else {}
+    # plain settings of model_index.json (FLUX.2 klein's `is_distilled`)
+    kwargs.update({k: v for k, v in index.items() if not k.startswith("_") and not isinstance(v, list)})
     return cls(scheduler=getattr(diffusers, scheduler)(), **components, **kwargs)
