@@ -14,7 +14,7 @@ from pathlib import Path
 
 from fleetgen.errors import ConfigError, one_line
 from jobs.config import JobConfig, parse_lora
-from workers.families import GENERIC, READS_TRANSFORMER, Family, choose, identify, identify_dir
+from workers.families import GENERIC, READS_SCHEDULER, READS_TRANSFORMER, Family, choose, identify, identify_dir
 from workers.model_dir import is_hub_id
 from workers.shard import Columns
 
@@ -75,10 +75,14 @@ def model_family(model: str, revision: str | None = None) -> tuple[Family, str, 
         from huggingface_hub import hf_hub_download
 
         index = json.loads(Path(hf_hub_download(model, "model_index.json", revision=revision)).read_text())
-        transformer = None
+        transformer = scheduler = None
         if index.get("_class_name") in READS_TRANSFORMER:  # e.g. FLUX.1 dev or schnell: its guidance embedding says
             transformer = json.loads(
                 Path(hf_hub_download(model, "transformer/config.json", revision=revision)).read_text()
+            )
+        if index.get("_class_name") in READS_SCHEDULER:  # Z-Image or Turbo: the published shift says
+            scheduler = json.loads(
+                Path(hf_hub_download(model, "scheduler/scheduler_config.json", revision=revision)).read_text()
             )
     except Exception as err:  # noqa: BLE001 - any hub failure is the same to the user: say which and why
         raise ConfigError(
@@ -86,7 +90,7 @@ def model_family(model: str, revision: str | None = None) -> tuple[Family, str, 
             f"{one_line(err)}. Check the id, "
             "the network, and HF_TOKEN for gated models, or pass a local pipeline directory."
         ) from err
-    family, why = identify(index, transformer, model)
+    family, why = identify(index, transformer, model, scheduler)
     return family, why, index.get("_class_name", "")
 
 

@@ -21,7 +21,10 @@ from workers.family_table import FAMILIES, GENERIC, Family
 __all__ = ["FAMILIES", "GENERIC", "Family", "call_kwargs", "detect", "identify", "prepare_call", "read_family"]
 
 
-def _variant(cls: str, index: dict, transformer: dict | None, name: str) -> tuple[str, str]:
+ZIMAGE_SHIFTS = {3.0: "z-image-turbo", 6.0: "z-image"}  # FlowMatchEulerDiscreteScheduler `shift` as published
+
+
+def _variant(cls: str, index: dict, transformer: dict | None, name: str, scheduler: dict | None) -> tuple[str, str]:
     """(entry, why) for a pipeline class that several checkpoints share; `name` is the hub id or the
     directory's path, lower-case (names are the only thing that tells some variants apart)."""
     embeds = None if transformer is None else transformer.get("guidance_embeds")
@@ -42,11 +45,14 @@ def _variant(cls: str, index: dict, transformer: dict | None, name: str) -> tupl
     if cls == "ZImagePipeline":
         if "turbo" in name:
             return "z-image-turbo", "its name says Turbo"
+        shift = (scheduler or {}).get("shift")
+        if shift in ZIMAGE_SHIFTS:  # the architecture is the same: the published schedulers differ
+            return ZIMAGE_SHIFTS[shift], f"its scheduler's shift is {shift:g} ({ZIMAGE_SHIFTS[shift]} ships that)"
         if "z-image" in name or "z_image" in name:
             return "z-image", "its name says Z-Image and not Turbo (the base model)"
         return "z-image-turbo", (
-            "guessed Turbo: nothing in the checkpoint tells Turbo from the base model and its name does "
-            "not say; `--family z-image` for the base model"
+            "guessed Turbo: neither its name nor its scheduler tells Turbo from the base model; "
+            "`--family z-image` for the base model"
         )
     if cls == "HiDreamImagePipeline":
         for word, entry in (("fast", "hidream-fast"), ("dev", "hidream-dev"), ("full", "hidream")):
@@ -61,9 +67,12 @@ def _variant(cls: str, index: dict, transformer: dict | None, name: str) -> tupl
 
 _SHARED = ("FluxPipeline", "Flux2KleinPipeline", "HunyuanImagePipeline", "ZImagePipeline", "HiDreamImagePipeline")
 READS_TRANSFORMER = ("FluxPipeline", "HunyuanImagePipeline")  # variants told apart by the transformer's config
+READS_SCHEDULER = ("ZImagePipeline",)  # ... by the scheduler's
 
 
-def identify(model_index: dict, transformer_config: dict | None = None, name: str = "") -> tuple[Family, str]:
+def identify(
+    model_index: dict, transformer_config: dict | None = None, name: str = "", scheduler_config: dict | None = None
+) -> tuple[Family, str]:
     """(the family of a pipeline, why) from its `model_index.json`, its transformer's config where
     that tells variants apart, and its hub id or path."""
     cls = model_index.get("_class_name", "")
@@ -71,7 +80,7 @@ def identify(model_index: dict, transformer_config: dict | None = None, name: st
     if not found:
         return GENERIC, f"{cls or 'a pipeline without _class_name'} is not in the family table"
     if cls in _SHARED:
-        entry, why = _variant(cls, model_index, transformer_config, name.lower())
+        entry, why = _variant(cls, model_index, transformer_config, name.lower(), scheduler_config)
         return FAMILIES[entry], f"{cls}: {why}"
     return found[0], cls
 
@@ -87,9 +96,9 @@ def identify_dir(model_dir: str | Path) -> tuple[Family, str]:
         index = json.loads((root / "model_index.json").read_text())
     except (OSError, ValueError) as err:
         raise ConfigError(f"`--model` {model_dir} has no readable model_index.json: {err}") from err
-    transformer = root / "transformer" / "config.json"
-    config = json.loads(transformer.read_text()) if transformer.exists() else None
-    return identify(index, config, str(root.resolve()))
+    configs = [root / "transformer" / "config.json", root / "scheduler" / "scheduler_config.json"]
+    transformer, scheduler = (json.loads(p.read_text()) if p.exists() else None for p in configs)
+    return identify(index, transformer, str(root.resolve()), scheduler)
 
 
 def read_family(model_dir: str | Path) -> Family:

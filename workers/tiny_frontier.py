@@ -227,9 +227,9 @@ def build_tiny_qwen_image(seed: int = 0):
 
 
 @_evaluated
-def build_tiny_z_image(seed: int = 0):
-    """Z-Image (the base model and Turbo share the architecture) at tiny size: a Qwen3 text encoder,
-    the single-stream DiT."""
+def build_tiny_z_image(seed: int = 0, shift: float = 3.0):
+    """Z-Image at tiny size: a Qwen3 text encoder, the single-stream DiT. The base model and Turbo
+    share the architecture; their published schedulers' `shift` differ (Turbo 3.0, base 6.0)."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
 
@@ -285,7 +285,7 @@ def build_tiny_z_image(seed: int = 0):
     return ZImagePipeline(
         transformer=transformer,
         vae=vae,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=shift),
         text_encoder=text_encoder,
         tokenizer=tokenizer,
     )

@@ -149,7 +149,7 @@ TINY_FAMILIES = {
     "flux2-klein-base": lambda seed: build_tiny_flux2_klein(seed, is_distilled=False),
     "qwen-image": build_tiny_qwen_image,
     "z-image-turbo": build_tiny_z_image,
-    "z-image": build_tiny_z_image,  # the same architecture: the directory's name tells them apart
+    "z-image": lambda seed: build_tiny_z_image(seed, shift=6.0),  # the base model's published shift
     "hunyuanimage": build_tiny_hunyuanimage,
     "hunyuanimage-distilled": lambda seed: build_tiny_hunyuanimage(seed, distilled=True),
     "chroma": build_tiny_chroma,

@@ -125,6 +125,12 @@ def test_shared_classes_are_told_apart_and_an_unsure_guess_names_the_flag(models
     for family in ("flux2-klein", "flux2-klein-base", "hunyuanimage", "hunyuanimage-distilled"):
         assert identify_dir(models[family])[0].name == family  # from the checkpoint's configs
     unnamed = shutil.copytree(models["z-image"], tmp_path / "zimg")
+    assert identify_dir(unnamed) == (
+        FAMILIES["z-image"],
+        "ZImagePipeline: its scheduler's shift is 6 (z-image ships that)",
+    )
+    scheduler = unnamed / "scheduler" / "scheduler_config.json"
+    scheduler.write_text(json.dumps({**json.loads(scheduler.read_text()), "shift": 5.0}))  # a fine-tune's own
     found, why = identify_dir(unnamed)
     assert found.name == "z-image-turbo" and "`--family z-image` for the base model" in why
     prompts = write_prompts(tmp_path / "p.parquet", ["a red fox"])
