@@ -122,3 +122,63 @@ def test_plan_cli_on_a_frontier_architecture(capsys):
     assert out["family"] == "qwen-image" and out["dtype"] == "bfloat16"
     assert out["load_host_bytes"] == sum(c["bytes"] for c in out["components"].values())
     assert out["plans"][0]["binds"] and "binds:" in out["plans"][0]["reason"]
+
+
+def _exhaustive(prof, device, w):
+    """The plan's key by the search it replaced: every product of options, every batch size."""
+    import itertools
+
+    from offload.planner import MARGIN, _options
+
+    best = None
+    for batch in range(1, w.max_batch + 1):
+        tables = [_options(c, prof, device, w, batch) for c in prof.components.values()]
+        for combo in itertools.product(*tables):
+            peak = sum(o.resident for o in combo) + max(o.phase for o in combo)
+            if peak > device.budget * (1 - MARGIN) or sum(o.host for o in combo) > device.host_budget:
+                continue
+            seconds = sum(o.seconds for o in combo) / batch
+            key = (seconds, sum(o.moved for o in combo) // batch, sum(o.placement.mode != "resident" for o in combo))
+            best = key if best is None or key < best else best
+    return best
+
+
+@pytest.mark.parametrize("arch", ["sd-1.5", "sdxl", "flux.1-dev", "flux.2-dev", "qwen-image", "chroma1-hd"])
+def test_the_search_finds_what_the_exhaustive_one_finds(arch):
+    """Wherever every product is small enough to try (four components or fewer), the pruned search
+    returns a plan exactly as fast, moving as many bytes, offloading as many components — over a
+    grid of device and host budgets, refusals included."""
+    from fleetgen.errors import OffloadError
+    from offload import DeviceSpec, Workload, plan
+
+    prof = profile_modules(arch, build_on_meta(arch), torch.bfloat16)
+    w = Workload(width=1024, height=1024, steps=20, max_batch=4)
+    for gib in (4, 12, 24, 48, 80):
+        for host in (16, 64, 256):
+            device = DeviceSpec(budget=gib << 30, host_budget=host << 30)
+            expected = _exhaustive(prof, device, w)
+            try:
+                got = plan(prof, device, w)
+            except OffloadError:
+                assert expected is None, (arch, gib, host)
+                continue
+            off = sum(p.mode != "resident" for p in got.placements.values())
+            assert (got.seconds_per_image, got.moved_per_image, off) == expected, (arch, gib, host)
+
+
+@pytest.mark.parametrize("arch", sorted(DIMENSIONS))
+def test_more_device_memory_never_predicts_slower(arch, profiles):
+    from fleetgen.errors import OffloadError
+    from offload import DeviceSpec, Workload, plan
+
+    last = None
+    for gib in (8, 16, 24, 32, 48, 64, 80, 96, 141):
+        try:
+            p = plan(profiles[arch], DeviceSpec(budget=gib << 30, host_budget=256 << 30), Workload(max_batch=4))
+        except OffloadError:
+            assert last is None, f"{arch}: {gib} GiB fails although a smaller budget fitted"
+            continue
+        if last is not None:
+            assert p.seconds_per_image <= last.seconds_per_image * (1 + 1e-12), (arch, gib, p.modes, last.modes)
+        last = p
+    assert last is not None
