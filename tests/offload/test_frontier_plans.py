@@ -143,6 +143,7 @@ def _exhaustive(prof, device, w):
     return best
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["sd-1.5", "sdxl", "flux.1-dev", "flux.2-dev", "qwen-image", "chroma1-hd"])
 def test_the_search_finds_what_the_exhaustive_one_finds(arch):
     """Wherever every product is small enough to try (four components or fewer), the pruned search

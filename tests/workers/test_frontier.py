@@ -110,6 +110,7 @@ def test_each_makes_the_size_asked_and_records_what_it_used(family, models, tmp_
         assert PILImage.open(tmp_path / "out" / r["image"]).size == (128, 64)
 
 
+@pytest.mark.slow
 def test_a_pipeline_that_rescales_is_an_error_row_never_a_wrong_record(models, tmp_path):
     """HiDream called without the area pin (as the generic entry calls it): it makes its default
     area, and the rows say so instead of recording the asked size over other pixels."""
@@ -259,6 +260,7 @@ def test_a_processor_that_needs_torchvision_is_refused_before_any_worker(models,
         resolve_defaults(JobConfig(input=str(prompts), output="o", model=str(model)), Columns())
 
 
+@pytest.mark.slow
 def test_a_pipelines_own_warning_reaches_the_log_once_per_worker(models, tmp_path):
     """FLUX.2 klein distilled warns on every call that guidance above 1 is ignored: one line in the
     worker's stderr for three calls (a worker of its own, as an actor is)."""
