@@ -1,0 +1,91 @@
+"""How long planning takes, and what the planner predicts, for every shipped architecture.
+
+For each architecture (config-only, on the `meta` device) and each device budget: the plan's
+placements, batch, predicted peak and images/s relative to all resident, the budget that binds it,
+and the seconds `plan()` took (the profile is built once per architecture, outside the timing).
+The pruned search is timed against the exhaustive product it replaced where that product is small
+enough to run (`--exhaustive-up-to` components, default 5). Predictions only: no GPU, no weights.
+
+    python bench/plans.py [--host-memory 256GiB] [--budgets 16,24,48,80,141]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fleetgen.errors import OffloadError  # noqa: E402
+from fleetgen.units import format_size, parse_size  # noqa: E402
+from offload import DeviceSpec, Workload, plan, profile_modules  # noqa: E402
+from offload.architectures import HERE, NAMES, build_on_meta  # noqa: E402
+from offload.planner import MARGIN, _options  # noqa: E402
+from workers.families import read_family  # noqa: E402
+from workers.pipeline import DTYPES  # noqa: E402
+
+
+def exhaustive_seconds(prof, device: DeviceSpec, w: Workload) -> float:
+    """Seconds the exhaustive product over every component's options takes (the old search)."""
+    started = time.perf_counter()
+    for batch in range(1, w.max_batch + 1):
+        tables = [_options(c, prof, device, w, batch) for c in prof.components.values()]
+        for combo in itertools.product(*tables):
+            peak = sum(o.resident for o in combo) + max(o.phase for o in combo)
+            _ = peak <= device.budget * (1 - MARGIN) and sum(o.host for o in combo) <= device.host_budget
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--host-memory", default="256GiB")
+    parser.add_argument("--budgets", default="16,24,48,80,141", help="GiB")
+    parser.add_argument("--size", type=int, default=1024)
+    parser.add_argument("--max-batch", type=int, default=8)
+    parser.add_argument(
+        "--exhaustive-up-to", type=int, default=5, help="components: time the old search up to this many"
+    )
+    args = parser.parse_args()
+    host = parse_size(args.host_memory, "--host-memory")
+    print("| architecture | components | GPU | plan | batch | peak | rel img/s | binds | plan s | exhaustive loop s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name in NAMES:
+        family = read_family(HERE / name)
+        prof = profile_modules(name, build_on_meta(name), DTYPES[family.dtype])
+        steps = family.steps
+        work = Workload(
+            width=args.size,
+            height=args.size,
+            steps=steps,
+            cfg=family.doubles_batch(family.guidance, None),
+            max_batch=args.max_batch,
+        )
+        for gib in (int(b) for b in args.budgets.split(",")):
+            device = DeviceSpec(budget=gib << 30, host_budget=host)
+            started = time.perf_counter()
+            try:
+                p = plan(prof, device, work)
+                cells = [
+                    ", ".join(f"{n} {m}" for n, m in p.modes.items() if m != "resident") or "all resident",
+                    str(p.batch_size),
+                    format_size(p.peak_bytes),
+                    f"{p.relative_speed:.2f}",
+                    ", ".join(p.binds) or "neither",
+                ]
+            except OffloadError as err:
+                cells = ["nothing fits", "", "", "", "host RAM" if "host RAM binds" in str(err) else "device memory"]
+            seconds = time.perf_counter() - started
+            small = len(prof.components) <= args.exhaustive_up_to
+            exhaustive = f"{exhaustive_seconds(prof, device, work):.2f}" if small else "-"
+            print(
+                f"| {name} | {len(prof.components)} | {gib} GiB | "
+                + " | ".join(cells)
+                + f" | {seconds:.3f} | {exhaustive} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
