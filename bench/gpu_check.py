@@ -31,6 +31,7 @@ decode): that is `make gpu-check-dry`, part of the test suite, so the script can
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -185,14 +186,16 @@ class Run:
         self.total = torch.cuda.mem_get_info(device)[1] if self.cuda else None
         self.count = 0
 
-    def worker(self, offload: str, budget: int | None, max_batch: int, images: int) -> tuple[Worker, list]:
+    def worker(
+        self, offload: str, budget: int | None, max_batch: int, images: int, quantize: str = "none"
+    ) -> tuple[Worker, list]:
         self.count += 1
         shards, columns = write_prompts(self.tmp / f"{self.model}-{self.count}.parquet", images)
         spec = WorkerSpec(
             name=f"w{self.count}",
             model=self.model,
             output=str(self.tmp / f"out-{self.model}-{self.count}"),
-            settings=self.settings,
+            settings=dataclasses.replace(self.settings, quantize=quantize),
             columns=columns,
             max_batch=max_batch,
             device=str(self.device),
@@ -211,13 +214,14 @@ class Run:
             cap = min(1.0, max(budget - self.overhead, 0) / self.total) if budget else 1.0
             torch.cuda.set_per_process_memory_fraction(cap)
 
-    def measure(self, label: str, offload: str, budget: int | None) -> dict:
-        """The planner's choice for `budget` (None: all resident) run on one shard, as a job runs it."""
-        row = {"model": self.model, "run": label, "budget_bytes": budget}
+    def measure(self, label: str, offload: str, budget: int | None, quantize: str = "none") -> dict:
+        """The planner's choice for `budget` (None: all resident) run on one shard, as a job runs it.
+        `quantize` casts the given pipeline in place: such a row runs last for its model."""
+        row = {"model": self.model, "run": label, "budget_bytes": budget, "quantize": quantize}
         self.limit(budget)
         worker = None
         try:
-            worker, shards = self.worker(offload, budget, self.args.max_batch, self.args.images)
+            worker, shards = self.worker(offload, budget, self.args.max_batch, self.args.images, quantize)
             if self.cuda:
                 torch.cuda.reset_peak_memory_stats(self.device)
             result = worker.run_shard(shards[0])
@@ -512,14 +516,22 @@ def main() -> None:
                 continue
             print(f"{model}: built in {run.build_seconds} s", flush=True)
             resident = {}
-            for label, offload, budget in [*jobs, ("forced OOM", None, None)]:
+            denoiser = "unet" if "unet" in run.pipe.components else "transformer"
+            target = next((j for j in jobs if j[0].startswith("24 GiB")), jobs[-1])  # the card fp8 is for
+            fp8 = (f"{denoiser} fp8, {target[0]}", "auto", target[2]) if len(jobs) > 1 else None
+            for label, offload, budget in [*jobs, ("forced OOM", None, None), *([fp8] if fp8 else [])]:
                 if time.perf_counter() - started > args.time_limit:
                     results.add(
                         {"model": model, "run": label, "skipped": f"--time-limit {args.time_limit:g} s reached"}
                     )
                     continue
                 try:
-                    row = run.forced_oom() if label == "forced OOM" else run.measure(label, offload, budget)
+                    if label == "forced OOM":
+                        row = run.forced_oom()
+                    else:  # the fp8 row last: layerwise casting stays on the pipeline it is given
+                        row = run.measure(
+                            label, offload, budget, f"{denoiser}=fp8" if fp8 and label == fp8[0] else "none"
+                        )
                 except Exception as err:  # noqa: BLE001 - recorded; the next row runs
                     row = {"model": model, "run": label, "budget_bytes": budget, **failure(err)}
                     run.limit(None)

@@ -46,6 +46,10 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         type=float,
         help="Flux: apply negative prompts with true CFG at this scale (> 1; doubles the compute)",
     )
+    g.add_argument(
+        "--quantize",
+        help="storage format per component, e.g. transformer=fp8,text_encoder=fp8 (default none; changes pixels)",
+    )
     g.add_argument("--width", type=int, help="pixels, multiple of 8 (default 512)")
     g.add_argument("--height", type=int, help="pixels, multiple of 8 (default 512)")
     g.add_argument("--seed", type=int, help="job seed (default 0)")
@@ -206,6 +210,7 @@ def _parser() -> argparse.ArgumentParser:
         help="placements the plan may use (default auto: any)",
     )
     pl.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: the model family's")
+    pl.add_argument("--quantize", default="none", help="storage format per component, e.g. transformer=fp8")
     pl.add_argument("--bandwidth", type=float, default=20.0, help="host→device GB/s to assume (default 20)")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     s = sub.add_parser("status", help="progress of a running or finished job, from its output location")
@@ -310,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
                 work,
                 bandwidth=args.bandwidth * 1e9,
                 vae_upcast=family.upcasts_vae,
+                quantize=args.quantize,
             )
             summary["family"] = family.name
             print_plans(summary, rows, args.json)

@@ -12,6 +12,7 @@ from pathlib import Path
 from fleetgen.errors import ConfigError
 from fleetgen.units import parse_size
 from offload.planner import OFFLOAD_CHOICES
+from offload.quantize import normalized, parse_quantize
 from workers.batches import Adapter, template_fields
 from workers.fields import MAX_IMAGES_PER_ROW
 from workers.formats import format_names
@@ -37,6 +38,7 @@ class _Job:
     guidance: float | None = None  # guidance scale; default: the model family's
     true_cfg_scale: float | None = None  # Flux: > 1 applies negative prompts with true CFG (doubles the compute)
     family: str | None = None  # pipeline family; resolved from the model's model_index.json (jobs/models.py)
+    quantize: str = "none"  # storage formats per component, e.g. transformer=fp8 (offload/quantize.py)
     revision: str | None = None  # hub models: branch, tag or commit; pinned to a commit in job.json (default main)
     variant: str | None = None  # hub/local weights variant, e.g. fp16 (files named *.fp16.safetensors)
     width: int = 512  # pixels, a multiple of 8
@@ -94,6 +96,7 @@ class _Job:
             output_format=self.output_format,
             family=self.family,
             true_cfg_scale=self.true_cfg_scale,
+            quantize=normalized(self.quantize),
             images_per_prompt=self.images_per_prompt,
             prompt_template=self.prompt_template,
             loras=tuple(parse_lora(v) for v in self.lora),
@@ -189,6 +192,7 @@ def validate(config: JobConfig) -> JobConfig:
         c.true_cfg_scale is None or c.true_cfg_scale > 0,
         f"`--true-cfg-scale` must be more than 0, got `{c.true_cfg_scale}`.",
     )
+    parse_quantize(c.quantize)  # a format that does not exist, a malformed mapping
     local = c.model.startswith(("/", "./", "../", "~"))  # a hub id is `org/name`
     _check(
         not local or Path(c.model).expanduser().exists(),

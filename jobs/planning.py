@@ -9,6 +9,8 @@ from fleetgen.errors import OffloadError
 from fleetgen.units import format_size, parse_size
 from offload import DeviceSpec, Workload, plan, profile_modules
 from offload.architectures import build_on_meta, resolve
+from offload.quantize import parse_quantize
+from offload.quantize import quantize as apply_quantize
 from workers.families import Family, read_family
 from workers.pipeline import DTYPES
 from workers.probe import ASSUMED_BANDWIDTH, ASSUMED_FLOPS, host_available_bytes
@@ -49,13 +51,17 @@ def plan_rows(
     bandwidth: float = ASSUMED_BANDWIDTH,
     flops: float = ASSUMED_FLOPS,
     vae_upcast: bool = False,
+    quantize: str = "none",
 ) -> tuple[dict, list[dict]]:
     """(the profile summary, one row per budget: the plan or the reason nothing fits). `vae_upcast`:
     the family's pipeline decodes in float32 (SDXL): its VAE is counted so."""
-    profile = profile_modules(model, build_on_meta(model), DTYPES[dtype], vae_upcast=vae_upcast)
+    modules = build_on_meta(model)
+    # from_pretrained loads every component to host RAM, at the run dtype: float8 comes after
+    loading = profile_modules(model, modules, DTYPES[dtype], vae_upcast=vae_upcast).total_bytes
+    quantized = apply_quantize(modules, parse_quantize(quantize), DTYPES[dtype])  # float8 on `meta` too
+    profile = profile_modules(model, modules, DTYPES[dtype], vae_upcast=vae_upcast)
     host = parse_size(host_memory, "--host-memory") if host_memory else int(host_available_bytes() * 0.8)
     rows = []
-    loading = profile.total_bytes  # from_pretrained loads every component to host RAM before placing any
     for text in budgets:
         budget = parse_size(text, "--gpu-memory")
         if loading > host:
@@ -90,6 +96,7 @@ def plan_rows(
         "dtype": dtype,
         "host_memory_bytes": host,
         "load_host_bytes": loading,
+        "quantized": quantized,
         "bandwidth_bytes_per_s": bandwidth,
         "flops": flops,
         "components": {

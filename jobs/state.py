@@ -96,6 +96,9 @@ def fingerprint(config: JobConfig, files: list[InputFile], columns: Columns) -> 
     return json.loads(json.dumps(record))  # as job.json holds it (tuples are lists there), to compare
 
 
+_NEW_DEFAULTS = {"generation": {"quantize": "none"}}  # settings newer than some jobs' job.json, as those made them
+
+
 def _differences(old: dict, new: dict) -> list[str]:
     out = []
     for part in ("input", "model", "weights", "generation", "columns"):
@@ -106,6 +109,8 @@ def _differences(old: dict, new: dict) -> list[str]:
             out.append(f"the weights in {new.get('model')} changed since this job started (rebuilt or replaced)")
             continue
         if isinstance(a, dict) and isinstance(b, dict):
+            # a setting added since the job started (e.g. `quantize`) is its default in the old job
+            a = {**_NEW_DEFAULTS.get(part, {}), **a}
             keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
             out += [f"{part}.{k} differs: {a.get(k)} vs {b.get(k)}" for k in keys]
         elif part == "input":

@@ -70,8 +70,13 @@ class PipelineProfile:
         return sum(c.bytes for c in self.components.values())
 
 
+_FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
+
 def _tensor_bytes(t: torch.Tensor, dtype_bytes: int) -> int:
-    size = dtype_bytes if t.is_floating_point() else t.element_size()
+    """At the run dtype for floating tensors, except those stored in float8 (`--quantize ...=fp8`),
+    which hold one byte each whatever the run dtype."""
+    size = dtype_bytes if t.is_floating_point() and t.dtype not in _FLOAT8 else t.element_size()
     return t.numel() * size
 
 
@@ -219,5 +224,8 @@ def profile_pipeline(pipe, model: str = "", vae_upcast: bool = False) -> Pipelin
     upcast, or a text encoder kept in float32)."""
     modules = {n: c for n, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
     ordered = [modules[n] for n in PER_STEP if n in modules] + list(modules.values())
-    dtype = next((p.dtype for m in ordered for p in m.parameters() if p.is_floating_point()), torch.float32)
+    dtype = next(
+        (p.dtype for m in ordered for p in m.parameters() if p.is_floating_point() and p.dtype not in _FLOAT8),
+        torch.float32,
+    )  # float8 is a storage format (`--quantize`), never the run dtype
     return profile_modules(model or getattr(pipe, "name_or_path", ""), modules, dtype, vae_upcast)

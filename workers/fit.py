@@ -13,6 +13,7 @@ import torch
 from fleetgen.errors import FleetgenError, OffloadError, one_line
 from offload import OffloadPlan, OffloadStats, apply, pipeline_modules, profile_pipeline
 from offload.apply import unapply
+from offload.quantize import parse_quantize, quantize
 from workers.batches import Adapter, Image, Look
 from workers.families import FAMILIES, GENERIC, Family, call_kwargs, prepare_call, prompt_limit, takes_negative_prompt
 from workers.fields import extra_settings
@@ -67,6 +68,9 @@ class FittedPipeline:
             )
         )
         self.pipe.set_progress_bar_config(disable=True)
+        # Storage formats before anything is profiled or offloaded: the plan counts what each holds.
+        modules = {n: c for n, c in self.pipe.components.items() if isinstance(c, torch.nn.Module)}
+        self.quantized = quantize(modules, parse_quantize(source.quantize), self.dtype)
         self.takes_negative = takes_negative_prompt(self.pipe)
         # Adapters before profiling and offloading: their bytes are planned for and offloaded with their layers.
         self.adapters = load_adapters(self.pipe, source.adapters, tag)

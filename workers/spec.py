@@ -24,6 +24,7 @@ class GenerationSettings:
     output_format: str = "files"  # files | webdataset | parquet
     family: str = "sd"  # pipeline family (workers/families.py): how the pipeline is called
     true_cfg_scale: float | None = None  # Flux: > 1 applies negative prompts (true CFG)
+    quantize: str = "none"  # storage format per component, e.g. transformer=fp8 (offload/quantize.py)
     images_per_prompt: int = 1  # images per row (a row's `num_images` column overrides it)
     prompt_template: str | None = None  # builds each prompt from columns, e.g. "a {style} photo of a {label}"
     loras: tuple[Adapter, ...] = ()  # adapters on every image (a row's `lora` column replaces them)
@@ -72,6 +73,7 @@ class WorkerSpec:
             self.revision,
             self.variant,
             self.adapters,
+            self.settings.quantize,
         )
 
     def workload(self) -> Workload:
@@ -125,6 +127,7 @@ class Source:
     revision: str | None = None
     variant: str | None = None
     adapters: tuple[tuple[str, str], ...] = ()  # (as named, location)
+    quantize: str = "none"  # storage format per component (offload/quantize.py), applied after load
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,7 @@ class Worker:
             "dtype": str(self.fitted.dtype).removeprefix("torch."),
             "torch_threads": torch.get_num_threads(),
             "plan": self.plan.to_dict(),
+            "quantized": self.fitted.quantized,  # {component: storage format}, the job's `--quantize`
             "probe": self.fitted.probe,
             "load_seconds": round(time.perf_counter() - started, 3),
             "versions": {"fleetgen": __version__, "torch": torch.__version__, "python": platform.python_version()},
