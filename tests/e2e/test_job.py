@@ -38,7 +38,9 @@ def test_two_workers_one_worker_same_images(ray_cluster, tiny_model, prompts, tm
     log = io.StringIO()
     two = run_job(job(prompts, tiny_model, tmp_path / "two", workers=2), progress_stream=log, progress_interval=0)
     assert two.complete and (two.images_ok, two.images_error, two.shards_total) == (N, 0, 4)
-    assert {w["worker"] for w in two.workers} == {"w0", "w1"}
+    # Both were asked for; which makes what is the pool's (one ready after the other took every shard
+    # takes none: CI saw it at 12 rows). Every image is made once, and the bytes are one worker's.
+    assert {w["worker"] for w in two.workers} <= {"w0", "w1"} and two.workers
     assert sum(w["images"] for w in two.workers) == N
     assert (tmp_path / "two" / "_SUCCESS").exists()
     assert json.loads((tmp_path / "two" / "summary.json").read_text())["complete"] is True
