@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fleetgen.latents import denoiser_patch, vae_scale
+
 # The denoiser runs once per step; everything else once per pipeline call.
 PER_STEP = ("unet", "transformer", "transformer_2", "prior", "decoder")
 _LEAF_TYPES = (
@@ -194,8 +196,6 @@ def profile_modules(
 ) -> PipelineProfile:
     """`vae_upcast`: the pipeline runs its VAE in float32 when the run dtype is float16 and the VAE's
     config says `force_upcast` (the family says whether its pipeline does: SDXL's does)."""
-    from workers.model_dir import denoiser_patch, vae_scale
-
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     vae = modules.get("vae")
     denoiser = next((modules[n] for n in PER_STEP if n in modules), None)

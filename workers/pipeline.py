@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from fleetgen.errors import ConfigError, FleetgenError, one_line
-from workers.model_dir import denoiser_patch, is_hub_id
+from fleetgen.latents import denoiser_patch
+from workers.model_dir import is_hub_id
 
 BACKEND_HINT = ' (README: "Models that need more packages")'
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # --dtype names
