@@ -12,7 +12,7 @@ from pathlib import Path
 from fleetgen.errors import ConfigError
 from fleetgen.units import parse_size
 from offload.planner import OFFLOAD_CHOICES
-from offload.quantize import normalized, parse_quantize
+from offload.quantize import normalized, parse_quantize, refusal
 from workers.batches import Adapter, template_fields
 from workers.fields import MAX_IMAGES_PER_ROW
 from workers.formats import format_names
@@ -192,7 +192,10 @@ def validate(config: JobConfig) -> JobConfig:
         c.true_cfg_scale is None or c.true_cfg_scale > 0,
         f"`--true-cfg-scale` must be more than 0, got `{c.true_cfg_scale}`.",
     )
-    parse_quantize(c.quantize)  # a format that does not exist, a malformed mapping
+    for component, name in parse_quantize(c.quantize).items():  # a malformed mapping, an unknown format
+        if c.offload in ("block", "leaf", "disk"):  # the combination table, before any worker starts
+            why = refusal(name, "block" if c.offload == "disk" else c.offload, False, c.offload == "disk")
+            _check(why is None, f"`--quantize {component}={name}` with `--offload {c.offload}`: {why}.")
     local = c.model.startswith(("/", "./", "../", "~"))  # a hub id is `org/name`
     _check(
         not local or Path(c.model).expanduser().exists(),

@@ -15,7 +15,7 @@ from pathlib import Path
 from fleetgen.errors import ConfigError, one_line
 from jobs.config import JobConfig, parse_lora
 from offload.quantize import check_components as check_quantized
-from offload.quantize import parse_quantize
+from offload.quantize import normalized, parse_quantize
 from workers.families import GENERIC, READS_SCHEDULER, READS_TRANSFORMER, Family, choose, identify, identify_dir
 from workers.model_dir import is_hub_id
 from workers.shard import Columns
@@ -247,9 +247,9 @@ def resolve_adapters(config: JobConfig, columns: Columns, column_values: list[st
             f"The job names more than {MAX_ADAPTERS} LoRA adapters (flags and column `{columns.lora}`); "
             "every worker loads all of them. Split the job by adapter."
         )
-    if found and parse_quantize(config.quantize):
+    if found and normalized(config.quantize) != "none":
         raise ConfigError(
-            "`--quantize` with LoRA adapters is not supported yet (the adapters would load into float8 "
+            "`--quantize` with LoRA adapters is not supported yet (the adapters would load into quantized "
             "layers); run the LoRA job unquantized."
         )
     if found and not is_hub_id(config.model):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -9,8 +10,7 @@ from fleetgen.errors import OffloadError
 from fleetgen.units import format_size, parse_size
 from offload import DeviceSpec, Workload, plan, profile_modules
 from offload.architectures import build_on_meta, resolve
-from offload.quantize import parse_quantize
-from offload.quantize import quantize as apply_quantize
+from offload.quantize import FORMATS, check_components, is_auto, normalized, parse_quantize
 from workers.families import Family, read_family
 from workers.pipeline import DTYPES
 from workers.probe import ASSUMED_BANDWIDTH, ASSUMED_FLOPS, host_available_bytes
@@ -56,28 +56,17 @@ def plan_rows(
     """(the profile summary, one row per budget: the plan or the reason nothing fits). `vae_upcast`:
     the family's pipeline decodes in float32 (SDXL): its VAE is counted so."""
     modules = build_on_meta(model)
-    # from_pretrained loads every component to host RAM, at the run dtype: float8 comes after
-    loading = profile_modules(model, modules, DTYPES[dtype], vae_upcast=vae_upcast).total_bytes
-    quantized = apply_quantize(modules, parse_quantize(quantize), DTYPES[dtype])  # float8 on `meta` too
-    profile = profile_modules(model, modules, DTYPES[dtype], vae_upcast=vae_upcast)
+    mapping = parse_quantize(quantize)
+    check_components(mapping, list(modules), model)
+    formats = tuple(FORMATS) if is_auto(quantize) else tuple(sorted(set(mapping.values())))
+    profile = profile_modules(model, modules, DTYPES[dtype], vae_upcast=vae_upcast, formats=formats)
+    # from_pretrained loads every component to host RAM, at the run dtype unless its format applies at load
+    loading = profile.total_bytes
     host = parse_size(host_memory, "--host-memory") if host_memory else int(host_available_bytes() * 0.8)
+    work = dataclasses.replace(work, quantize=normalized(quantize))
     rows = []
     for text in budgets:
         budget = parse_size(text, "--gpu-memory")
-        if loading > host:
-            rows.append(
-                {
-                    "gpu_memory": text,
-                    "binds": ["host RAM"],
-                    "error": (
-                        f"Nothing loads (host RAM binds): loading holds every component's weights in host RAM "
-                        f"({format_size(loading)} at {dtype}; diffusers' from_pretrained loads to the CPU before fleetgen "
-                        f"places anything), more than the {format_size(host)} host budget. Use a node with more RAM "
-                        "(`--host-memory`), or a smaller dtype or quantized weights."
-                    ),
-                }
-            )
-            continue
         device = DeviceSpec(
             budget=budget,
             host_budget=host,
@@ -96,11 +85,18 @@ def plan_rows(
         "dtype": dtype,
         "host_memory_bytes": host,
         "load_host_bytes": loading,
-        "quantized": quantized,
+        "quantize": normalized(quantize),
         "bandwidth_bytes_per_s": bandwidth,
         "flops": flops,
         "components": {
-            n: {"class": c.cls, "params": c.params, "bytes": c.bytes, "per_step": c.per_step, "blocks": len(c.blocks)}
+            n: {
+                "class": c.cls,
+                "params": c.params,
+                "bytes": c.bytes,
+                "per_step": c.per_step,
+                "blocks": len(c.blocks),
+                **({"bytes_as": {f: v.bytes for f, v in profile.variants[n].items()}} if n in profile.variants else {}),
+            }
             for n, c in profile.components.items()
         },
     }
@@ -135,10 +131,11 @@ def print_plans(summary: dict, rows: list[dict], as_json: bool, out=None) -> Non
             what = "nothing loads" if r["error"].startswith("Nothing loads") else "nothing fits"
             table.append([r["gpu_memory"], what, *[""] * (len(header) - 3), binds])
             continue
+        formats = r.get("formats") or {}
         table.append(
             [
                 r["gpu_memory"],
-                *[r["modes"][n] for n in names],
+                *[" ".join(filter(None, [formats.get(n), r["modes"][n]])) for n in names],
                 str(r["batch_size"]),
                 format_size(r["peak_bytes"]),
                 format_size(r["pinned_bytes"]),

@@ -18,6 +18,7 @@ import torch
 from fleetgen.errors import OffloadError
 from offload.planner import OffloadPlan, Placement
 from offload.profile import PipelineProfile
+from offload.quantize import refusal
 
 
 def pipeline_modules(pipe) -> dict[str, torch.nn.Module]:
@@ -33,6 +34,10 @@ def check(
     if unknown:
         raise OffloadError(f"The plan names components the pipeline lacks: {sorted(unknown)}.")
     for name, p in plan.placements.items():
+        fmt = plan.formats.get(name)
+        why = refusal(fmt, p.mode, p.stream, p.disk) if fmt else None  # the table the planner reads
+        if why:
+            raise OffloadError(f"`{name}` {fmt} {p.label}: {why}.")
         if p.stream and device.type != "cuda":
             raise OffloadError(f"`{name}` {p.label}: streams need a CUDA device; this worker runs on {device}.")
         if p.disk and p.mode == "leaf" and profile.components[name].tied:

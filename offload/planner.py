@@ -15,11 +15,12 @@ so more memory never yields a plan predicted slower.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fleetgen.errors import OffloadError
 from fleetgen.units import format_size
 from offload.profile import ComponentProfile, PipelineProfile
+from offload.quantize import FORMATS, NONE, allowed, refusal
 from offload.search import _combos
 
 MARGIN = 0.10  # of the budget: allocator fragmentation, CUDA context, workspace
@@ -56,6 +57,7 @@ class DeviceSpec:
     streams: bool = True  # CUDA streams can overlap transfers with compute
     disk_bandwidth: float = 2e9  # bytes/s reading offloaded groups back from local disk
     name: str = ""
+    formats: tuple[str, ...] = tuple(FORMATS)  # storage formats it can run (`--quantize auto` chooses among them)
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,9 @@ class Workload:
     cfg: bool = True  # the denoiser runs on a doubled batch (classifier-free guidance; not guidance-distilled Flux)
     max_batch: int = 8
     offload: str = "auto"  # auto | none | block | leaf | disk: which placements may be used
+    quantize: str = "none"  # none | auto | COMPONENT=FORMAT,...: which storage formats may be used
+    fixed: tuple[tuple[str, str], ...] = ()  # (component, format) already applied to live modules
+    loaded: bool = False  # planned after loading (a worker): the loading peak is past, not planned
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,8 @@ class OffloadPlan:
     reason: str = ""
     extra: dict = field(default_factory=dict)
     binds: tuple[str, ...] = ()  # the budgets that made this plan slower than one without them (BUDGETS)
+    formats: dict[str, str] = field(default_factory=dict)  # {component: storage format} of the quantized ones
+    load_bytes: int = 0  # host RAM while the pipeline loads
 
     @property
     def modes(self) -> dict[str, str]:
@@ -120,13 +127,22 @@ class OffloadPlan:
             "predicted_relative_speed": round(self.relative_speed, 4),
             "reason": self.reason,
             "binds": list(self.binds),
+            "formats": dict(self.formats),
+            "load_host_bytes": self.load_bytes,
         }
 
 
 def _candidates(c: ComponentProfile, device: DeviceSpec, offload: str) -> list[Placement]:
     """`auto` chooses per component among all placements; `none` keeps everything resident;
     `block`, `leaf` and `disk` put every component in that mode (as diffusers' pipeline-level
-    `enable_group_offload` would), leaving the planner the variant and the batch size."""
+    `enable_group_offload` would), leaving the planner the variant and the batch size. Placements
+    the component's storage format refuses (offload/quantize.py's table) are left out."""
+    if c.fmt != NONE:
+        return [
+            p
+            for p in _candidates(replace(c, fmt=NONE), device, offload)
+            if not refusal(c.fmt, p.mode, p.stream, p.disk)
+        ]
     if offload == "none":
         return [Placement("resident")]
     block = [Placement("block", k) for k in (1, 2, 4) if k == 1 or k <= len(c.blocks)]
@@ -176,7 +192,8 @@ def _call_seconds(
     """Seconds `c` takes in one pipeline call of `batch` images."""
     forwards = w.steps if c.per_step else 1
     cfg = 2 if c.per_step and w.cfg else 1
-    compute = 2 * c.params * _tokens(c, prof, w) * cfg * batch / d.flops + FORWARD_SECONDS
+    slowdown = FORMATS[c.fmt].slowdown if c.fmt != NONE else 1.0  # dequantization (quantize.py's sources)
+    compute = 2 * c.params * _tokens(c, prof, w) * cfg * batch * slowdown / d.flops + FORWARD_SECONDS
     if p.mode == "resident":
         return forwards * compute
     if p.disk:
@@ -200,45 +217,75 @@ class _Option:
     pinned: int
     seconds: float  # per pipeline call
     moved: int  # bytes per pipeline call
+    load: int = 0  # host bytes while the pipeline loads (its run-dtype bytes unless its format applies at load)
+    fmt: str = NONE  # storage format
+
+    @property
+    def quantized(self) -> bool:
+        return self.fmt != NONE
+
+    def counts(self) -> tuple:
+        return (self.resident, self.phase, self.host, self.pinned, self.seconds, self.load, self.quantized)
 
     def dominates(self, other: _Option) -> bool:
-        mine = (self.resident, self.phase, self.host, self.pinned, self.seconds)
-        theirs = (other.resident, other.phase, other.host, other.pinned, other.seconds)
+        mine, theirs = self.counts(), other.counts()
         return all(a <= b for a, b in zip(mine, theirs, strict=True)) and mine != theirs
 
 
-def _options(c: ComponentProfile, prof: PipelineProfile, device: DeviceSpec, w: Workload, batch: int) -> list[_Option]:
-    """The component's candidate placements at `batch`, without those another beats on every count."""
-    acts = _activations(c, prof, w) * batch
-    forwards = w.steps if c.per_step else 1
+def _formats(name: str, device: DeviceSpec, w: Workload) -> tuple[str, ...]:
+    return allowed(w.quantize, name, device.formats, dict(w.fixed))
+
+
+def _options(name: str, prof: PipelineProfile, device: DeviceSpec, w: Workload, batch: int) -> list[_Option]:
+    """The component's candidate (format, placement) pairs at `batch`, without those another beats
+    on every count (a quantized one never beats the run dtype on being unquantized)."""
     out = []
-    for p in _candidates(c, device, w.offload):
-        off = p.mode != "resident"
-        pinned = (c.pinned or c.bytes) if p.stream else 0  # the pinned copy is the host copy with streams
-        out.append(
-            _Option(
-                placement=p,
-                resident=0 if off else c.bytes,
-                phase=_floor(c, p) + acts,
-                host=pinned or (c.bytes if off and not p.disk else 0),
-                pinned=pinned,
-                seconds=_call_seconds(c, p, prof, w, device, batch),
-                moved=c.bytes * forwards if off else 0,
+    for fmt in _formats(name, device, w):
+        c = prof.variant(name, fmt)
+        acts = _activations(c, prof, w) * batch
+        forwards = w.steps if c.per_step else 1
+        load = 0 if w.loaded else c.bytes if fmt != NONE and FORMATS[fmt].at_load else prof.components[name].bytes
+        for p in _candidates(c, device, w.offload):
+            off = p.mode != "resident"
+            pinned = (c.pinned or c.bytes) if p.stream else 0  # the pinned copy is the host copy with streams
+            out.append(
+                _Option(
+                    placement=p,
+                    resident=0 if off else c.bytes,
+                    phase=_floor(c, p) + acts,
+                    host=pinned or (c.bytes if off and not p.disk else 0),
+                    pinned=pinned,
+                    seconds=_call_seconds(c, p, prof, w, device, batch),
+                    moved=c.bytes * forwards if off else 0,
+                    load=load,
+                    fmt=fmt,
+                )
             )
-        )
     return [o for o in out if not any(x.dominates(o) for x in out)]
 
 
 def plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> OffloadPlan:
-    """The fastest predicted plan whose peak fits `device.budget`; `OffloadError` when none does."""
+    """The fastest predicted plan whose peak fits `device.budget` and whose host copies (and the
+    weights while loading) fit `device.host_budget`; `OffloadError` when none does."""
     if w.offload not in OFFLOAD_CHOICES:
         raise OffloadError(f"`--offload` must be one of {', '.join(OFFLOAD_CHOICES)}; got `{w.offload}`.")
     names = list(prof.components)
     limit = device.budget * (1 - MARGIN)
-    resident_ref = sum(_call_seconds(prof.components[n], Placement("resident"), prof, w, device, 1) for n in names)
+    unquantized = {n: prof.variant(n, NONE) for n in names}
+    resident_ref = sum(_call_seconds(c, Placement("resident"), prof, w, device, 1) for c in unquantized.values())
     resident_peak = prof.total_bytes + max(_activations(c, prof, w) for c in prof.components.values())
     inf = float("inf")
-    tables = [[_options(prof.components[n], prof, device, w, b) for n in names] for b in range(1, w.max_batch + 1)]
+    tables = [[_options(n, prof, device, w, b) for n in names] for b in range(1, w.max_batch + 1)]
+    loading = sum(min(o.load for o in opts) for opts in tables[0])
+    if loading > device.host_budget:
+        raise OffloadError(
+            f"Nothing loads (host RAM binds): loading holds every component's weights in host RAM "
+            f"({format_size(loading)}; diffusers' from_pretrained loads to the CPU before fleetgen places anything"
+            + (", formats applied at load counted as they load" if w.quantize != NONE else "")
+            + f"), more than the {format_size(device.host_budget)} host budget. Use a node with more RAM "
+            "(`--host-memory`), a smaller dtype, or quantized weights"
+            + (" (`--quantize auto`)." if w.quantize == NONE else ".")
+        )
 
     def search(limit: float, host_budget: float, bound: float):
         """The best (key, combo, batch, peak, host, seconds, moved) within the limits, faster per
@@ -251,10 +298,17 @@ def plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> OffloadPlan:
             peak = sum(o.resident for o in combo) + max(o.phase for o in combo)
             host = sum(o.host for o in combo)
             seconds = sum(o.seconds for o in combo) / batch
-            if peak > limit or host > host_budget or seconds > bound:
+            if peak > limit or host > host_budget or seconds > bound or sum(o.load for o in combo) > host_budget:
                 return
             moved = sum(o.moved for o in combo) // batch
-            key = (seconds, moved, sum(o.placement.mode != "resident" for o in combo), -batch)
+            # equal speed: unquantized first (pixels as the weights were trained), then fewer bytes moved
+            key = (
+                seconds,
+                sum(o.quantized for o in combo),
+                moved,
+                sum(o.placement.mode != "resident" for o in combo),
+                -batch,
+            )
             if found is None or key < found[0]:
                 found = (key, combo, batch, peak, host, seconds, moved)
 
@@ -294,21 +348,26 @@ def plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> OffloadPlan:
         raise OffloadError(
             f"Nothing fits the host (host RAM binds): every plan with `--offload {w.offload}` keeps more than "
             f"{format_size(device.host_budget)} of offloaded weights in host RAM. Raise `--host-memory` or use "
-            "`--offload disk`."
+            "`--offload disk`" + (", or `--quantize auto`." if w.quantize == NONE else ".")
         )
     if best is None:
         peak, combo = leanest
-        modes = ", ".join(f"{n} {o.placement.label}" for n, o in zip(names, combo, strict=True))
+        modes = ", ".join(f"{n} {_label(o)}" for n, o in zip(names, combo, strict=True))
         raise OffloadError(
             f"Nothing fits {format_size(device.budget)}{' on ' + device.name if device.name else ''} (device memory binds) "
             f"with `--offload "
             f"{w.offload}`: the leanest plan ({modes}, batch 1) needs {format_size(peak / (1 - MARGIN))} including the "
             f"{MARGIN:.0%} margin, at {w.width}x{w.height}. Use a smaller size or a larger `--gpu-memory`"
-            + (", or `--offload auto`." if w.offload != "auto" else ".")
+            + (", or `--offload auto`" if w.offload != "auto" else "")
+            + (", or `--quantize auto`." if w.quantize == NONE else ".")
         )
     combo, batch, peak, host, seconds, moved = best
     placements = {n: o.placement for n, o in zip(names, combo, strict=True)}
+    formats = {n: o.fmt for n, o in zip(names, combo, strict=True) if o.quantized}
     binds = tuple(BUDGETS[b] for b in ("device", "host") if unbound[b] is not None and unbound[b] < best_key)
+    reason = _reason(prof, device, w, placements, batch, peak, resident_peak, host, binds, formats)
+    if formats:
+        reason = _why_quantized(prof, device, w, formats, placements, seconds) + "; " + reason
     return OffloadPlan(
         placements=placements,
         batch_size=batch,
@@ -319,18 +378,41 @@ def plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> OffloadPlan:
         seconds_per_image=seconds,
         relative_speed=resident_ref / seconds,
         budget=device.budget,
-        reason=_reason(prof, device, w, placements, batch, peak, resident_peak, host, binds),
+        reason=reason,
         binds=binds,
+        formats=formats,
+        load_bytes=sum(o.load for o in combo),
     )
 
 
-def _reason(prof, device, w, placements, batch, peak, resident_peak, host, binds) -> str:
+def _label(o: _Option) -> str:
+    return f"{o.fmt} {o.placement.label}" if o.quantized else o.placement.label
+
+
+def _why_quantized(prof, device, w, formats, placements, seconds) -> str:
+    """`transformer fp8 resident: 2.3x the predicted images/s of the best unquantized plan (...)`."""
+    chosen = ", ".join(f"{n} {f} {placements[n].label}" for n, f in formats.items())
+    if w.quantize != "auto":
+        return f"{chosen} (`--quantize {w.quantize}`)"
+    try:
+        plain = plan(prof, device, replace(w, quantize=NONE, fixed=()))
+    except OffloadError as err:
+        return f"{chosen}: the only fit (unquantized, {str(err).split(':', 1)[0]})"
+    modes = ", ".join(f"{n} {m}" for n, m in plain.modes.items() if m != "resident") or "all resident"
+    return (
+        f"{chosen}: {plain.seconds_per_image / seconds:.2f}x the predicted images/s of the best unquantized plan "
+        f"at this budget ({modes}, batch {plain.batch_size})"
+    )
+
+
+def _reason(prof, device, w, placements, batch, peak, resident_peak, host, binds, formats) -> str:
     offloaded = {n: p for n, p in placements.items() if p.mode != "resident"}
     limit = f"{format_size(device.budget * (1 - MARGIN))} usable of {format_size(device.budget)}"
+    held = {n: prof.variant(n, formats.get(n, NONE)).bytes for n in placements}
     if not offloaded:
-        head = f"all resident ({format_size(prof.total_bytes)} of weights)"
+        head = f"all resident ({format_size(sum(held.values()))} of weights)"
     else:
-        parts = ", ".join(f"{n} {p.label} ({format_size(prof.components[n].bytes)})" for n, p in offloaded.items())
+        parts = ", ".join(f"{n} {p.label} ({format_size(held[n])})" for n, p in offloaded.items())
         if w.offload != "auto":
             why = f"`--offload {w.offload}`"
         elif resident_peak > device.budget * (1 - MARGIN):

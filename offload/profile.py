@@ -9,7 +9,7 @@ forward. Leaf level makes one group per Conv/Linear/Embedding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -49,6 +49,7 @@ class ComponentProfile:
     upcast: bool = False  # the pipeline casts it to float32 to run it (SDXL's VAE): counted at 4 bytes, never streamed
     pinned: int = 0  # host bytes of its page-locked copy with streams: torch's host allocator rounds each tensor
     #                  up to a power of two (FLUX's transformer: 23.8 GB of weights, 37.2 GB pinned); 0: `bytes`
+    fmt: str = "none"  # the storage format these counts are for (offload/quantize.py); none: the live tensors
 
     def block_floor(self, k: int) -> int:
         """Device bytes while running at block level with `k` blocks per group."""
@@ -66,42 +67,77 @@ class PipelineProfile:
     vae_channels: int  # channels of the VAE decoder's full-resolution feature maps
     patch: int  # latent pixels per token (transformers); 1 for UNets
     vae_dtype_bytes: int = 0  # bytes per value of the VAE's decode (4 when the pipeline upcasts it); 0: dtype_bytes
+    # {component: {format: the component counted in that format}} for the formats it could be given
+    variants: dict[str, dict[str, ComponentProfile]] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
         return sum(c.bytes for c in self.components.values())
 
+    def holding(self, formats: dict[str, str]) -> PipelineProfile:
+        """This profile with components that hold a format already (applied at load: their live
+        counts are that format's) marked so: the planner gives them that format's placements and cost."""
+        if not formats:
+            return self
+        marked = {n: replace(c, fmt=formats[n]) if n in formats else c for n, c in self.components.items()}
+        variants = {**self.variants, **{n: {f: marked[n]} for n, f in formats.items()}}
+        return replace(self, components=marked, variants=variants)
+
+    def variant(self, name: str, fmt: str) -> ComponentProfile:
+        if fmt == "none" or self.components[name].fmt == fmt:
+            return self.components[name]
+        try:
+            return self.variants[name][fmt]
+        except KeyError:
+            raise KeyError(f"{name} was not profiled as {fmt} (profile_modules(formats=...))") from None
+
 
 _FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 
 
-def _tensor_bytes(t: torch.Tensor, dtype_bytes: int) -> int:
-    """At the run dtype for floating tensors, except those stored in float8 (`--quantize ...=fp8`),
-    which hold one byte each whatever the run dtype."""
-    size = dtype_bytes if t.is_floating_point() and t.dtype not in _FLOAT8 else t.element_size()
-    return t.numel() * size
+class _Sizer:
+    """Bytes of a tensor: at the run dtype for floating tensors, except those stored in float8,
+    which hold one byte each; a tensor subclass (torchao's int8) holds its inner tensors; `stored`
+    overrides by id (a storage format predicted, offload/quantize.py's `stored_sizes`)."""
+
+    def __init__(self, dtype_bytes: int, stored: dict[int, int] | None = None):
+        self.dtype_bytes, self.stored = dtype_bytes, stored or {}
+
+    def __call__(self, t: torch.Tensor) -> int:
+        if id(t) in self.stored:
+            return self.stored[id(t)]
+        inner = getattr(type(t), "__tensor_flatten__", None) and type(t) not in (torch.Tensor, torch.nn.Parameter)
+        if inner:
+            names, _ = t.__tensor_flatten__()
+            return sum(self(getattr(t, n)) for n in names)
+        size = self.dtype_bytes if t.is_floating_point() and t.dtype not in _FLOAT8 else t.element_size()
+        return t.numel() * size
 
 
-def _pinned_bytes(module: torch.nn.Module, dtype_bytes: int) -> int:
+def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [*module.parameters(recurse=True), *module.buffers(recurse=True)]
+
+
+def _pinned_bytes(module: torch.nn.Module, size) -> int:
     """What pinning every tensor of `module` takes: each is one host allocation, rounded up to a
     power of two by torch's CachingHostAllocator (and cached, not freed, when released)."""
     total, seen = 0, set()
-    for t in [*module.parameters(recurse=True), *module.buffers(recurse=True)]:
+    for t in _tensors(module):
         if id(t) not in seen:
             seen.add(id(t))
-            size = _tensor_bytes(t, dtype_bytes)
-            total += 1 << max(size - 1, 0).bit_length() if size else 0
+            n = size(t)
+            total += 1 << max(n - 1, 0).bit_length() if n else 0
     return total
 
 
-def _bytes(module: torch.nn.Module, dtype_bytes: int, seen: set[int] | None = None) -> int:
+def _bytes(module: torch.nn.Module, size, seen: set[int] | None = None) -> int:
     total = 0
-    for t in [*module.parameters(recurse=True), *module.buffers(recurse=True)]:
+    for t in _tensors(module):
         if seen is not None:
             if id(t) in seen:
                 continue
             seen.add(id(t))
-        total += _tensor_bytes(t, dtype_bytes)
+        total += size(t)
     return total
 
 
@@ -119,14 +155,14 @@ def text_encoder_block_modules(module: torch.nn.Module) -> tuple[str, ...]:
     return tuple(best.split(".")[:-1])
 
 
-def _blocks(module: torch.nn.Module, block_modules: set[str], dtype_bytes: int, seen: set[int]) -> list[int]:
+def _blocks(module: torch.nn.Module, block_modules: set[str], size, seen: set[int]) -> list[int]:
     """Block sizes as diffusers' block level cuts them; marks their tensors as seen."""
     out = []
     for name, child in module.named_children():
         if name in block_modules:
-            out += _blocks(child, block_modules, dtype_bytes, seen)
+            out += _blocks(child, block_modules, size, seen)
         elif isinstance(child, _BLOCK_TYPES):
-            out += [_bytes(block, dtype_bytes, seen) for block in child]
+            out += [_bytes(block, size, seen) for block in child]
     return out
 
 
@@ -154,15 +190,22 @@ def _width(module: torch.nn.Module) -> int:
     return max((m.in_features for m in module.modules() if isinstance(m, torch.nn.Linear)), default=0)
 
 
-def profile_component(name: str, module: torch.nn.Module, dtype_bytes: int, upcast: bool = False) -> ComponentProfile:
+def profile_component(
+    name: str, module: torch.nn.Module, dtype_bytes: int, upcast: bool = False, fmt: str = "none"
+) -> ComponentProfile:
+    """`fmt`: count the component as storage format `fmt` would hold it (offload/quantize.py);
+    `none`: as its live tensors are."""
+    from offload.quantize import NONE, stored_sizes
+
+    size = _Sizer(dtype_bytes, stored_sizes(module, fmt) if fmt != NONE else None)
     explicit = getattr(module, "_group_offload_block_modules", None)
     block_modules = tuple(explicit) if explicit is not None else text_encoder_block_modules(module)
     seen: set[int] = set()
-    blocks = _blocks(module, set(block_modules), dtype_bytes, seen)
-    total = _bytes(module, dtype_bytes)
+    blocks = _blocks(module, set(block_modules), size, seen)
+    total = _bytes(module, size)
     leaves = [m for m in module.modules() if isinstance(m, _LEAF_TYPES)]
     leaf_seen: set[int] = set()
-    leaf_sizes = [_bytes(m, dtype_bytes, leaf_seen) for m in leaves]
+    leaf_sizes = [_bytes(m, size, leaf_seen) for m in leaves]
     ids = [id(p) for _, p in module.named_parameters(remove_duplicate=False)]
     hidden = _width(module)
     return ComponentProfile(
@@ -181,7 +224,8 @@ def profile_component(name: str, module: torch.nn.Module, dtype_bytes: int, upca
         hidden=hidden,
         adapters=bool(getattr(module, "peft_config", None)),
         upcast=upcast,
-        pinned=_pinned_bytes(module, dtype_bytes),
+        pinned=_pinned_bytes(module, size),
+        fmt=fmt,
     )
 
 
@@ -192,10 +236,18 @@ def _config_value(module: torch.nn.Module | None, key: str, default: int) -> int
 
 
 def profile_modules(
-    model: str, modules: dict[str, torch.nn.Module], dtype: torch.dtype, vae_upcast: bool = False
+    model: str,
+    modules: dict[str, torch.nn.Module],
+    dtype: torch.dtype,
+    vae_upcast: bool = False,
+    formats: tuple[str, ...] = (),
 ) -> PipelineProfile:
     """`vae_upcast`: the pipeline runs its VAE in float32 when the run dtype is float16 and the VAE's
-    config says `force_upcast` (the family says whether its pipeline does: SDXL's does)."""
+    config says `force_upcast` (the family says whether its pipeline does: SDXL's does). `formats`:
+    storage formats to count each component in too, where the format serves it (the planner's
+    `variants`)."""
+    from offload.quantize import FORMATS
+
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     vae = modules.get("vae")
     denoiser = next((modules[n] for n in PER_STEP if n in modules), None)
@@ -216,10 +268,15 @@ def profile_modules(
         vae_scale=vae_scale(vae_config) if vae_config else 8,
         vae_channels=vae_blocks[0] or vae_config.get("base_dim") or 128,
         patch=denoiser_patch(type(denoiser).__name__, dict(getattr(denoiser, "config", None) or {})),
+        variants={
+            n: {f: profile_component(n, m, dtype_bytes, fmt=f) for f in formats if n in FORMATS[f].components}
+            for n, m in modules.items()
+            if any(n in FORMATS[f].components for f in formats)
+        },
     )
 
 
-def profile_pipeline(pipe, model: str = "", vae_upcast: bool = False) -> PipelineProfile:
+def profile_pipeline(pipe, model: str = "", vae_upcast: bool = False, formats: tuple[str, ...] = ()) -> PipelineProfile:
     """The run dtype is the denoiser's (the first component's could be a VAE a failed call left
     upcast, or a text encoder kept in float32)."""
     modules = {n: c for n, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
@@ -228,4 +285,4 @@ def profile_pipeline(pipe, model: str = "", vae_upcast: bool = False) -> Pipelin
         (p.dtype for m in ordered for p in m.parameters() if p.is_floating_point() and p.dtype not in _FLOAT8),
         torch.float32,
     )  # float8 is a storage format (`--quantize`), never the run dtype
-    return profile_modules(model or getattr(pipe, "name_or_path", ""), modules, dtype, vae_upcast)
+    return profile_modules(model or getattr(pipe, "name_or_path", ""), modules, dtype, vae_upcast, formats)

@@ -1,56 +1,163 @@
-"""Storage formats for a pipeline's components (`--quantize COMPONENT=FORMAT,...`), applied before
-the pipeline is profiled and planned, so the plan counts the bytes each component really holds.
+"""Storage formats for a pipeline's components (`--quantize`), planned beside offloading.
 
-A format changes pixels: the mapping is job-level, in the job's fingerprint, the same on every
-worker. This first format is diffusers' layerwise casting: weights stored in float8 and cast to the
-run dtype one layer at a time as it runs (`diffusers.hooks.apply_layerwise_casting`, which works on
-any torch module, text encoders included). Layers it keeps at the run dtype — norms, positional and
-patch embeddings, `proj_in`/`proj_out` (its DEFAULT_SKIP_MODULES_PATTERN) — are counted at the run
-dtype by the profile, which reads the live modules' dtypes. It combines with every offload mode
-(the offloaded groups move in float8).
+`--quantize none` keeps every component at the run dtype; `--quantize transformer=fp8,...` fixes a
+format per component (the same on every worker); `--quantize auto` lets each worker's planner choose
+per component where that is predicted faster or is the only fit. A format changes pixels: the
+setting is job-level, in the job's fingerprint, and every image records the formats it was made with.
+
+One table (FORMATS) says, per format: what it stores and how many bytes that takes (the profile
+counts each component in every format it could have, from the live or `meta` modules), which
+components it may serve, when it is applied (after `from_pretrained`, in place; or at load, so a
+worker never holds the run dtype it cannot), what it needs (CUDA, a package), what it costs in
+compute (dequantization, a constant with its source, to be calibrated on a GPU) and which offload
+placements it refuses, with the upstream reason. The planner and `apply`'s checks both read it.
+
+Layers no format stores, whatever the format: diffusers' DEFAULT_SKIP_MODULES_PATTERN (norms,
+positional and patch embeddings, top-level `proj_in`/`proj_out`) plus the model's own
+`_skip_layerwise_casting_patterns` and `_keep_in_fp32_modules` — the precision-sensitive layers, as
+`ModelMixin.enable_layerwise_casting` skips them. They stay at the run dtype and are counted so.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
 
-from fleetgen.errors import ConfigError
+from fleetgen.errors import ConfigError, OffloadError
+
+DENOISERS = ("unet", "transformer", "transformer_2", "prior", "decoder")
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")
+_LINEAR = (torch.nn.Linear,)
+_CAST = (  # diffusers' _GO_LC_SUPPORTED_PYTORCH_LAYERS: what layerwise casting stores in float8
+    torch.nn.Conv1d,
+    torch.nn.Conv2d,
+    torch.nn.Conv3d,
+    torch.nn.ConvTranspose1d,
+    torch.nn.ConvTranspose2d,
+    torch.nn.ConvTranspose3d,
+    torch.nn.Linear,
+    torch.nn.Embedding,
+)
+# Published end-to-end times, FLUX.1-dev, 1024², 50 steps, one H100 (diffusers' blog "Exploring
+# Quantization Backends in Diffusers", May 2025; the figures the quantization issue quotes): bf16
+# 12 s, fp8 layerwise 13 s, torchao int8 weight-only 15 s, bitsandbytes NF4 12 s, bitsandbytes
+# 8-bit 27 s. Their ratios to bf16 are each format's compute cost; constants until a GPU check
+# calibrates them.
+BF16_SECONDS = 12.0
 
 
 @dataclass(frozen=True)
 class Format:
     name: str
-    storage: torch.dtype
     about: str
+    layers: tuple[type, ...]  # the layer types whose tensors it stores
+    weight_only: bool  # only the layer's weight (biases stay at the run dtype), else every tensor
+    weight_bytes: float  # bytes per stored element
+    row_bytes: int  # bytes per output row (scales, zero points)
+    components: tuple[str, ...]  # the components it may serve
+    at_load: bool  # applied by from_pretrained's quantization_config (planned before loading)
+    cuda: bool  # needs a CUDA device
+    package: str  # import name it needs ("" for torch alone)
+    seconds: float  # published FLUX.1-dev time (see BF16_SECONDS): compute costs seconds / 12
+    refuses: tuple[tuple[str, str], ...] = ()  # (placement kind, reason): stream | disk | offload
+
+    @property
+    def slowdown(self) -> float:
+        return self.seconds / BF16_SECONDS
 
 
+_BNB_OFFLOAD = (
+    "offload",
+    "bitsandbytes weights under diffusers' group offloading are not verified here (group offloading "
+    "swaps `param.data`; Params4bit/Int8Params keep their quantization state beside it), so they stay resident",
+)
 FORMATS = {
     "fp8": Format(
         "fp8",
-        torch.float8_e4m3fn,
-        "float8 (e4m3) storage, computed in the run dtype layer by layer (diffusers' layerwise casting)",
-    )
+        "float8 (e4m3) storage, cast to the run dtype layer by layer as it runs (diffusers' layerwise casting)",
+        _CAST,
+        False,
+        1.0,
+        0,
+        # pipelines read the other components' dtype for what they feed them (SD makes its latents in
+        # the text encoder's dtype): float8 there fails (`normal_kernel_cpu` not implemented for Float8)
+        DENOISERS,
+        False,
+        False,
+        "",
+        13.0,
+    ),
+    "int8": Format(
+        "int8",
+        "int8 weights with a scale per row, dequantized per matmul (torchao Int8WeightOnlyConfig)",
+        _LINEAR,
+        True,
+        1.0,
+        5,  # float32 scale + int8 zero point per row (torchao Int8Tensor, measured)
+        DENOISERS + TEXT_ENCODERS,  # a torchao tensor reports the run dtype: pipelines feed it as before
+        False,
+        False,
+        "torchao",
+        15.0,
+        (
+            (
+                "stream",
+                "torchao tensors with CUDA streams stay on the CPU or cannot be pinned (diffusers #13281, #14433)",
+            ),
+            (
+                "disk",
+                "diffusers refuses disk offload of torchao tensors: safetensors cannot serialize them "
+                "(hooks/group_offloading.py, _check_disk_offload_torchao)",
+            ),
+        ),
+    ),
+    "nf4": Format(
+        "nf4",
+        "4-bit NormalFloat weights with a float32 absmax per 64 (bitsandbytes, applied at load)",
+        _LINEAR,
+        True,
+        0.5 + 4 / 64,
+        0,
+        DENOISERS + TEXT_ENCODERS,
+        True,
+        True,
+        "bitsandbytes",
+        12.0,
+        (_BNB_OFFLOAD,),
+    ),
+    "bnb-int8": Format(
+        "bnb-int8",
+        "LLM.int8 weights with a float32 scale per row (bitsandbytes, applied at load)",
+        _LINEAR,
+        True,
+        1.0,
+        4,
+        DENOISERS + TEXT_ENCODERS,
+        True,
+        True,
+        "bitsandbytes",
+        27.0,
+        (_BNB_OFFLOAD,),
+    ),
 }
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+NONE = "none"  # the run dtype
 
 
 def parse_quantize(text: str | None) -> dict[str, str]:
-    """`none` (or empty) -> {}; `transformer=fp8,text_encoder=fp8` -> {component: format}."""
-    text = (text or "none").strip()
-    if text == "none":
+    """`none` (or empty) and `auto` -> {}; `transformer=fp8,text_encoder=int8` -> {component: format}."""
+    text = (text or NONE).strip()
+    if text in (NONE, "auto"):
         return {}
-    if text == "auto":
-        raise ConfigError(
-            "`--quantize auto` (the planner choosing formats per worker) is not built yet: name the "
-            f"components, e.g. `--quantize transformer=fp8` (formats: {', '.join(FORMATS)})."
-        )
     mapping = {}
     for part in text.split(","):
         component, sep, name = (s.strip() for s in part.partition("="))
         if not sep or not component or not name:
-            raise ConfigError(f"`--quantize` takes COMPONENT=FORMAT[,...] or none; got `{part.strip()}` in `{text}`.")
+            raise ConfigError(
+                f"`--quantize` takes none, auto or COMPONENT=FORMAT[,...]; got `{part.strip()}` in `{text}`."
+            )
         if name not in FORMATS:
             raise ConfigError(f"`--quantize {component}={name}`: the formats are {', '.join(FORMATS)}.")
         if component in mapping:
@@ -59,17 +166,21 @@ def parse_quantize(text: str | None) -> dict[str, str]:
     return mapping
 
 
+def is_auto(text: str | None) -> bool:
+    return (text or "").strip() == "auto"
+
+
 def normalized(text: str | None) -> str:
-    """The mapping as the fingerprint and every record hold it: sorted, or `none`."""
+    """The setting as the fingerprint and every record hold it: `none`, `auto`, or the sorted mapping."""
+    if is_auto(text):
+        return "auto"
     mapping = parse_quantize(text)
-    return ",".join(f"{c}={f}" for c, f in sorted(mapping.items())) or "none"
+    return ",".join(f"{c}={f}" for c, f in sorted(mapping.items())) or NONE
 
 
-# What each format may be applied to. Layerwise float8 only suits the denoiser: pipelines read the
-# other components' dtype for what they feed them (SD makes its latents in the text encoder's dtype,
-# decodes in the VAE's), and float8 there fails (`normal_kernel_cpu` not implemented for Float8).
-DENOISERS = ("unet", "transformer", "transformer_2", "prior", "decoder")
-ALLOWED = {"fp8": DENOISERS}
+def describe(formats: dict[str, str]) -> str:
+    """{component: format} as images record it: `transformer=fp8`, or `none`."""
+    return ",".join(f"{c}={f}" for c, f in sorted(formats.items()) if f != NONE) or NONE
 
 
 def check_components(mapping: dict[str, str], components: list[str], model: str) -> None:
@@ -80,18 +191,141 @@ def check_components(mapping: dict[str, str], components: list[str], model: str)
             f"(its model components: {', '.join(components)})."
         )
     for component, name in mapping.items():
-        if component not in ALLOWED[name]:
+        if component not in FORMATS[name].components:
+            why = (
+                "pipelines read that component's dtype for what they feed it, and float8 there fails"
+                if name == "fp8"
+                else "the VAE and other components stay at the run dtype"
+            )
             raise ConfigError(
-                f"`--quantize {component}={name}`: {name} applies to the denoiser only ({', '.join(ALLOWED[name])}); "
-                f"pipelines read the {component}'s dtype for what they feed it, and float8 there fails."
+                f"`--quantize {component}={name}`: {name} serves {', '.join(FORMATS[name].components)} only; {why}."
             )
 
 
-def quantize(modules: dict[str, torch.nn.Module], mapping: dict[str, str], compute_dtype: torch.dtype) -> dict:
-    """Apply each component's format in place; returns {component: format} as applied."""
-    from diffusers.hooks import apply_layerwise_casting
+def unavailable(name: str, cuda: bool) -> str | None:
+    """Why this machine cannot run format `name` (a device or a package it lacks); None when it can."""
+    import importlib.util
 
+    f = FORMATS[name]
+    if f.cuda and not cuda:
+        return f"{name} needs a CUDA device ({f.package}); this worker has none"
+    if f.package and importlib.util.find_spec(f.package) is None:
+        return f"{name} needs the `{f.package}` package (pip install 'fleetgen[quantize]')"
+    return None
+
+
+def runnable(cuda: bool, at_load: bool = False) -> tuple[str, ...]:
+    """The formats this machine can run; `at_load=False`: those applied after loading only."""
+    return tuple(n for n, f in FORMATS.items() if (at_load or not f.at_load) and unavailable(n, cuda) is None)
+
+
+def refusal(name: str, mode: str, stream: bool, disk: bool) -> str | None:
+    """Why format `name` cannot take this placement (mode resident|block|leaf); None when it can."""
+    refuses = dict(FORMATS[name].refuses) if name != NONE else {}
+    if mode != "resident" and "offload" in refuses:
+        return refuses["offload"]
+    if stream and "stream" in refuses:
+        return refuses["stream"]
+    if disk and "disk" in refuses:
+        return refuses["disk"]
+    return None
+
+
+def allowed(text: str | None, component: str, formats: tuple[str, ...], fixed: dict[str, str] | None = None):
+    """The formats the planner may give `component`: the mapping's (or the run dtype) for a mapping
+    or `none`; under `auto`, the run dtype and each of `formats` (what the device runs) that serves
+    it. `fixed`: formats already applied to live modules, which no plan can take back."""
+    if fixed and component in fixed:
+        return (fixed[component],)
+    if not is_auto(text):
+        return (parse_quantize(text).get(component, NONE),)
+    return (NONE, *(f for f in formats if component in FORMATS[f].components))
+
+
+def skip_patterns(module: torch.nn.Module) -> tuple[str, ...]:
+    from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
+
+    own = tuple(getattr(module, "_skip_layerwise_casting_patterns", None) or ())
+    keep = tuple(getattr(module, "_keep_in_fp32_modules", None) or ())
+    return tuple(DEFAULT_SKIP_MODULES_PATTERN) + own + keep
+
+
+def stored_layers(module: torch.nn.Module, name: str) -> dict[str, torch.nn.Module]:
+    """{qualified name: layer} of the layers format `name` stores, walked as diffusers'
+    `_apply_layerwise_casting` walks: a module whose name matches a skip pattern is skipped whole."""
+    patterns, layers = skip_patterns(module), FORMATS[name].layers
+    out: dict[str, torch.nn.Module] = {}
+
+    def walk(m: torch.nn.Module, prefix: str) -> None:
+        if prefix and any(re.search(p, prefix) for p in patterns):
+            return
+        if isinstance(m, layers):
+            out[prefix] = m
+            return
+        for child, sub in m.named_children():
+            walk(sub, f"{prefix}.{child}" if prefix else child)
+
+    walk(module, "")
+    return out
+
+
+def stored_sizes(module: torch.nn.Module, name: str) -> dict[int, int]:
+    """{id(tensor): bytes} of the tensors format `name` would store, as it would store them; the
+    profile counts every other tensor at the run dtype. Predicted from shapes (works on `meta`);
+    the test measures the live modules after `quantize` against it."""
+    f = FORMATS[name]
+    sizes: dict[int, int] = {}
+    for layer in stored_layers(module, name).values():
+        tensors = [layer.weight] if f.weight_only else [*layer.parameters(recurse=False), *layer.buffers(recurse=False)]
+        for t in tensors:
+            if t is None or not t.is_floating_point():
+                continue
+            rows = t.shape[0] if t.dim() > 1 else 1
+            sizes[id(t)] = int(-(-t.numel() * f.weight_bytes // 1)) + rows * f.row_bytes
+    return sizes
+
+
+def quantize(modules: dict[str, torch.nn.Module], mapping: dict[str, str], compute_dtype: torch.dtype) -> dict:
+    """Apply each component's after-load format in place; returns {component: format} as applied.
+    At-load formats (bitsandbytes) come through `load_config`, never here."""
     check_components(mapping, list(modules), "the pipeline")
     for component, name in mapping.items():
-        apply_layerwise_casting(modules[component], storage_dtype=FORMATS[name].storage, compute_dtype=compute_dtype)
+        module = modules[component]
+        if FORMATS[name].at_load:
+            raise OffloadError(
+                f"`{component}` {name}: applied when the weights load (bitsandbytes), not to a loaded pipeline."
+            )
+        if name == "fp8":
+            from diffusers.hooks import apply_layerwise_casting
+
+            apply_layerwise_casting(
+                module,
+                storage_dtype=torch.float8_e4m3fn,
+                compute_dtype=compute_dtype,
+                skip_modules_pattern=skip_patterns(module),
+            )
+        elif name == "int8":
+            from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+            targets = set(stored_layers(module, name))
+            quantize_(module, Int8WeightOnlyConfig(), filter_fn=lambda _m, fqn, t=targets: fqn in t)
     return dict(mapping)
+
+
+def load_config(mapping: dict[str, str], compute_dtype: torch.dtype):
+    """diffusers' PipelineQuantizationConfig for the mapping's at-load formats; None when it has none."""
+    at_load = {c: n for c, n in mapping.items() if FORMATS[n].at_load}
+    if not at_load:
+        return None
+    from diffusers import PipelineQuantizationConfig
+
+    backends = {n: ("bitsandbytes_4bit" if n == "nf4" else "bitsandbytes_8bit") for n in set(at_load.values())}
+    if len(backends) > 1:
+        raise ConfigError("`--quantize`: nf4 and bnb-int8 in one job are not supported; choose one.")
+    ((name, backend),) = backends.items()
+    kwargs = (
+        {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": compute_dtype}
+        if name == "nf4"
+        else {"load_in_8bit": True}
+    )
+    return PipelineQuantizationConfig(quant_backend=backend, quant_kwargs=kwargs, components_to_quantize=list(at_load))

@@ -10,29 +10,37 @@ if TYPE_CHECKING:
 
 
 def _combos(
-    tables: list[list[_Option]], limit: float, host_budget: float, bound: float, dims: int = 4
+    tables: list[list[_Option]], limit: float, host_budget: float, bound: float, dims: int = 6
 ) -> list[tuple[_Option, ...]]:
     """The combinations of one option per component worth comparing, in `itertools.product` order:
     none another beats on every one of the first `dims` counts (device bytes held throughout, the
-    largest phase, host bytes, seconds), and none that already breaks a limit: device bytes held
-    plus the largest phase over `limit`, host bytes over `host_budget`, seconds over `bound`. Built
+    largest phase, host bytes, seconds, host bytes while loading, components quantized), and none
+    that already breaks a limit: device bytes held plus the largest phase over `limit`, host bytes
+    (steady or loading) over `host_budget`, seconds over `bound`. Built
     one component at a time, dropping such partial combinations as it goes: each count only grows
     as components are added (the phase is a maximum), so a dropped one could never end better.
     HiDream's six components are 154 k products at one batch size; what is left is a few hundred."""
-    partial: list[tuple[tuple[_Option, ...], tuple]] = [((), (0, 0, 0, 0.0, 0, 0))]
+    partial: list[tuple[tuple[_Option, ...], tuple]] = [((), (0, 0, 0, 0.0, 0, 0, 0, 0))]
     for options in tables:
         grown = []
-        for combo, (resident, phase, host, seconds, moved, off) in partial:
+        for combo, (resident, phase, host, seconds, load, quantized, moved, off) in partial:
             for o in options:
                 counts = (
                     resident + o.resident,
                     max(phase, o.phase),
                     host + o.host,
                     seconds + o.seconds,
+                    load + o.load,
+                    quantized + o.quantized,
                     moved + o.moved,
                     off + (o.placement.mode != "resident"),
                 )
-                if counts[0] + counts[1] > limit or counts[2] > host_budget or counts[3] > bound:
+                if (
+                    counts[0] + counts[1] > limit
+                    or counts[2] > host_budget
+                    or counts[3] > bound
+                    or counts[4] > host_budget
+                ):
                     continue
                 grown.append((combo + (o,), counts))
         if not grown:
@@ -41,11 +49,11 @@ def _combos(
     return [combo for combo, _ in partial]
 
 
-def _frontier(items: list[tuple[tuple, tuple]], dims: int = 4) -> list[tuple[tuple, tuple]]:
+def _frontier(items: list[tuple[tuple, tuple]], dims: int = 6) -> list[tuple[tuple, tuple]]:
     """The items no other item dominates on the first `dims` counts (device bytes held throughout,
-    the largest phase, host bytes, seconds: what decides a plan), in their order; of items equal on
-    those, the one first by bytes moved, components offloaded, then position (the plan's
-    tie-breaks). Vectorised: six components' frontier can be thousands of items."""
+    the largest phase, host bytes, seconds, loading bytes, components quantized: what decides a
+    plan), in their order; of items equal on those, the one first by bytes moved, components
+    offloaded, then position (the plan's tie-breaks). Vectorised: six components' frontier can be thousands of items."""
     import numpy as np
 
     counts = np.array([c for _, c in items], dtype=np.float64)

@@ -119,6 +119,13 @@ FIELDS: list[Field] = [
         stored=True,
     ),
     Field("template", pa.string(), "the prompt template the prompt was rendered from (null: none)"),
+    Field(
+        "quantized",
+        pa.string(),
+        "the storage formats its components had: `none`, or e.g. `transformer=fp8` (`--quantize`; under "
+        "`auto`, what this image's worker chose)",
+        stored=True,
+    ),
     Field("batch", pa.int32(), "images in the pipeline call that made this one"),
     Field("worker", pa.string()),
     Field("device", pa.string()),

@@ -13,7 +13,7 @@ import torch
 from fleetgen.errors import FleetgenError, OffloadError, one_line
 from offload import OffloadPlan, OffloadStats, apply, pipeline_modules, profile_pipeline
 from offload.apply import unapply
-from offload.quantize import parse_quantize, quantize
+from offload.quantize import FORMATS, describe, is_auto, load_config, parse_quantize, quantize, runnable, unavailable
 from workers.batches import Adapter, Image, Look
 from workers.families import FAMILIES, GENERIC, Family, call_kwargs, prepare_call, prompt_limit, takes_negative_prompt
 from workers.fields import extra_settings
@@ -40,6 +40,7 @@ class Picture:
     nsfw: bool | None  # the safety checker's flag; None where the pipeline has none
     batch: int  # images in the call that made it
     seconds: float  # its share of the call's wall time
+    quantized: str = "none"  # the storage formats its components had (offload/quantize.py `describe`)
 
 
 class FittedPipeline:
@@ -55,6 +56,15 @@ class FittedPipeline:
         self.device = resolve_device(source.device)
         self.dtype = resolve_dtype(source.dtype, self.device, self.family.dtype)
         self._given = pipe is not None
+        mapping = parse_quantize(source.quantize)
+        cuda = self.device.type == "cuda"
+        for name in sorted(set(mapping.values())):  # a format this worker cannot run: one line, before loading
+            why = unavailable(name, cuda)
+            if why:
+                raise OffloadError(f"{tag}: `--quantize` {describe(mapping)}: {why}.")
+        at_load = {c: f for c, f in mapping.items() if FORMATS[f].at_load}
+        if at_load and pipe is not None:
+            raise OffloadError(f"{tag}: {describe(at_load)} applies at load; a given pipeline is loaded already.")
         self.pipe = (
             pipe
             if pipe is not None
@@ -65,18 +75,24 @@ class FittedPipeline:
                 revision=source.revision,
                 variant=source.variant,
                 worker=tag,
+                quantization_config=load_config(at_load, self.dtype),
             )
         )
         self.pipe.set_progress_bar_config(disable=True)
-        # Storage formats before anything is profiled or offloaded: the plan counts what each holds.
-        modules = {n: c for n, c in self.pipe.components.items() if isinstance(c, torch.nn.Module)}
-        self.quantized = quantize(modules, parse_quantize(source.quantize), self.dtype)
+        self.quantized: dict[str, str] = dict(at_load)  # {component: format} as applied
         self.takes_negative = takes_negative_prompt(self.pipe)
         # Adapters before profiling and offloading: their bytes are planned for and offloaded with their layers.
         self.adapters = load_adapters(self.pipe, source.adapters, tag)
         self._active: tuple[Adapter, ...] | None = None
         self.size_multiple = pipe_size_multiple(self.pipe, self.family.size_floor)
-        self.profile = profile_pipeline(self.pipe, source.model, vae_upcast=self.family.upcasts_vae)
+        # The pipeline as loaded, counted in every storage format it may be given (after-load formats
+        # are applied once planned, so that the plan chooses them): the planner's profile.
+        self._formats = (
+            runnable(cuda) if is_auto(source.quantize) else tuple(set(mapping.values()) - set(at_load.values()))
+        )
+        self.profile = profile_pipeline(
+            self.pipe, source.model, vae_upcast=self.family.upcasts_vae, formats=self._formats
+        ).holding(at_load)
         self.probe = probe(self.device, self.dtype)
         w = workload
         self._fit = {
@@ -86,10 +102,19 @@ class FittedPipeline:
             "steps": w.steps,
             "cfg": self.family.doubles_batch(w.guidance, w.true_cfg_scale),
             "host_memory": w.host_memory,
+            "quantize": source.quantize,
+            "formats": self._formats,
         }
         self.plan = choose_plan(
-            self.profile, self.device, self.probe, max_batch=w.max_batch, gpu_memory=w.gpu_memory, **self._fit
+            self.profile,
+            self.device,
+            self.probe,
+            max_batch=w.max_batch,
+            gpu_memory=w.gpu_memory,
+            fixed=self.quantized,
+            **self._fit,
         )
+        self._quantize(self.plan.formats)
         self.placed = None
         self.step_downs: list[dict] = []
         self.seconds = 0.0  # wall time in pipeline calls
@@ -107,6 +132,15 @@ class FittedPipeline:
                 self.placed.close()
             raise
         self.batch_size = self.plan.batch_size
+
+    def _quantize(self, formats: dict[str, str]) -> None:
+        """Apply the plan's after-load formats not applied yet (a step-down under `auto` may add one)."""
+        new = {c: f for c, f in formats.items() if c not in self.quantized}
+        if new:
+            modules = {n: c for n, c in self.pipe.components.items() if isinstance(c, torch.nn.Module)}
+            self.quantized.update(quantize(modules, new, self.dtype))
+        # what the live modules hold, as measured (workers/<w>.json): the plan's counts were predicted
+        self.weight_bytes = {n: c.bytes for n, c in profile_pipeline(self.pipe).components.items()}
 
     def prompt_note(self, prompt: str, negative: str | None, strict: bool) -> dict:
         """What an image's record says about its prompt before it is made. Prompts longer than the
@@ -195,7 +229,7 @@ class FittedPipeline:
             )
             return True
         try:
-            leaner = leaner_plan(self.profile, self.plan, self.device, self.probe, **self._fit)
+            leaner = leaner_plan(self.profile, self.plan, self.device, self.probe, fixed=self.quantized, **self._fit)
         except FleetgenError:
             return False
         self._reapply(leaner)
@@ -212,6 +246,7 @@ class FittedPipeline:
     def _reapply(self, new_plan: OffloadPlan) -> None:
         self.offload_stats.close()
         unapply(self.pipe, self.placed)  # every hook, the stream ones included
+        self._quantize(new_plan.formats)  # a format `auto` adds to lean further
         self.placed = apply(self.pipe, new_plan, self.profile, self.device, tag=self.tag)
         self.offload_stats = OffloadStats(pipeline_modules(self.pipe), self.device)
 
@@ -255,8 +290,9 @@ class FittedPipeline:
         flags = getattr(out, "nsfw_content_detected", None) or [None] * len(batch)
         seconds = time.perf_counter() - started
         self.seconds += seconds
+        quantized = describe(self.quantized)
         return [
-            Picture(im, None if flagged else picture, flagged, len(batch), seconds / len(batch))
+            Picture(im, None if flagged else picture, flagged, len(batch), seconds / len(batch), quantized)
             for im, picture, flagged in zip(batch, out.images, flags, strict=True)
         ]
 

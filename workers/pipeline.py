@@ -86,9 +86,11 @@ def load_pipeline(
     revision: str | None = None,
     variant: str | None = None,
     worker: str = "worker",
+    quantization_config=None,
 ):
     """`DiffusionPipeline.from_pretrained` for a local directory or a hub id (at `revision`, through
-    the node's cache, downloaded once per node); progress bars off."""
+    the node's cache, downloaded once per node); progress bars off. `quantization_config`: formats
+    applied as the weights load (offload/quantize.py `load_config`)."""
     from diffusers import DiffusionPipeline
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
@@ -98,8 +100,9 @@ def load_pipeline(
     warnings_once(worker)
     source = fetch_snapshot(model, revision, variant, worker) if is_hub_id(model) else model
     try:
+        extra = {"quantization_config": quantization_config} if quantization_config is not None else {}
         pipe = DiffusionPipeline.from_pretrained(
-            source, dtype=dtype, trust_remote_code=trust_remote_code, variant=variant
+            source, dtype=dtype, trust_remote_code=trust_remote_code, variant=variant, **extra
         )
     except ImportError as err:  # a component whose class needs a package this worker lacks
         raise FleetgenError(f"Could not load the pipeline `{model}`: {one_line(err)}{BACKEND_HINT}") from err

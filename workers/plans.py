@@ -4,12 +4,14 @@ what counts as one; each component's dtype kept across a pipeline call."""
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 
 from fleetgen.errors import OffloadError
 from offload import DeviceSpec, OffloadPlan, PipelineProfile, plan, resident_plan
 from offload import Workload as PlannerWorkload
+from offload.quantize import parse_quantize
 
 HOST_SHARE = 0.8  # of available host RAM a worker may fill with offloaded copies
 # How CUDA libraries word an allocation failure they raise as a plain RuntimeError (cuBLAS and cuDNN
@@ -52,11 +54,27 @@ def components_dtypes_kept(pipe):
 STEP_DOWN = 0.75  # after an OOM at batch 1, re-plan for this fraction of the previous budget
 
 
-def _workload(offload: str, max_batch: int, width: int, height: int, steps: int, cfg: bool) -> PlannerWorkload:
-    return PlannerWorkload(width=width, height=height, steps=steps, cfg=cfg, max_batch=max_batch, offload=offload)
+def _workload(
+    offload: str, max_batch: int, width: int, height: int, steps: int, cfg: bool, quantize: str, fixed: dict
+) -> PlannerWorkload:
+    # a worker plans a pipeline already loaded: its loading peak is past
+    return PlannerWorkload(
+        width=width,
+        height=height,
+        steps=steps,
+        cfg=cfg,
+        max_batch=max_batch,
+        offload=offload,
+        loaded=True,
+        quantize=quantize,
+        fixed=tuple(sorted(fixed.items())),
+    )
 
 
-def device_spec(device: torch.device, probe: dict, gpu_memory: int | None, host_memory: int | None) -> DeviceSpec:
+def device_spec(
+    device: torch.device, probe: dict, gpu_memory: int | None, host_memory: int | None, formats: tuple[str, ...] = ()
+) -> DeviceSpec:
+    """`formats`: the storage formats this worker can apply to its loaded pipeline (`--quantize auto`)."""
     cuda = device.type == "cuda"
     budget = gpu_memory or (probe["free_bytes"] if cuda else probe["host_available_bytes"])
     return DeviceSpec(
@@ -66,6 +84,7 @@ def device_spec(device: torch.device, probe: dict, gpu_memory: int | None, host_
         flops=probe["flops"],
         streams=cuda,
         name=torch.cuda.get_device_name(device) if cuda else "cpu",
+        formats=formats,
     )
 
 
@@ -82,19 +101,25 @@ def choose_plan(
     height: int,
     steps: int,
     cfg: bool,
+    quantize: str = "none",
+    formats: tuple[str, ...] = (),
+    fixed: dict | None = None,
 ) -> OffloadPlan:
     """On a CPU worker with no `--gpu-memory` and `--offload auto|none`, everything is resident at
-    `--max-batch`. Otherwise the planner fits the budget: `--gpu-memory`, else the free memory."""
+    `--max-batch` (a `--quantize` mapping applied as given; `auto` has no budget to fit, so keeps
+    the run dtype). Otherwise the planner fits the budget: `--gpu-memory`, else the free memory."""
+    fixed = fixed or {}
     if device.type == "cpu" and gpu_memory is None and offload in ("auto", "none"):
-        return resident_plan(
+        resident = resident_plan(
             list(profile.components),
             max_batch,
             f"all resident: CPU worker without `--gpu-memory`; batch {max_batch} (`--max-batch`)",
         )
+        return replace(resident, formats={**parse_quantize(quantize), **fixed})
     return plan(
         profile,
-        device_spec(device, probe, gpu_memory, host_memory),
-        _workload(offload, max_batch, width, height, steps, cfg),
+        device_spec(device, probe, gpu_memory, host_memory, formats),
+        _workload(offload, max_batch, width, height, steps, cfg, quantize, fixed),
     )
 
 
@@ -110,16 +135,19 @@ def leaner_plan(
     height: int,
     steps: int,
     cfg: bool,
+    quantize: str = "none",
+    formats: tuple[str, ...] = (),
+    fixed: dict | None = None,
 ) -> OffloadPlan:
     """After an out-of-memory error at batch 1: plan for ever smaller budgets until the placement
     changes; `OffloadError` when even the leanest plan does not fit. A step that goes from the
     current placement straight to "nothing fits" (where activations, not weights, fill the budget)
     is bisected for the budgets between, where a leaner placement may still fit."""
     high = current.budget or probe.get("free_bytes") or probe["host_available_bytes"]
-    work = _workload(offload, 1, width, height, steps, cfg)
+    work = _workload(offload, 1, width, height, steps, cfg, quantize, fixed or {})
 
     def at(budget: int) -> OffloadPlan:
-        return plan(profile, device_spec(device, probe, budget, host_memory), work)
+        return plan(profile, device_spec(device, probe, budget, host_memory, formats), work)
 
     while True:
         budget = int(high * STEP_DOWN)
@@ -134,10 +162,10 @@ def leaner_plan(
                 except OffloadError:
                     low = middle
                     continue
-                if leaner.placements != current.placements:
+                if (leaner.placements, leaner.formats) != (current.placements, current.formats):
                     return leaner
                 high = middle
             raise
-        if leaner.placements != current.placements:
+        if (leaner.placements, leaner.formats) != (current.placements, current.formats):
             return leaner
         high = budget

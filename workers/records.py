@@ -46,7 +46,10 @@ class Records:
                 "batch": p.batch,
                 "seconds": p.seconds,
                 "error": "flagged by the pipeline's safety checker; not stored",
+                "quantized": p.quantized,
             }
             return Made(im.id, im.row, None, {}, flagged)
-        meta = {**{name: record[name] for name in self.stored}, "nsfw": p.nsfw, "model": self.model}
-        return Made(im.id, im.row, p.picture, meta, {"batch": p.batch, "nsfw": p.nsfw, "seconds": p.seconds})
+        made = {"batch": p.batch, "nsfw": p.nsfw, "seconds": p.seconds, "quantized": p.quantized}
+        meta = {**{name: record[name] for name in self.stored}, **made, "model": self.model}
+        meta = {k: v for k, v in meta.items() if k in self.stored or k in ("nsfw", "model")}
+        return Made(im.id, im.row, p.picture, meta, made)

@@ -88,7 +88,9 @@ class Worker:
             "dtype": str(self.fitted.dtype).removeprefix("torch."),
             "torch_threads": torch.get_num_threads(),
             "plan": self.plan.to_dict(),
-            "quantized": self.fitted.quantized,  # {component: storage format}, the job's `--quantize`
+            # {component: storage format}: the job's `--quantize` mapping, or what `auto` chose here
+            "quantized": dict(self.fitted.quantized),
+            "weight_bytes": self.fitted.weight_bytes,  # per component, measured from the live modules
             "probe": self.fitted.probe,
             "load_seconds": round(time.perf_counter() - started, 3),
             "versions": {"fleetgen": __version__, "torch": torch.__version__, "python": platform.python_version()},
@@ -124,6 +126,8 @@ class Worker:
         return {
             **self.info,
             "plan": self.plan.to_dict(),
+            "quantized": dict(fitted.quantized),  # a step-down under `auto` may have added one
+            "weight_bytes": fitted.weight_bytes,
             "batch_size": self.batch_size,
             "stats": stats,
             "offload": offload,

@@ -132,13 +132,20 @@ def _exhaustive(prof, device, w):
 
     best = None
     for batch in range(1, w.max_batch + 1):
-        tables = [_options(c, prof, device, w, batch) for c in prof.components.values()]
+        tables = [_options(n, prof, device, w, batch) for n in prof.components]
         for combo in itertools.product(*tables):
             peak = sum(o.resident for o in combo) + max(o.phase for o in combo)
             if peak > device.budget * (1 - MARGIN) or sum(o.host for o in combo) > device.host_budget:
                 continue
+            if sum(o.load for o in combo) > device.host_budget:
+                continue
             seconds = sum(o.seconds for o in combo) / batch
-            key = (seconds, sum(o.moved for o in combo) // batch, sum(o.placement.mode != "resident" for o in combo))
+            key = (
+                seconds,
+                sum(o.quantized for o in combo),
+                sum(o.moved for o in combo) // batch,
+                sum(o.placement.mode != "resident" for o in combo),
+            )
             best = key if best is None or key < best else best
     return best
 
@@ -164,7 +171,7 @@ def test_the_search_finds_what_the_exhaustive_one_finds(arch):
                 assert expected is None, (arch, gib, host)
                 continue
             off = sum(p.mode != "resident" for p in got.placements.values())
-            assert (got.seconds_per_image, got.moved_per_image, off) == expected, (arch, gib, host)
+            assert (got.seconds_per_image, len(got.formats), got.moved_per_image, off) == expected, (arch, gib, host)
 
 
 @pytest.mark.parametrize("arch", sorted(DIMENSIONS))

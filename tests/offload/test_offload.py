@@ -83,6 +83,8 @@ def test_nothing_fits_names_the_need(profiles):
     msg = str(err.value)
     assert msg.startswith("Nothing fits 2.0 GiB on gpu-3") and "needs" in msg and "1024x1024" in msg
     with pytest.raises(OffloadError, match="Raise `--host-memory`"):
+        plan(profiles["sdxl"], DeviceSpec(budget=8 * GiB, host_budget=GiB), Workload(offload="leaf", loaded=True))
+    with pytest.raises(OffloadError, match=r"Nothing loads \(host RAM binds\).*`--quantize auto`"):
         plan(profiles["sdxl"], DeviceSpec(budget=8 * GiB, host_budget=GiB), Workload(offload="leaf"))
     with pytest.raises(OffloadError, match="or `--offload auto`"):
         plan(profiles["sdxl"], DeviceSpec(budget=8 * GiB, host_budget=64 * GiB), Workload(offload="none"))
@@ -92,7 +94,7 @@ def test_forced_modes_and_streams_follow_the_device(profiles):
     prof = profiles["sdxl"]
     forced = plan(prof, DeviceSpec(budget=24 * GiB, host_budget=64 * GiB, streams=False), Workload(offload="block"))
     assert all(m.startswith("block_level(") and "stream" not in m for m in forced.modes.values())
-    disk = plan(prof, DeviceSpec(budget=24 * GiB, host_budget=GiB), Workload(offload="disk"))
+    disk = plan(prof, DeviceSpec(budget=24 * GiB, host_budget=GiB), Workload(offload="disk", loaded=True))
     assert all(m == "block_level(1)+disk" for m in disk.modes.values()) and disk.host_bytes == 0
     tight = plan(profiles["flux.1-dev"], DeviceSpec(budget=16 * GiB, host_budget=64 * GiB), Workload())
     assert tight.pinned_bytes > 0 and "stream" in tight.modes["transformer"]
@@ -330,11 +332,11 @@ def test_components_with_lora_adapters_are_never_planned_to_disk(profiles):
 
     prof = profiles["sdxl"]
     tight = DeviceSpec(budget=8 * GiB, host_budget=GiB)
-    assert "disk" in plan(prof, tight, Workload()).modes["unet"]
+    assert "disk" in plan(prof, tight, Workload(loaded=True)).modes["unet"]
     lora = replace(prof, components={**prof.components, "unet": replace(prof.components["unet"], adapters=True)})
     assert "disk" not in plan(lora, DeviceSpec(budget=8 * GiB, host_budget=64 * GiB), Workload()).modes["unet"]
     with pytest.raises(OffloadError):
-        plan(lora, tight, Workload())
+        plan(lora, tight, Workload(loaded=True))
 
 
 def test_after_an_oom_a_leaner_placement_is_found_even_where_a_step_down_overshoots():

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from fleetgen.errors import ConfigError, StorageError
+from fleetgen.errors import ConfigError, OffloadError, StorageError
 from jobs.config import JobConfig, validate
 from jobs.models import resolve_adapters, resolve_defaults
 from jobs.sharding import plan_shards, read_footer, resolve_columns
@@ -38,42 +38,62 @@ def _pixels(out, row) -> np.ndarray:
 
 
 def test_the_mapping_is_parsed_and_refused_in_one_line():
-    assert parse_quantize("none") == {} and parse_quantize(None) == {}
-    assert normalized(" transformer=fp8 , text_encoder=fp8") == "text_encoder=fp8,transformer=fp8"
+    assert parse_quantize("none") == {} and parse_quantize(None) == {} and parse_quantize("auto") == {}
+    assert normalized(" transformer=fp8 , text_encoder=int8") == "text_encoder=int8,transformer=fp8"
+    assert normalized(" auto ") == "auto" and normalized(None) == "none"
     for text, message in (
-        ("transformer=int3", "the formats are fp8"),
-        ("transformer", "takes COMPONENT=FORMAT"),
+        ("transformer=int3", "the formats are fp8, int8, nf4, bnb-int8"),
+        ("transformer", r"takes none, auto or COMPONENT=FORMAT"),
         ("unet=fp8,unet=fp8", "names `unet` twice"),
-        ("auto", "not built yet"),
     ):
         with pytest.raises(ConfigError, match=message):
             parse_quantize(text)
     with pytest.raises(ConfigError, match="the formats are fp8"):
-        validate(JobConfig(input="x", output="y", model="org/m", quantize="unet=nf4"))
+        validate(JobConfig(input="x", output="y", model="org/m", quantize="unet=q3"))
+    # the combination table, before any worker: torchao cannot go to disk, bitsandbytes stays resident
+    with pytest.raises(ConfigError, match=r"unet=int8` with `--offload disk`: diffusers refuses disk offload"):
+        validate(JobConfig(input="x", output="y", model="org/m", quantize="unet=int8", offload="disk"))
+    with pytest.raises(ConfigError, match=r"unet=nf4` with `--offload block`: bitsandbytes weights"):
+        validate(JobConfig(input="x", output="y", model="org/m", quantize="unet=nf4", offload="block"))
 
 
-def test_fp8_unet_holds_a_quarter_of_the_bytes_and_stays_close(tiny_model, tmp_path):
+# (mapping, component: the measured bytes' share of float32): fp8 stores every Conv/Linear tensor in
+# one byte (norms kept); int8 stores Linear weights in one byte plus 5 per row (convs, biases kept).
+CASES = {
+    "unet=fp8": {"unet": (0.25, 0.27)},
+    "text_encoder=int8,unet=int8": {"unet": (0.70, 0.73), "text_encoder": (0.44, 0.46)},
+}
+
+
+@pytest.mark.parametrize("mapping", sorted(CASES))
+def test_a_format_holds_the_bytes_predicted_and_stays_close(mapping, tiny_model, tmp_path):
     path = write_prompts(tmp_path / "p.parquet", ["a red fox", "a blue owl"], id=["a", "b"])
     plain, plain_rows = _run(tiny_model, tmp_path / "plain", path)
-    fp8, fp8_rows = _run(tiny_model, tmp_path / "fp8", path, "unet=fp8")
-    before, after = plain.profile.components, fp8.profile.components  # read from the live modules
-    ratio = after["unet"].bytes / before["unet"].bytes
-    assert 0.25 <= ratio < 0.27, ratio  # float8 for float32, norms kept at float32
-    assert after["vae"].bytes == before["vae"].bytes and after["text_encoder"].bytes == before["text_encoder"].bytes
+    q, q_rows = _run(tiny_model, tmp_path / "q", path, mapping)
+    info = json.loads((tmp_path / "q" / "workers" / "w0.json").read_text())
+    formats = parse_quantize(mapping)
+    assert info["quantized"] == formats
+    measured, unquantized = info["weight_bytes"], plain.fitted.weight_bytes  # from the live modules
+    for name, fmt in formats.items():
+        assert measured[name] == q.profile.variant(name, fmt).bytes  # the planner's prediction, to the byte
+        low, high = CASES[mapping][name]
+        assert low <= measured[name] / unquantized[name] < high, (name, measured[name] / unquantized[name])
+    assert measured["vae"] == unquantized["vae"]
     for k in ("a", "b"):
-        assert fp8_rows[k]["status"] == "ok" and fp8_rows[k]["sha256"] != plain_rows[k]["sha256"]  # pixels change
-        mse = ((_pixels(tmp_path / "plain", plain_rows[k]) - _pixels(tmp_path / "fp8", fp8_rows[k])) ** 2).mean()
+        row = q_rows[k]
+        assert row["status"] == "ok" and row["sha256"] != plain_rows[k]["sha256"]  # pixels change
+        assert row["quantized"] == mapping and plain_rows[k]["quantized"] == "none"  # recorded per image
+        mse = ((_pixels(tmp_path / "plain", plain_rows[k]) - _pixels(tmp_path / "q", row)) ** 2).mean()
         assert 10 * np.log10(255**2 / mse) >= MIN_PSNR
-    info = json.loads((tmp_path / "fp8" / "workers" / "w0.json").read_text())
-    assert info["quantized"] == {"unet": "fp8"}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("offload", ["block", "leaf"])
-def test_offloading_a_quantized_pipeline_keeps_its_images(offload, tiny_model, tmp_path):
+@pytest.mark.parametrize("mapping", ["unet=fp8", "unet=int8"])
+def test_offloading_a_quantized_pipeline_keeps_its_images(offload, mapping, tiny_model, tmp_path):
     path = write_prompts(tmp_path / "p.parquet", ["a red fox", "a blue owl"], id=["a", "b"])
-    _, resident = _run(tiny_model, tmp_path / "resident", path, "unet=fp8")
-    worker, offloaded = _run(tiny_model, tmp_path / "off", path, "unet=fp8", offload=offload, gpu_memory=64 << 20)
+    _, resident = _run(tiny_model, tmp_path / "resident", path, mapping)
+    worker, offloaded = _run(tiny_model, tmp_path / "off", path, mapping, offload=offload, gpu_memory=64 << 20)
     assert worker.plan.modes["unet"] != "resident"
     assert {k: r["sha256"] for k, r in offloaded.items()} == {k: r["sha256"] for k, r in resident.items()}
 
@@ -84,11 +104,19 @@ def test_what_cannot_be_quantized_is_refused_before_any_worker(tiny_model, tmp_p
     with pytest.raises(ConfigError, match=r"has no component `transformer` \(its model components: .*unet"):
         resolve_defaults(config, Columns())
     text = JobConfig(input=str(prompts), output="o", model=tiny_model, quantize="text_encoder=fp8")
-    with pytest.raises(ConfigError, match=r"fp8 applies to the denoiser only \(unet, transformer"):
+    with pytest.raises(ConfigError, match=r"fp8 serves unet, transformer.* only; pipelines read"):
         resolve_defaults(text, Columns())
-    lora = JobConfig(input=str(prompts), output="o", model=tiny_model, quantize="unet=fp8", lora=(str(prompts),))
-    with pytest.raises(ConfigError, match="`--quantize` with LoRA adapters is not supported yet"):
-        resolve_adapters(lora, Columns(), [])
+    vae = JobConfig(input=str(prompts), output="o", model=tiny_model, quantize="vae=int8")
+    with pytest.raises(ConfigError, match=r"int8 serves unet, .*text_encoder.* only; the VAE"):
+        resolve_defaults(vae, Columns())
+    for quantize in ("unet=fp8", "auto"):
+        lora = JobConfig(input=str(prompts), output="o", model=tiny_model, quantize=quantize, lora=(str(prompts),))
+        with pytest.raises(ConfigError, match="`--quantize` with LoRA adapters is not supported yet"):
+            resolve_adapters(lora, Columns(), [])
+    # bitsandbytes on a CPU worker: one line, before the weights load
+    with pytest.raises(OffloadError, match=r"w0: `--quantize` unet=nf4: nf4 needs a CUDA device \(bitsandbytes\)"):
+        _run(tiny_model, tmp_path / "nf4", prompts, "unet=nf4")
+    assert not (tmp_path / "nf4" / "shards").exists()
 
 
 def test_the_mapping_is_part_of_the_jobs_fingerprint(tiny_model, tmp_path, ray_cluster):
@@ -112,9 +140,11 @@ def test_plan_counts_float8_bytes_and_loads_at_the_run_dtype(capsys):
     plain = json.loads(capsys.readouterr().out)
     assert main([*args, "--quantize", "transformer=fp8"]) == 0
     fp8 = json.loads(capsys.readouterr().out)
-    ratio = fp8["components"]["transformer"]["bytes"] / plain["components"]["transformer"]["bytes"]
-    assert 0.5 <= ratio < 0.51 and fp8["quantized"] == {"transformer": "fp8"}
-    assert fp8["load_host_bytes"] == plain["load_host_bytes"]  # loaded in bf16, cast after
+    transformer = fp8["components"]["transformer"]
+    ratio = transformer["bytes_as"]["fp8"] / transformer["bytes"]
+    assert 0.5 <= ratio < 0.51 and fp8["quantize"] == "transformer=fp8"
+    assert fp8["plans"][0]["formats"] == {"transformer": "fp8"}
+    assert fp8["plans"][0]["load_host_bytes"] == plain["load_host_bytes"]  # loaded in bf16, cast after
     assert fp8["components"]["text_encoder"] == plain["components"]["text_encoder"]
 
 
