@@ -42,6 +42,9 @@ TEXT_TOKENS = {
     "LlamaForCausalLM": 128,  # HiDream
     "Gemma2Model": 300,  # Sana
 }
+# What a quantized component costs the plan's choice beyond its predicted seconds: a tie-break (the
+# run dtype wins at equal speed), folded into the time so that the search compares one number.
+QUANTIZED_SECONDS = 1e-9
 OFFLOAD_CHOICES = ("auto", "none", "block", "leaf", "disk")
 BUDGETS = {"device": "device memory", "host": "host RAM"}  # what a plan says binds it
 
@@ -225,7 +228,14 @@ class _Option:
         return self.fmt != NONE
 
     def counts(self) -> tuple:
-        return (self.resident, self.phase, self.host, self.pinned, self.seconds, self.load, self.quantized)
+        return (
+            self.resident,
+            self.phase,
+            self.host,
+            self.pinned,
+            self.seconds + QUANTIZED_SECONDS * self.quantized,
+            self.load,
+        )
 
     def dominates(self, other: _Option) -> bool:
         mine, theirs = self.counts(), other.counts()
@@ -302,9 +312,10 @@ def plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> OffloadPlan:
                 return
             moved = sum(o.moved for o in combo) // batch
             # equal speed: unquantized first (pixels as the weights were trained), then fewer bytes moved
+            quantized = sum(o.quantized for o in combo)
             key = (
-                seconds,
-                sum(o.quantized for o in combo),
+                seconds + QUANTIZED_SECONDS * quantized,
+                quantized,
                 moved,
                 sum(o.placement.mode != "resident" for o in combo),
                 -batch,
@@ -312,19 +323,26 @@ def plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> OffloadPlan:
             if found is None or key < found[0]:
                 found = (key, combo, batch, peak, host, seconds, moved)
 
+        policies = list(dict.fromkeys(o.fmt for opts in tables[0] for o in opts))  # the run dtype first
         for batch in range(w.max_batch, 0, -1):
             options = tables[batch - 1]
-            # All resident first, where it fits: usually the fastest, its time prunes the search.
-            resident = [next((o for o in opts if o.placement.mode == "resident"), None) for opts in options]
-            if all(resident):
-                consider(tuple(resident), batch)
-            if found is None:  # a quick feasible plan bounds the search: offload the largest first
-                greedy = [r or opts[0] for r, opts in zip(resident, options, strict=True)]
-                for i in sorted(range(len(options)), key=lambda i: -greedy[i].resident):
-                    fastest = min((o for o in options[i] if not o.resident), key=lambda o: o.seconds, default=None)
-                    if fastest is not None:
-                        greedy[i] = fastest
-                        consider(tuple(greedy), batch)
+            # Quick feasible plans bound the search: per format (every component in it where it can
+            # be), all resident where that fits (usually the fastest), else offloading the largest first.
+            for fmt in policies:
+                pool = [
+                    [o for o in opts if o.fmt == fmt] or [o for o in opts if not o.quantized] or opts
+                    for opts in options
+                ]
+                resident = [next((o for o in opts if o.placement.mode == "resident"), None) for opts in pool]
+                if all(resident):
+                    consider(tuple(resident), batch)
+                if found is None or found[2] != batch:
+                    greedy = [r or opts[0] for r, opts in zip(resident, pool, strict=True)]
+                    for i in sorted(range(len(pool)), key=lambda i: -greedy[i].resident):
+                        fastest = min((o for o in pool[i] if not o.resident), key=lambda o: o.seconds, default=None)
+                        if fastest is not None:
+                            greedy[i] = fastest
+                            consider(tuple(greedy), batch)
             per_image = found[0][0] if found else bound
             for combo in _combos(options, limit, host_budget, per_image * batch):
                 consider(combo, batch)

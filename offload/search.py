@@ -10,16 +10,19 @@ if TYPE_CHECKING:
 
 
 def _combos(
-    tables: list[list[_Option]], limit: float, host_budget: float, bound: float, dims: int = 6
+    tables: list[list[_Option]], limit: float, host_budget: float, bound: float, dims: int = 5
 ) -> list[tuple[_Option, ...]]:
     """The combinations of one option per component worth comparing, in `itertools.product` order:
     none another beats on every one of the first `dims` counts (device bytes held throughout, the
-    largest phase, host bytes, seconds, host bytes while loading, components quantized), and none
+    largest phase, host bytes, seconds with the planner's QUANTIZED_SECONDS per quantized component,
+    host bytes while loading), and none
     that already breaks a limit: device bytes held plus the largest phase over `limit`, host bytes
     (steady or loading) over `host_budget`, seconds over `bound`. Built
     one component at a time, dropping such partial combinations as it goes: each count only grows
     as components are added (the phase is a maximum), so a dropped one could never end better.
     HiDream's six components are 154 k products at one batch size; what is left is a few hundred."""
+    from offload.planner import QUANTIZED_SECONDS
+
     partial: list[tuple[tuple[_Option, ...], tuple]] = [((), (0, 0, 0, 0.0, 0, 0, 0, 0))]
     for options in tables:
         grown = []
@@ -29,7 +32,7 @@ def _combos(
                     resident + o.resident,
                     max(phase, o.phase),
                     host + o.host,
-                    seconds + o.seconds,
+                    seconds + o.seconds + QUANTIZED_SECONDS * o.quantized,
                     load + o.load,
                     quantized + o.quantized,
                     moved + o.moved,
@@ -49,7 +52,7 @@ def _combos(
     return [combo for combo, _ in partial]
 
 
-def _frontier(items: list[tuple[tuple, tuple]], dims: int = 6) -> list[tuple[tuple, tuple]]:
+def _frontier(items: list[tuple[tuple, tuple]], dims: int = 5) -> list[tuple[tuple, tuple]]:
     """The items no other item dominates on the first `dims` counts (device bytes held throughout,
     the largest phase, host bytes, seconds, loading bytes, components quantized: what decides a
     plan), in their order; of items equal on those, the one first by bytes moved, components

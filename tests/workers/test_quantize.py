@@ -65,7 +65,9 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("mapping", sorted(CASES))
+@pytest.mark.parametrize(
+    "mapping", [pytest.param(m, marks=[pytest.mark.slow] if "int8" in m else []) for m in sorted(CASES)]
+)
 def test_a_format_holds_the_bytes_predicted_and_stays_close(mapping, tiny_model, tmp_path):
     path = write_prompts(tmp_path / "p.parquet", ["a red fox", "a blue owl"], id=["a", "b"])
     plain, plain_rows = _run(tiny_model, tmp_path / "plain", path)
