@@ -7,6 +7,12 @@ The pruned search is timed against the exhaustive product it replaced where that
 enough to run (`--exhaustive-up-to` components, default 5). Predictions only: no GPU, no weights.
 
     python bench/plans.py [--host-memory 256GiB] [--budgets 16,24,48,80,141]
+    python bench/plans.py --quantize [--models flux.1-dev,flux.2-dev] [--hosts 64,128]
+
+`--quantize`: per model, host budget and device budget, the plan under `--quantize none` and under
+`--quantize auto` (every format the table has, as `fleetgen plan` assumes a CUDA GPU with the
+packages): the formats chosen, placements, batch, predicted peak, images/s relative to all resident
+unquantized, and the seconds `plan()` took.
 """
 
 from __future__ import annotations
@@ -32,11 +38,50 @@ def exhaustive_seconds(prof, device: DeviceSpec, w: Workload) -> float:
     """Seconds the exhaustive product over every component's options takes (the old search)."""
     started = time.perf_counter()
     for batch in range(1, w.max_batch + 1):
-        tables = [_options(c, prof, device, w, batch) for c in prof.components.values()]
+        tables = [_options(n, prof, device, w, batch) for n in prof.components]
         for combo in itertools.product(*tables):
             peak = sum(o.resident for o in combo) + max(o.phase for o in combo)
             _ = peak <= device.budget * (1 - MARGIN) and sum(o.host for o in combo) <= device.host_budget
     return time.perf_counter() - started
+
+
+def quantize_table(args) -> None:
+    from offload.quantize import FORMATS
+
+    print("| model | host RAM | GPU | quantize | formats | offloaded | batch | peak | rel img/s | plan s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name in args.models.split(","):
+        family = read_family(HERE / name)
+        prof = profile_modules(name, build_on_meta(name), DTYPES[family.dtype], formats=tuple(FORMATS))
+        for host in (int(h) for h in args.hosts.split(",")):
+            for gib in (int(b) for b in args.budgets.split(",")):
+                for quantize in ("none", "auto"):
+                    work = Workload(
+                        width=args.size,
+                        height=args.size,
+                        steps=family.steps,
+                        cfg=family.doubles_batch(family.guidance, None),
+                        max_batch=args.max_batch,
+                        quantize=quantize,
+                    )
+                    started = time.perf_counter()
+                    try:
+                        device = DeviceSpec(budget=gib << 30, host_budget=host << 30, flops=args.flops * 1e12)
+                        p = plan(prof, device, work)
+                        cells = [
+                            ", ".join(f"{n} {f}" for n, f in p.formats.items()) or "-",
+                            ", ".join(f"{n} {m}" for n, m in p.modes.items() if m != "resident") or "-",
+                            str(p.batch_size),
+                            format_size(p.peak_bytes),
+                            f"{p.relative_speed:.2f}",
+                        ]
+                    except OffloadError as err:
+                        what = "nothing loads" if str(err).startswith("Nothing loads") else "nothing fits"
+                        cells = [what, "", "", "", ""]
+                    seconds = time.perf_counter() - started
+                    print(
+                        f"| {name} | {host} GiB | {gib} GiB | {quantize} | " + " | ".join(cells) + f" | {seconds:.3f} |"
+                    )
 
 
 def main() -> None:
@@ -48,7 +93,13 @@ def main() -> None:
     parser.add_argument(
         "--exhaustive-up-to", type=int, default=5, help="components: time the old search up to this many"
     )
+    parser.add_argument("--quantize", action="store_true", help="the none-vs-auto table")
+    parser.add_argument("--models", default="flux.1-dev,flux.2-dev")
+    parser.add_argument("--hosts", default="64,128", help="GiB of host RAM (with --quantize)")
+    parser.add_argument("--flops", type=float, default=100, help="TFLOP/s the device computes at (with --quantize)")
     args = parser.parse_args()
+    if args.quantize:
+        return quantize_table(args)
     host = parse_size(args.host_memory, "--host-memory")
     print("| architecture | components | GPU | plan | batch | peak | rel img/s | binds | plan s | exhaustive loop s |")
     print("|---|---|---|---|---|---|---|---|---|---|")

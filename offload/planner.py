@@ -42,9 +42,12 @@ TEXT_TOKENS = {
     "LlamaForCausalLM": 128,  # HiDream
     "Gemma2Model": 300,  # Sana
 }
-# What a quantized component costs the plan's choice beyond its predicted seconds: a tie-break (the
-# run dtype wins at equal speed), folded into the time so that the search compares one number.
-QUANTIZED_SECONDS = 1e-9
+# What a quantized component costs the plan's choice beyond its predicted seconds, as a share of the
+# pipeline's time all resident at batch 1 (a fixed measure, whatever the budget): under `auto` a
+# format must buy at least this much predicted speed to change the pixels. Added to the time, so
+# the search still compares one number per plan ("cost"): more memory never predicts a higher cost,
+# and `auto` never predicts slower than `none` (its cost is at most none's, which is its seconds).
+QUANTIZED_SHARE = 0.05
 OFFLOAD_CHOICES = ("auto", "none", "block", "leaf", "disk")
 BUDGETS = {"device": "device memory", "host": "host RAM"}  # what a plan says binds it
 
@@ -112,6 +115,7 @@ class OffloadPlan:
     binds: tuple[str, ...] = ()  # the budgets that made this plan slower than one without them (BUDGETS)
     formats: dict[str, str] = field(default_factory=dict)  # {component: storage format} of the quantized ones
     load_bytes: int = 0  # host RAM while the pipeline loads
+    cost_per_image: float = 0.0  # what the planner minimised: seconds, plus QUANTIZED_SHARE per quantized component
 
     @property
     def modes(self) -> dict[str, str]:
@@ -222,20 +226,14 @@ class _Option:
     moved: int  # bytes per pipeline call
     load: int = 0  # host bytes while the pipeline loads (its run-dtype bytes unless its format applies at load)
     fmt: str = NONE  # storage format
+    cost: float = 0.0  # seconds, plus QUANTIZED_SHARE of the pipeline's ideal time when quantized
 
     @property
     def quantized(self) -> bool:
         return self.fmt != NONE
 
     def counts(self) -> tuple:
-        return (
-            self.resident,
-            self.phase,
-            self.host,
-            self.pinned,
-            self.seconds + QUANTIZED_SECONDS * self.quantized,
-            self.load,
-        )
+        return (self.resident, self.phase, self.host, self.pinned, self.cost, self.load)
 
     def dominates(self, other: _Option) -> bool:
         mine, theirs = self.counts(), other.counts()
@@ -246,9 +244,17 @@ def _formats(name: str, device: DeviceSpec, w: Workload) -> tuple[str, ...]:
     return allowed(w.quantize, name, device.formats, dict(w.fixed))
 
 
-def _options(name: str, prof: PipelineProfile, device: DeviceSpec, w: Workload, batch: int) -> list[_Option]:
+def _ideal(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> float:
+    """Seconds per image of the whole pipeline resident, unquantized, at batch 1 (the plans' measure)."""
+    return sum(_call_seconds(prof.variant(n, NONE), Placement("resident"), prof, w, device, 1) for n in prof.components)
+
+
+def _options(
+    name: str, prof: PipelineProfile, device: DeviceSpec, w: Workload, batch: int, ideal: float | None = None
+) -> list[_Option]:
     """The component's candidate (format, placement) pairs at `batch`, without those another beats
-    on every count (a quantized one never beats the run dtype on being unquantized)."""
+    on every count (cost included: a quantized one pays QUANTIZED_SHARE of `ideal` per image)."""
+    penalty = QUANTIZED_SHARE * (_ideal(prof, device, w) if ideal is None else ideal) * batch
     out = []
     for fmt in _formats(name, device, w):
         c = prof.variant(name, fmt)
@@ -265,10 +271,11 @@ def _options(name: str, prof: PipelineProfile, device: DeviceSpec, w: Workload, 
                     phase=_floor(c, p) + acts,
                     host=pinned or (c.bytes if off and not p.disk else 0),
                     pinned=pinned,
-                    seconds=_call_seconds(c, p, prof, w, device, batch),
+                    seconds=(seconds := _call_seconds(c, p, prof, w, device, batch)),
                     moved=c.bytes * forwards if off else 0,
                     load=load,
                     fmt=fmt,
+                    cost=seconds + (penalty if fmt != NONE else 0.0),
                 )
             )
     return [o for o in out if not any(x.dominates(o) for x in out)]
@@ -281,11 +288,10 @@ def plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> OffloadPlan:
         raise OffloadError(f"`--offload` must be one of {', '.join(OFFLOAD_CHOICES)}; got `{w.offload}`.")
     names = list(prof.components)
     limit = device.budget * (1 - MARGIN)
-    unquantized = {n: prof.variant(n, NONE) for n in names}
-    resident_ref = sum(_call_seconds(c, Placement("resident"), prof, w, device, 1) for c in unquantized.values())
+    resident_ref = _ideal(prof, device, w)
     resident_peak = prof.total_bytes + max(_activations(c, prof, w) for c in prof.components.values())
     inf = float("inf")
-    tables = [[_options(n, prof, device, w, b) for n in names] for b in range(1, w.max_batch + 1)]
+    tables = [[_options(n, prof, device, w, b, resident_ref) for n in names] for b in range(1, w.max_batch + 1)]
     loading = sum(min(o.load for o in opts) for opts in tables[0])
     if loading > device.host_budget:
         raise OffloadError(
@@ -298,8 +304,9 @@ def plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> OffloadPlan:
         )
 
     def search(limit: float, host_budget: float, bound: float):
-        """The best (key, combo, batch, peak, host, seconds, moved) within the limits, faster per
-        image than `bound` seconds; None when there is none. Each batch size's best bounds the next;
+        """The best (key, combo, batch, peak, host, seconds, moved) within the limits, costing less
+        per image than `bound` (seconds plus what quantizing costs); None when there is none. Each
+        batch size's best bounds the next;
         the largest first, as it is most often the fastest per image (the key decides, not the order)."""
         found = None
 
@@ -308,18 +315,13 @@ def plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> OffloadPlan:
             peak = sum(o.resident for o in combo) + max(o.phase for o in combo)
             host = sum(o.host for o in combo)
             seconds = sum(o.seconds for o in combo) / batch
-            if peak > limit or host > host_budget or seconds > bound or sum(o.load for o in combo) > host_budget:
+            cost = sum(o.cost for o in combo) / batch
+            if peak > limit or host > host_budget or cost > bound or sum(o.load for o in combo) > host_budget:
                 return
             moved = sum(o.moved for o in combo) // batch
-            # equal speed: unquantized first (pixels as the weights were trained), then fewer bytes moved
+            # equal cost: unquantized first (pixels as the weights were trained), then fewer bytes moved
             quantized = sum(o.quantized for o in combo)
-            key = (
-                seconds + QUANTIZED_SECONDS * quantized,
-                quantized,
-                moved,
-                sum(o.placement.mode != "resident" for o in combo),
-                -batch,
-            )
+            key = (cost, quantized, moved, sum(o.placement.mode != "resident" for o in combo), -batch)
             if found is None or key < found[0]:
                 found = (key, combo, batch, peak, host, seconds, moved)
 
@@ -400,6 +402,7 @@ def plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> OffloadPlan:
         binds=binds,
         formats=formats,
         load_bytes=sum(o.load for o in combo),
+        cost_per_image=best_key[0],
     )
 
 

@@ -14,25 +14,21 @@ def _combos(
 ) -> list[tuple[_Option, ...]]:
     """The combinations of one option per component worth comparing, in `itertools.product` order:
     none another beats on every one of the first `dims` counts (device bytes held throughout, the
-    largest phase, host bytes, seconds with the planner's QUANTIZED_SECONDS per quantized component,
-    host bytes while loading), and none
-    that already breaks a limit: device bytes held plus the largest phase over `limit`, host bytes
-    (steady or loading) over `host_budget`, seconds over `bound`. Built
-    one component at a time, dropping such partial combinations as it goes: each count only grows
+    largest phase, host bytes, cost — seconds plus what quantizing costs — and host bytes while
+    loading), and none that already breaks a limit: device bytes held plus the largest phase over
+    `limit`, host bytes (steady or loading) over `host_budget`, cost over `bound`. Built one component at a time, dropping such partial combinations as it goes: each count only grows
     as components are added (the phase is a maximum), so a dropped one could never end better.
     HiDream's six components are 154 k products at one batch size; what is left is a few hundred."""
-    from offload.planner import QUANTIZED_SECONDS
-
     partial: list[tuple[tuple[_Option, ...], tuple]] = [((), (0, 0, 0, 0.0, 0, 0, 0, 0))]
     for options in tables:
         grown = []
-        for combo, (resident, phase, host, seconds, load, quantized, moved, off) in partial:
+        for combo, (resident, phase, host, cost, load, quantized, moved, off) in partial:
             for o in options:
                 counts = (
                     resident + o.resident,
                     max(phase, o.phase),
                     host + o.host,
-                    seconds + o.seconds + QUANTIZED_SECONDS * o.quantized,
+                    cost + o.cost,
                     load + o.load,
                     quantized + o.quantized,
                     moved + o.moved,

@@ -12,7 +12,7 @@ from jobs.cli import main
 from jobs.planning import plan_rows, plan_workload
 from offload import profile_modules
 from offload.architectures import build_on_meta
-from offload.planner import MARGIN, QUANTIZED_SECONDS, _options
+from offload.planner import MARGIN, _options
 
 # Parameter counts as their publishers state them (model cards, the encoders' hub pages), with the
 # precision they are stated to: a figure given as "20B" is checked to ±0.5 B, "8.29B" to 2 %.
@@ -138,9 +138,8 @@ def _exhaustive(prof, device, w):
                 continue
             if sum(o.load for o in combo) > device.host_budget:
                 continue
-            seconds = sum(o.seconds for o in combo) / batch
             key = (
-                seconds + QUANTIZED_SECONDS * sum(o.quantized for o in combo),
+                sum(o.cost for o in combo) / batch,
                 sum(o.quantized for o in combo),
                 sum(o.moved for o in combo) // batch,
                 sum(o.placement.mode != "resident" for o in combo),
@@ -171,11 +170,7 @@ def test_the_search_finds_what_the_exhaustive_one_finds(arch):
                 continue
             off = sum(p.mode != "resident" for p in got.placements.values())
             q = len(got.formats)
-            assert (got.seconds_per_image + QUANTIZED_SECONDS * q, q, got.moved_per_image, off) == expected, (
-                arch,
-                gib,
-                host,
-            )
+            assert (got.cost_per_image, q, got.moved_per_image, off) == expected, (arch, gib, host)
 
 
 @pytest.mark.parametrize("arch", sorted(DIMENSIONS))
