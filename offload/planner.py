@@ -418,7 +418,8 @@ def _why_quantized(prof, device, w, formats, placements, seconds) -> str:
     try:
         plain = plan(prof, device, replace(w, quantize=NONE, fixed=()))
     except OffloadError as err:
-        return f"{chosen}: the only fit (unquantized, {str(err).split(':', 1)[0]})"
+        why = str(err).split(":", 1)[0]
+        return f"{chosen}: the only fit (unquantized, {why[0].lower() + why[1:]})"
     modes = ", ".join(f"{n} {m}" for n, m in plain.modes.items() if m != "resident") or "all resident"
     return (
         f"{chosen}: {plain.seconds_per_image / seconds:.2f}x the predicted images/s of the best unquantized plan "

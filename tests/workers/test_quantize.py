@@ -4,6 +4,7 @@ offloading keeping them exact, the mapping in the fingerprint, refusals before a
 
 import io
 import json
+from dataclasses import replace
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -158,3 +159,48 @@ def test_a_job_started_before_quantize_existed_still_resumes():
     assert _differences({"generation": {"steps": 2}}, {"generation": {"steps": 2, "quantize": "unet=fp8"}}) == [
         "generation.quantize differs: none vs unet=fp8"
     ]
+
+
+@pytest.mark.slow
+def test_auto_quantizes_where_the_budget_needs_it_and_records_it(tiny_model, tmp_path):
+    """Tiny SD at float32 on a CPU worker planned for 20 MiB: unquantized, the UNet streams leaf by
+    leaf; `auto` holds it resident in fp8 and says why. At 28 MiB everything fits unquantized and
+    `auto` keeps the run dtype."""
+    path = write_prompts(tmp_path / "p.parquet", ["a red fox", "a blue owl"], id=["a", "b"])
+    worker, rows = _run(tiny_model, tmp_path / "tight", path, "auto", gpu_memory=20 << 20)
+    assert worker.plan.formats == {"unet": "fp8"} and worker.plan.modes["unet"] == "resident"
+    assert worker.plan.reason.startswith("unet fp8 resident: ") and "the best unquantized plan" in worker.plan.reason
+    assert {r["quantized"] for r in rows.values()} == {"unet=fp8"} and {r["status"] for r in rows.values()} == {"ok"}
+    info = json.loads((tmp_path / "tight" / "workers" / "w0.json").read_text())
+    assert info["quantized"] == {"unet": "fp8"} and info["plan"]["formats"] == {"unet": "fp8"}
+    roomy, rows = _run(tiny_model, tmp_path / "roomy", path, "auto", gpu_memory=28 << 20)
+    assert roomy.plan.formats == {} and {r["quantized"] for r in rows.values()} == {"none"}
+
+
+@pytest.mark.slow
+def test_an_oom_under_auto_may_quantize_further(tiny_model, tmp_path):
+    """An out-of-memory error while the UNet holds float32 weights (injected): under `auto` the
+    step-down ladder may choose a format the worker can apply (kept, recorded, the images after it
+    say so). Under `none` or a mapping the planner offers no other format (test_quantized_plans)."""
+    import torch
+
+    path = write_prompts(tmp_path / "p.parquet", ["a red fox"], id=["a"])
+
+    def fail_unquantized(module, args):
+        if module.conv_in.weight.dtype == torch.float32:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    files = [read_footer(str(path))]
+    shard, columns = plan_shards(files, 100)[0], resolve_columns(files, Columns())
+    settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64, family="sd", quantize="auto")
+    spec = WorkerSpec("w0", tiny_model, str(tmp_path / "o"), settings, columns, device="cpu", gpu_memory=28 << 20)
+    worker = Worker(replace(spec, max_batch=1))
+    assert worker.plan.formats == {}
+    worker.pipe.unet.register_forward_pre_hook(fail_unquantized)
+    result = worker.run_shard(shard)
+    assert (result.ok, result.errors) == (1, 0)
+    assert worker.fitted.quantized == {"unet": "fp8"} and worker.step_downs
+    row = pq.read_table(tmp_path / "o" / "shards").to_pylist()[0]
+    assert row["quantized"] == "unet=fp8"
+    info = json.loads((tmp_path / "o" / "workers" / "w0.json").read_text())
+    assert info["quantized"] == {"unet": "fp8"} and info["plan"]["formats"] == {"unet": "fp8"}
