@@ -186,6 +186,14 @@ class Run:
         self.total = torch.cuda.mem_get_info(device)[1] if self.cuda else None
         self.count = 0
 
+    def rebuild(self) -> None:
+        """A fresh pipeline (random weights again): a format applied to the last one stays on it."""
+        self.pipe = None
+        release_host_cache()
+        started = time.perf_counter()
+        self.pipe, self.dtype = build(self.model, self.device, self.args.dry)
+        self.build_seconds = round(time.perf_counter() - started, 1)
+
     def worker(
         self, offload: str, budget: int | None, max_batch: int, images: int, quantize: str = "none"
     ) -> tuple[Worker, list]:
@@ -216,7 +224,7 @@ class Run:
 
     def measure(self, label: str, offload: str, budget: int | None, quantize: str = "none") -> dict:
         """The planner's choice for `budget` (None: all resident) run on one shard, as a job runs it.
-        `quantize` casts the given pipeline in place: such a row runs last for its model."""
+        `quantize` applies a format to the given pipeline in place (it stays: quantized rows run last)."""
         row = {"model": self.model, "run": label, "budget_bytes": budget, "quantize": quantize}
         self.limit(budget)
         worker = None
@@ -255,6 +263,8 @@ class Run:
             pinned_host_bytes={"planned": plan.get("pinned_bytes"), "measured": offload_stats.get("pinned_host_bytes")},
             average_h2d_gb_per_s=round(moved / stats["generate_seconds"] / 1e9, 2) if moved else 0.0,
             step_downs=info["step_downs"],
+            quantized=info["quantized"],
+            weight_bytes=info["weight_bytes"],
         )
         if predicted_peak and allocated:
             row["measured_over_predicted_peak"] = round(allocated / predicted_peak, 3)
@@ -313,6 +323,48 @@ class Run:
             and row["vae_dtype"] == str(self.dtype).removeprefix("torch.")
         )
         return row
+
+
+# The quantized rows, per model, at the budgets a quantized card is for: each format applied to the
+# denoiser of the pipeline built for the check (formats stay on the pipeline they are applied to: the
+# next after-load format gets a rebuilt one). At-load formats (bitsandbytes) need weights loading from
+# files, which this check's in-memory random pipelines are not: their rows say so.
+QUANTIZED_FORMATS = ("fp8", "int8", "nf4")
+QUANTIZED_BUDGETS = ("16", "24")  # GiB
+
+
+def quantized_rows(run: Run, jobs: list, denoiser: str, resident: dict, results, started: float) -> None:
+    from offload.quantize import FORMATS, unavailable
+
+    targets = [j for j in jobs if j[0].split()[0] in QUANTIZED_BUDGETS] or jobs[-1:]
+    applied = False
+    for fmt in QUANTIZED_FORMATS:
+        why = unavailable(fmt, run.cuda) or (
+            f"{fmt} applies as the weights load (bitsandbytes); this check builds its pipelines in memory"
+            if FORMATS[fmt].at_load
+            else None
+        )
+        if why:
+            results.add({"model": run.model, "run": f"{denoiser} {fmt}", "quantize": fmt, "skipped": why})
+            continue
+        if applied:  # the previous format stays on its pipeline
+            run.rebuild()
+        applied = True
+        for label, offload, budget in targets:
+            name = f"{denoiser} {fmt}, {label}"
+            if time.perf_counter() - started > run.args.time_limit:
+                results.add(
+                    {"model": run.model, "run": name, "skipped": f"--time-limit {run.args.time_limit:g} s reached"}
+                )
+                continue
+            try:
+                row = run.measure(name, offload, budget, f"{denoiser}={fmt}")
+            except Exception as err:  # noqa: BLE001 - recorded; the next row runs
+                row = {"model": run.model, "run": name, "budget_bytes": budget, **failure(err)}
+                run.limit(None)
+            if resident.get("images_per_second") and row.get("images_per_second"):
+                row["vs_resident"] = round(row["images_per_second"] / resident["images_per_second"], 3)
+            results.add(row)
 
 
 def manifest_errors(worker: Worker, shard, limit: int = 3) -> list[str]:
@@ -517,21 +569,14 @@ def main() -> None:
             print(f"{model}: built in {run.build_seconds} s", flush=True)
             resident = {}
             denoiser = "unet" if "unet" in run.pipe.components else "transformer"
-            target = next((j for j in jobs if j[0].startswith("24 GiB")), jobs[-1])  # the card fp8 is for
-            fp8 = (f"{denoiser} fp8, {target[0]}", "auto", target[2]) if len(jobs) > 1 else None
-            for label, offload, budget in [*jobs, ("forced OOM", None, None), *([fp8] if fp8 else [])]:
+            for label, offload, budget in [*jobs, ("forced OOM", None, None)]:
                 if time.perf_counter() - started > args.time_limit:
                     results.add(
                         {"model": model, "run": label, "skipped": f"--time-limit {args.time_limit:g} s reached"}
                     )
                     continue
                 try:
-                    if label == "forced OOM":
-                        row = run.forced_oom()
-                    else:  # the fp8 row last: layerwise casting stays on the pipeline it is given
-                        row = run.measure(
-                            label, offload, budget, f"{denoiser}=fp8" if fp8 and label == fp8[0] else "none"
-                        )
+                    row = run.forced_oom() if label == "forced OOM" else run.measure(label, offload, budget)
                 except Exception as err:  # noqa: BLE001 - recorded; the next row runs
                     row = {"model": model, "run": label, "budget_bytes": budget, **failure(err)}
                     run.limit(None)
@@ -540,6 +585,7 @@ def main() -> None:
                 elif resident.get("images_per_second") and row.get("images_per_second"):
                     row["vs_resident"] = round(row["images_per_second"] / resident["images_per_second"], 3)
                 results.add(row)
+            quantized_rows(run, jobs, denoiser, resident, results, started)
             del run
             release_host_cache()
     results.data["seconds"] = round(time.perf_counter() - started, 1)

@@ -51,6 +51,7 @@ NEEDS = [
     "tqdm",
     "packaging",
     "filelock",
+    "torchao",  # the int8 rows (`--quantize ...=int8`); pure Python for what they use
 ]
 # A torch wheel brings these (and CUDA libraries): left out unless asked for.
 TORCH_BRINGS = [
@@ -68,9 +69,9 @@ TORCH_BRINGS = [
 ]
 # What the lent H200 image has (its probe: Python 3.12.3, torch 2.11, transformers 5.17, accelerate
 # 1.15, huggingface_hub 1.33, ... — ../shared/notes/gpu-check-review.md): all the check needs but
-# diffusers, whose wheel is pure Python and needs nothing the image lacks. An overlay of cp311 builds
+# diffusers (and torchao, for the int8 rows), whose wheels need nothing the image lacks. An overlay of cp311 builds
 # on its PYTHONPATH would shadow its working cp312 numpy and pyarrow.
-H200_HAS = [n for n in dict.fromkeys([*NEEDS, *TORCH_BRINGS]) if n != "diffusers"]
+H200_HAS = [n for n in dict.fromkeys([*NEEDS, *TORCH_BRINGS]) if n not in ("diffusers", "torchao")]
 # Never loaded by the check: removed from the overlay (globs under it).
 PRUNE = [
     "pyarrow/libarrow_flight.so*",
@@ -215,7 +216,7 @@ def main() -> None:
         "--have",
         default=",".join(H200_HAS),
         help="packages the GPU machine has already (left out), comma-separated; default: what the "
-        "lent H200 image has (all but diffusers); a torch-only image: --have " + ",".join(TORCH_BRINGS),
+        "lent H200 image has (all but diffusers and torchao); a torch-only image: --have " + ",".join(TORCH_BRINGS),
     )
     parser.add_argument("--out", default="gpu-overlay.tar.xz")
     args = parser.parse_args()

@@ -285,6 +285,24 @@ def stored_sizes(module: torch.nn.Module, name: str) -> dict[int, int]:
     return sizes
 
 
+def held(modules: dict[str, torch.nn.Module]) -> dict[str, str]:
+    """{component: format} of the components whose live tensors already hold one (a pipeline given
+    quantized, or loaded with a quantization config): float8 storage is fp8, torchao tensors int8,
+    bitsandbytes parameters nf4 or bnb-int8."""
+    out = {}
+    for name, module in modules.items():
+        kinds = {type(p).__name__ for p in module.parameters()}
+        if any(p.dtype in FLOAT8 for p in module.parameters()):
+            out[name] = "fp8"
+        elif "Params4bit" in kinds:
+            out[name] = "nf4"
+        elif "Int8Params" in kinds:
+            out[name] = "bnb-int8"
+        elif any("Int8" in k and "Tensor" in k for k in kinds):  # torchao's Int8Tensor
+            out[name] = "int8"
+    return out
+
+
 def quantize(modules: dict[str, torch.nn.Module], mapping: dict[str, str], compute_dtype: torch.dtype) -> dict:
     """Apply each component's after-load format in place; returns {component: format} as applied.
     At-load formats (bitsandbytes) come through `load_config`, never here."""

@@ -13,7 +13,17 @@ import torch
 from fleetgen.errors import FleetgenError, OffloadError, one_line
 from offload import OffloadPlan, OffloadStats, apply, pipeline_modules, profile_pipeline
 from offload.apply import unapply
-from offload.quantize import FORMATS, describe, is_auto, load_config, parse_quantize, quantize, runnable, unavailable
+from offload.quantize import (
+    FORMATS,
+    describe,
+    held,
+    is_auto,
+    load_config,
+    parse_quantize,
+    quantize,
+    runnable,
+    unavailable,
+)
 from workers.batches import Adapter, Image, Look
 from workers.families import FAMILIES, GENERIC, Family, call_kwargs, prepare_call, prompt_limit, takes_negative_prompt
 from workers.fields import extra_settings
@@ -79,7 +89,9 @@ class FittedPipeline:
             )
         )
         self.pipe.set_progress_bar_config(disable=True)
-        self.quantized: dict[str, str] = dict(at_load)  # {component: format} as applied
+        modules = {n: c for n, c in self.pipe.components.items() if isinstance(c, torch.nn.Module)}
+        # {component: format} as applied: at load, or already held by a pipeline given quantized
+        self.quantized: dict[str, str] = {**held(modules), **at_load}
         self.takes_negative = takes_negative_prompt(self.pipe)
         # Adapters before profiling and offloading: their bytes are planned for and offloaded with their layers.
         self.adapters = load_adapters(self.pipe, source.adapters, tag)
@@ -92,7 +104,7 @@ class FittedPipeline:
         )
         self.profile = profile_pipeline(
             self.pipe, source.model, vae_upcast=self.family.upcasts_vae, formats=self._formats
-        ).holding(at_load)
+        ).holding(self.quantized)
         self.probe = probe(self.device, self.dtype)
         w = workload
         self._fit = {
