@@ -42,7 +42,7 @@ def bucket(name: str) -> str:
 
 
 @pytest.mark.parametrize("lost", [1, 2], ids=["client-retry-sees-412", "our-retry-sees-412"])
-@pytest.mark.parametrize("fmt", ["files", "webdataset"])
+@pytest.mark.parametrize("fmt", ["files", pytest.param("webdataset", marks=pytest.mark.slow)])  # fast lane: one format
 def test_a_commit_whose_answer_is_lost_is_still_this_attempts(
     faulty_store, quick_retries, tiny_model, tmp_path, fmt, lost
 ):
@@ -74,6 +74,7 @@ def test_a_move_whose_answer_is_lost_is_not_redone(faulty_store, quick_retries, 
     assert verify(out, deep=True).clean
 
 
+@pytest.mark.slow
 def test_a_commit_that_cannot_be_confirmed_keeps_its_staging_for_the_driver(
     faulty_store, quick_retries, tiny_model, tmp_path
 ):
