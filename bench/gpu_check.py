@@ -334,14 +334,14 @@ QUANTIZED_BUDGETS = ("16", "24")  # GiB
 
 
 def quantized_rows(run: Run, jobs: list, denoiser: str, resident: dict, results, started: float) -> None:
-    from offload.quantize import FORMATS, unavailable
+    from offload.quantize import spec, unavailable
 
     targets = [j for j in jobs if j[0].split()[0] in QUANTIZED_BUDGETS] or jobs[-1:]
     applied = False
     for fmt in QUANTIZED_FORMATS:
         why = unavailable(fmt, run.cuda) or (
             f"{fmt} applies as the weights load (bitsandbytes); this check builds its pipelines in memory"
-            if FORMATS[fmt].at_load
+            if spec(fmt).at_load
             else None
         )
         if why:

@@ -49,7 +49,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--quantize",
         help="none (default), auto (each worker's planner may quantize where that is faster or the only fit), or "
-        "a format per component, e.g. transformer=fp8,text_encoder=int8 (fp8, int8, nf4, bnb-int8); changes pixels",
+        "a format per component, e.g. transformer=fp8,text_encoder=int8 (fp8, int8, nf4, bnb-int8, gguf:PATH); "
+        "changes pixels",
     )
     g.add_argument("--width", type=int, help="pixels, multiple of 8 (default 512)")
     g.add_argument("--height", type=int, help="pixels, multiple of 8 (default 512)")
@@ -214,7 +215,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument(
         "--quantize",
         default="none",
-        help="none | auto | COMPONENT=FORMAT,... (fp8, int8, nf4, bnb-int8): formats to plan with",
+        help="none | auto | COMPONENT=FORMAT,... (fp8, int8, nf4, bnb-int8, gguf:PATH): formats to plan with",
     )
     pl.add_argument("--bandwidth", type=float, default=20.0, help="host→device GB/s to assume (default 20)")
     pl.add_argument("--json", action="store_true", help="machine-readable output")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from fleetgen.errors import OffloadError
 from fleetgen.units import format_size
 from offload.profile import ComponentProfile, PipelineProfile
-from offload.quantize import FORMATS, NONE, allowed, refusal
+from offload.quantize import FORMATS, NONE, allowed, refusal, spec
 from offload.search import _combos
 
 MARGIN = 0.10  # of the budget: allocator fragmentation, CUDA context, workspace
@@ -199,7 +199,7 @@ def _call_seconds(
     """Seconds `c` takes in one pipeline call of `batch` images."""
     forwards = w.steps if c.per_step else 1
     cfg = 2 if c.per_step and w.cfg else 1
-    slowdown = FORMATS[c.fmt].slowdown if c.fmt != NONE else 1.0  # dequantization (quantize.py's sources)
+    slowdown = spec(c.fmt).slowdown if c.fmt != NONE else 1.0  # dequantization (quantize.py's sources)
     compute = 2 * c.params * _tokens(c, prof, w) * cfg * batch * slowdown / d.flops + FORWARD_SECONDS
     if p.mode == "resident":
         return forwards * compute
@@ -260,7 +260,7 @@ def _options(
         c = prof.variant(name, fmt)
         acts = _activations(c, prof, w) * batch
         forwards = w.steps if c.per_step else 1
-        load = 0 if w.loaded else c.bytes if fmt != NONE and FORMATS[fmt].at_load else prof.components[name].bytes
+        load = 0 if w.loaded else c.bytes if fmt != NONE and spec(fmt).at_load else prof.components[name].bytes
         for p in _candidates(c, device, w.offload):
             off = p.mode != "resident"
             pinned = (c.pinned or c.bytes) if p.stream else 0  # the pinned copy is the host copy with streams

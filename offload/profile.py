@@ -246,7 +246,7 @@ def profile_modules(
     config says `force_upcast` (the family says whether its pipeline does: SDXL's does). `formats`:
     storage formats to count each component in too, where the format serves it (the planner's
     `variants`)."""
-    from offload.quantize import FORMATS
+    from offload.quantize import spec
 
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     vae = modules.get("vae")
@@ -269,9 +269,9 @@ def profile_modules(
         vae_channels=vae_blocks[0] or vae_config.get("base_dim") or 128,
         patch=denoiser_patch(type(denoiser).__name__, dict(getattr(denoiser, "config", None) or {})),
         variants={
-            n: {f: profile_component(n, m, dtype_bytes, fmt=f) for f in formats if n in FORMATS[f].components}
+            n: {f: profile_component(n, m, dtype_bytes, fmt=f) for f in formats if n in spec(f).components}
             for n, m in modules.items()
-            if any(n in FORMATS[f].components for f in formats)
+            if any(n in spec(f).components for f in formats)
         },
     )
 

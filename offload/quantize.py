@@ -141,8 +141,72 @@ FORMATS = {
         27.0,
         (_BNB_OFFLOAD,),
     ),
+    "gguf": Format(
+        "gguf",
+        "the tensors of a GGUF file you supply (`gguf:PATH`: e.g. Q8_0, Q4_K), dequantized per matmul "
+        "(diffusers' GGUF loader, `from_single_file`); its keys the model's own (a diffusers-format state dict)",
+        _LINEAR,
+        True,
+        0.0,  # the file says: bytes per tensor from its header
+        0,
+        DENOISERS,
+        True,
+        False,
+        "gguf",
+        15.0,  # GGUF Q8_0
+        (
+            (
+                "offload",
+                "GGUF parameters under diffusers' group offloading are not verified on a GPU here, so they stay resident",
+            ),
+        ),
+    ),
 }
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def spec(value: str) -> Format:
+    """The table's entry for a format as a mapping names it (`fp8`, `gguf:PATH#sha256=...`)."""
+    return FORMATS[value.split(":", 1)[0]]
+
+
+def gguf_path(value: str) -> str:
+    """The file of a `gguf:PATH[#sha256=HEX]` format."""
+    return value.split(":", 1)[1].split("#", 1)[0]
+
+
+def _sha256(path: str) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+_DIGESTS: dict[tuple, str] = {}
+
+
+def pinned_gguf(value: str) -> str:
+    """`gguf:PATH` as the fingerprint holds it: the absolute path and the file's sha256 (a path is
+    not content: the same name with other bytes is another job). Hashed once per file version."""
+    from pathlib import Path
+
+    path = Path(gguf_path(value)).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"`--quantize ...={value}`: no file at {path} (a GGUF file every worker can read).")
+    path = path.resolve()
+    stat = path.stat()
+    key = (str(path), stat.st_size, stat.st_mtime_ns)
+    if key not in _DIGESTS:
+        _DIGESTS[key] = _sha256(str(path))
+    given = value.split("#sha256=", 1)[1] if "#sha256=" in value else None
+    if given and given != _DIGESTS[key]:
+        raise ConfigError(f"`--quantize ...=gguf:{path}`: the file's sha256 is {_DIGESTS[key]}, not {given}.")
+    return f"gguf:{path}#sha256={_DIGESTS[key]}"
+
+
 NONE = "none"  # the run dtype
 
 
@@ -158,8 +222,14 @@ def parse_quantize(text: str | None) -> dict[str, str]:
             raise ConfigError(
                 f"`--quantize` takes none, auto or COMPONENT=FORMAT[,...]; got `{part.strip()}` in `{text}`."
             )
-        if name not in FORMATS:
+        kind = name.split(":", 1)[0]
+        if kind not in FORMATS:
             raise ConfigError(f"`--quantize {component}={name}`: the formats are {', '.join(FORMATS)}.")
+        if (kind == "gguf") != (":" in name) or name == "gguf:":
+            raise ConfigError(
+                f"`--quantize {component}={name}`: "
+                + ("gguf takes its file: `gguf:PATH`." if kind == "gguf" else f"{kind} takes no argument.")
+            )
         if component in mapping:
             raise ConfigError(f"`--quantize` names `{component}` twice.")
         mapping[component] = name
@@ -174,7 +244,7 @@ def normalized(text: str | None) -> str:
     """The setting as the fingerprint and every record hold it: `none`, `auto`, or the sorted mapping."""
     if is_auto(text):
         return "auto"
-    mapping = parse_quantize(text)
+    mapping = {c: pinned_gguf(f) if f.startswith("gguf:") else f for c, f in parse_quantize(text).items()}
     return ",".join(f"{c}={f}" for c, f in sorted(mapping.items())) or NONE
 
 
@@ -190,15 +260,18 @@ def check_components(mapping: dict[str, str], components: list[str], model: str)
             f"`--quantize`: {model} has no component {', '.join(f'`{m}`' for m in missing)} "
             f"(its model components: {', '.join(components)})."
         )
-    for component, name in mapping.items():
-        if component not in FORMATS[name].components:
+    for component, value in mapping.items():
+        f = spec(value)
+        if component not in f.components:
             why = (
                 "pipelines read that component's dtype for what they feed it, and float8 there fails"
-                if name == "fp8"
+                if f.name == "fp8"
+                else "a GGUF file holds a denoiser's weights"
+                if f.name == "gguf"
                 else "the VAE and other components stay at the run dtype"
             )
             raise ConfigError(
-                f"`--quantize {component}={name}`: {name} serves {', '.join(FORMATS[name].components)} only; {why}."
+                f"`--quantize {component}={f.name}`: {f.name} serves {', '.join(f.components)} only; {why}."
             )
 
 
@@ -206,7 +279,8 @@ def unavailable(name: str, cuda: bool) -> str | None:
     """Why this machine cannot run format `name` (a device or a package it lacks); None when it can."""
     import importlib.util
 
-    f = FORMATS[name]
+    f = spec(name)
+    name = f.name
     if f.cuda and not cuda:
         return f"{name} needs a CUDA device ({f.package}); this worker has none"
     if f.package and importlib.util.find_spec(f.package) is None:
@@ -221,7 +295,7 @@ def runnable(cuda: bool, at_load: bool = False) -> tuple[str, ...]:
 
 def refusal(name: str, mode: str, stream: bool, disk: bool) -> str | None:
     """Why format `name` cannot take this placement (mode resident|block|leaf); None when it can."""
-    refuses = dict(FORMATS[name].refuses) if name != NONE else {}
+    refuses = dict(spec(name).refuses) if name != NONE else {}
     if mode != "resident" and "offload" in refuses:
         return refuses["offload"]
     if stream and "stream" in refuses:
@@ -239,7 +313,7 @@ def allowed(text: str | None, component: str, formats: tuple[str, ...], fixed: d
         return (fixed[component],)
     if not is_auto(text):
         return (parse_quantize(text).get(component, NONE),)
-    return (NONE, *(f for f in formats if component in FORMATS[f].components))
+    return (NONE, *(f for f in formats if component in spec(f).components))
 
 
 def skip_patterns(module: torch.nn.Module) -> tuple[str, ...]:
@@ -253,7 +327,7 @@ def skip_patterns(module: torch.nn.Module) -> tuple[str, ...]:
 def stored_layers(module: torch.nn.Module, name: str) -> dict[str, torch.nn.Module]:
     """{qualified name: layer} of the layers format `name` stores, walked as diffusers'
     `_apply_layerwise_casting` walks: a module whose name matches a skip pattern is skipped whole."""
-    patterns, layers = skip_patterns(module), FORMATS[name].layers
+    patterns, layers = skip_patterns(module), spec(name).layers
     out: dict[str, torch.nn.Module] = {}
 
     def walk(m: torch.nn.Module, prefix: str) -> None:
@@ -273,7 +347,9 @@ def stored_sizes(module: torch.nn.Module, name: str) -> dict[int, int]:
     """{id(tensor): bytes} of the tensors format `name` would store, as it would store them; the
     profile counts every other tensor at the run dtype. Predicted from shapes (works on `meta`);
     the test measures the live modules after `quantize` against it."""
-    f = FORMATS[name]
+    f = spec(name)
+    if f.name == "gguf":
+        return _gguf_sizes(module, gguf_path(name))
     sizes: dict[int, int] = {}
     for layer in stored_layers(module, name).values():
         tensors = [layer.weight] if f.weight_only else [*layer.parameters(recurse=False), *layer.buffers(recurse=False)]
@@ -283,6 +359,23 @@ def stored_sizes(module: torch.nn.Module, name: str) -> dict[int, int]:
             rows = t.shape[0] if t.dim() > 1 else 1
             sizes[id(t)] = int(-(-t.numel() * f.weight_bytes // 1)) + rows * f.row_bytes
     return sizes
+
+
+def _gguf_sizes(module: torch.nn.Module, path: str) -> dict[int, int]:
+    """{id(tensor): bytes} as the GGUF file stores the module's tensors (its header; no data read).
+    Refused when the file's keys are not the module's (another model, or keys in the original
+    checkpoint's layout, which fleetgen does not convert)."""
+    import gguf
+
+    stored = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    named = dict(module.named_parameters())
+    missing = sorted(set(named) - set(stored))
+    if missing:
+        raise ConfigError(
+            f"{path} lacks {len(missing)} of {type(module).__name__}'s {len(named)} weights (e.g. `{missing[0]}`): "
+            "a GGUF file for this model with its diffusers keys is needed."
+        )
+    return {id(p): stored[n] for n, p in named.items()}
 
 
 def held(modules: dict[str, torch.nn.Module]) -> dict[str, str]:
@@ -298,6 +391,8 @@ def held(modules: dict[str, torch.nn.Module]) -> dict[str, str]:
             out[name] = "nf4"
         elif "Int8Params" in kinds:
             out[name] = "bnb-int8"
+        elif "GGUFParameter" in kinds:
+            out[name] = "gguf"
         elif any("Int8" in k and "Tensor" in k for k in kinds):  # torchao's Int8Tensor
             out[name] = "int8"
     return out
@@ -309,7 +404,7 @@ def quantize(modules: dict[str, torch.nn.Module], mapping: dict[str, str], compu
     check_components(mapping, list(modules), "the pipeline")
     for component, name in mapping.items():
         module = modules[component]
-        if FORMATS[name].at_load:
+        if spec(name).at_load:
             raise OffloadError(
                 f"`{component}` {name}: applied when the weights load (bitsandbytes), not to a loaded pipeline."
             )
@@ -330,9 +425,27 @@ def quantize(modules: dict[str, torch.nn.Module], mapping: dict[str, str], compu
     return dict(mapping)
 
 
+def load_gguf(model: str, component: str, cls_name: str, value: str, dtype: torch.dtype, revision=None):
+    """`component` of `model` (a directory or hub id, for its config) with the weights of the GGUF
+    file `value` names, as diffusers' GGUF loader makes it: Linear weights stay quantized and are
+    dequantized to `dtype` per matmul."""
+    import diffusers
+    from diffusers import GGUFQuantizationConfig
+
+    cls = getattr(diffusers, cls_name)
+    return cls.from_single_file(
+        gguf_path(value),
+        quantization_config=GGUFQuantizationConfig(compute_dtype=dtype),
+        config=model,
+        subfolder=component,
+        torch_dtype=dtype,
+        **({"revision": revision} if revision else {}),
+    )
+
+
 def load_config(mapping: dict[str, str], compute_dtype: torch.dtype):
-    """diffusers' PipelineQuantizationConfig for the mapping's at-load formats; None when it has none."""
-    at_load = {c: n for c, n in mapping.items() if FORMATS[n].at_load}
+    """diffusers' PipelineQuantizationConfig for the mapping's bitsandbytes formats; None when it has none."""
+    at_load = {c: n for c, n in mapping.items() if n in ("nf4", "bnb-int8")}
     if not at_load:
         return None
     from diffusers import PipelineQuantizationConfig

@@ -14,14 +14,15 @@ from fleetgen.errors import FleetgenError, OffloadError, one_line
 from offload import OffloadPlan, OffloadStats, apply, pipeline_modules, profile_pipeline
 from offload.apply import unapply
 from offload.quantize import (
-    FORMATS,
     describe,
     held,
     is_auto,
     load_config,
     parse_quantize,
+    pinned_gguf,
     quantize,
     runnable,
+    spec,
     unavailable,
 )
 from workers.batches import Adapter, Image, Look
@@ -72,9 +73,15 @@ class FittedPipeline:
             why = unavailable(name, cuda)
             if why:
                 raise OffloadError(f"{tag}: `--quantize` {describe(mapping)}: {why}.")
-        at_load = {c: f for c, f in mapping.items() if FORMATS[f].at_load}
+        at_load = {c: f for c, f in mapping.items() if spec(f).at_load}
         if at_load and pipe is not None:
             raise OffloadError(f"{tag}: {describe(at_load)} applies at load; a given pipeline is loaded already.")
+        gguf = {c: f for c, f in at_load.items() if spec(f).name == "gguf"}
+        for value in gguf.values():  # the bytes the job was fingerprinted with, on this node too
+            try:
+                pinned_gguf(value)
+            except FleetgenError as err:
+                raise OffloadError(f"{tag}: {err}") from None
         self.pipe = (
             pipe
             if pipe is not None
@@ -86,6 +93,7 @@ class FittedPipeline:
                 variant=source.variant,
                 worker=tag,
                 quantization_config=load_config(at_load, self.dtype),
+                gguf=gguf,
             )
         )
         self.pipe.set_progress_bar_config(disable=True)

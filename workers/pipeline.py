@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -87,10 +88,12 @@ def load_pipeline(
     variant: str | None = None,
     worker: str = "worker",
     quantization_config=None,
+    gguf: dict[str, str] | None = None,
 ):
     """`DiffusionPipeline.from_pretrained` for a local directory or a hub id (at `revision`, through
     the node's cache, downloaded once per node); progress bars off. `quantization_config`: formats
-    applied as the weights load (offload/quantize.py `load_config`)."""
+    applied as the weights load (offload/quantize.py `load_config`); `gguf`: {component: `gguf:PATH`},
+    components whose weights come from a GGUF file instead of the model's own."""
     from diffusers import DiffusionPipeline
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
@@ -101,6 +104,12 @@ def load_pipeline(
     source = fetch_snapshot(model, revision, variant, worker) if is_hub_id(model) else model
     try:
         extra = {"quantization_config": quantization_config} if quantization_config is not None else {}
+        if gguf:
+            from offload.quantize import load_gguf
+
+            index = json.loads((Path(source) / "model_index.json").read_text())
+            for component, value in gguf.items():
+                extra[component] = load_gguf(source, component, index[component][1], value, dtype)
         pipe = DiffusionPipeline.from_pretrained(
             source, dtype=dtype, trust_remote_code=trust_remote_code, variant=variant, **extra
         )

@@ -204,3 +204,61 @@ def test_an_oom_under_auto_may_quantize_further(tiny_model, tmp_path):
     assert row["quantized"] == "unet=fp8"
     info = json.loads((tmp_path / "o" / "workers" / "w0.json").read_text())
     assert info["quantized"] == {"unet": "fp8"} and info["plan"]["formats"] == {"unet": "fp8"}
+
+
+def _write_gguf(model_dir: str, path) -> dict[str, int]:
+    """The tiny UNet's weights as a GGUF file, Linear weights in Q8_0 (what `llama.cpp`-style tools
+    write for image models, with diffusers keys); returns {tensor: stored bytes} from its header."""
+    import gguf
+    from diffusers import UNet2DConditionModel
+
+    unet = UNet2DConditionModel.from_pretrained(model_dir, subfolder="unet")
+    writer = gguf.GGUFWriter(str(path), arch="fleetgen-test")
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    for name, tensor in unet.state_dict().items():
+        array = tensor.float().numpy()
+        if array.ndim == 2 and array.shape[-1] % 32 == 0:
+            data = gguf.quants.quantize(array, q8)
+            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=q8)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors}
+
+
+@pytest.mark.slow
+def test_a_gguf_file_supplies_the_unet(tiny_model, tmp_path):
+    """`--quantize unet=gguf:PATH`: the UNet's weights come from the file (Q8_0 Linear weights,
+    dequantized per matmul), the plan counts the file's bytes, the images stay close, the
+    fingerprint holds the file's sha256, and what cannot work is refused in one line."""
+    import hashlib
+
+    stored = _write_gguf(tiny_model, tmp_path / "unet-q8.gguf")
+    file = (tmp_path / "unet-q8.gguf").resolve()
+    pinned = f"unet=gguf:{file}#sha256={hashlib.sha256(file.read_bytes()).hexdigest()}"
+    assert normalized(f"unet=gguf:{file}") == pinned
+    path = write_prompts(tmp_path / "p.parquet", ["a red fox", "a blue owl"], id=["a", "b"])
+    plain, plain_rows = _run(tiny_model, tmp_path / "plain", path)
+    worker, rows = _run(tiny_model, tmp_path / "q", path, pinned)
+    info = json.loads((tmp_path / "q" / "workers" / "w0.json").read_text())
+    assert info["quantized"] == {"unet": pinned.split("=", 1)[1]}
+    assert info["weight_bytes"]["unet"] == sum(stored.values()) == worker.profile.components["unet"].bytes
+    assert info["weight_bytes"]["unet"] < 0.75 * plain.fitted.weight_bytes["unet"]
+    for k in ("a", "b"):
+        assert rows[k]["status"] == "ok" and rows[k]["quantized"] == pinned
+        mse = ((_pixels(tmp_path / "plain", plain_rows[k]) - _pixels(tmp_path / "q", rows[k])) ** 2).mean()
+        assert 10 * np.log10(255**2 / mse) >= MIN_PSNR
+    with pytest.raises(ConfigError, match=r"no file at .*missing.gguf"):
+        normalized(f"unet=gguf:{tmp_path}/missing.gguf")
+    with pytest.raises(ConfigError, match=r"the file's sha256 is [0-9a-f]{64}, not 00"):
+        normalized(f"unet=gguf:{file}#sha256=00")
+    with pytest.raises(ConfigError, match=r"gguf takes its file"):
+        parse_quantize("unet=gguf")
+    with pytest.raises(ConfigError, match=r"`--offload block`: GGUF parameters under diffusers' group offloading"):
+        validate(JobConfig(input="x", output="y", model="org/m", quantize=f"unet=gguf:{file}", offload="block"))
+    vae = JobConfig(input=str(path), output="o", model=tiny_model, quantize=f"vae=gguf:{file}")
+    with pytest.raises(ConfigError, match=r"gguf serves unet, .* only; a GGUF file holds a denoiser"):
+        resolve_defaults(vae, Columns())
