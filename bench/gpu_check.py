@@ -334,7 +334,7 @@ QUANTIZED_BUDGETS = ("16", "24")  # GiB
 
 
 def quantized_rows(run: Run, jobs: list, denoiser: str, resident: dict, results, started: float) -> None:
-    from offload.quantize import spec, unavailable
+    from offload.formats import spec, unavailable
 
     targets = [j for j in jobs if j[0].split()[0] in QUANTIZED_BUDGETS] or jobs[-1:]
     applied = False

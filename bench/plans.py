@@ -29,7 +29,7 @@ from fleetgen.errors import OffloadError  # noqa: E402
 from fleetgen.units import format_size, parse_size  # noqa: E402
 from offload import DeviceSpec, Workload, plan, profile_modules  # noqa: E402
 from offload.architectures import HERE, NAMES, build_on_meta  # noqa: E402
-from offload.planner import MARGIN, _options  # noqa: E402
+from offload.cost import MARGIN, _options  # noqa: E402
 from workers.families import read_family  # noqa: E402
 from workers.pipeline import DTYPES  # noqa: E402
 
@@ -46,7 +46,7 @@ def exhaustive_seconds(prof, device: DeviceSpec, w: Workload) -> float:
 
 
 def quantize_table(args) -> None:
-    from offload.quantize import FORMATS
+    from offload.formats import FORMATS
 
     print("| model | host RAM | GPU | quantize | formats | offloaded | batch | peak | rel img/s | plan s |")
     print("|---|---|---|---|---|---|---|---|---|---|")

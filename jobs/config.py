@@ -11,8 +11,8 @@ from pathlib import Path
 
 from fleetgen.errors import ConfigError
 from fleetgen.units import parse_size
+from offload.formats import normalized, parse_quantize, refusal
 from offload.planner import OFFLOAD_CHOICES
-from offload.quantize import normalized, parse_quantize, refusal
 from workers.batches import Adapter, template_fields
 from workers.fields import MAX_IMAGES_PER_ROW
 from workers.formats import format_names

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from fleetgen.errors import ConfigError, one_line
 from jobs.config import JobConfig, parse_lora
-from offload.quantize import check_components as check_quantized
-from offload.quantize import normalized, parse_quantize
+from offload.formats import check_components as check_quantized
+from offload.formats import normalized, parse_quantize
 from workers.families import GENERIC, READS_SCHEDULER, READS_TRANSFORMER, Family, choose, identify, identify_dir
 from workers.model_dir import is_hub_id
 from workers.shard import Columns

@@ -10,7 +10,7 @@ from fleetgen.errors import OffloadError
 from fleetgen.units import format_size, parse_size
 from offload import DeviceSpec, Workload, plan, profile_modules
 from offload.architectures import build_on_meta, resolve
-from offload.quantize import FORMATS, check_components, is_auto, normalized, parse_quantize
+from offload.formats import FORMATS, check_components, is_auto, normalized, parse_quantize
 from workers.families import Family, read_family
 from workers.pipeline import DTYPES
 from workers.probe import ASSUMED_BANDWIDTH, ASSUMED_FLOPS, host_available_bytes

@@ -7,7 +7,8 @@ OffloadStats                         what actually moved
 """
 
 from offload.apply import AppliedOffload, apply, pipeline_modules
-from offload.planner import DeviceSpec, OffloadPlan, Placement, Workload, plan, resident_plan
+from offload.cost import DeviceSpec, Placement, Workload
+from offload.planner import OffloadPlan, plan, resident_plan
 from offload.profile import PipelineProfile, profile_modules, profile_pipeline
 from offload.stats import OffloadStats
 

@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 
 from fleetgen.errors import OffloadError
-from offload.planner import OffloadPlan, Placement
+from offload.cost import Placement
+from offload.formats import refusal
+from offload.planner import OffloadPlan
 from offload.profile import PipelineProfile
-from offload.quantize import refusal
 
 
 def pipeline_modules(pipe) -> dict[str, torch.nn.Module]:

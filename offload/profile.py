@@ -195,7 +195,8 @@ def profile_component(
 ) -> ComponentProfile:
     """`fmt`: count the component as storage format `fmt` would hold it (offload/quantize.py);
     `none`: as its live tensors are."""
-    from offload.quantize import NONE, stored_sizes
+    from offload.formats import NONE
+    from offload.quantize import stored_sizes
 
     size = _Sizer(dtype_bytes, stored_sizes(module, fmt) if fmt != NONE else None)
     explicit = getattr(module, "_group_offload_block_modules", None)
@@ -246,7 +247,7 @@ def profile_modules(
     config says `force_upcast` (the family says whether its pipeline does: SDXL's does). `formats`:
     storage formats to count each component in too, where the format serves it (the planner's
     `variants`)."""
-    from offload.quantize import spec
+    from offload.formats import spec
 
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     vae = modules.get("vae")

@@ -13,18 +13,8 @@ import torch
 from fleetgen.errors import FleetgenError, OffloadError, one_line
 from offload import OffloadPlan, OffloadStats, apply, pipeline_modules, profile_pipeline
 from offload.apply import unapply
-from offload.quantize import (
-    describe,
-    held,
-    is_auto,
-    load_config,
-    parse_quantize,
-    pinned_gguf,
-    quantize,
-    runnable,
-    spec,
-    unavailable,
-)
+from offload.formats import describe, is_auto, parse_quantize, pinned_gguf, runnable, spec, unavailable
+from offload.quantize import held, load_config, quantize
 from workers.batches import Adapter, Image, Look
 from workers.families import FAMILIES, GENERIC, Family, call_kwargs, prepare_call, prompt_limit, takes_negative_prompt
 from workers.fields import extra_settings

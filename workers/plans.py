@@ -11,7 +11,7 @@ import torch
 from fleetgen.errors import OffloadError
 from offload import DeviceSpec, OffloadPlan, PipelineProfile, plan, resident_plan
 from offload import Workload as PlannerWorkload
-from offload.quantize import parse_quantize
+from offload.formats import parse_quantize
 
 HOST_SHARE = 0.8  # of available host RAM a worker may fill with offloaded copies
 # How CUDA libraries word an allocation failure they raise as a plain RuntimeError (cuBLAS and cuDNN

@@ -12,7 +12,7 @@ from jobs.cli import main
 from jobs.planning import plan_rows, plan_workload
 from offload import profile_modules
 from offload.architectures import build_on_meta
-from offload.planner import MARGIN, _options
+from offload.cost import MARGIN, _options
 
 # Parameter counts as their publishers state them (model cards, the encoders' hub pages), with the
 # precision they are stated to: a figure given as "20B" is checked to ±0.5 B, "8.29B" to 2 %.

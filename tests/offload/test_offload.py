@@ -22,7 +22,7 @@ from offload import (
     profile_pipeline,
 )
 from offload.architectures import NAMES, build_on_meta
-from offload.planner import MARGIN
+from offload.cost import MARGIN
 from workers.tiny_model import build_tiny_flux
 
 GiB = 2**30

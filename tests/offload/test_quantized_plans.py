@@ -13,8 +13,8 @@ import torch
 from fleetgen.errors import OffloadError
 from offload import DeviceSpec, Workload, plan, profile_modules
 from offload.architectures import NAMES, build_on_meta
-from offload.planner import MARGIN, _options
-from offload.quantize import FORMATS, refusal
+from offload.cost import MARGIN, _options
+from offload.formats import FORMATS, refusal
 
 GIB = 1 << 30
 BUDGETS = (8, 16, 24, 48, 80, 141)  # GiB of device memory: the cards a fleet mixes

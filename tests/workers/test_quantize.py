@@ -15,7 +15,7 @@ from fleetgen.errors import ConfigError, OffloadError, StorageError
 from jobs.config import JobConfig, validate
 from jobs.models import resolve_adapters, resolve_defaults
 from jobs.sharding import plan_shards, read_footer, resolve_columns
-from offload.quantize import normalized, parse_quantize
+from offload.formats import normalized, parse_quantize
 from tests.conftest import make_job, write_prompts
 from workers.shard import Columns
 from workers.spec import GenerationSettings, WorkerSpec

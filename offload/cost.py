@@ -1,0 +1,227 @@
+"""The planner's cost model: what each component costs in each format and placement, at each
+batch size — device bytes held throughout and while it runs, host bytes (steady and while loading),
+seconds per pipeline call (compute at the device's FLOP/s plus transfers at its bandwidth, overlapped
+when streams prefetch), bytes moved — as `_Option`s the search (offload/search.py) combines and the
+planner (offload/planner.py) chooses among. Every offloaded weight moves once per forward, whatever
+the grouping; grouping changes the device floor and the number of transfers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from offload.formats import FORMATS, NONE, allowed, refusal, spec
+from offload.profile import ComponentProfile, PipelineProfile
+
+MARGIN = 0.10  # of the budget: allocator fragmentation, CUDA context, workspace
+SYNC_SECONDS = 30e-6  # a blocking transfer's fixed cost (launch + synchronise), per group
+FORWARD_SECONDS = 1e-3  # fixed cost of one forward (kernel launches, Python): what batching amortises
+# Activation estimates, bytes per image = tokens × width × dtype bytes × factor. Calibrated on
+# published peaks (SDXL UNet and FLUX transformer at 1024², 2-4 GB; SD VAE decode at 1024², ~3 GB);
+# they are estimates: the measured peak is in each worker's stats.
+ACT_FACTOR = 64
+VAE_ACT_FACTOR = 12
+# Tokens a text encoder reads per prompt (the families' `max_sequence_length`); else 77 (CLIP).
+TEXT_TOKENS = {
+    "T5EncoderModel": 512,
+    "UMT5EncoderModel": 512,
+    "Mistral3ForConditionalGeneration": 512,  # FLUX.2 dev
+    "Qwen3ForCausalLM": 512,  # FLUX.2 klein
+    "Qwen3Model": 512,  # Z-Image
+    "Qwen2_5_VLForConditionalGeneration": 1024,  # Qwen-Image (512 + its template), HunyuanImage (1000)
+    "LlamaForCausalLM": 128,  # HiDream
+    "Gemma2Model": 300,  # Sana
+}
+# What a quantized component costs the plan's choice beyond its predicted seconds, as a share of the
+# pipeline's time all resident at batch 1 (a fixed measure, whatever the budget): under `auto` a
+# format must buy at least this much predicted speed to change the pixels. Added to the time, so
+# the search still compares one number per plan ("cost"): more memory never predicts a higher cost,
+# and `auto` never predicts slower than `none` (its cost is at most none's, which is its seconds).
+QUANTIZED_SHARE = 0.05
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """What a plan is fitted to. Bandwidth and FLOP/s are measured by the worker's probe."""
+
+    budget: int  # device bytes the plan may use
+    host_budget: int  # host RAM bytes for offloaded copies (pageable and pinned)
+    bandwidth: float = 20e9  # host→device bytes/s
+    flops: float = 100e12  # device FLOP/s at the run dtype (effective)
+    streams: bool = True  # CUDA streams can overlap transfers with compute
+    disk_bandwidth: float = 2e9  # bytes/s reading offloaded groups back from local disk
+    name: str = ""
+    formats: tuple[str, ...] = tuple(FORMATS)  # storage formats it can run (`--quantize auto` chooses among them)
+
+
+@dataclass(frozen=True)
+class Workload:
+    width: int = 1024
+    height: int = 1024
+    steps: int = 30
+    cfg: bool = True  # the denoiser runs on a doubled batch (classifier-free guidance; not guidance-distilled Flux)
+    max_batch: int = 8
+    offload: str = "auto"  # auto | none | block | leaf | disk: which placements may be used
+    quantize: str = "none"  # none | auto | COMPONENT=FORMAT,...: which storage formats may be used
+    fixed: tuple[tuple[str, str], ...] = ()  # (component, format) already applied to live modules
+    loaded: bool = False  # planned after loading (a worker): the loading peak is past, not planned
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one component lives. The planner offers disk only at block level: leaf level + disk
+    corrupts tied weights (see notes/diffusers-group-offload.md)."""
+
+    mode: str  # resident | block | leaf
+    blocks_per_group: int = 1  # block level only
+    stream: bool = False  # prefetch the next group on a CUDA side stream (pins a host copy)
+    disk: bool = False  # offloaded groups live in files, not host RAM
+
+    @property
+    def label(self) -> str:
+        if self.mode == "resident":
+            return "resident"
+        base = f"block_level({self.blocks_per_group})" if self.mode == "block" else "leaf_level"
+        return base + ("+stream" if self.stream else "") + ("+disk" if self.disk else "")
+
+
+def _candidates(c: ComponentProfile, device: DeviceSpec, offload: str) -> list[Placement]:
+    """`auto` chooses per component among all placements; `none` keeps everything resident;
+    `block`, `leaf` and `disk` put every component in that mode (as diffusers' pipeline-level
+    `enable_group_offload` would), leaving the planner the variant and the batch size. Placements
+    the component's storage format refuses (offload/quantize.py's table) are left out."""
+    if c.fmt != NONE:
+        return [
+            p
+            for p in _candidates(replace(c, fmt=NONE), device, offload)
+            if not refusal(c.fmt, p.mode, p.stream, p.disk)
+        ]
+    if offload == "none":
+        return [Placement("resident")]
+    block = [Placement("block", k) for k in (1, 2, 4) if k == 1 or k <= len(c.blocks)]
+    leaf = [Placement("leaf")]
+    # A component the pipeline upcasts is never streamed: onload copies its pinned float16 copy,
+    # whatever `.to(float32)` did, and float32 inputs meet float16 weights.
+    if device.streams and not c.upcast:
+        block.append(Placement("block", 1, stream=True))
+        leaf.append(Placement("leaf", stream=True))
+    disk = [] if c.adapters else [Placement("block", 1, disk=True)]  # LoRA + disk: wrong images (notes)
+    forced = {"block": block, "leaf": leaf, "disk": disk or [Placement("block", 1, disk=True)]}
+    if offload in forced:
+        return forced[offload]  # `--offload disk` with adapters is refused by offload.apply, naming why
+    return [Placement("resident"), *(block + disk if c.blocks else []), *leaf]
+
+
+def _floor(c: ComponentProfile, p: Placement) -> int:
+    """Device bytes the component holds while it runs (beyond what is resident)."""
+    if p.mode == "resident":
+        return 0
+    if p.mode == "leaf":
+        return c.non_leaf + c.largest_leaf * (2 if p.stream else 1)
+    if p.stream:
+        return c.unmatched + 2 * max(c.blocks)
+    return c.block_floor(p.blocks_per_group)
+
+
+def _tokens(c: ComponentProfile, prof: PipelineProfile, w: Workload) -> int:
+    if c.per_step:
+        return (w.width // (prof.vae_scale * prof.patch)) * (w.height // (prof.vae_scale * prof.patch))
+    if c.name == "vae":
+        return w.width * w.height // 16
+    return TEXT_TOKENS.get(c.cls, 77)
+
+
+def _activations(c: ComponentProfile, prof: PipelineProfile, w: Workload) -> int:
+    """Estimated activation bytes per image while `c` runs."""
+    if c.name == "vae":
+        return w.width * w.height * prof.vae_channels * (prof.vae_dtype_bytes or prof.dtype_bytes) * VAE_ACT_FACTOR
+    cfg = 2 if c.per_step and w.cfg else 1
+    return _tokens(c, prof, w) * max(c.hidden, 1) * prof.dtype_bytes * ACT_FACTOR * cfg
+
+
+def _call_seconds(
+    c: ComponentProfile, p: Placement, prof: PipelineProfile, w: Workload, d: DeviceSpec, batch: int
+) -> float:
+    """Seconds `c` takes in one pipeline call of `batch` images."""
+    forwards = w.steps if c.per_step else 1
+    cfg = 2 if c.per_step and w.cfg else 1
+    slowdown = spec(c.fmt).slowdown if c.fmt != NONE else 1.0  # dequantization (quantize.py's sources)
+    compute = 2 * c.params * _tokens(c, prof, w) * cfg * batch * slowdown / d.flops + FORWARD_SECONDS
+    if p.mode == "resident":
+        return forwards * compute
+    if p.disk:
+        transfer = c.bytes / min(d.disk_bandwidth, d.bandwidth) + (len(c.blocks) + 1) * SYNC_SECONDS
+        return forwards * (compute + transfer)
+    groups = c.leaves if p.mode == "leaf" else -(-len(c.blocks) // p.blocks_per_group) + 1
+    transfer = c.bytes / d.bandwidth
+    if p.stream:  # prefetch overlaps the next group's copy with this group's compute
+        return forwards * (max(compute, transfer) + transfer / max(groups, 1))
+    return forwards * (compute + transfer + groups * SYNC_SECONDS)
+
+
+@dataclass(frozen=True)
+class _Option:
+    """One component in one placement at one batch size: what it adds to the plan."""
+
+    placement: Placement
+    resident: int  # device bytes held all the time
+    phase: int  # device bytes while it runs (live groups + activations)
+    host: int
+    pinned: int
+    seconds: float  # per pipeline call
+    moved: int  # bytes per pipeline call
+    load: int = 0  # host bytes while the pipeline loads (its run-dtype bytes unless its format applies at load)
+    fmt: str = NONE  # storage format
+    cost: float = 0.0  # seconds, plus QUANTIZED_SHARE of the pipeline's ideal time when quantized
+
+    @property
+    def quantized(self) -> bool:
+        return self.fmt != NONE
+
+    def counts(self) -> tuple:
+        return (self.resident, self.phase, self.host, self.pinned, self.cost, self.load)
+
+    def dominates(self, other: _Option) -> bool:
+        mine, theirs = self.counts(), other.counts()
+        return all(a <= b for a, b in zip(mine, theirs, strict=True)) and mine != theirs
+
+
+def _formats(name: str, device: DeviceSpec, w: Workload) -> tuple[str, ...]:
+    return allowed(w.quantize, name, device.formats, dict(w.fixed))
+
+
+def _ideal(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> float:
+    """Seconds per image of the whole pipeline resident, unquantized, at batch 1 (the plans' measure)."""
+    return sum(_call_seconds(prof.variant(n, NONE), Placement("resident"), prof, w, device, 1) for n in prof.components)
+
+
+def _options(
+    name: str, prof: PipelineProfile, device: DeviceSpec, w: Workload, batch: int, ideal: float | None = None
+) -> list[_Option]:
+    """The component's candidate (format, placement) pairs at `batch`, without those another beats
+    on every count (cost included: a quantized one pays QUANTIZED_SHARE of `ideal` per image)."""
+    penalty = QUANTIZED_SHARE * (_ideal(prof, device, w) if ideal is None else ideal) * batch
+    out = []
+    for fmt in _formats(name, device, w):
+        c = prof.variant(name, fmt)
+        acts = _activations(c, prof, w) * batch
+        forwards = w.steps if c.per_step else 1
+        load = 0 if w.loaded else c.bytes if fmt != NONE and spec(fmt).at_load else prof.components[name].bytes
+        for p in _candidates(c, device, w.offload):
+            off = p.mode != "resident"
+            pinned = (c.pinned or c.bytes) if p.stream else 0  # the pinned copy is the host copy with streams
+            out.append(
+                _Option(
+                    placement=p,
+                    resident=0 if off else c.bytes,
+                    phase=_floor(c, p) + acts,
+                    host=pinned or (c.bytes if off and not p.disk else 0),
+                    pinned=pinned,
+                    seconds=(seconds := _call_seconds(c, p, prof, w, device, batch)),
+                    moved=c.bytes * forwards if off else 0,
+                    load=load,
+                    fmt=fmt,
+                    cost=seconds + (penalty if fmt != NONE else 0.0),
+                )
+            )
+    return [o for o in out if not any(x.dominates(o) for x in out)]
