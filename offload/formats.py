@@ -24,7 +24,7 @@ from fleetgen.errors import ConfigError
 DENOISERS = ("unet", "transformer", "transformer_2", "prior", "decoder")
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")
 _LINEAR = (torch.nn.Linear,)
-_CAST = (  # diffusers' _GO_LC_SUPPORTED_PYTORCH_LAYERS: what layerwise casting stores in float8
+LAYERS = (  # diffusers' _GO_LC_SUPPORTED_PYTORCH_LAYERS: group offloading's leaves, what fp8 stores
     torch.nn.Conv1d,
     torch.nn.Conv2d,
     torch.nn.Conv3d,
@@ -71,7 +71,7 @@ FORMATS = {
     "fp8": Format(
         "fp8",
         "float8 (e4m3) storage, cast to the run dtype layer by layer as it runs (diffusers' layerwise casting)",
-        _CAST,
+        LAYERS,
         False,
         1.0,
         0,

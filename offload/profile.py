@@ -14,19 +14,11 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from fleetgen.latents import denoiser_patch, vae_scale
+from offload.formats import LAYERS
 
 # The denoiser runs once per step; everything else once per pipeline call.
 PER_STEP = ("unet", "transformer", "transformer_2", "prior", "decoder")
-_LEAF_TYPES = (
-    torch.nn.Conv1d,
-    torch.nn.Conv2d,
-    torch.nn.Conv3d,
-    torch.nn.ConvTranspose1d,
-    torch.nn.ConvTranspose2d,
-    torch.nn.ConvTranspose3d,
-    torch.nn.Linear,
-    torch.nn.Embedding,
-)
+_LEAF_TYPES = LAYERS  # diffusers' leaf level makes one group per such layer
 _BLOCK_TYPES = (torch.nn.ModuleList, torch.nn.Sequential)
 
 

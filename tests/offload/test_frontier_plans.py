@@ -12,7 +12,7 @@ from jobs.cli import main
 from jobs.planning import plan_rows, plan_workload
 from offload import profile_modules
 from offload.architectures import build_on_meta
-from offload.cost import MARGIN, _options
+from tests.offload.exhaustive import exhaustive_key, plan_key
 
 # Parameter counts as their publishers state them (model cards, the encoders' hub pages), with the
 # precision they are stated to: a figure given as "20B" is checked to ±0.5 B, "8.29B" to 2 %.
@@ -125,29 +125,6 @@ def test_plan_cli_on_a_frontier_architecture(capsys):
     assert out["plans"][0]["binds"] and "binds:" in out["plans"][0]["reason"]
 
 
-def _exhaustive(prof, device, w):
-    """The plan's key by the search it replaced: every product of options, every batch size."""
-    import itertools
-
-    best = None
-    for batch in range(1, w.max_batch + 1):
-        tables = [_options(n, prof, device, w, batch) for n in prof.components]
-        for combo in itertools.product(*tables):
-            peak = sum(o.resident for o in combo) + max(o.phase for o in combo)
-            if peak > device.budget * (1 - MARGIN) or sum(o.host for o in combo) > device.host_budget:
-                continue
-            if sum(o.load for o in combo) > device.host_budget:
-                continue
-            key = (
-                sum(o.cost for o in combo) / batch,
-                sum(o.quantized for o in combo),
-                sum(o.moved for o in combo) // batch,
-                sum(o.placement.mode != "resident" for o in combo),
-            )
-            best = key if best is None or key < best else best
-    return best
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["sd-1.5", "sdxl", "flux.1-dev", "flux.2-dev", "qwen-image", "chroma1-hd"])
 def test_the_search_finds_what_the_exhaustive_one_finds(arch):
@@ -162,15 +139,13 @@ def test_the_search_finds_what_the_exhaustive_one_finds(arch):
     for gib in (4, 12, 24, 48, 80):
         for host in (16, 64, 256):
             device = DeviceSpec(budget=gib << 30, host_budget=host << 30)
-            expected = _exhaustive(prof, device, w)
+            expected = exhaustive_key(prof, device, w)
             try:
                 got = plan(prof, device, w)
             except OffloadError:
                 assert expected is None, (arch, gib, host)
                 continue
-            off = sum(p.mode != "resident" for p in got.placements.values())
-            q = len(got.formats)
-            assert (got.cost_per_image, q, got.moved_per_image, off) == expected, (arch, gib, host)
+            assert plan_key(got) == expected, (arch, gib, host)
 
 
 @pytest.mark.parametrize("arch", sorted(DIMENSIONS))

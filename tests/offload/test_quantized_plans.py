@@ -13,8 +13,9 @@ import torch
 from fleetgen.errors import OffloadError
 from offload import DeviceSpec, Workload, plan, profile_modules
 from offload.architectures import NAMES, build_on_meta
-from offload.cost import MARGIN, _options
+from offload.cost import MARGIN
 from offload.formats import FORMATS, refusal
+from tests.offload.exhaustive import exhaustive_key, plan_key
 
 GIB = 1 << 30
 BUDGETS = (8, 16, 24, 48, 80, 141)  # GiB of device memory: the cards a fleet mixes
@@ -61,28 +62,6 @@ def test_auto_never_predicts_slower_and_more_memory_never_slows_it(arch, profile
         assert costs == sorted(costs, reverse=True), (arch, gib, costs)
 
 
-def _exhaustive(prof, device, w):
-    """The plan's key by every product of options, every batch size."""
-    best = None
-    for batch in range(1, w.max_batch + 1):
-        tables = [_options(n, prof, device, w, batch) for n in prof.components]
-        for combo in itertools.product(*tables):
-            peak = sum(o.resident for o in combo) + max(o.phase for o in combo)
-            if peak > device.budget * (1 - MARGIN) or sum(o.host for o in combo) > device.host_budget:
-                continue
-            if sum(o.load for o in combo) > device.host_budget:
-                continue
-            q = sum(o.quantized for o in combo)
-            key = (
-                sum(o.cost for o in combo) / batch,
-                q,
-                sum(o.moved for o in combo) // batch,
-                sum(o.placement.mode != "resident" for o in combo),
-            )
-            best = key if best is None or key < best else best
-    return best
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["sd-1.5", "flux.2-dev", "qwen-image", "flux.1-dev"])
 def test_auto_finds_what_the_exhaustive_search_finds(arch, profiles):
@@ -91,14 +70,13 @@ def test_auto_finds_what_the_exhaustive_search_finds(arch, profiles):
     grid = [(16, 32), (24, 64), (48, 256)] if len(prof.components) > 3 else itertools.product(BUDGETS, HOSTS)
     for gib, host in grid:
         device = DeviceSpec(budget=gib * GIB, host_budget=host * GIB)
-        expected = _exhaustive(prof, device, w)
+        expected = exhaustive_key(prof, device, w)
         try:
             got = plan(prof, device, w)
         except OffloadError:
             assert expected is None, (arch, gib, host)
             continue
-        q, off = len(got.formats), sum(p.mode != "resident" for p in got.placements.values())
-        assert (got.cost_per_image, q, got.moved_per_image, off) == expected, (gib, host)
+        assert plan_key(got) == expected, (gib, host)
 
 
 @pytest.mark.slow
