@@ -46,13 +46,13 @@ def exhaustive_seconds(prof, device: DeviceSpec, w: Workload) -> float:
 
 
 def quantize_table(args) -> None:
-    from offload.formats import FORMATS
+    from offload.formats import CHOOSABLE
 
     print("| model | host RAM | GPU | quantize | formats | offloaded | batch | peak | rel img/s | plan s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
         family = read_family(HERE / name)
-        prof = profile_modules(name, build_on_meta(name), DTYPES[family.dtype], formats=tuple(FORMATS))
+        prof = profile_modules(name, build_on_meta(name), DTYPES[family.dtype], formats=CHOOSABLE)
         for host in (int(h) for h in args.hosts.split(",")):
             for gib in (int(b) for b in args.budgets.split(",")):
                 for quantize in ("none", "auto"):

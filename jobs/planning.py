@@ -10,7 +10,7 @@ from fleetgen.errors import OffloadError
 from fleetgen.units import format_size, parse_size
 from offload import DeviceSpec, Workload, plan, profile_modules
 from offload.architectures import build_on_meta, resolve
-from offload.formats import FORMATS, check_components, is_auto, normalized, parse_quantize
+from offload.formats import CHOOSABLE, check_components, is_auto, normalized, parse_quantize
 from workers.families import Family, read_family
 from workers.pipeline import DTYPES
 from workers.probe import ASSUMED_BANDWIDTH, ASSUMED_FLOPS, host_available_bytes
@@ -58,7 +58,7 @@ def plan_rows(
     modules = build_on_meta(model)
     mapping = parse_quantize(quantize)
     check_components(mapping, list(modules), model)
-    formats = tuple(FORMATS) if is_auto(quantize) else tuple(sorted(set(mapping.values())))
+    formats = CHOOSABLE if is_auto(quantize) else tuple(sorted(set(mapping.values())))
     profile = profile_modules(model, modules, DTYPES[dtype], vae_upcast=vae_upcast, formats=formats)
     # from_pretrained loads every component to host RAM, at the run dtype unless its format applies at load
     loading = profile.total_bytes

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from offload.formats import FORMATS, NONE, allowed, refusal, spec
+from offload.formats import CHOOSABLE, NONE, allowed, refusal, spec
 from offload.profile import ComponentProfile, PipelineProfile
 
 MARGIN = 0.10  # of the budget: allocator fragmentation, CUDA context, workspace
@@ -51,7 +51,7 @@ class DeviceSpec:
     streams: bool = True  # CUDA streams can overlap transfers with compute
     disk_bandwidth: float = 2e9  # bytes/s reading offloaded groups back from local disk
     name: str = ""
-    formats: tuple[str, ...] = tuple(FORMATS)  # storage formats it can run (`--quantize auto` chooses among them)
+    formats: tuple[str, ...] = CHOOSABLE  # storage formats it can run (`--quantize auto` chooses among them)
 
 
 @dataclass(frozen=True)

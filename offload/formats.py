@@ -157,6 +157,7 @@ FORMATS = {
     ),
 }
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+CHOOSABLE = tuple(n for n in FORMATS if n != "gguf")  # what `auto` may choose: a GGUF file must be named
 
 
 def spec(value: str) -> Format:
@@ -284,7 +285,7 @@ def unavailable(name: str, cuda: bool) -> str | None:
 
 def runnable(cuda: bool, at_load: bool = False) -> tuple[str, ...]:
     """The formats this machine can run; `at_load=False`: those applied after loading only."""
-    return tuple(n for n, f in FORMATS.items() if (at_load or not f.at_load) and unavailable(n, cuda) is None)
+    return tuple(n for n in CHOOSABLE if (at_load or not FORMATS[n].at_load) and unavailable(n, cuda) is None)
 
 
 def refusal(name: str, mode: str, stream: bool, disk: bool) -> str | None:

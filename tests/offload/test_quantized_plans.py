@@ -14,7 +14,7 @@ from fleetgen.errors import OffloadError
 from offload import DeviceSpec, Workload, plan, profile_modules
 from offload.architectures import NAMES, build_on_meta
 from offload.cost import MARGIN
-from offload.formats import FORMATS, refusal
+from offload.formats import CHOOSABLE, FORMATS, refusal
 from tests.offload.exhaustive import exhaustive_key, plan_key
 
 GIB = 1 << 30
@@ -24,7 +24,7 @@ HOSTS = (32, 64, 256)  # GiB of host RAM a worker may fill
 
 @pytest.fixture(scope="module")
 def profiles():
-    return {n: profile_modules(n, build_on_meta(n), torch.bfloat16, formats=tuple(FORMATS)) for n in NAMES}
+    return {n: profile_modules(n, build_on_meta(n), torch.bfloat16, formats=CHOOSABLE) for n in NAMES}
 
 
 def _plan(prof, gib, host, quantize, max_batch=4):
