@@ -26,7 +26,15 @@ from workers.pipeline import (
     resolve_device,
     resolve_dtype,
 )
-from workers.plans import choose_plan, components_dtypes_kept, is_out_of_memory, leaner_plan
+from workers.plans import _workload as planner_workload
+from workers.plans import (
+    at_load_formats,
+    choose_plan,
+    components_dtypes_kept,
+    device_spec,
+    is_out_of_memory,
+    leaner_plan,
+)
 from workers.probe import probe
 from workers.seeds import generators
 from workers.spec import Source, Workload
@@ -66,6 +74,8 @@ class FittedPipeline:
         at_load = {c: f for c, f in mapping.items() if spec(f).at_load}
         if at_load and pipe is not None:
             raise OffloadError(f"{tag}: {describe(at_load)} applies at load; a given pipeline is loaded already.")
+        if is_auto(source.quantize) and pipe is None and runnable(cuda, at_load=True) != runnable(cuda):
+            at_load = self._plan_before_loading(source, workload, cuda)
         gguf = {c: f for c, f in at_load.items() if spec(f).name == "gguf"}
         for value in gguf.values():  # the bytes the job was fingerprinted with, on this node too
             try:
@@ -142,6 +152,30 @@ class FittedPipeline:
                 self.placed.close()
             raise
         self.batch_size = self.plan.batch_size
+
+    def _plan_before_loading(self, source: Source, workload: Workload, cuda: bool) -> dict[str, str]:
+        """`auto` where formats can apply at load: plan from the model's configs before its weights
+        are read, so a worker never loads bf16 it cannot hold (workers/plans.py `at_load_formats`)."""
+        from pathlib import Path
+
+        from workers.model_dir import is_hub_id
+
+        if is_hub_id(source.model) or not (Path(source.model).expanduser() / "model_index.json").exists():
+            return {}  # a hub model's configs come with its snapshot: planned after loading, as before
+        ahead = probe(self.device, self.dtype)
+        w = workload
+        spec_ = device_spec(self.device, ahead, w.gpu_memory, w.host_memory, runnable(cuda, at_load=True))
+        work = planner_workload(
+            w.offload,
+            w.max_batch,
+            w.width,
+            w.height,
+            w.steps,
+            self.family.doubles_batch(w.guidance, w.true_cfg_scale),
+            "auto",
+            {},
+        )
+        return at_load_formats(str(Path(source.model).expanduser()), self.dtype, spec_, work, self.family.upcasts_vae)
 
     def _quantize(self, formats: dict[str, str]) -> None:
         """Apply the plan's after-load formats not applied yet (a step-down under `auto` may add one)."""

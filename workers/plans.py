@@ -11,7 +11,7 @@ import torch
 from fleetgen.errors import OffloadError
 from offload import DeviceSpec, OffloadPlan, PipelineProfile, plan, resident_plan
 from offload import Workload as PlannerWorkload
-from offload.formats import parse_quantize
+from offload.formats import parse_quantize, spec
 
 HOST_SHARE = 0.8  # of available host RAM a worker may fill with offloaded copies
 # How CUDA libraries word an allocation failure they raise as a plain RuntimeError (cuBLAS and cuDNN
@@ -51,10 +51,26 @@ def components_dtypes_kept(pipe):
                 module.to(dtype=before[name])
 
 
+def at_load_formats(model_dir: str, dtype: torch.dtype, device: DeviceSpec, work: PlannerWorkload, vae_upcast: bool):
+    """Under `--quantize auto` on a worker that can apply formats as weights load (bitsandbytes on
+    CUDA): the pipeline planned from its configs on the `meta` device, before any weight is read,
+    with the loading peak counted — {component: format} of that plan's at-load formats, which the
+    worker then loads with. Where nothing fits even so, none: the worker's own plan says why."""
+    from offload import profile_modules
+    from offload.architectures import build_on_meta
+
+    prof = profile_modules(model_dir, build_on_meta(model_dir), dtype, vae_upcast=vae_upcast, formats=device.formats)
+    try:
+        chosen = plan(prof, device, replace(work, quantize="auto", loaded=False))
+    except OffloadError:
+        return {}
+    return {c: f for c, f in chosen.formats.items() if spec(f).at_load}
+
+
 STEP_DOWN = 0.75  # after an OOM at batch 1, re-plan for this fraction of the previous budget
 
 
-def _workload(
+def planner_workload(
     offload: str, max_batch: int, width: int, height: int, steps: int, cfg: bool, quantize: str, fixed: dict
 ) -> PlannerWorkload:
     # a worker plans a pipeline already loaded: its loading peak is past
@@ -119,7 +135,7 @@ def choose_plan(
     return plan(
         profile,
         device_spec(device, probe, gpu_memory, host_memory, formats),
-        _workload(offload, max_batch, width, height, steps, cfg, quantize, fixed),
+        planner_workload(offload, max_batch, width, height, steps, cfg, quantize, fixed),
     )
 
 
@@ -144,7 +160,7 @@ def leaner_plan(
     current placement straight to "nothing fits" (where activations, not weights, fill the budget)
     is bisected for the budgets between, where a leaner placement may still fit."""
     high = current.budget or probe.get("free_bytes") or probe["host_available_bytes"]
-    work = _workload(offload, 1, width, height, steps, cfg, quantize, fixed or {})
+    work = planner_workload(offload, 1, width, height, steps, cfg, quantize, fixed or {})
 
     def at(budget: int) -> OffloadPlan:
         return plan(profile, device_spec(device, probe, budget, host_memory, formats), work)

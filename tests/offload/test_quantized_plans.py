@@ -149,3 +149,21 @@ def test_a_worker_plans_only_what_it_can_apply_and_says_how_much_faster(profiles
     fixed = plan(prof, device, replace(work, fixed=(("text_encoder_2", "int8"),)))
     assert fixed.formats.get("text_encoder_2") == "int8"  # kept, though this device would not choose it
     assert not plan(prof, device, replace(work, quantize="none")).formats
+
+
+@pytest.mark.slow
+def test_a_worker_under_auto_plans_at_load_formats_before_reading_weights():
+    """A CUDA worker with bitsandbytes, FLUX.2 dev on a 24 GiB card and 64 GiB of host RAM: planned
+    from the configs on `meta` before loading, the transformer loads as nf4 (bf16 would not load);
+    with 256 GiB of host RAM and an 80 GiB card it loads unquantized; without at-load formats, none."""
+    from offload.architectures import resolve
+    from workers.plans import at_load_formats, planner_workload
+
+    work = planner_workload("auto", 1, 1024, 1024, 28, False, "auto", {})
+    root = str(resolve("flux.2-dev"))
+    tight = DeviceSpec(budget=24 * GIB, host_budget=64 * GIB, formats=CHOOSABLE)
+    assert at_load_formats(root, torch.bfloat16, tight, work, False) == {"transformer": "nf4"}
+    roomy = DeviceSpec(budget=80 * GIB, host_budget=256 * GIB, formats=CHOOSABLE)
+    assert at_load_formats(root, torch.bfloat16, roomy, work, False) == {}
+    after_load_only = replace(tight, formats=("fp8", "int8"))
+    assert at_load_formats(root, torch.bfloat16, after_load_only, work, False) == {}  # nothing loads: the worker says
