@@ -26,7 +26,6 @@ from workers.pipeline import (
     resolve_device,
     resolve_dtype,
 )
-from workers.plans import _workload as planner_workload
 from workers.plans import (
     at_load_formats,
     choose_plan,
@@ -34,6 +33,7 @@ from workers.plans import (
     device_spec,
     is_out_of_memory,
     leaner_plan,
+    planner_workload,
 )
 from workers.probe import probe
 from workers.seeds import generators
