@@ -242,9 +242,6 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.ray)
         if names & CLUSTER_FIXTURES:
             item.add_marker(pytest.mark.cluster)
-            # `make test` runs two pytest workers (pytest-xdist, --dist loadgroup): the tests that start
-            # Ray heads of their own run one after another on one of them, the rest share out.
-            item.add_marker(pytest.mark.xdist_group("heads"))
 
 
 def _ray_starts() -> int:
