@@ -41,7 +41,10 @@ def bucket(name: str) -> str:
     return f"s3://{name}/out"
 
 
-@pytest.mark.parametrize("lost", [1, 2], ids=["client-retry-sees-412", "our-retry-sees-412"])
+@pytest.mark.parametrize(
+    "lost",
+    [pytest.param(1, id="client-retry-sees-412"), pytest.param(2, id="our-retry-sees-412", marks=pytest.mark.slow)],
+)
 @pytest.mark.parametrize("fmt", ["files", pytest.param("webdataset", marks=pytest.mark.slow)])  # fast lane: one format
 def test_a_commit_whose_answer_is_lost_is_still_this_attempts(
     faulty_store, quick_retries, tiny_model, tmp_path, fmt, lost
@@ -97,7 +100,9 @@ def test_a_commit_that_cannot_be_confirmed_keeps_its_staging_for_the_driver(
     assert verify(out, deep=True).clean
 
 
-@pytest.mark.parametrize("op", ["put", "exists", "listing", "create"])  # every Output method takes this path
+@pytest.mark.parametrize(  # every Output method takes this path; the fast lane tries one
+    "op", ["put", *(pytest.param(op, marks=pytest.mark.slow) for op in ("exists", "listing", "create"))]
+)
 def test_an_outage_is_retried_then_one_storage_error_naming_the_url(faulty_store, quick_retries, op):
     output = Output(bucket("outage-ops"))
     output.put("a.parquet", b"x")
