@@ -123,7 +123,7 @@ def print_plans(summary: dict, rows: list[dict], as_json: bool, out=None) -> Non
         f"{summary['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s, {summary['flops'] / 1e12:.0f} TFLOP/s\n\n"
     )
     names = list(comps)
-    header = ["gpu", *names, "batch", "peak", "pinned", "moved/img", "rel img/s", "binds"]
+    header = ["gpu", *names, "batch", "peak", "loading", "pinned", "moved/img", "rel img/s", "binds"]
     table = [header]
     for r in rows:
         binds = ", ".join(r.get("binds") or []) or "neither"
@@ -138,6 +138,7 @@ def print_plans(summary: dict, rows: list[dict], as_json: bool, out=None) -> Non
                 *[" ".join(filter(None, [formats.get(n), r["modes"][n]])) for n in names],
                 str(r["batch_size"]),
                 format_size(r["peak_bytes"]),
+                format_size(r["load_host_bytes"]),
                 format_size(r["pinned_bytes"]),
                 format_size(r["moved_bytes_per_image"]),
                 f"{r['predicted_relative_speed']:.2f}",
