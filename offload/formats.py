@@ -34,11 +34,11 @@ LAYERS = (  # diffusers' _GO_LC_SUPPORTED_PYTORCH_LAYERS: group offloading's lea
     torch.nn.Linear,
     torch.nn.Embedding,
 )
-# Published end-to-end times, FLUX.1-dev, 1024², 50 steps, one H100 (diffusers' blog "Exploring
-# Quantization Backends in Diffusers", May 2025; the figures the quantization issue quotes): bf16
-# 12 s, fp8 layerwise 13 s, torchao int8 weight-only 15 s, bitsandbytes NF4 12 s, bitsandbytes
-# 8-bit 27 s. Their ratios to bf16 are each format's compute cost; constants until a GPU check
-# calibrates them.
+# Published end-to-end times, FLUX.1-dev, 1024², 50 steps, one H100, as the quantization issue
+# quotes them (diffusers' blog "Exploring Quantization Backends in Diffusers", May 2025): bf16 12 s,
+# fp8 layerwise 13 s, torchao int8 weight-only 15 s, bitsandbytes NF4 12 s, GGUF Q8_0 15 s. Not in
+# the issue: bitsandbytes 8-bit, 27 s as recalled from the blog's table, unverified here. Their
+# ratios to bf16 are each format's compute cost; constants until a GPU check calibrates them.
 BF16_SECONDS = 12.0
 
 
