@@ -14,8 +14,9 @@ from pathlib import Path
 
 from fleetgen.errors import ConfigError, one_line
 from jobs.config import JobConfig, parse_lora
+from offload.architectures import torch_components
 from offload.formats import check_components as check_quantized
-from offload.formats import normalized, parse_quantize
+from offload.formats import is_auto, parse_quantize
 from workers.families import GENERIC, READS_SCHEDULER, READS_TRANSFORMER, Family, choose, identify, identify_dir
 from workers.model_dir import is_hub_id
 from workers.shard import Columns
@@ -202,11 +203,7 @@ def resolve_defaults(config: JobConfig, columns: Columns) -> tuple[JobConfig, Fa
     _check_negatives(config, columns, family, values["guidance"])
     mapping = parse_quantize(config.quantize)
     if mapping and not is_hub_id(config.model):
-        index = json.loads((Path(config.model).expanduser() / "model_index.json").read_text())
-        models = [n for n, spec in index.items() if isinstance(spec, list) and not n.startswith("_") and spec[1]]
-        models = [
-            n for n in models if not index[n][1].endswith(("Tokenizer", "TokenizerFast", "Scheduler", "Processor"))
-        ]
+        models = list(torch_components(Path(config.model).expanduser()))
         check_quantized(mapping, models, config.model)
     return replace(config, family=family.name, **values), family, sources
 
@@ -247,7 +244,7 @@ def resolve_adapters(config: JobConfig, columns: Columns, column_values: list[st
             f"The job names more than {MAX_ADAPTERS} LoRA adapters (flags and column `{columns.lora}`); "
             "every worker loads all of them. Split the job by adapter."
         )
-    if found and normalized(config.quantize) != "none":
+    if found and (parse_quantize(config.quantize) or is_auto(config.quantize)):
         raise ConfigError(
             "`--quantize` with LoRA adapters is not supported yet (the adapters would load into quantized "
             "layers); run the LoRA job unquantized."

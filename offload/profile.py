@@ -14,7 +14,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from fleetgen.latents import denoiser_patch, vae_scale
-from offload.formats import LAYERS
+from offload.formats import FLOAT8, LAYERS, NONE, spec
+from offload.quantize import stored_sizes
 
 # The denoiser runs once per step; everything else once per pipeline call.
 PER_STEP = ("unet", "transformer", "transformer_2", "prior", "decoder")
@@ -84,9 +85,6 @@ class PipelineProfile:
             raise KeyError(f"{name} was not profiled as {fmt} (profile_modules(formats=...))") from None
 
 
-_FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
-
-
 class _Sizer:
     """Bytes of a tensor: at the run dtype for floating tensors, except those stored in float8,
     which hold one byte each; a tensor subclass (torchao's int8) holds its inner tensors; `stored`
@@ -102,7 +100,7 @@ class _Sizer:
         if inner:
             names, _ = t.__tensor_flatten__()
             return sum(self(getattr(t, n)) for n in names)
-        size = self.dtype_bytes if t.is_floating_point() and t.dtype not in _FLOAT8 else t.element_size()
+        size = self.dtype_bytes if t.is_floating_point() and t.dtype not in FLOAT8 else t.element_size()
         return t.numel() * size
 
 
@@ -131,6 +129,11 @@ def _bytes(module: torch.nn.Module, size, seen: set[int] | None = None) -> int:
             seen.add(id(t))
         total += size(t)
     return total
+
+
+def live_bytes(module: torch.nn.Module, dtype_bytes: int) -> int:
+    """Bytes `module`'s tensors hold now (float8 and tensor subclasses as they store)."""
+    return _bytes(module, _Sizer(dtype_bytes))
 
 
 def text_encoder_block_modules(module: torch.nn.Module) -> tuple[str, ...]:
@@ -187,9 +190,6 @@ def profile_component(
 ) -> ComponentProfile:
     """`fmt`: count the component as storage format `fmt` would hold it (offload/quantize.py);
     `none`: as its live tensors are."""
-    from offload.formats import NONE
-    from offload.quantize import stored_sizes
-
     size = _Sizer(dtype_bytes, stored_sizes(module, fmt) if fmt != NONE else None)
     explicit = getattr(module, "_group_offload_block_modules", None)
     block_modules = tuple(explicit) if explicit is not None else text_encoder_block_modules(module)
@@ -239,8 +239,6 @@ def profile_modules(
     config says `force_upcast` (the family says whether its pipeline does: SDXL's does). `formats`:
     storage formats to count each component in too, where the format serves it (the planner's
     `variants`)."""
-    from offload.formats import spec
-
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     vae = modules.get("vae")
     denoiser = next((modules[n] for n in PER_STEP if n in modules), None)
@@ -275,7 +273,7 @@ def profile_pipeline(pipe, model: str = "", vae_upcast: bool = False, formats: t
     modules = {n: c for n, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
     ordered = [modules[n] for n in PER_STEP if n in modules] + list(modules.values())
     dtype = next(
-        (p.dtype for m in ordered for p in m.parameters() if p.is_floating_point() and p.dtype not in _FLOAT8),
+        (p.dtype for m in ordered for p in m.parameters() if p.is_floating_point() and p.dtype not in FLOAT8),
         torch.float32,
     )  # float8 is a storage format (`--quantize`), never the run dtype
     return profile_modules(model or getattr(pipe, "name_or_path", ""), modules, dtype, vae_upcast, formats)

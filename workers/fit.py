@@ -14,6 +14,7 @@ from fleetgen.errors import FleetgenError, OffloadError, one_line
 from offload import OffloadPlan, OffloadStats, apply, pipeline_modules, profile_pipeline
 from offload.apply import unapply
 from offload.formats import describe, is_auto, parse_quantize, pinned_gguf, runnable, spec, unavailable
+from offload.profile import live_bytes
 from offload.quantize import held, load_config, quantize
 from workers.batches import Adapter, Image, Look
 from workers.families import FAMILIES, GENERIC, Family, call_kwargs, prepare_call, prompt_limit, takes_negative_prompt
@@ -97,9 +98,8 @@ class FittedPipeline:
             )
         )
         self.pipe.set_progress_bar_config(disable=True)
-        modules = {n: c for n, c in self.pipe.components.items() if isinstance(c, torch.nn.Module)}
         # {component: format} as applied: at load, or already held by a pipeline given quantized
-        self.quantized: dict[str, str] = {**held(modules), **at_load}
+        self.quantized: dict[str, str] = {**held(pipeline_modules(self.pipe)), **at_load}
         self.takes_negative = takes_negative_prompt(self.pipe)
         # Adapters before profiling and offloading: their bytes are planned for and offloaded with their layers.
         self.adapters = load_adapters(self.pipe, source.adapters, tag)
@@ -180,11 +180,10 @@ class FittedPipeline:
     def _quantize(self, formats: dict[str, str]) -> None:
         """Apply the plan's after-load formats not applied yet (a step-down under `auto` may add one)."""
         new = {c: f for c, f in formats.items() if c not in self.quantized}
-        if new:
-            modules = {n: c for n, c in self.pipe.components.items() if isinstance(c, torch.nn.Module)}
-            self.quantized.update(quantize(modules, new, self.dtype))
+        modules = pipeline_modules(self.pipe)
+        self.quantized.update(quantize(modules, new, self.dtype))
         # what the live modules hold, as measured (workers/<w>.json): the plan's counts were predicted
-        self.weight_bytes = {n: c.bytes for n, c in profile_pipeline(self.pipe).components.items()}
+        self.weight_bytes = {n: live_bytes(m, self.profile.dtype_bytes) for n, m in modules.items()}
 
     def prompt_note(self, prompt: str, negative: str | None, strict: bool) -> dict:
         """What an image's record says about its prompt before it is made. Prompts longer than the

@@ -40,21 +40,29 @@ def _component_class(library: str, name: str):
     return cls if isinstance(cls, type) and issubclass(cls, torch.nn.Module) else None
 
 
-def build_on_meta(model: str) -> dict[str, torch.nn.Module]:
-    """The pipeline's torch components built from their configs on the `meta` device: the real
-    module structure and parameter shapes, no memory, no weights read."""
-    root = resolve(model)
+def torch_components(root: Path) -> dict[str, tuple[str, type]]:
+    """{component: (library, class)} of a pipeline directory's torch modules (diffusers or transformers models
+    with a config.json), read from model_index.json without building any."""
     index = json.loads((root / "model_index.json").read_text())
-    modules = {}
+    out = {}
     for comp, spec in index.items():
         if comp.startswith("_") or not isinstance(spec, list) or spec[0] not in ("diffusers", "transformers"):
             continue
         cls = _component_class(*spec)
-        if cls is None or not (root / comp / "config.json").exists():
-            continue
+        if cls is not None and (root / comp / "config.json").exists():
+            out[comp] = (spec[0], cls)
+    return out
+
+
+def build_on_meta(model: str) -> dict[str, torch.nn.Module]:
+    """The pipeline's torch components built from their configs on the `meta` device: the real
+    module structure and parameter shapes, no memory, no weights read."""
+    root = resolve(model)
+    modules = {}
+    for comp, (library, cls) in torch_components(root).items():
         config = json.loads((root / comp / "config.json").read_text())
         with torch.device("meta"):
-            if spec[0] == "diffusers":
+            if library == "diffusers":
                 modules[comp] = cls.from_config(config)
             else:  # the model class knows its config class; a saved config.json also names its model_type
                 modules[comp] = cls(cls.config_class.from_dict(config))
