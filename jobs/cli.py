@@ -52,6 +52,34 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         "a format per component, e.g. transformer=fp8,text_encoder=int8 (fp8, int8, nf4, bnb-int8, gguf:PATH); "
         "changes pixels",
     )
+    from workers.family_table import TASKS
+    from workers.inputs import RESIZE_RULES
+
+    g.add_argument(
+        "--task",
+        choices=TASKS,
+        help="what the model does with each row (default: what its pipeline class does); e.g. "
+        "`--task image-to-image` or `--task inpaint` on an SD directory (its weights serve both)",
+    )
+    g.add_argument(
+        "--strength",
+        type=float,
+        help="image-to-image, inpaint: how far from the input, 0 to 1 (default: the task's, e.g. 0.8 for SD "
+        "img2img); a `strength` column sets it per row",
+    )
+    g.add_argument(
+        "--resize",
+        choices=RESIZE_RULES,
+        help="how an input image becomes the image's size: crop (default: scale to cover, cut the middle), "
+        "pad (scale to fit, pad black), fit (scale to the size, aspect or not)",
+    )
+    g.add_argument(
+        "--store-inputs",
+        action="store_true",
+        default=None,
+        help="webdataset/parquet output: carry each image's input beside it (<id>.input.png; an "
+        "`input_image` column), for before/after datasets",
+    )
     g.add_argument("--width", type=int, help="pixels, multiple of 8 (default 512)")
     g.add_argument("--height", type=int, help="pixels, multiple of 8 (default 512)")
     g.add_argument("--seed", type=int, help="job seed (default 0)")
@@ -96,7 +124,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     for f in (f for f in roles() if f.setting):  # one per per-row role of the field table (workers/fields.py)
         g.add_argument(
             f"--{f.role.replace('_', '-')}-column",
-            help=f"per-row {f.role.replace('_', ' ')} (default `{f.role}`, used when present; `none` to ignore it)",
+            help=f"per-row {f.role.replace('_', ' ')} (default `{f.default_column}`, used when present; "
+            "`none` to ignore it)",
         )
     g = p.add_argument_group("execution")
     g.add_argument(

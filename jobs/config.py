@@ -14,7 +14,9 @@ from fleetgen.units import parse_size
 from offload.formats import normalized, parse_quantize, refusal
 from offload.planner import OFFLOAD_CHOICES
 from workers.batches import Adapter, template_fields
-from workers.fields import MAX_IMAGES_PER_ROW
+from workers.family_table import TASKS, TEXT
+from workers.inputs import RESIZE_RULES
+from workers.fields import MAX_IMAGES_PER_ROW, default_column
 from workers.formats import format_names
 from workers.layout import IMAGE_FORMATS
 from workers.model_dir import is_hub_id, size_multiple
@@ -39,6 +41,10 @@ class _Job:
     true_cfg_scale: float | None = None  # Flux: > 1 applies negative prompts with true CFG (doubles the compute)
     family: str | None = None  # pipeline family; resolved from the model's model_index.json (jobs/models.py)
     quantize: str = "none"  # storage formats per component, e.g. transformer=fp8 (offload/quantize.py)
+    task: str | None = None  # text-to-image | image-to-image | inpaint | edit; default: the model's pipeline class's
+    strength: float | None = None  # image-to-image, inpaint: how far from the input (default: the task's)
+    resize: str = "crop"  # crop | pad | fit: how input images become the job's size (workers/inputs.py)
+    store_inputs: bool = False  # webdataset/parquet outputs carry each image's input beside it
     revision: str | None = None  # hub models: branch, tag or commit; pinned to a commit in job.json (default main)
     variant: str | None = None  # hub/local weights variant, e.g. fp16 (files named *.fp16.safetensors)
     width: int = 512  # pixels, a multiple of 8
@@ -100,6 +106,10 @@ class _Job:
             images_per_prompt=self.images_per_prompt,
             prompt_template=self.prompt_template,
             loras=tuple(parse_lora(v) for v in self.lora),
+            task=self.task or TEXT,
+            strength=self.strength,
+            resize=self.resize,
+            store_inputs=self.store_inputs,
         )
 
     def budgets(self) -> tuple[int | None, int | None]:
@@ -137,7 +147,10 @@ class _Job:
 # Per-row settings: each `<role>_column`, when the input has that column, overrides the job's setting
 # for its row (`steps_column = "steps"`, ...; workers/fields.py has one entry per role).
 JobConfig = make_dataclass(
-    "JobConfig", [(f"{role}_column", "str", field(default=role)) for role in SETTING_ROLES], bases=(_Job,), frozen=True
+    "JobConfig",
+    [(f"{role}_column", "str", field(default=default_column(role))) for role in SETTING_ROLES],
+    bases=(_Job,),
+    frozen=True,
 )
 JobConfig.__module__ = __name__
 JobConfig.__doc__ = "A job: every option of `fleetgen run`, frozen. Validated by `validate`."
@@ -213,6 +226,14 @@ def validate(config: JobConfig) -> JobConfig:
                 f"the model at {c.model} needs ({multiple[1]}).",
             )
     _check(c.seed >= 0, f"`--seed` must be 0 or more, got `{c.seed}`.")
+    _check(c.task is None or c.task in TASKS, f"`--task` must be one of {', '.join(TASKS)}; got `{c.task}`.")
+    _check(c.strength is None or 0 <= c.strength <= 1, f"`--strength` must be between 0 and 1, got `{c.strength}`.")
+    _check(c.resize in RESIZE_RULES, f"`--resize` must be one of {', '.join(RESIZE_RULES)}; got `{c.resize}`.")
+    _check(
+        not c.store_inputs or c.output_format in ("webdataset", "parquet"),
+        "`--store-inputs` puts each input beside its image in webdataset or parquet output; with "
+        f"`--output-format {c.output_format}` the inputs are your own objects already (the manifest names them).",
+    )
     _check(
         c.image_format in IMAGE_FORMATS,
         f"`--image-format` must be one of {', '.join(IMAGE_FORMATS)}; got `{c.image_format}`.",

@@ -17,7 +17,17 @@ from jobs.config import JobConfig, parse_lora
 from offload.architectures import torch_components
 from offload.formats import check_components as check_quantized
 from offload.formats import is_auto, parse_quantize
-from workers.families import GENERIC, READS_SCHEDULER, READS_TRANSFORMER, Family, choose, identify, identify_dir
+from workers.families import (
+    GENERIC,
+    READS_SCHEDULER,
+    READS_TRANSFORMER,
+    Family,
+    Task,
+    choose,
+    choose_task,
+    identify,
+    identify_dir,
+)
 from workers.model_dir import is_hub_id
 from workers.shard import Columns
 
@@ -177,19 +187,59 @@ def _check_negatives(config: JobConfig, columns: Columns, family: Family, guidan
         )
 
 
+def _check_inputs(config: JobConfig, columns: Columns, family: Family, task: Task) -> None:
+    """The input's image, mask and strength columns against what the task takes: a column the
+    pipeline would not use is refused (never silently left out), and so is a task without its inputs."""
+    what = f"{family.name} {task.name} ({task.pipeline or 'its pipeline'})"
+    others = ", ".join(t.name for t in family.tasks if t.takes_images) or "none"
+    if task.takes_images and not columns.image:
+        raise ConfigError(
+            f"{what} makes each image from an input image, and the input has no `{config.image_column}` "
+            "column: name the column holding images, paths or URLs with `--image-column NAME`."
+        )
+    if columns.image and not task.takes_images:
+        raise ConfigError(
+            f"The input has an image column `{columns.image}`, but {what} takes no input image. Pass "
+            f"`--task` with one of this family's image tasks ({others}), or `--image-column none` to make "
+            "images from the prompts alone."
+        )
+    if task.mask and not columns.mask:
+        raise ConfigError(
+            f"{what} repaints where a mask is white, and the input has no `{config.mask_column}` column: "
+            "name the column holding masks with `--mask-column NAME`."
+        )
+    if columns.mask and not task.mask:
+        raise ConfigError(
+            f"The input has a mask column `{columns.mask}`, but {what} takes no mask. Pass `--task inpaint` "
+            "where the family has it, or `--mask-column none`."
+        )
+    if task.strength is None and (config.strength is not None or columns.strength):
+        given = "`--strength`" if config.strength is not None else f"the `{columns.strength}` column"
+        raise ConfigError(
+            f"{given}: {what} takes no strength (image-to-image and inpaint tasks do); leave it out"
+            + (f" or pass `--strength-column none`." if columns.strength else ".")
+        )
+
+
 def resolve_defaults(config: JobConfig, columns: Columns) -> tuple[JobConfig, Family, dict]:
     """(the config with the family's defaults filled in, the family, {setting: where its value came from})."""
     detected, why, cls = model_family(config.model, config.revision)
     check_components(config.model)
     family, chosen = choose(detected, config.family, cls)
-    if family is GENERIC:
+    task, task_why = choose_task(family, config.task, cls)
+    if family is GENERIC and task.name == "text-to-image":
         check_generic(cls)
+    _check_inputs(config, columns, family, task)
     given = {"steps": config.steps, "guidance": config.guidance}
     defaults = {"steps": family.steps, "guidance": family.guidance}
     values = {k: v if v is not None else defaults[k] for k, v in given.items()}
     sources = {k: "given" if v is not None else "family default" for k, v in given.items()}
     sources["dtype"] = "given" if config.dtype != "auto" else "family default"
     sources["family"] = chosen or why
+    sources["task"] = task_why
+    if task.strength is not None:
+        values["strength"] = config.strength if config.strength is not None else task.strength
+        sources["strength"] = "given" if config.strength is not None else "task default"
     if config.true_cfg_scale and family.negative != "true_cfg":
         where = "its guidance (`--guidance`)" if family.guidance_arg == "true_cfg_scale" else "none"
         raise ConfigError(
@@ -205,7 +255,7 @@ def resolve_defaults(config: JobConfig, columns: Columns) -> tuple[JobConfig, Fa
     if mapping and not is_hub_id(config.model):
         models = list(torch_components(Path(config.model).expanduser()))
         check_quantized(mapping, models, config.model)
-    return replace(config, family=family.name, **values), family, sources
+    return replace(config, family=family.name, task=task.name, **values), family, sources
 
 
 def describe(config: JobConfig, family: Family, sources: dict) -> str:
@@ -217,6 +267,10 @@ def describe(config: JobConfig, family: Family, sources: dict) -> str:
     ]
     if config.true_cfg_scale:
         parts.append(f"true CFG scale {config.true_cfg_scale:g}")
+    if config.task and config.task != "text-to-image":
+        parts.insert(0, f"task {config.task} ({sources.get('task')})")
+        if config.strength is not None:
+            parts.insert(1, f"strength {config.strength:g} ({sources.get('strength')})")
     if family.negative_default is not None:
         parts.append(f"negative prompt {family.negative_default!r} where a row has none")
     line = f"model family {family.name} ({', '.join(family.pipelines) or 'any pipeline'}): {', '.join(parts)}"

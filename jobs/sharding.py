@@ -85,6 +85,10 @@ _KIND_CHECKS = {  # a field's kind (workers/fields.py): (type checks, what the t
     "int": (_INT, "an integer"),
     "number": (_NUMBER, "a number"),
     "id": ((*_STRING[:3], pa.types.is_integer), "a string or integer"),
+    "image": (
+        (*_STRING, pa.types.is_binary, pa.types.is_large_binary, pa.types.is_struct, pa.types.is_list),
+        "image bytes, a `datasets` Image struct {bytes, path}, a path or URL, or a list of those",
+    ),
 }
 
 

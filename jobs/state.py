@@ -96,7 +96,15 @@ def fingerprint(config: JobConfig, files: list[InputFile], columns: Columns) -> 
     return json.loads(json.dumps(record))  # as job.json holds it (tuples are lists there), to compare
 
 
-_NEW_DEFAULTS = {"generation": {"quantize": "none"}}  # settings newer than some jobs' job.json, as those made them
+_NEW_DEFAULTS = {
+    "generation": {
+        "quantize": "none",
+        "task": "text-to-image",
+        "strength": None,
+        "resize": "crop",
+        "store_inputs": False,
+    }
+}  # settings newer than some jobs' job.json, as those made them
 
 
 def _differences(old: dict, new: dict) -> list[str]:

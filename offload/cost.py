@@ -65,6 +65,8 @@ class Workload:
     quantize: str = "none"  # none | auto | COMPONENT=FORMAT,...: which storage formats may be used
     fixed: tuple[tuple[str, str], ...] = ()  # (component, format) already applied to live modules
     loaded: bool = False  # planned after loading (a worker): the loading peak is past, not planned
+    input_images: int = 0  # input images per image (image-to-image, inpaint, edit): the VAE encodes each
+    in_sequence: bool = False  # their latent tokens join the denoiser's sequence (Kontext, Qwen-Image-Edit, FLUX.2)
 
 
 @dataclass(frozen=True)
@@ -123,9 +125,19 @@ def _floor(c: ComponentProfile, p: Placement) -> int:
     return c.block_floor(p.blocks_per_group)
 
 
+def _forwards(c: ComponentProfile, w: Workload) -> int:
+    """Runs of `c` per pipeline call: every step for the denoiser; the VAE decodes once per image
+    and encodes each input image once (counted as costly as a decode, at the same size)."""
+    if c.per_step:
+        return w.steps
+    return 1 + (w.input_images if c.name == "vae" else 0)
+
+
 def _tokens(c: ComponentProfile, prof: PipelineProfile, w: Workload) -> int:
     if c.per_step:
-        return (w.width // (prof.vae_scale * prof.patch)) * (w.height // (prof.vae_scale * prof.patch))
+        own = (w.width // (prof.vae_scale * prof.patch)) * (w.height // (prof.vae_scale * prof.patch))
+        # an edit model's input images, at the image's size, add as many tokens each
+        return own * (1 + (w.input_images if w.in_sequence else 0))
     if c.name == "vae":
         return w.width * w.height // 16
     return TEXT_TOKENS.get(c.cls, 77)
@@ -143,7 +155,7 @@ def _call_seconds(
     c: ComponentProfile, p: Placement, prof: PipelineProfile, w: Workload, d: DeviceSpec, batch: int
 ) -> float:
     """Seconds `c` takes in one pipeline call of `batch` images."""
-    forwards = w.steps if c.per_step else 1
+    forwards = _forwards(c, w)
     cfg = 2 if c.per_step and w.cfg else 1
     slowdown = spec(c.fmt).slowdown if c.fmt != NONE else 1.0  # dequantization (quantize.py's sources)
     compute = 2 * c.params * _tokens(c, prof, w) * cfg * batch * slowdown / d.flops + FORWARD_SECONDS
@@ -205,7 +217,7 @@ def _options(
     for fmt in _formats(name, device, w):
         c = prof.variant(name, fmt)
         acts = _activations(c, prof, w) * batch
-        forwards = w.steps if c.per_step else 1
+        forwards = _forwards(c, w)
         load = 0 if w.loaded else c.bytes if fmt != NONE and spec(fmt).at_load else prof.components[name].bytes
         for p in _candidates(c, device, w.offload):
             off = p.mode != "resident"

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from fleetgen.errors import InputError
-from workers.fields import extra_settings
+from workers.fields import INPUT_ROLES, extra_settings
 from workers.fields import roles as table_roles
+from workers.inputs import InputRef, refs_of
 from workers.layout import unsafe_id_reason
 from workers.seeds import MAX_SEED, derive_seed
 from workers.shard import Columns, Shard
@@ -70,6 +71,7 @@ class Image:
     seed: int | None
     look: Look
     error: str | None  # why it cannot be generated; None when it can
+    inputs: tuple[InputRef, ...] = ()  # its input images (image-to-image, inpaint, edit), the mask last
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,8 @@ class Recipe:
     template: str | None = None  # e.g. "a {style} photo of a {label}"; None: the prompt column
     size_multiple: int = 8  # what width and height must be a multiple of (the model's VAE scale x patch)
     dotless_ids: bool = False  # webdataset output: readers split `<id>.<ext>` at the first dot
+    input_images: int = 0  # the task's input images per image: 0 none (text-to-image), N at most N
+    mask: bool = False  # the task takes a mask (inpaint)
 
     def suffixed(self, columns: Columns) -> bool:
         """Whether image ids carry `-<k>`: in any job that can make several images per row."""
@@ -119,7 +123,7 @@ def _look(values: dict, recipe: Recipe, settings: list, extras: list) -> tuple[L
     they are); the first invalid one is the error."""
     base, errors, got = recipe.look, [], {}
     for f in settings:
-        if values.get(f.role) is None:
+        if values.get(f.role) is None or f.kind == "image":  # inputs: `_inputs`
             continue
         if f.kind in ("int", "number"):
             v, err = _number(values[f.role], "int" if f.kind == "int" else "float", f.role, f.low, f.high)
@@ -143,9 +147,33 @@ def _look(values: dict, recipe: Recipe, settings: list, extras: list) -> tuple[L
         adapters = (Adapter(lora, 1.0 if scale is None else scale),) if lora.strip() else ()
     elif scale is not None:
         adapters = tuple(Adapter(a.source, scale) for a in adapters)
-    extra = tuple((f.name, got[f.role]) for f in extras if got.get(f.role) is not None)
+    extra = dict(base.extra)  # the job's (e.g. `--strength`), each replaced by the row's where it has one
+    extra.update((f.name, got[f.role]) for f in extras if got.get(f.role) is not None)
+    extra = tuple(extra.items())
     error = next((e for e in errors if e), None)
     return Look(width, height, steps, guidance, adapters, extra), count, error
+
+
+def _inputs(values: dict, columns: Columns, recipe: Recipe, base: str) -> tuple[tuple[InputRef, ...], str | None]:
+    """A row's input images, then its mask, as its columns name them; or why the row cannot be made."""
+    if not recipe.input_images:
+        return (), None
+    found = []
+    for role in INPUT_ROLES:
+        column = getattr(columns, role)
+        if role == "mask" and not recipe.mask:
+            continue
+        refs, why = refs_of(values.get(role), role, base)
+        if why:
+            return (), f"column `{column}`: {why}"
+        what = "input image" if role == "image" else "mask"
+        if not refs:
+            return (), f"no {what} (column `{column}` is null or empty)"
+        most = recipe.input_images if role == "image" else 1
+        if len(refs) > most:
+            return (), f"{len(refs)} {what}s in column `{column}`; this task takes at most {most}"
+        found += refs
+    return tuple(found), None
 
 
 def _as_seed(value: object) -> tuple[int | None, str | None]:
@@ -214,7 +242,8 @@ def shard_images(shard: Shard, table: pa.Table, columns: Columns, recipe: Recipe
         seed, seed_error = _as_seed(values.get("seed")) if columns.seed else (None, None)
         prompt, prompt_error = _prompt(data, i, columns, recipe)
         negative = values.get("negative_prompt")
-        row_error = unsafe_id_reason(row_id) or seed_error or error or prompt_error
+        inputs, input_error = _inputs(values, columns, recipe, shard.path)
+        row_error = unsafe_id_reason(row_id) or seed_error or error or prompt_error or input_error
         if row_error is None and recipe.dotless_ids and "." in row_id:
             row_error = f"id `{row_id}` has a `.`: webdataset readers take what follows the first dot as the extension"
         for k in range(count if error is None or count else 1):
@@ -223,7 +252,7 @@ def shard_images(shard: Shard, table: pa.Table, columns: Columns, recipe: Recipe
             image_seed = None
             if image_error is None:
                 image_seed = (seed + k) & MAX_SEED if seed is not None else derive_seed(recipe.seed, image_id)
-            images.append(Image(image_id, row_id, k, i, prompt, negative, image_seed, look, image_error))
+            images.append(Image(image_id, row_id, k, i, prompt, negative, image_seed, look, image_error, inputs))
     return images
 
 

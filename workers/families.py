@@ -16,9 +16,20 @@ import math
 from pathlib import Path
 
 from fleetgen.errors import ConfigError
-from workers.family_table import FAMILIES, GENERIC, Family
+from workers.family_table import FAMILIES, GENERIC, TASKS, TEXT, Family, Task
 
-__all__ = ["FAMILIES", "GENERIC", "Family", "call_kwargs", "detect", "identify", "prepare_call", "read_family"]
+__all__ = [
+    "FAMILIES",
+    "GENERIC",
+    "Family",
+    "Task",
+    "call_kwargs",
+    "choose_task",
+    "detect",
+    "identify",
+    "prepare_call",
+    "read_family",
+]
 
 
 ZIMAGE_SHIFTS = {3.0: "z-image-turbo", 6.0: "z-image"}  # FlowMatchEulerDiscreteScheduler `shift` as published
@@ -76,11 +87,12 @@ def identify(
     """(the family of a pipeline, why) from its `model_index.json`, its transformer's config where
     that tells variants apart, and its hub id or path."""
     cls = model_index.get("_class_name", "")
-    found = [f for f in FAMILIES.values() if cls in f.pipelines]
+    found = [f for f in FAMILIES.values() if cls in f.classes()]  # a task's class too (an inpainting checkpoint)
     if not found:
         return GENERIC, f"{cls or 'a pipeline without _class_name'} is not in the family table"
-    if cls in _SHARED:
-        entry, why = _variant(cls, model_index, transformer_config, name.lower(), scheduler_config)
+    base = found[0].pipelines[0]
+    if base in _SHARED:
+        entry, why = _variant(base, model_index, transformer_config, name.lower(), scheduler_config)
         return FAMILIES[entry], f"{cls}: {why}"
     return found[0], cls
 
@@ -113,12 +125,30 @@ def choose(family: Family, given: str | None, detected_class: str) -> tuple[Fami
     if given not in FAMILIES:
         raise ConfigError(f"`--family` must be one of {', '.join(FAMILIES)}; got `{given}`.")
     chosen = FAMILIES[given]
-    if chosen.pipelines and detected_class not in chosen.pipelines:
+    if chosen.pipelines and detected_class not in chosen.classes():
         raise ConfigError(
             f"`--family {given}` is for {', '.join(chosen.pipelines)}; this model is a "
             f"{detected_class or 'pipeline without _class_name'} ({family.name})."
         )
     return chosen, f"`--family {given}` (detected: {family.name})"
+
+
+def choose_task(family: Family, given: str | None, detected_class: str) -> tuple[Task, str]:
+    """(the task a job does, why): the one the directory's pipeline class does, or `--task NAME`
+    where the family's weights serve it too (a worker turns the pipeline into that task's class
+    with diffusers' `from_pipe`)."""
+    detected = family.task_of(detected_class) or (family.tasks[0] if family.tasks else None)
+    if not given or (detected is not None and given == detected.name):
+        if detected is None:
+            return Task(TEXT, detected_class), f"{detected_class or 'the pipeline'} is called as it is"
+        return detected, f"{detected_class} does {detected.name}"
+    if given not in TASKS:
+        raise ConfigError(f"`--task` must be one of {', '.join(TASKS)}; got `{given}`.")
+    task = family.task(given)
+    if task is None:
+        served = ", ".join(t.name for t in family.tasks) or "text-to-image only, as its pipeline is called"
+        raise ConfigError(f"`--task {given}`: {family.name} ({detected_class}) does {served}; not {given}.")
+    return task, f"`--task {given}` ({task.pipeline}, from {detected_class} with from_pipe)"
 
 
 def call_kwargs(

@@ -1,4 +1,4 @@
-"""The family table: how each kind of text-to-image pipeline is called, and its defaults.
+"""The family table: how each kind of pipeline is called, for which tasks, and its defaults.
 
 Defaults come from each model's card (its published example call) and the pipeline's own
 `__call__`; where two checkpoints share a pipeline class (FLUX.1 dev/schnell, FLUX.2 klein
@@ -12,6 +12,45 @@ from dataclasses import asdict, dataclass, field
 
 # How the job's `--guidance` reaches the pipeline (Family.guidance_arg).
 GUIDANCE_ARGS = ("guidance_scale", "true_cfg_scale", "distilled_guidance_scale", "guider")
+
+TEXT = "text-to-image"
+TASKS = (TEXT, "image-to-image", "inpaint", "edit")  # `--task` choices
+
+
+@dataclass(frozen=True)
+class Task:
+    """One thing a family's weights do, with the diffusers class that does it (diffusers'
+    `AutoPipelineFor*` mappings pair them; a worker turns the loaded pipeline into this class with
+    `from_pipe`, sharing its components) and what its call takes besides a prompt."""
+
+    name: str  # TASKS
+    pipeline: str  # diffusers class name
+    images: int = 0  # input images per image made: 0 none, 1 one, N up to N references
+    mask: bool = False  # takes `mask_image` (white: repaint, black: keep)
+    strength: float | None = None  # the pipeline's default `strength`, where it takes one (how far from the input)
+    batched: bool = True  # several rows' input images in one call (False: one row per call)
+    # Reference images' latents join the denoiser's sequence (Kontext, Qwen-Image-Edit, FLUX.2): the
+    # planner counts their tokens beside the image's own.
+    in_sequence: bool = False
+    extra: tuple[tuple[str, object], ...] = ()  # fixed call arguments of this task
+    pins_area: str | None = None  # the keyword of the area the pipeline rescales every size to (Kontext's max_area)
+    note: str = ""
+
+    @property
+    def takes_images(self) -> bool:
+        return self.images > 0
+
+
+def text_task(pipeline: str) -> Task:
+    return Task(TEXT, pipeline)
+
+
+def img2img(pipeline: str, strength: float) -> Task:
+    return Task("image-to-image", pipeline, images=1, strength=strength)
+
+
+def inpaint(pipeline: str, strength: float) -> Task:
+    return Task("inpaint", pipeline, images=1, mask=True, strength=strength)
 
 
 @dataclass(frozen=True)
@@ -58,6 +97,24 @@ class Family:
     # guidance embedding; FLUX.2 klein's distilled model drops it): `--guidance` is refused, so no
     # record says a value the pipeline did not use.
     uses_guidance: bool = True
+    # The tasks its weights serve, text-to-image first where it makes images from text alone
+    # (default: text-to-image with its first pipeline class).
+    tasks: tuple[Task, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.tasks and self.pipelines:
+            object.__setattr__(self, "tasks", (text_task(self.pipelines[0]),))
+
+    def task(self, name: str) -> Task | None:
+        return next((t for t in self.tasks if t.name == name), None)
+
+    def task_of(self, pipeline: str) -> Task | None:
+        """The task a pipeline class of this family does (a directory's `_class_name`)."""
+        return next((t for t in self.tasks if t.pipeline == pipeline), None)
+
+    def classes(self) -> tuple[str, ...]:
+        """Every pipeline class of the family: its own and its tasks'."""
+        return tuple(dict.fromkeys([*self.pipelines, *(t.pipeline for t in self.tasks)]))
 
     def guided(self, guidance: float, true_cfg_scale: float | None = None) -> bool:
         """Whether the second (negative or unconditional) pass runs at these settings."""
@@ -86,6 +143,11 @@ _KLEIN = {**_FLUX2, "pipelines": ("Flux2KleinPipeline",), "text_encoder": "Qwen3
 _ZIMAGE = {
     **_BF16,
     "pipelines": ("ZImagePipeline",),
+    "tasks": (
+        text_task("ZImagePipeline"),
+        img2img("ZImageImg2ImgPipeline", 0.6),
+        inpaint("ZImageInpaintPipeline", 1.0),
+    ),
     "negative": "negative_prompt",
     "tokenizer": "tokenizer",
     "max_sequence_length": 512,
@@ -114,6 +176,31 @@ _HIDREAM = {
     "sizes": ("1024x1024", "768x1360", "1360x768", "880x1168", "1168x880", "1248x832", "832x1248"),
 }
 
+_FLUX1_TASKS = (text_task("FluxPipeline"), img2img("FluxImg2ImgPipeline", 0.6), inpaint("FluxInpaintPipeline", 0.6))
+_QWEN_SIZES = ("1328x1328", "1664x928", "928x1664", "1584x1056", "1056x1584")
+_QWEN_EDIT = {
+    **_BF16,
+    "steps": 50,
+    "guidance": 4.0,
+    "negative": "negative_prompt",
+    "tokenizer": "tokenizer",
+    "max_sequence_length": None,  # the edit pipelines take no max_sequence_length
+    "cfg": True,
+    "cfg_batched": False,
+    "guidance_arg": "true_cfg_scale",
+    "negative_default": " ",
+    "text_encoder": "Qwen2.5-VL 7B (reads the input images too)",
+    "sizes": _QWEN_SIZES,
+}
+
+
+def _references(pipeline: str) -> Task:
+    """FLUX.2: the same class edits from reference images (a list for the whole call, so one row per
+    call); each reference's tokens join the transformer's sequence. diffusers' pipeline sets no
+    limit; fleetgen takes at most 10 per row."""
+    return Task("edit", pipeline, images=10, batched=False, in_sequence=True)
+
+
 TABLE = (
     Family(
         "sd",
@@ -128,6 +215,11 @@ TABLE = (
         note="SD 1.x/2.x",
         text_encoder="CLIP, 77 tokens",
         sizes=("512x512",),
+        tasks=(
+            text_task("StableDiffusionPipeline"),
+            img2img("StableDiffusionImg2ImgPipeline", 0.8),
+            inpaint("StableDiffusionInpaintPipeline", 1.0),
+        ),
     ),
     Family(
         "sdxl",
@@ -142,6 +234,11 @@ TABLE = (
         upcasts_vae=True,
         text_encoder="two CLIP encoders, 77 tokens each",
         sizes=_SQUARE,
+        tasks=(
+            text_task("StableDiffusionXLPipeline"),
+            img2img("StableDiffusionXLImg2ImgPipeline", 0.3),
+            inpaint("StableDiffusionXLInpaintPipeline", 0.9999),
+        ),
     ),
     Family(
         "sd3",
@@ -155,6 +252,11 @@ TABLE = (
         cfg=True,
         text_encoder="two CLIP encoders (77 tokens) and T5 (256)",
         sizes=_SQUARE,
+        tasks=(
+            text_task("StableDiffusion3Pipeline"),
+            img2img("StableDiffusion3Img2ImgPipeline", 0.6),
+            inpaint("StableDiffusion3InpaintPipeline", 0.6),
+        ),
     ),
     Family(
         "flux",
@@ -171,6 +273,7 @@ TABLE = (
         "prompts need `--true-cfg-scale` > 1, which doubles the compute",
         text_encoder="CLIP (77 tokens) and T5-XXL (512)",
         sizes=_SQUARE,
+        tasks=_FLUX1_TASKS,
     ),
     Family(
         "flux-schnell",
@@ -187,6 +290,45 @@ TABLE = (
         note="FLUX.1-schnell: timestep-distilled, 4 steps, no guidance",
         text_encoder="CLIP (77 tokens) and T5-XXL (256)",
         sizes=_SQUARE,
+        tasks=_FLUX1_TASKS,
+    ),
+    Family(
+        "flux-kontext",
+        ("FluxKontextPipeline",),
+        steps=28,
+        guidance=2.5,
+        dtype="bfloat16",
+        negative="true_cfg",
+        tokenizer="tokenizer_2",
+        max_sequence_length=512,
+        cfg=False,
+        cfg_batched=False,
+        note="FLUX.1 Kontext [dev]: edits an input image by instruction; the input's latents join the "
+        "transformer's sequence (twice the tokens); guidance-distilled like FLUX.1-dev",
+        text_encoder="CLIP (77 tokens) and T5-XXL (512)",
+        sizes=_SQUARE,
+        tasks=(
+            Task(
+                "edit",
+                "FluxKontextPipeline",
+                images=1,
+                in_sequence=True,
+                # fleetgen resizes the input to the job's size (`--resize`), and pins the area the
+                # pipeline would rescale the asked size to, so the size asked is the size made
+                extra=(("_auto_resize", False),),
+                pins_area="max_area",
+            ),
+            Task(
+                "inpaint",
+                "FluxKontextInpaintPipeline",
+                images=1,
+                mask=True,
+                strength=1.0,
+                in_sequence=True,
+                extra=(("_auto_resize", False),),
+                pins_area="max_area",
+            ),
+        ),
     ),
     Family(
         "pixart-sigma",
@@ -225,6 +367,7 @@ TABLE = (
         note="FLUX.2 [dev]: a 32 B transformer; guidance-distilled (the guidance is an input, not a second "
         "pass); takes no negative prompt",
         text_encoder="Mistral Small 3.1 (24 B), 512 tokens",
+        tasks=(text_task("Flux2Pipeline"), _references("Flux2Pipeline")),
         **_FLUX2,
     ),
     Family(
@@ -234,6 +377,7 @@ TABLE = (
         cfg=False,
         uses_guidance=False,
         note="FLUX.2 [klein] (4B, 9B), step-distilled: 4 steps, no CFG; takes no negative prompt",
+        tasks=(text_task("Flux2KleinPipeline"), _references("Flux2KleinPipeline")),
         **_KLEIN,
     ),
     Family(
@@ -243,6 +387,7 @@ TABLE = (
         cfg=True,
         cfg_batched=False,
         note="FLUX.2 [klein] base: CFG against an empty prompt (a second pass); takes no negative prompt",
+        tasks=(text_task("Flux2KleinPipeline"), _references("Flux2KleinPipeline")),
         **_KLEIN,
     ),
     Family(
@@ -260,8 +405,39 @@ TABLE = (
         note="Qwen-Image (20 B): the guidance is its true CFG scale, which runs only with a negative "
         'prompt (" " where a row has none, as its card does); `guidance_scale` is left to the pipeline',
         text_encoder="Qwen2.5-VL 7B, 512 tokens",
-        sizes=("1328x1328", "1664x928", "928x1664", "1584x1056", "1056x1584"),
+        sizes=_QWEN_SIZES,
+        tasks=(
+            text_task("QwenImagePipeline"),
+            img2img("QwenImageImg2ImgPipeline", 0.6),
+            inpaint("QwenImageInpaintPipeline", 0.6),
+        ),
         **_BF16,
+    ),
+    Family(
+        "qwen-image-edit",
+        ("QwenImageEditPipeline",),
+        note="Qwen-Image-Edit (20 B): edits an input image by instruction; the input's latents join the "
+        "transformer's sequence, and Qwen2.5-VL reads it with the prompt",
+        tasks=(
+            Task("edit", "QwenImageEditPipeline", images=1, batched=False, in_sequence=True),
+            Task(
+                "inpaint",
+                "QwenImageEditInpaintPipeline",
+                images=1,
+                mask=True,
+                strength=0.6,
+                batched=False,
+                in_sequence=True,
+            ),
+        ),
+        **_QWEN_EDIT,
+    ),
+    Family(
+        "qwen-image-edit-plus",
+        ("QwenImageEditPlusPipeline",),
+        note="Qwen-Image-Edit-2509 (Plus): edits with 1 to 3 reference images (its card's optimum)",
+        tasks=(Task("edit", "QwenImageEditPlusPipeline", images=3, batched=False, in_sequence=True),),
+        **_QWEN_EDIT,
     ),
     Family(
         "z-image-turbo",
@@ -307,6 +483,11 @@ TABLE = (
         note="Chroma1-HD (8.9 B, from FLUX.1-schnell): real CFG with negative prompts",
         text_encoder="T5-XXL, 512 tokens",
         sizes=_SQUARE,
+        tasks=(
+            text_task("ChromaPipeline"),
+            img2img("ChromaImg2ImgPipeline", 0.9),
+            inpaint("ChromaInpaintPipeline", 0.6),
+        ),
         **_BF16,
     ),
     Family("hidream", steps=50, guidance=5.0, note="HiDream-I1-Full (17 B, mixture of experts)", **_HIDREAM),

@@ -24,8 +24,9 @@ import pyarrow as pa
 from workers.plugins import PLUGINS_ENV, load_plugins
 
 # What a role's input column holds: text (a string column), string (also an all-null column), int,
-# number (int or float), id (a string or an integer column).
-KINDS = ("text", "string", "int", "number", "id")
+# number (int or float), id (a string or an integer column), image (bytes, a `datasets` Image
+# struct, a path or URL, or a list of those: workers/inputs.py).
+KINDS = ("text", "string", "int", "number", "id", "image")
 
 
 @dataclass(frozen=True)
@@ -38,16 +39,30 @@ class Field:
     hint: str = ""  # said after the kind when a column has the wrong type, e.g. "a LoRA path or hub id"
     low: float | None = None  # per-row values outside [low, high] make the row an error
     high: float | None = None
-    setting: bool = True  # the role overrides a job setting (False: prompt, id, seed, negative prompt)
+    setting: bool = True  # a per-row role beside the identity ones (False: prompt, id, seed, negative prompt)
     pixels: bool = False  # changes pixels: images are batched by it and it is recorded per image
     call_arg: str | None = None  # the pipeline keyword it is passed as, where the pipeline takes it
     stored: bool = False  # also in the records stored beside each image (parquet rows, webdataset JSON)
     record: bool = True  # a manifest column (False: a per-row role with no column, `num_images`)
+    column: str | None = None  # the role's default column name where it is not the role's (`--image-column`)
+
+    @property
+    def default_column(self) -> str | None:
+        return self.column or self.role
 
 
 MAX_STEPS = 1000  # schedulers are trained on 1000 timesteps; more is a typo
 MAX_SIDE = 8192  # pixels; no released text-to-image model generates larger, so more is a typo
 MAX_IMAGES_PER_ROW = 1000  # images of one row stay in one shard: a bound on a shard's size
+INPUT = pa.struct(
+    [
+        ("role", pa.string()),
+        ("source", pa.string()),
+        ("sha256", pa.string()),
+        ("width", pa.int32()),
+        ("height", pa.int32()),
+    ]
+)
 
 FIELDS: list[Field] = [
     Field("id", pa.string(), "the image id: the row id, or `<row id>-<k>` when rows make several images", stored=True),
@@ -118,6 +133,26 @@ FIELDS: list[Field] = [
         pixels=True,
         stored=True,
     ),
+    Field(
+        "strength",
+        pa.float32(),
+        "how far from the input image (0 keeps it, 1 ignores it): the row's, else `--strength`, else the "
+        "task's default; null for tasks without one",
+        role="strength",
+        kind="number",
+        low=0,
+        high=1,
+        pixels=True,
+        call_arg="strength",
+        stored=True,
+    ),
+    Field(
+        "inputs",
+        pa.list_(INPUT),
+        "the input images it was made from: role (image, mask), source (the column value's path or URL, or "
+        "`bytes` where the column held them), sha256 of the bytes read, and their pixel size",
+        stored=True,
+    ),
     Field("template", pa.string(), "the prompt template the prompt was rendered from (null: none)"),
     Field(
         "quantized",
@@ -130,6 +165,24 @@ FIELDS: list[Field] = [
     Field("worker", pa.string()),
     Field("device", pa.string()),
     Field("seconds", pa.float32(), "this image's share of its batch's wall time"),
+    Field(
+        "input_image",
+        pa.string(),
+        "the input image(s) of the row, for image-to-image, inpaint and edit tasks",
+        role="image",
+        column="input_image",
+        kind="image",
+        record=False,
+    ),
+    Field(
+        "mask_image",
+        pa.string(),
+        "the row's inpainting mask (white: repaint, black: keep)",
+        role="mask",
+        column="mask_image",
+        kind="image",
+        record=False,
+    ),
     Field(
         "num_images",
         pa.int32(),
@@ -145,6 +198,7 @@ FIELDS: list[Field] = [
 # The roles the look is built from by hand (workers/batches.py); every other pixel-changing role is
 # carried through the look as it is and reaches the pipeline as its `call_arg`.
 BUILT_IN = frozenset({"width", "height", "steps", "guidance", "lora", "lora_scale", "num_images"})
+INPUT_ROLES = ("image", "mask")  # roles whose columns hold input images (workers/inputs.py)
 
 
 _frozen = False
@@ -187,6 +241,11 @@ def roles() -> list[Field]:
 
 def setting_roles() -> tuple[str, ...]:
     return tuple(f.role for f in roles() if f.setting)
+
+
+def default_column(role: str) -> str:
+    """The column a role reads unless `--<role>-column` names another (`image`: `input_image`)."""
+    return next(f.default_column for f in roles() if f.role == role)
 
 
 def extra_settings() -> list[Field]:

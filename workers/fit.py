@@ -17,7 +17,16 @@ from offload.formats import describe, is_auto, parse_quantize, pinned_gguf, runn
 from offload.profile import live_bytes
 from offload.quantize import held, load_config, quantize
 from workers.batches import Adapter, Image, Look
-from workers.families import FAMILIES, GENERIC, Family, call_kwargs, prepare_call, prompt_limit, takes_negative_prompt
+from workers.families import (
+    FAMILIES,
+    GENERIC,
+    Family,
+    Task,
+    call_kwargs,
+    prepare_call,
+    prompt_limit,
+    takes_negative_prompt,
+)
 from workers.fields import extra_settings
 from workers.pipeline import (
     activate_adapters,
@@ -51,6 +60,28 @@ class Picture:
     batch: int  # images in the call that made it
     seconds: float  # its share of the call's wall time
     quantized: str = "none"  # the storage formats its components had (offload/quantize.py `describe`)
+
+
+def as_task(pipe, task: Task, tag: str = "worker"):
+    """The loaded pipeline as the class of the job's task: itself, or a pipeline of that class over
+    the same components (diffusers' `from_pipe`: no weights are copied or loaded again)."""
+    if not task.pipeline or type(pipe).__name__ == task.pipeline:
+        return pipe
+    import diffusers
+
+    try:
+        return getattr(diffusers, task.pipeline).from_pipe(pipe)
+    except Exception as err:  # noqa: BLE001 - a component the task's class cannot take: say which task
+        raise FleetgenError(
+            f"{tag}: could not make a {task.pipeline} ({task.name}) from {type(pipe).__name__}: {one_line(err)}"
+        ) from err
+
+
+def warm_up_input(role: str, look: Look):
+    """A blank input of the image's size for the warm-up call."""
+    from PIL import Image as PILImage
+
+    return PILImage.new("L" if role == "mask" else "RGB", (look.width, look.height)), role
 
 
 class FittedPipeline:
@@ -97,6 +128,8 @@ class FittedPipeline:
                 gguf=gguf,
             )
         )
+        self.task = self.family.task(source.task) or Task(source.task, "")
+        self.pipe = as_task(self.pipe, self.task, tag)
         self.pipe.set_progress_bar_config(disable=True)
         # {component: format} as applied: at load, or already held by a pipeline given quantized
         self.quantized: dict[str, str] = {**held(pipeline_modules(self.pipe)), **at_load}
@@ -124,6 +157,8 @@ class FittedPipeline:
             "host_memory": w.host_memory,
             "quantize": source.quantize,
             "formats": self._formats,
+            "input_images": w.input_images,
+            "in_sequence": w.in_sequence,
         }
         self.plan = choose_plan(
             self.profile,
@@ -151,7 +186,7 @@ class FittedPipeline:
             elif self.placed is not None:
                 self.placed.close()
             raise
-        self.batch_size = self.plan.batch_size
+        self.batch_size = self.plan.batch_size if self.task.batched else 1  # one row per call: its references
 
     def _plan_before_loading(self, source: Source, workload: Workload, cuda: bool) -> dict[str, str]:
         """`auto` where formats can apply at load: plan from the model's configs before its weights
@@ -174,6 +209,8 @@ class FittedPipeline:
             self.family.doubles_batch(w.guidance, w.true_cfg_scale),
             "auto",
             {},
+            w.input_images,
+            w.in_sequence,
         )
         return at_load_formats(str(Path(source.model).expanduser()), self.dtype, spec_, work, self.family.upcasts_vae)
 
@@ -206,7 +243,7 @@ class FittedPipeline:
             warning = "; ".join(filter(None, [warning, f"prompt truncated to {limit} of {n} tokens"]))
         return {"warning": warning}
 
-    def generate(self, batch: list[Image]) -> tuple[list[Picture], dict[str, str]]:
+    def generate(self, batch: list[Image], inputs: dict | None = None) -> tuple[list[Picture], dict[str, str]]:
         """Run one pipeline call; if it raises, run its images one at a time so that one bad row
         costs only itself. Returns what was made and `{image id: error message}`.
 
@@ -216,7 +253,7 @@ class FittedPipeline:
         still allocated (PyTorch FAQ, "My out of memory exception handler can't allocate memory")."""
         oom = failure = None
         try:
-            return self._call(batch), {}
+            return self._call(batch, inputs), {}
         except Exception as err:  # noqa: BLE001 - any pipeline failure is retried row by row
             if is_out_of_memory(err):
                 oom = one_line(err)
@@ -232,7 +269,7 @@ class FittedPipeline:
             parts = [[im] for im in batch]
         made, failed = [], {}
         for part in parts:
-            m, f = self.generate(part)
+            m, f = self.generate(part, inputs)
             made += m
             failed.update(f)
         return made, failed
@@ -243,8 +280,9 @@ class FittedPipeline:
         while True:
             oom = None
             try:
+                blank = [[warm_up_input(r, look) for r in self._roles()]]
                 with components_dtypes_kept(self.pipe):
-                    self.pipe(**self._kwargs(["warm up"], [None], look, generator=None))
+                    self.pipe(**self._kwargs(["warm up"], [None], look, generator=None, inputs=blank))
                 torch.cuda.reset_peak_memory_stats(self.device)
                 return
             except Exception as err:  # noqa: BLE001 - only an OOM is handled; the rest is raised
@@ -293,8 +331,21 @@ class FittedPipeline:
         self.placed = apply(self.pipe, new_plan, self.profile, self.device, tag=self.tag)
         self.offload_stats = OffloadStats(pipeline_modules(self.pipe), self.device)
 
-    def _kwargs(self, prompts: list[str], negatives: list[str | None], look: Look, generator) -> dict:
+    def _roles(self) -> list[str]:
+        return (["image"] if self.task.takes_images else []) + (["mask"] if self.task.mask else [])
+
+    def _kwargs(self, prompts: list[str], negatives: list[str | None], look: Look, generator, inputs=None) -> dict:
+        """`inputs`: per image, its input pictures (the mask last), as workers/inputs.py loaded them."""
         extra = {self._call_args[name]: value for name, value in look.extra if self._call_args.get(name)}
+        extra.update(dict(self.task.extra))
+        if self.task.pins_area:
+            extra[self.task.pins_area] = look.width * look.height
+        if self.task.takes_images:
+            images = [[p for p, role in one if role == "image"] for one in inputs]
+            # one input per image: a list of them, one per prompt; references: the one row's list
+            extra["image"] = [one[0] for one in images] if self.task.images == 1 else images[0]
+            if self.task.mask:
+                extra["mask_image"] = [next(p for p, role in one if role == "mask") for one in inputs]
         prepare_call(self.pipe, self.family, guidance=look.guidance, width=look.width, height=look.height)
         return call_kwargs(
             self.pipe,
@@ -310,7 +361,8 @@ class FittedPipeline:
             extra=extra,
         )
 
-    def _call(self, batch: list[Image]) -> list[Picture]:
+    def _call(self, batch: list[Image], inputs: dict | None = None) -> list[Picture]:
+        """`inputs`: {image id: its loaded inputs} (workers/inputs.py), for tasks that take images."""
         look = batch[0].look
         started = time.perf_counter()
         if look.adapters != self._active:  # between batches only: a batch shares its look
@@ -323,6 +375,7 @@ class FittedPipeline:
                     [im.negative_prompt for im in batch],
                     look,
                     generators([im.seed for im in batch]),
+                    [[(x.picture, x.ref.role) for x in (inputs or {}).get(im.id, ())] for im in batch],
                 )
             )
         made = {getattr(p, "size", None) for p in out.images}

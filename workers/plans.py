@@ -71,7 +71,16 @@ STEP_DOWN = 0.75  # after an OOM at batch 1, re-plan for this fraction of the pr
 
 
 def planner_workload(
-    offload: str, max_batch: int, width: int, height: int, steps: int, cfg: bool, quantize: str, fixed: dict
+    offload: str,
+    max_batch: int,
+    width: int,
+    height: int,
+    steps: int,
+    cfg: bool,
+    quantize: str,
+    fixed: dict,
+    input_images: int = 0,
+    in_sequence: bool = False,
 ) -> PlannerWorkload:
     # a worker plans a pipeline already loaded: its loading peak is past
     return PlannerWorkload(
@@ -84,6 +93,8 @@ def planner_workload(
         loaded=True,
         quantize=quantize,
         fixed=tuple(sorted(fixed.items())),
+        input_images=input_images,
+        in_sequence=in_sequence,
     )
 
 
@@ -120,6 +131,8 @@ def choose_plan(
     quantize: str = "none",
     formats: tuple[str, ...] = (),
     fixed: dict | None = None,
+    input_images: int = 0,
+    in_sequence: bool = False,
 ) -> OffloadPlan:
     """On a CPU worker with no `--gpu-memory` and `--offload auto|none`, everything is resident at
     `--max-batch` (a `--quantize` mapping applied as given; `auto` has no budget to fit, so keeps
@@ -135,7 +148,7 @@ def choose_plan(
     return plan(
         profile,
         device_spec(device, probe, gpu_memory, host_memory, formats),
-        planner_workload(offload, max_batch, width, height, steps, cfg, quantize, fixed),
+        planner_workload(offload, max_batch, width, height, steps, cfg, quantize, fixed, input_images, in_sequence),
     )
 
 
@@ -154,13 +167,15 @@ def leaner_plan(
     quantize: str = "none",
     formats: tuple[str, ...] = (),
     fixed: dict | None = None,
+    input_images: int = 0,
+    in_sequence: bool = False,
 ) -> OffloadPlan:
     """After an out-of-memory error at batch 1: plan for ever smaller budgets until the placement
     changes; `OffloadError` when even the leanest plan does not fit. A step that goes from the
     current placement straight to "nothing fits" (where activations, not weights, fill the budget)
     is bisected for the budgets between, where a leaner placement may still fit."""
     high = current.budget or probe.get("free_bytes") or probe["host_available_bytes"]
-    work = planner_workload(offload, 1, width, height, steps, cfg, quantize, fixed or {})
+    work = planner_workload(offload, 1, width, height, steps, cfg, quantize, fixed or {}, input_images, in_sequence)
 
     def at(budget: int) -> OffloadPlan:
         return plan(profile, device_spec(device, probe, budget, host_memory, formats), work)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from workers.batches import Adapter, Look, Recipe
+from workers.family_table import FAMILIES, TEXT, Task
 from workers.formats import get_format
 from workers.shard import Columns
 
@@ -28,15 +29,28 @@ class GenerationSettings:
     images_per_prompt: int = 1  # images per row (a row's `num_images` column overrides it)
     prompt_template: str | None = None  # builds each prompt from columns, e.g. "a {style} photo of a {label}"
     loras: tuple[Adapter, ...] = ()  # adapters on every image (a row's `lora` column replaces them)
+    task: str = TEXT  # text-to-image | image-to-image | inpaint | edit (workers/family_table.py)
+    strength: float | None = None  # tasks that take one: the job's (a row's `strength` replaces it)
+    resize: str = "crop"  # how input images become the image's size (workers/inputs.py)
+    store_inputs: bool = False  # webdataset and parquet outputs carry each image's input beside it
+
+    def task_spec(self) -> Task:
+        family = FAMILIES.get(self.family)
+        found = family.task(self.task) if family is not None else None
+        return found or Task(self.task, "")
 
     def recipe(self, size_multiple: int = 8) -> Recipe:
+        task = self.task_spec()
+        extra = (("strength", self.strength),) if self.strength is not None else ()
         return Recipe(
-            Look(self.width, self.height, self.steps, self.guidance, self.loras),
+            Look(self.width, self.height, self.steps, self.guidance, self.loras, extra),
             seed=self.seed,
             images_per_prompt=self.images_per_prompt,
             template=self.prompt_template,
             size_multiple=size_multiple,
             dotless_ids=get_format(self.output_format).dotless_ids,
+            input_images=task.images,
+            mask=task.mask,
         )
 
 
@@ -74,6 +88,7 @@ class WorkerSpec:
             self.variant,
             self.adapters,
             self.settings.quantize,
+            self.settings.task,
         )
 
     def workload(self) -> Workload:
@@ -89,6 +104,9 @@ class WorkerSpec:
             offload=self.offload,
             gpu_memory=self.gpu_memory,
             host_memory=self.host_memory,
+            # planned for one input (a row with more references steps down on its first OOM)
+            input_images=min(self.settings.task_spec().images, 1),
+            in_sequence=self.settings.task_spec().in_sequence,
         )
 
 
@@ -128,6 +146,7 @@ class Source:
     variant: str | None = None
     adapters: tuple[tuple[str, str], ...] = ()  # (as named, location)
     quantize: str = "none"  # storage format per component (offload/quantize.py), applied after load
+    task: str = TEXT  # the family's task whose pipeline class is called (from_pipe where the directory's differs)
 
 
 @dataclass(frozen=True)
@@ -144,3 +163,5 @@ class Workload:
     offload: str = "auto"  # auto | none | block | leaf | disk: which placements may be used
     gpu_memory: int | None = None  # device budget in bytes; default: free device memory (CPU: no planning)
     host_memory: int | None = None  # host RAM for offloaded copies; default: 80 % of available
+    input_images: int = 0  # input images per image, each encoded by the VAE (at most; references)
+    in_sequence: bool = False  # their latents join the denoiser's sequence (edit models)

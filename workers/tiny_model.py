@@ -142,6 +142,7 @@ TINY_FAMILIES = {
     "sd3": build_tiny_sd3,
     "flux": lambda seed: build_tiny_flux(seed, guidance_embeds=True),
     "flux-schnell": build_tiny_flux,
+    "flux-kontext": lambda seed: _as_class(build_tiny_flux(seed, guidance_embeds=True), "FluxKontextPipeline"),
     "pixart-sigma": build_tiny_pixart_sigma,
     "sana": build_tiny_sana,
     "flux2": build_tiny_flux2,
@@ -157,6 +158,13 @@ TINY_FAMILIES = {
     "hidream-dev": build_tiny_hidream,
     "hidream-fast": build_tiny_hidream,
 }
+
+
+def _as_class(pipe, cls: str):
+    """The same components as another pipeline class of the family (FLUX.1 Kontext is FLUX.1's)."""
+    import diffusers
+
+    return getattr(diffusers, cls).from_pipe(pipe)
 
 
 def write_tiny_lora(path: str | Path, model_dir: str | Path, seed: int = 0, rank: int = 4) -> Path:

@@ -33,6 +33,7 @@ from workers.commit import (
 )
 from workers.fit import FittedPipeline
 from workers.formats import open_sink
+from workers.inputs import Prefetcher, stored_inputs
 from workers.layout import manifest_key, worker_key
 from workers.pipeline import describe_device
 from workers.records import Records
@@ -208,16 +209,48 @@ class Worker:
         """Every image to make, a batch at a time: a `BatchDone` per pipeline call, None (and
         stop) once another attempt has committed the shard."""
         counts = Counter(im.row for im in at.images)  # images per row, for progress in rows
-        for group in group_images(at.todo):
+        groups = group_images(at.todo)
+        # input images are read ahead, in the order they are made, while the device works
+        prefetch = Prefetcher([im for g in groups for im in g], self.spec.settings.resize)
+        try:
+            yield from self._batches(at, groups, counts, prefetch)
+        finally:
+            prefetch.close()
+        if at.todo and at.failures == len(at.todo) and at.base is None:
+            raise ShardError(
+                f"Shard {at.shard.id}: every row failed in the pipeline; first error: "
+                f"{at.records[at.todo[0].id]['error']}"
+            )
+
+    def _batches(self, at: _Attempt, groups: list, counts: Counter, prefetch: Prefetcher):
+        for group in groups:
             i = 0
             while i < len(group):
                 if committed_since(self.output, at.shard.id, at.base):
                     yield None
                     return
-                batch = group[i : i + self.batch_size]
+                asked = batch = group[i : i + self.batch_size]
                 i += len(batch)
-                pictures, failed = self.fitted.generate(batch)
+                inputs, unreadable = {}, {}
+                for im in batch:
+                    loaded, why = prefetch.take(im)
+                    if why:
+                        unreadable[im.id] = why
+                    elif loaded:
+                        inputs[im.id] = loaded
+                        at.records[im.id]["inputs"] = [x.record() for x in loaded]
+                for image_id, error in unreadable.items():  # an input that cannot be read: its row only
+                    at.records[image_id].update(status="error", error=error)
+                batch = [im for im in batch if im.id not in unreadable]
+                rows = sum(1 / counts[im.row] for im in asked)
+                if not batch:
+                    yield BatchDone(at.shard.id, self.spec.name, 0, len(unreadable), rows=rows)
+                    continue
+                pictures, failed = self.fitted.generate(batch, inputs)
                 made = [self._records.made(p, at.records[p.image.id]) for p in pictures]
+                if self.spec.settings.store_inputs:
+                    for m in made:
+                        m.inputs = stored_inputs(inputs.get(m.id, ()))
                 # Counted before the writer thread takes the batch: it drops each picture once encoded.
                 filtered = sum(m.picture is None for m in made)  # flagged by a safety checker: not stored
                 # Encoding, hashing and storing run on the writer thread while the device makes the next batch.
@@ -229,14 +262,9 @@ class Worker:
                     at.shard.id,
                     self.spec.name,
                     len(made) - filtered,
-                    len(failed) + filtered,
-                    rows=sum(1 / counts[im.row] for im in batch),
+                    len(failed) + filtered + len(unreadable),
+                    rows=rows,
                 )
-        if at.todo and at.failures == len(at.todo) and at.base is None:
-            raise ShardError(
-                f"Shard {at.shard.id}: every row failed in the pipeline; first error: "
-                f"{at.records[at.todo[0].id]['error']}"
-            )
 
     def _commit(self, at: _Attempt) -> tuple[bool, str | None]:
         """Wait for the writer, commit the manifest, move the objects to their keys. Returns (won,
@@ -281,7 +309,11 @@ class Worker:
     def _open_sink(self, shard: Shard, table: pa.Table, base: bytes | None, attempt: str):
         s, carry = self.spec.settings, self.spec.columns.carry
         carried = table.select(list(carry)).schema.remove_metadata() if carry else None
-        sink = open_sink(self.output, shard.id, s.output_format, s.image_format, carried, staging(shard.id, attempt))
+        task = s.task_spec()
+        inputs = (("input_image",) + (("mask_image",) if task.mask else ())) if s.store_inputs else ()
+        sink = open_sink(
+            self.output, shard.id, s.output_format, s.image_format, carried, staging(shard.id, attempt), inputs
+        )
         if base is not None:
             sink.keep_existing()  # a retry: the shard's stored images stay, byte for byte
         return sink

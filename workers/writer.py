@@ -36,6 +36,7 @@ class Made:
     meta: dict  # what webdataset/parquet output stores beside it
     record: dict  # what its manifest row gains once made
     data: bytes | None = None  # the encoded image (set by the writer)
+    inputs: list | None = None  # `--store-inputs`: (member name, picture) of its inputs, stored beside it as PNG
 
 
 def encode_and_store(sink, made: list[Made], records: dict, carried: pa.Table | None, image_format: str) -> None:
@@ -49,6 +50,9 @@ def encode_and_store(sink, made: list[Made], records: dict, carried: pa.Table | 
             digest = hashlib.sha256(m.data).hexdigest()
             m.meta["sha256"] = digest
             m.record.update(sha256=digest, size=len(m.data))
+            if m.inputs:
+                m.meta["_extra"] = {name: encode(picture, "png") for name, picture in m.inputs}
+            m.inputs = None
     kept = [i for i, m in enumerate(made) if m.data is not None]
     if kept:
         rows = carried.take(kept) if carried is not None else None

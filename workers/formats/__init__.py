@@ -127,11 +127,16 @@ def open_sink(
     image_format: str,
     carried: pa.Schema | None = None,
     prefix: str = "",
+    inputs: tuple[str, ...] = (),
 ) -> Sink:
     """`carried`: the input columns carried into each image's record, as typed in the input.
     Objects are written at `prefix` + their final key (an attempt's staging, workers/commit.py);
-    `add` returns the final keys."""
-    return get_format(output_format).sink(output, shard_id, image_format, carried, prefix)
+    `add` returns the final keys. `inputs`: the stored inputs' columns (`--store-inputs`; formats
+    that take them: each item's metadata then holds `_extra`, {member name: bytes})."""
+    fmt = get_format(output_format)
+    if inputs:
+        return fmt.sink(output, shard_id, image_format, carried, prefix, inputs=inputs)
+    return fmt.sink(output, shard_id, image_format, carried, prefix)
 
 
 for _builtin in ("files", "webdataset", "parquet"):  # the built-in formats register themselves, in this order

@@ -19,23 +19,30 @@ _HF_FEATURES = {"image": {"_type": "Image"}}
 _IMAGE = pa.field("image", pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
 
 
-def stored_schema() -> pa.Schema:
+def stored_schema(inputs: tuple[str, ...] = ()) -> pa.Schema:
     """The stored fields of the field table (workers/fields.py), the image after the seed (read
-    when a sink opens: fields a plugin added are in it)."""
+    when a sink opens: fields a plugin added are in it); `inputs`: the input image columns stored
+    beside it (`--store-inputs`: `input_image`, `mask_image`), each an Image feature too."""
     stored = [pa.field(f.name, f.type) for f in table() if f.stored]
     at = next(i for i, f in enumerate(stored) if f.name == "seed") + 1
+    extra = [pa.field(name, _IMAGE.type) for name in inputs]
+    features = {**_HF_FEATURES, **{name: {"_type": "Image"} for name in inputs}}
     return pa.schema(
-        [*stored[:at], _IMAGE, *stored[at:]], metadata={"huggingface": json.dumps({"info": {"features": _HF_FEATURES}})}
+        [*stored[:at], _IMAGE, *extra, *stored[at:]],
+        metadata={"huggingface": json.dumps({"info": {"features": features}})},
     )
+
+
+INPUT_COLUMNS = {"input.png": "input_image", "mask.png": "mask_image"}  # stored inputs (`--store-inputs`) by member
 
 
 def data_key(shard_id: str) -> str:
     return f"data/{shard_id}.parquet"
 
 
-def parquet_schema(carried: pa.Schema | None) -> pa.Schema:
+def parquet_schema(carried: pa.Schema | None, inputs: tuple[str, ...] = ()) -> pa.Schema:
     """The stored fields followed by the carried input columns, as typed in the input."""
-    base = stored_schema()
+    base = stored_schema(inputs)
     if carried is None:
         return base
     return pa.schema([*base, *carried], metadata=base.metadata)
@@ -43,12 +50,18 @@ def parquet_schema(carried: pa.Schema | None) -> pa.Schema:
 
 class ParquetSink:
     def __init__(
-        self, output: Output, shard_id: str, image_format: str, carried: pa.Schema | None = None, prefix: str = ""
+        self,
+        output: Output,
+        shard_id: str,
+        image_format: str,
+        carried: pa.Schema | None = None,
+        prefix: str = "",
+        inputs: tuple[str, ...] = (),
     ):
         self.output = output
         self.key = data_key(shard_id)
         self.ext = IMAGE_FORMATS[image_format]
-        self.base, self.schema = stored_schema(), parquet_schema(carried)
+        self.base, self.schema = stored_schema(inputs), parquet_schema(carried, inputs)
         self.stream = output.open_write(prefix + self.key)
         self.writer = pq.ParquetWriter(self.stream, self.schema)
 
@@ -57,6 +70,11 @@ class ParquetSink:
             {
                 **{k: meta[k] for k in self.base.names if k in meta},
                 "image": {"bytes": data, "path": f"{row_id}.{self.ext}"},
+                **{
+                    INPUT_COLUMNS[name]: {"bytes": value, "path": f"{row_id}.{name}"}
+                    for name, value in meta.pop("_extra", {}).items()
+                    if name in INPUT_COLUMNS
+                },
             }
             for row_id, data, meta in batch
         ]
@@ -84,8 +102,8 @@ class Parquet(OutputFormat):
     data_files = "data/*.parquet"
     carries_records = True
 
-    def sink(self, output, shard_id, image_format, carried, prefix):
-        return ParquetSink(output, shard_id, image_format, carried, prefix)
+    def sink(self, output, shard_id, image_format, carried, prefix, inputs=()):
+        return ParquetSink(output, shard_id, image_format, carried, prefix, inputs)
 
     def shard_objects(self, shard_id: str) -> list[str]:
         return [data_key(shard_id)]

@@ -38,6 +38,8 @@ class WebDatasetSink:
         extra = carried.to_pylist() if carried is not None else [{}] * len(batch)
         for (row_id, data, meta), columns in zip(batch, extra, strict=True):
             self._member(f"{row_id}.{self.ext}", data)
+            for name, value in meta.pop("_extra", {}).items():  # `--store-inputs`: <id>.input.png, <id>.mask.png
+                self._member(f"{row_id}.{name}", value)
             # default=str: dates, decimals and the like become strings in the sample's JSON
             self._member(f"{row_id}.json", json.dumps({**meta, **columns}, sort_keys=True, default=str).encode())
             keys.append((self.key, f"{row_id}.{self.ext}"))
@@ -63,7 +65,7 @@ class WebDataset(OutputFormat):
     data_files = "data/*.tar"
     carries_records = True
 
-    def sink(self, output, shard_id, image_format, carried, prefix):
+    def sink(self, output, shard_id, image_format, carried, prefix, inputs=()):
         return WebDatasetSink(output, shard_id, image_format, carried, prefix)
 
     def shard_objects(self, shard_id: str) -> list[str]:
