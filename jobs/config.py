@@ -15,9 +15,9 @@ from offload.formats import normalized, parse_quantize, refusal
 from offload.planner import OFFLOAD_CHOICES
 from workers.batches import Adapter, template_fields
 from workers.family_table import TASKS, TEXT
-from workers.inputs import RESIZE_RULES
 from workers.fields import MAX_IMAGES_PER_ROW, default_column
 from workers.formats import format_names
+from workers.inputs import RESIZE_RULES
 from workers.layout import IMAGE_FORMATS
 from workers.model_dir import is_hub_id, size_multiple
 from workers.pipeline import DTYPES as PIPELINE_DTYPES

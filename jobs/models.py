@@ -217,7 +217,7 @@ def _check_inputs(config: JobConfig, columns: Columns, family: Family, task: Tas
         given = "`--strength`" if config.strength is not None else f"the `{columns.strength}` column"
         raise ConfigError(
             f"{given}: {what} takes no strength (image-to-image and inpaint tasks do); leave it out"
-            + (f" or pass `--strength-column none`." if columns.strength else ".")
+            + (" or pass `--strength-column none`." if columns.strength else ".")
         )
 
 
