@@ -7,7 +7,7 @@ import sys
 
 from fleetgen import __version__
 from fleetgen.errors import FleetgenError
-from workers.family_table import TABLE
+from workers.family_table import NO_TINY, TABLE
 
 EXIT_INCOMPLETE = 1  # the job ran but not every shard committed
 EXIT_ERROR = 2  # bad input, config or environment: nothing (more) was generated
@@ -216,7 +216,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--family",
-        choices=[f.name for f in TABLE],
+        choices=[f.name for f in TABLE if f.name not in NO_TINY],
         default="sd",
         help="the pipeline family to build (real diffusers classes, random weights)",
     )

@@ -21,6 +21,7 @@ from fleetgen.errors import ClusterError, InputError, StorageError
 from jobs.config import JobConfig, resolve_paths
 from jobs.dataset import describe_columns, write_card
 from jobs.fleet import FleetRecord, follow
+from jobs.inputs import check_unchanged
 from jobs.lock import OutputLock
 from jobs.models import HUB_ENV, MAX_ADAPTERS, describe, pin_revision, resolve_adapters, resolve_defaults
 from jobs.progress import Progress
@@ -77,6 +78,8 @@ def run_job(
         sweep(output)
         listing = list_manifests(output)  # the run's one listing of shards/: the end adds what this run committed
         todo = [s for s in shards if s.id not in listing]
+        if config.task != "text-to-image" and len(todo) < len(shards):  # inputs are part of the images made
+            check_unchanged(output, [s.id for s in shards if s.id in listing])
         retry = _with_errors(output, [s for s in shards if s.id in listing], listing) if config.retry_errors else []
         redone = {s.id for s in retry}  # counted as to do again
         progress = Progress(

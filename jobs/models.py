@@ -17,6 +17,7 @@ from jobs.config import JobConfig, parse_lora
 from offload.architectures import torch_components
 from offload.formats import check_components as check_quantized
 from offload.formats import is_auto, parse_quantize
+from workers.batches import no_steps
 from workers.families import (
     GENERIC,
     READS_SCHEDULER,
@@ -240,6 +241,8 @@ def resolve_defaults(config: JobConfig, columns: Columns) -> tuple[JobConfig, Fa
     if task.strength is not None:
         values["strength"] = config.strength if config.strength is not None else task.strength
         sources["strength"] = "given" if config.strength is not None else "task default"
+        if int(values["steps"] * values["strength"]) < 1:
+            raise ConfigError(f"`--strength`: {no_steps(values['steps'], values['strength'])}.")
     if config.true_cfg_scale and family.negative != "true_cfg":
         where = "its guidance (`--guidance`)" if family.guidance_arg == "true_cfg_scale" else "none"
         raise ConfigError(

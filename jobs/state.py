@@ -118,7 +118,7 @@ def _differences(old: dict, new: dict) -> list[str]:
             continue
         if isinstance(a, dict) and isinstance(b, dict):
             # a setting added since the job started (e.g. `quantize`) is its default in the old job
-            a = {**_NEW_DEFAULTS.get(part, {}), **a}
+            a, b = ({**_NEW_DEFAULTS.get(part, {}), **x} for x in (a, b))
             keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
             out += [f"{part}.{k} differs: {a.get(k)} vs {b.get(k)}" for k in keys]
         elif part == "input":

@@ -149,6 +149,9 @@ def _look(values: dict, recipe: Recipe, settings: list, extras: list) -> tuple[L
         adapters = tuple(Adapter(a.source, scale) for a in adapters)
     extra = dict(base.extra)  # the job's (e.g. `--strength`), each replaced by the row's where it has one
     extra.update((f.name, got[f.role]) for f in extras if got.get(f.role) is not None)
+    strength = extra.get("strength")
+    if strength is not None and int(steps * strength) < 1:
+        errors.append(no_steps(steps, strength))
     extra = tuple(extra.items())
     error = next((e for e in errors if e), None)
     return Look(width, height, steps, guidance, adapters, extra), count, error
@@ -174,6 +177,14 @@ def _inputs(values: dict, columns: Columns, recipe: Recipe, base: str) -> tuple[
             return (), f"{len(refs)} {what}s in column `{column}`; this task takes at most {most}"
         found += refs
     return tuple(found), None
+
+
+def no_steps(steps: int, strength: float) -> str:
+    """Why an image-to-image call would denoise nothing: diffusers runs int(steps × strength) steps."""
+    return (
+        f"strength {strength:g} at {steps} steps leaves no denoising step (the pipeline runs "
+        f"int(steps x strength) of them): raise the steps or the strength"
+    )
 
 
 def _as_seed(value: object) -> tuple[int | None, str | None]:

@@ -61,6 +61,7 @@ INPUT = pa.struct(
         ("sha256", pa.string()),
         ("width", pa.int32()),
         ("height", pa.int32()),
+        ("version", pa.string()),  # the object's size and ETag or mtime when read (null: bytes in the column)
     ]
 )
 

@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from fleetgen.errors import StorageError, one_line
-from workers.storage import guarded, url_to_fs
+from workers.storage import guarded, url_to_fs, version_of
 
 RESIZE_RULES = ("crop", "pad", "fit")  # `--resize`: how an input becomes the image's size
 MAX_INPUT_SIDE = 16_384  # pixels a side; a larger input is an error row, never decoded
@@ -52,6 +52,7 @@ class Loaded:
     sha256: str  # of the bytes read (the content, not the name)
     width: int  # its own size, before resizing
     height: int
+    version: str | None = None  # the object's size and ETag or mtime (workers/storage.py `version_of`)
 
     def record(self) -> dict:
         return {
@@ -60,6 +61,7 @@ class Loaded:
             "sha256": self.sha256,
             "width": self.width,
             "height": self.height,
+            "version": self.version,
         }
 
 
@@ -105,23 +107,25 @@ def refs_of(value, role: str, base: str) -> tuple[list[InputRef], str | None]:
     return [], f"{role} column holds a {type(value).__name__}, not an image"
 
 
-def read_bytes(ref: InputRef) -> bytes:
-    """The input's bytes: from its column, or read through fsspec (retried as every read is)."""
+def read_bytes(ref: InputRef) -> tuple[bytes, str | None]:
+    """The input's bytes and its object's version: from its column (no version), or read through
+    fsspec (retried as every read is)."""
     if ref.data is not None:
-        return ref.data
+        return ref.data, None
     fs, path = url_to_fs(ref.source)
 
-    def read() -> bytes:
-        size = fs.size(path)
+    def read() -> tuple[bytes, str]:
+        info = fs.info(path)
+        size = info.get("size")
         if size is not None and size > MAX_INPUT_BYTES:
             raise ValueError(f"{size} bytes; inputs may be at most {MAX_INPUT_BYTES // 2**20} MiB")
         with fs.open(path, "rb") as f:
-            return f.read(MAX_INPUT_BYTES + 1)
+            return f.read(MAX_INPUT_BYTES + 1), version_of(info)
 
-    data = guarded("read", ref.source, read)
+    data, version = guarded("read", ref.source, read)
     if len(data) > MAX_INPUT_BYTES:
         raise ValueError(f"more than {MAX_INPUT_BYTES // 2**20} MiB; inputs may be at most that")
-    return data
+    return data, version
 
 
 def fitted(picture, width: int, height: int, rule: str, mask: bool = False):
@@ -152,7 +156,7 @@ def load(ref: InputRef, width: int, height: int, rule: str) -> Loaded:
     the reason."""
     from PIL import Image as PILImage
 
-    data = read_bytes(ref)
+    data, version = read_bytes(ref)
     digest = hashlib.sha256(data).hexdigest()
     try:
         opened = PILImage.open(io.BytesIO(data))  # reads the header only
@@ -165,7 +169,7 @@ def load(ref: InputRef, width: int, height: int, rule: str) -> Loaded:
         picture = opened.convert("L" if ref.role == "mask" else "RGB")  # decodes: a truncated file fails here
     except (OSError, SyntaxError) as err:
         raise ValueError(f"a damaged image ({one_line(err)})") from None
-    return Loaded(ref, fitted(picture, width, height, rule, ref.role == "mask"), digest, w, h)
+    return Loaded(ref, fitted(picture, width, height, rule, ref.role == "mask"), digest, w, h, version)
 
 
 def load_all(refs: tuple[InputRef, ...], width: int, height: int, rule: str) -> tuple[list[Loaded], str | None]:

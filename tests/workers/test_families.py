@@ -90,6 +90,7 @@ def test_flags_win_over_family_defaults(models, tmp_path):
         "guidance": "family default",
         "dtype": "family default",
         "family": "FluxPipeline: its transformer has a guidance embedding (FLUX.1-dev)",
+        "task": "FluxPipeline does text-to-image",
     }
 
 
