@@ -67,6 +67,44 @@ def test_synthesising_a_dataset_runs_as_written(user_env, tmp_path):
     assert first["image"].size == (64, 64) and len(namespace["ds"]) == 18
 
 
+def test_editing_a_folder_of_images_runs_as_written(user_env, tmp_path):
+    found = blocks("Editing a folder of images")
+    assert [lang for lang, _ in found] == ["python", "bash", "python"]
+    (_, make_input), (_, commands), (_, load) = found
+    done = subprocess.run(
+        [sys.executable, "-c", make_input], cwd=tmp_path, env=user_env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = shell(commands, tmp_path, user_env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "4 images (0 row errors)" in done.stdout and "clean" in done.stdout.splitlines()[-1]
+    assert "task image-to-image (`--task image-to-image`" in done.stderr  # the driver's log
+    namespace: dict = {}
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        exec(compile(load, "README.md", "exec"), namespace)  # noqa: S102 - the README's own code
+    finally:
+        os.chdir(cwd)
+    before, after, ds = namespace["before"], namespace["after"], namespace["ds"]
+    assert before.size == after.size == (64, 64) and len(ds) == 4
+    rows = {r["id"]: r for r in ds}
+    assert before.convert("RGB").getpixel((32, 32)) == (255, 0, 0)  # photos/0.png, red, cropped to 64x64
+    assert rows["0"]["inputs"][0]["source"] == str(tmp_path / "photos" / "0.png")
+    assert [round(rows[k]["strength"], 2) for k in "0123"] == [0.3, 0.5, 0.7, 0.9]
+    # the same job again: nothing to do; then an input replaced under its path refuses the resume
+    run_line = commands.split("fleetgen run", 1)[1].split("fleetgen verify")[0].replace("\\\n", " ")
+    again = shell("fleetgen run" + run_line, tmp_path, user_env)
+    assert again.returncode == 0 and "resuming: 1 of 1 shards already committed" in again.stderr
+    from PIL import Image
+
+    Image.new("RGB", (96, 80), "purple").save(tmp_path / "photos" / "2.png")
+    refused = shell("fleetgen run" + run_line, tmp_path, user_env)
+    assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
+    assert "1 input image(s) changed" in refused.stderr and "photos/2.png" in refused.stderr
+    assert "--overwrite" in refused.stderr
+
+
 @pytest.mark.slow
 def test_the_plan_example_runs_as_written(tmp_path):
     text = (ROOT / "README.md").read_text()

@@ -4,6 +4,7 @@ loopback S3 server; bad inputs as error rows; what each image records; `--store-
 
 from __future__ import annotations
 
+import hashlib
 import io
 
 import numpy as np
@@ -260,3 +261,45 @@ def test_stored_inputs_load_with_datasets_beside_the_output(tiny_model, tmp_path
     first = ds[0]
     assert first["input_image"].size == first["image"].size == (64, 64)
     assert np.asarray(first["input_image"].convert("RGB"))[32, 32].tolist() == [255, 0, 0]
+
+
+def test_flux2_edits_from_a_list_of_references_one_row_per_call(tmp_path):
+    model = write_tiny_model(tmp_path / "flux2", family="flux2")
+    rows = {
+        "id": ["one", "two", "eleven"],
+        "prompt": ["combine them"] * 3,
+        "input_image": [[png("red")], [png("red"), png("blue")], [png("red")] * 11],
+    }
+    records, out = run(model, tmp_path, rows, "edit", "flux2", guidance=4.0)
+    assert records["one"]["status"] == records["two"]["status"] == "ok"
+    assert [x["sha256"][:8] for x in records["two"]["inputs"]] == [
+        hashlib.sha256(png(c)).hexdigest()[:8] for c in ("red", "blue")
+    ]
+    assert {records["one"]["batch"], records["two"]["batch"]} == {1}  # one list of references per call
+    assert records["eleven"]["error"] == "11 input images in column `input_image`; this task takes at most 10"
+
+
+def test_resume_refuses_inputs_replaced_under_the_same_path(tiny_model, tmp_path):
+    import os
+
+    from fleetgen.errors import ConfigError
+    from jobs.inputs import check_unchanged
+    from workers.storage import Output
+
+    (tmp_path / "a.png").write_bytes(png("red"))
+    (tmp_path / "b.png").write_bytes(png("blue"))
+    rows = {"id": ["a", "b"], "prompt": ["a photo"] * 2, "input_image": ["a.png", "b.png"]}
+    _, out = run(tiny_model, tmp_path, rows, "image-to-image", strength=0.5)
+    output = Output(str(out))
+    assert check_unchanged(output, ["shard-00000"]) == 2
+    stat = os.stat(tmp_path / "a.png")
+    os.utime(tmp_path / "a.png", (stat.st_atime + 60, stat.st_mtime + 60))  # touched: same bytes
+    assert check_unchanged(output, ["shard-00000"]) == 2
+    (tmp_path / "a.png").write_bytes(png("green"))  # replaced under the same path
+    with pytest.raises(ConfigError, match=r"1 input image\(s\) changed .*a\.png.*--overwrite"):
+        check_unchanged(output, ["shard-00000"])
+    (tmp_path / "a.png").write_bytes(png("red"))
+    (tmp_path / "b.png").unlink()
+    said = []
+    assert check_unchanged(output, ["shard-00000"], say=said.append) == 2
+    assert "1 input image(s) of committed shards are gone" in said[0]
