@@ -17,7 +17,8 @@ from workers.storage import Output
 SAMPLE = 24  # images on the contact sheet
 ERRORS = 50  # rows that are not ok, listed
 _MIME = {"png": "image/png", "jpg": "image/jpeg", "webp": "image/webp"}
-_COLUMNS = ("id", "prompt", "seed", "status", "error", "warning", "image", "member", "worker")
+_COLUMNS = ("id", "prompt", "seed", "status", "error", "warning", "image", "member", "worker", "inputs")
+THUMB = 128  # pixels a side of an input's thumbnail beside its output
 
 
 def _sources(out: Output, fmt, rows: list[dict], ext: str) -> dict[str, str]:
@@ -35,6 +36,48 @@ def _sources(out: Output, fmt, rows: list[dict], ext: str) -> dict[str, str]:
             if data is not None:
                 sources[image_id] = f"data:{_MIME[ext]};base64,{base64.b64encode(data).decode()}"
     return sources
+
+
+def _input_thumbs(rows: list[dict]) -> dict[str, str]:
+    """{image id: its first input as an embedded PNG thumbnail}, for the sample's image-input rows:
+    read from its path or URL (through fsspec, as the worker read it) and checked against the
+    sha256 its record holds; an input that is gone or changed, or was bytes in the input's column,
+    is named instead (an empty entry)."""
+    import hashlib
+    import io
+
+    from PIL import Image
+
+    from workers.inputs import InputRef, read_bytes
+
+    thumbs = {}
+    for r in rows:
+        first = next((x for x in r.get("inputs") or [] if x["role"] == "image"), None)
+        if first is None or not first.get("version"):
+            continue
+        try:
+            data, _ = read_bytes(InputRef("image", first["source"]))
+        except Exception:  # noqa: BLE001 - a report never fails over one input it cannot show
+            continue
+        if hashlib.sha256(data).hexdigest() != first["sha256"]:
+            continue
+        picture = Image.open(io.BytesIO(data)).convert("RGB")
+        picture.thumbnail((THUMB, THUMB))
+        buf = io.BytesIO()
+        picture.save(buf, "PNG")
+        thumbs[r["id"]] = f"data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}"
+    return thumbs
+
+
+def _input_note(r: dict, thumbs: dict[str, str]) -> str:
+    """The card's input → output pair: the input's thumbnail, or what the record says of it."""
+    first = next((x for x in r.get("inputs") or [] if x["role"] == "image"), None)
+    if first is None:
+        return ""
+    if r["id"] in thumbs:
+        return f'<img class="input" src="{thumbs[r["id"]]}" alt="input of {html.escape(r["id"])}"> &rarr; '
+    what = "bytes in the input's column" if not first.get("version") else f"{first['source']} (gone or changed)"
+    return f'<span class="input">input: {html.escape(what)}, sha256 {first["sha256"][:12]}</span><br>'
 
 
 def _bars(title: str, items: list[tuple[str, float, str]], limit: list[float] | None = None) -> str:
@@ -95,9 +138,11 @@ def write_report(url: str) -> str:
     sample = sample_images(out, state["counts"])
     generation = state["job"]["fingerprint"]["generation"]
     sources = _sources(out, get_format(generation["output_format"]), sample, IMAGE_FORMATS[generation["image_format"]])
+    thumbs = _input_thumbs(sample)
     cards = "".join(
-        f'<figure class="card"><img src="{sources.get(r["id"], "")}" alt="{html.escape(r["id"])}">'
-        f"<figcaption><b>{html.escape(r['id'])}</b> seed {r['seed']}<br>{html.escape(r['prompt'] or '')}</figcaption></figure>"
+        f'<figure class="card">{_input_note(r, thumbs)}<img src="{sources.get(r["id"], "")}" '
+        f'alt="{html.escape(r["id"])}"><figcaption><b>{html.escape(r["id"])}</b> seed {r["seed"]}<br>'
+        f"{html.escape(r['prompt'] or '')}</figcaption></figure>"
         for r in sample
     )
     workers = state["workers"]
@@ -169,7 +214,7 @@ def write_report(url: str) -> str:
 <style>
 body {{ font-family: sans-serif; margin: 24px; color: #222; }}
 .sheet {{ display: grid; grid-template-columns: repeat(auto-fill, minmax(160px, 1fr)); gap: 12px; }}
-.card {{ margin: 0; font-size: 12px; }} .card img {{ width: 100%; image-rendering: pixelated; border: 1px solid #ccc; }}
+.card {{ margin: 0; font-size: 12px; }} .card img {{ width: 100%; image-rendering: pixelated; border: 1px solid #ccc; }} .card img.input {{ width: 40%; }}
 table {{ border-collapse: collapse; font-size: 13px; }} td, th {{ border: 1px solid #ccc; padding: 4px 8px; text-align: left; }}
 </style></head>
 <body>

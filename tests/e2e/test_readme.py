@@ -96,6 +96,11 @@ def test_editing_a_folder_of_images_runs_as_written(user_env, tmp_path):
     run_line = commands.split("fleetgen run", 1)[1].split("fleetgen verify")[0].replace("\\\n", " ")
     again = shell("fleetgen run" + run_line, tmp_path, user_env)
     assert again.returncode == 0 and "resuming: 1 of 1 shards already committed" in again.stderr
+    # the report pairs each output with its input, read from where the worker read it
+    report = shell("fleetgen report out/night", tmp_path, user_env)
+    assert report.returncode == 0, report.stderr[-2000:]
+    page = (tmp_path / "out" / "night" / "report.html").read_text()
+    assert page.count('<img class="input" src="data:image/png;base64,') == 4
     from PIL import Image
 
     Image.new("RGB", (96, 80), "purple").save(tmp_path / "photos" / "2.png")
@@ -103,6 +108,9 @@ def test_editing_a_folder_of_images_runs_as_written(user_env, tmp_path):
     assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
     assert "1 input image(s) changed" in refused.stderr and "photos/2.png" in refused.stderr
     assert "--overwrite" in refused.stderr
+    shell("fleetgen report out/night", tmp_path, user_env)  # a changed input is named, not shown as the one used
+    page = (tmp_path / "out" / "night" / "report.html").read_text()
+    assert page.count('<img class="input"') == 3 and "photos/2.png (gone or changed)" in page
 
 
 @pytest.mark.slow
