@@ -234,6 +234,17 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--guidance", type=float, help="default: the model family's")
     pl.add_argument("--true-cfg-scale", type=float, help="Flux: true CFG scale (> 1 doubles the denoiser's batch)")
     pl.add_argument("--max-batch", type=int, default=8, help="largest batch the plan may choose (default 8)")
+    from workers.family_table import TASKS
+
+    pl.add_argument(
+        "--task",
+        choices=TASKS,
+        help="plan for a task the model's weights serve: its input images are VAE-encoded, an edit "
+        "model's join the denoiser's sequence (default: the model's own)",
+    )
+    pl.add_argument(
+        "--references", type=int, default=1, help="edit models: input images per image to plan for (default 1)"
+    )
     pl.add_argument(
         "--offload",
         choices=["auto", "none", "block", "leaf", "disk"],
@@ -334,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
 
             work, family = plan_workload(
                 args.model,
+                task=args.task,
+                references=args.references,
                 width=args.width,
                 height=args.height,
                 steps=args.steps,

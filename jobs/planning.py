@@ -6,12 +6,12 @@ import dataclasses
 import json
 import sys
 
-from fleetgen.errors import OffloadError
+from fleetgen.errors import ConfigError, OffloadError
 from fleetgen.units import format_size, parse_size
 from offload import DeviceSpec, Workload, plan, profile_modules
 from offload.architectures import build_on_meta, resolve
 from offload.formats import CHOOSABLE, check_components, is_auto, normalized, parse_quantize
-from workers.families import Family, read_family
+from workers.families import Family, choose_task, identify_dir
 from workers.pipeline import DTYPES
 from workers.probe import ASSUMED_BANDWIDTH, ASSUMED_FLOPS, host_available_bytes
 
@@ -26,12 +26,26 @@ def plan_workload(
     true_cfg_scale: float | None,
     max_batch: int,
     offload: str,
+    task: str | None = None,
+    references: int = 1,
 ) -> tuple[Workload, Family]:
     """The workload to plan for, with the model family's defaults and its own rule for whether
-    guidance doubles the denoiser's batch (CFG families yes, guidance-distilled Flux no)."""
-    family = read_family(resolve(model))
+    guidance doubles the denoiser's batch (CFG families yes, guidance-distilled Flux no). `task`:
+    one the family's weights serve (`--task`), whose input images the VAE encodes and, for edit
+    models, whose `references` join the denoiser's sequence."""
+    root = resolve(model)
+    family, _ = identify_dir(root)
+    cls = json.loads((root / "model_index.json").read_text()).get("_class_name", "")
+    chosen, _ = choose_task(family, task, cls)
+    if references < 1 or (chosen.images and references > chosen.images):
+        raise ConfigError(f"`--references` must be 1 to {chosen.images or 1} for {family.name} {chosen.name}.")
+    inputs = min(references, chosen.images)
+    if not chosen.batched:
+        max_batch = 1  # one row per call (its references)
     guidance = family.guidance if guidance is None else guidance
     work = Workload(
+        input_images=inputs,
+        in_sequence=chosen.in_sequence,
         width=width,
         height=height,
         steps=family.steps if steps is None else steps,

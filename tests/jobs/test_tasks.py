@@ -35,6 +35,7 @@ def test_a_task_class_is_its_familys_and_its_task():
         choose_task(FAMILIES["sd"], "edit", "StableDiffusionPipeline")
 
 
+@pytest.mark.slow  # imports every pipeline class of diffusers: seconds
 def test_every_task_names_a_diffusers_class_that_takes_what_it_says():
     import inspect
 
@@ -97,3 +98,51 @@ def test_the_planner_counts_encodes_and_reference_tokens():
     assert _tokens(transformer, prof, img2img) == 4096  # SD-style img2img: the input starts the latents
     assert _activations(transformer, prof, edit) == 2 * _activations(transformer, prof, text)
     assert (_forwards(vae, text), _forwards(vae, img2img), _forwards(transformer, edit)) == (1, 2, 30)
+
+
+def test_fleetgen_plan_plans_an_edit_with_its_references(capsys):
+    from jobs.cli import main
+    from jobs.planning import plan_rows, plan_workload
+
+    edit, family = plan_workload(
+        "flux.2-dev",
+        width=1024,
+        height=1024,
+        steps=None,
+        guidance=None,
+        true_cfg_scale=None,
+        max_batch=8,
+        offload="auto",
+        task="edit",
+        references=3,
+    )
+    assert (edit.input_images, edit.in_sequence, edit.max_batch) == (3, True, 1)
+    text, _ = plan_workload(
+        "flux.2-dev",
+        width=1024,
+        height=1024,
+        steps=None,
+        guidance=None,
+        true_cfg_scale=None,
+        max_batch=1,
+        offload="auto",
+    )
+    peaks = [plan_rows("flux.2-dev", ["141GiB"], "128GiB", "bfloat16", w)[1][0]["peak_bytes"] for w in (text, edit)]
+    assert peaks[1] > peaks[0]  # three references' tokens beside the image's own
+    with pytest.raises(ConfigError, match=r"`--references` must be 1 to 10 for flux2 edit"):
+        plan_workload(
+            "flux.2-dev",
+            width=1024,
+            height=1024,
+            steps=None,
+            guidance=None,
+            true_cfg_scale=None,
+            max_batch=1,
+            offload="auto",
+            task="edit",
+            references=11,
+        )
+    assert (
+        main(["plan", "--model", "sdxl", "--gpu-memory", "24GiB", "--task", "inpaint", "--host-memory", "64GiB"]) == 0
+    )
+    assert "24GiB" in capsys.readouterr().out

@@ -303,3 +303,23 @@ def test_resume_refuses_inputs_replaced_under_the_same_path(tiny_model, tmp_path
     said = []
     assert check_unchanged(output, ["shard-00000"], say=said.append) == 2
     assert "1 input image(s) of committed shards are gone" in said[0]
+
+
+def test_stored_inputs_in_webdataset_are_members_beside_each_sample(tiny_model, tmp_path):
+    import json
+    import tarfile
+
+    rows = {
+        "id": ["a", "b"],
+        "prompt": ["a photo"] * 2,
+        "input_image": [png("red"), png("blue")],
+        "mask_image": [png("white"), png("black")],
+    }
+    _, out = run(tiny_model, tmp_path, rows, "inpaint", output_format="webdataset", store_inputs=True)
+    with tarfile.open(out / "data" / "shard-00000.tar") as tar:
+        names = tar.getnames()
+        meta = json.loads(tar.extractfile("a.json").read())
+        mask = Image.open(io.BytesIO(tar.extractfile("b.mask.png").read()))
+    assert names == ["a.png", "a.input.png", "a.mask.png", "a.json", "b.png", "b.input.png", "b.mask.png", "b.json"]
+    assert "_extra" not in meta and [x["role"] for x in meta["inputs"]] == ["image", "mask"]
+    assert mask.size == (64, 64) and mask.getextrema() == (0, 0)
