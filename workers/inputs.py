@@ -202,38 +202,48 @@ def stored_inputs(loaded: list[Loaded]) -> list[tuple[str, object]]:
 
 class Prefetcher:
     """The inputs of `images` (in the order they will be made), read `window` images ahead on
-    `threads` threads. `take(image)` waits for one image's inputs; `ahead(i)` keeps the window full
-    from position i. Nothing is read for images that have no inputs."""
+    `threads` threads; the images of one row (`--images-per-prompt`) share one read. `take(image)`
+    waits for one image's inputs and keeps the window full. Nothing is read for images without inputs."""
 
     def __init__(self, images: list, rule: str, window: int = PREFETCH_IMAGES, threads: int = FETCH_THREADS):
-        self.order = [im for im in images if im.inputs]
         self.rule, self.window = rule, window
+        self.takers: dict[tuple, int] = {}  # what to read -> images still to take it
+        for im in images:
+            if im.inputs:
+                self.takers[self._key(im)] = self.takers.get(self._key(im), 0) + 1
         self.pool = (
-            ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fleetgen-inputs") if self.order else None
+            ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fleetgen-inputs") if self.takers else None
         )
-        self.futures: dict[str, Future] = {}
-        self.queue = deque(self.order)
-        self.taken = 0
+        self.futures: dict[tuple, Future] = {}
+        self.queue = deque(self.takers)
+
+    @staticmethod
+    def _key(image) -> tuple:
+        return (image.inputs, image.look.width, image.look.height)
 
     def _fill(self) -> None:
         while self.queue and len(self.futures) < self.window:
-            im = self.queue.popleft()
-            self.futures[im.id] = self.pool.submit(load_all, im.inputs, im.look.width, im.look.height, self.rule)
+            key = self.queue.popleft()
+            self.futures[key] = self.pool.submit(load_all, *key, self.rule)
 
     def take(self, image) -> tuple[list[Loaded], str | None]:
         """The image's inputs, loaded (waiting for them), or the reason they could not be."""
         if not image.inputs:
             return [], None
+        key = self._key(image)
         self._fill()
-        future = self.futures.pop(image.id, None)
-        if future is None:  # not in the window yet (the order moved on): read it now
-            result = load_all(image.inputs, image.look.width, image.look.height, self.rule)
+        if key not in self.futures:  # not in the window yet (the order moved on): read it now
             try:
-                self.queue.remove(image)
+                self.queue.remove(key)
             except ValueError:
                 pass
-        else:
-            result = future.result()
+            done: Future = Future()
+            done.set_result(load_all(*key, self.rule))
+            self.futures[key] = done
+        result = self.futures[key].result()
+        self.takers[key] = self.takers.get(key, 1) - 1
+        if self.takers[key] <= 0:
+            del self.futures[key]
         self._fill()
         return result
 

@@ -119,17 +119,25 @@ def test_prefetch_reads_ahead_within_its_window():
         inputs: tuple
         look: Look = Look(64, 64, 2, 5.0)
 
-    images = [Im(str(i), (InputRef("image", "bytes", png("red", (8, 8))),)) for i in range(10)]
+    refs = [(InputRef("image", "bytes", png("red", (8, 8 + i))),) for i in range(10)]
+    images = [Im(str(i), refs[i]) for i in range(10)] + [Im("9-again", refs[9])]  # a row's second image
+    reads = []
+    import workers.inputs
+
+    real = workers.inputs.load_all
+    workers.inputs.load_all = lambda *a: (reads.append(a[0]), real(*a))[1]
     prefetch = Prefetcher(images, "crop", window=3, threads=2)
     try:
         assert prefetch.take(images[0])[1] is None
         assert len(prefetch.futures) <= 3  # never more than the window read ahead
-        assert set(prefetch.futures) <= {"1", "2", "3"}
+        assert {k[0] for k in prefetch.futures} <= set(refs[1:4])
         loaded, why = prefetch.take(images[5])  # out of order: read now, not lost
         assert why is None and loaded[0].picture.size == (64, 64)
         assert all(prefetch.take(im)[1] is None for im in images[1:5] + images[6:])
+        assert not prefetch.futures and sorted(reads, key=refs.index) == refs  # each read once, the repeat too
     finally:
         prefetch.close()
+        workers.inputs.load_all = real
 
 
 # --- tasks on the tiny pipelines ------------------------------------------------------------
