@@ -331,3 +331,32 @@ def test_stored_inputs_in_webdataset_are_members_beside_each_sample(tiny_model, 
     assert names == ["a.png", "a.input.png", "a.mask.png", "a.json", "b.png", "b.input.png", "b.mask.png", "b.json"]
     assert "_extra" not in meta and [x["role"] for x in meta["inputs"]] == ["image", "mask"]
     assert mask.size == (64, 64) and mask.getextrema() == (0, 0)
+
+
+def test_inputs_over_https_urls_through_fsspec(tiny_model, tmp_path):
+    """`https://` (here plain http on loopback) inputs are read through fsspec's HTTP filesystem; a
+    404 is a missing input, an error row."""
+    import functools
+    import http.server
+    import threading
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "a.png").write_bytes(png("red"))
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    handler = functools.partial(Quiet, directory=str(site))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        rows = {"id": ["a", "gone"], "prompt": ["a photo"] * 2, "input_image": [f"{base}/a.png", f"{base}/gone.png"]}
+        records, _ = run(tiny_model, tmp_path, rows, "image-to-image", strength=0.5)
+    finally:
+        server.shutdown()
+    assert records["a"]["status"] == "ok" and records["a"]["inputs"][0]["source"] == f"{base}/a.png"
+    assert records["a"]["inputs"][0]["sha256"] == hashlib.sha256(png("red")).hexdigest()
+    assert records["gone"]["status"] == "error" and f"{base}/gone.png" in records["gone"]["error"]
