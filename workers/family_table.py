@@ -508,7 +508,8 @@ GENERIC = Family(
     note="not a known family: called with the arguments its __call__ accepts",
 )
 FAMILIES = {f.name: f for f in (*TABLE, GENERIC)}
-# Entries without a tiny pipeline (workers/tiny_model.py) yet: Qwen-Image-Edit's Qwen2.5-VL processor
-# needs a tokenizer with the vision special tokens, which the in-memory one lacks. They are planned
+# Entries without a tiny pipeline (workers/tiny_model.py): Qwen-Image-Edit's `Qwen2VLProcessor`
+# cannot be built without torchvision in transformers 5.24 (its video processor needs it, even
+# given none), and torchvision does not load beside the CPU torch build CI uses. They are planned
 # and validated, not run end to end on CPU.
 NO_TINY = frozenset({"qwen-image-edit", "qwen-image-edit-plus"})
