@@ -15,7 +15,7 @@ import json
 import math
 from pathlib import Path
 
-from fleetgen.errors import ConfigError
+from fleetgen.errors import ConfigError, FleetgenError, one_line
 from workers.family_table import FAMILIES, GENERIC, TASKS, TEXT, Family, Task
 
 __all__ = [
@@ -217,3 +217,40 @@ def prompt_limit(pipe, family: Family) -> tuple[object | None, int | None]:
         return None, None
     limit = family.max_sequence_length or getattr(tokenizer, "model_max_length", None)
     return tokenizer, limit if limit and limit < 100_000 else None
+
+
+def as_task(pipe, task: Task, tag: str = "worker"):
+    """The loaded pipeline as the class of the job's task: itself, or a pipeline of that class over
+    the same components (diffusers' `from_pipe`: no weights are copied or loaded again)."""
+    if not task.pipeline or type(pipe).__name__ == task.pipeline:
+        return pipe
+    import diffusers
+
+    try:
+        return getattr(diffusers, task.pipeline).from_pipe(pipe)
+    except Exception as err:  # noqa: BLE001 - a component the task's class cannot take: say which task
+        raise FleetgenError(
+            f"{tag}: could not make a {task.pipeline} ({task.name}) from {type(pipe).__name__}: {one_line(err)}"
+        ) from err
+
+
+def warm_up_input(role: str, width: int, height: int):
+    """A blank input of the image's size for the warm-up call."""
+    from PIL import Image as PILImage
+
+    return PILImage.new("L" if role == "mask" else "RGB", (width, height)), role
+
+
+def task_kwargs(task: Task, width: int, height: int, inputs: list | None) -> dict:
+    """The call arguments of a task beyond text-to-image: its fixed ones, the area it is pinned to,
+    and the inputs (per image, (picture, role) pairs, the mask last): a list of images, one per
+    prompt; for a task taking references, the one row's list."""
+    extra = dict(task.extra)
+    if task.pins_area:
+        extra[task.pins_area] = width * height
+    if task.takes_images:
+        images = [[p for p, role in one if role == "image"] for one in inputs]
+        extra["image"] = [one[0] for one in images] if task.images == 1 else images[0]
+        if task.mask:
+            extra["mask_image"] = [next(p for p, role in one if role == "mask") for one in inputs]
+    return extra

@@ -22,10 +22,13 @@ from workers.families import (
     GENERIC,
     Family,
     Task,
+    as_task,
     call_kwargs,
     prepare_call,
     prompt_limit,
     takes_negative_prompt,
+    task_kwargs,
+    warm_up_input,
 )
 from workers.fields import extra_settings
 from workers.pipeline import (
@@ -60,28 +63,6 @@ class Picture:
     batch: int  # images in the call that made it
     seconds: float  # its share of the call's wall time
     quantized: str = "none"  # the storage formats its components had (offload/quantize.py `describe`)
-
-
-def as_task(pipe, task: Task, tag: str = "worker"):
-    """The loaded pipeline as the class of the job's task: itself, or a pipeline of that class over
-    the same components (diffusers' `from_pipe`: no weights are copied or loaded again)."""
-    if not task.pipeline or type(pipe).__name__ == task.pipeline:
-        return pipe
-    import diffusers
-
-    try:
-        return getattr(diffusers, task.pipeline).from_pipe(pipe)
-    except Exception as err:  # noqa: BLE001 - a component the task's class cannot take: say which task
-        raise FleetgenError(
-            f"{tag}: could not make a {task.pipeline} ({task.name}) from {type(pipe).__name__}: {one_line(err)}"
-        ) from err
-
-
-def warm_up_input(role: str, look: Look):
-    """A blank input of the image's size for the warm-up call."""
-    from PIL import Image as PILImage
-
-    return PILImage.new("L" if role == "mask" else "RGB", (look.width, look.height)), role
 
 
 class FittedPipeline:
@@ -280,7 +261,7 @@ class FittedPipeline:
         while True:
             oom = None
             try:
-                blank = [[warm_up_input(r, look) for r in self._roles()]]
+                blank = [[warm_up_input(r, look.width, look.height) for r in self._roles()]]
                 with components_dtypes_kept(self.pipe):
                     self.pipe(**self._kwargs(["warm up"], [None], look, generator=None, inputs=blank))
                 torch.cuda.reset_peak_memory_stats(self.device)
@@ -337,15 +318,7 @@ class FittedPipeline:
     def _kwargs(self, prompts: list[str], negatives: list[str | None], look: Look, generator, inputs=None) -> dict:
         """`inputs`: per image, its input pictures (the mask last), as workers/inputs.py loaded them."""
         extra = {self._call_args[name]: value for name, value in look.extra if self._call_args.get(name)}
-        extra.update(dict(self.task.extra))
-        if self.task.pins_area:
-            extra[self.task.pins_area] = look.width * look.height
-        if self.task.takes_images:
-            images = [[p for p, role in one if role == "image"] for one in inputs]
-            # one input per image: a list of them, one per prompt; references: the one row's list
-            extra["image"] = [one[0] for one in images] if self.task.images == 1 else images[0]
-            if self.task.mask:
-                extra["mask_image"] = [next(p for p, role in one if role == "mask") for one in inputs]
+        extra.update(task_kwargs(self.task, look.width, look.height, inputs))
         prepare_call(self.pipe, self.family, guidance=look.guidance, width=look.width, height=look.height)
         return call_kwargs(
             self.pipe,

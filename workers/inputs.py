@@ -247,6 +247,26 @@ class Prefetcher:
         self._fill()
         return result
 
+    def batch(self, images: list, records: dict) -> tuple[list, dict, dict]:
+        """(the images whose inputs loaded, {id: their inputs}, {id: why not}) for one batch; each
+        image's record gains its `inputs`, or its error."""
+        inputs, unreadable = {}, {}
+        for im in images:
+            loaded, why = self.take(im)
+            if why:
+                unreadable[im.id] = why
+                records[im.id].update(status="error", error=why)
+            elif loaded:
+                inputs[im.id] = loaded
+                records[im.id]["inputs"] = [x.record() for x in loaded]
+        return [im for im in images if im.id not in unreadable], inputs, unreadable
+
+    def __enter__(self) -> Prefetcher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
         if self.pool is not None:
             for future in self.futures.values():

@@ -200,3 +200,15 @@ def leaner_plan(
         if (leaner.placements, leaner.formats) != (current.placements, current.formats):
             return leaner
         high = budget
+
+
+def predicted_vs_measured(plan: OffloadPlan, seconds: float, images: int, offload: dict) -> dict:
+    """What the plan predicted beside what the worker measured (`workers/<w>.json`): seconds per
+    image in pipeline calls and the device's peak bytes."""
+    return {
+        "seconds_per_image": {
+            "predicted": plan.seconds_per_image or None,
+            "measured": seconds / images if images else None,
+        },
+        "peak_device_bytes": {"predicted": plan.peak_bytes or None, "measured": offload.get("peak_device_bytes")},
+    }

@@ -6,14 +6,16 @@ from __future__ import annotations
 from workers.batches import Image
 from workers.fields import records, stored_names
 from workers.fit import Picture
+from workers.inputs import stored_inputs
 from workers.writer import Made
 
 
 class Records:
     """The records of one worker's images: what every one of them shares, given once."""
 
-    def __init__(self, template: str | None, worker: str, device: str, model: str):
+    def __init__(self, template: str | None, worker: str, device: str, model: str, store_inputs: bool = False):
         self.template, self.worker, self.device, self.model = template, worker, device, model
+        self.store_inputs = store_inputs  # `--store-inputs`: each image's inputs go beside it
         self.fields = [f.name for f in records()]  # the manifest's columns
         self.stored = [name for name in stored_names() if name != "sha256"]  # the writer adds the digest
 
@@ -35,9 +37,9 @@ class Records:
             "device": self.device,
         }
 
-    def made(self, p: Picture, record: dict) -> Made:
+    def made(self, p: Picture, record: dict, inputs: list | None = None) -> Made:
         """A picture with what its manifest row (`record`, from `new`) gains, and the record stored
-        beside it."""
+        beside it (and its `inputs`, workers/inputs.py, where they are stored too)."""
         im = p.image
         if p.picture is None:  # the safety checker blacked it out: `filtered`, not stored
             flagged = {
@@ -52,4 +54,6 @@ class Records:
         made = {"batch": p.batch, "nsfw": p.nsfw, "seconds": p.seconds, "quantized": p.quantized}
         meta = {**{name: record[name] for name in self.stored}, **made, "model": self.model}
         meta = {k: v for k, v in meta.items() if k in self.stored or k in ("nsfw", "model")}
-        return Made(im.id, im.row, p.picture, meta, made)
+        return Made(
+            im.id, im.row, p.picture, meta, made, inputs=stored_inputs(inputs or []) if self.store_inputs else None
+        )

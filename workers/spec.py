@@ -39,6 +39,12 @@ class GenerationSettings:
         found = family.task(self.task) if family is not None else None
         return found or Task(self.task, "")
 
+    def stored(self) -> tuple[str, ...]:
+        """The input columns stored beside each image (`--store-inputs`)."""
+        if not self.store_inputs:
+            return ()
+        return ("input_image", "mask_image") if self.task_spec().mask else ("input_image",)
+
     def recipe(self, size_multiple: int = 8) -> Recipe:
         task = self.task_spec()
         extra = (("strength", self.strength),) if self.strength is not None else ()

@@ -33,9 +33,10 @@ from workers.commit import (
 )
 from workers.fit import FittedPipeline
 from workers.formats import open_sink
-from workers.inputs import Prefetcher, stored_inputs
+from workers.inputs import Prefetcher
 from workers.layout import manifest_key, worker_key
 from workers.pipeline import describe_device
+from workers.plans import predicted_vs_measured
 from workers.records import Records
 from workers.shard import Shard, read_shard
 from workers.spec import BatchDone, ShardResult, WorkerSpec
@@ -96,7 +97,8 @@ class Worker:
             "load_seconds": round(time.perf_counter() - started, 3),
             "versions": {"fleetgen": __version__, "torch": torch.__version__, "python": platform.python_version()},
         }
-        self._records = Records(self.recipe.template, spec.name, self.info["device"]["name"], spec.model)
+        device, store = self.info["device"]["name"], spec.settings.store_inputs
+        self._records = Records(self.recipe.template, spec.name, device, spec.model, store)
         self.write_info()
 
     # What the fitted pipeline decided, as the worker reports it.
@@ -116,14 +118,6 @@ class Worker:
         # Transfers overlap compute under streams, so time in them is estimated from the probed
         # bandwidth rather than clocked (see bench/gpu_offload.py for achieved GB/s).
         offload["transfer_seconds_estimated"] = round(moved / fitted.probe["bandwidth"], 4)
-        measured = secs / stats["images"] if stats["images"] else None
-        compare = {
-            "seconds_per_image": {"predicted": self.plan.seconds_per_image or None, "measured": measured},
-            "peak_device_bytes": {
-                "predicted": self.plan.peak_bytes or None,
-                "measured": offload.get("peak_device_bytes"),
-            },
-        }
         return {
             **self.info,
             "plan": self.plan.to_dict(),
@@ -132,7 +126,7 @@ class Worker:
             "batch_size": self.batch_size,
             "stats": stats,
             "offload": offload,
-            "predicted_vs_measured": compare,
+            "predicted_vs_measured": predicted_vs_measured(self.plan, secs, stats["images"], offload),
             "step_downs": list(self.step_downs),
         }
 
@@ -207,64 +201,43 @@ class Worker:
 
     def _make(self, at: _Attempt) -> Iterator[BatchDone | None]:
         """Every image to make, a batch at a time: a `BatchDone` per pipeline call, None (and
-        stop) once another attempt has committed the shard."""
+        stop) once another attempt has committed the shard. Input images are read ahead, in the
+        order they are made, while the device works."""
         counts = Counter(im.row for im in at.images)  # images per row, for progress in rows
         groups = group_images(at.todo)
-        # input images are read ahead, in the order they are made, while the device works
-        prefetch = Prefetcher([im for g in groups for im in g], self.spec.settings.resize)
-        try:
-            yield from self._batches(at, groups, counts, prefetch)
-        finally:
-            prefetch.close()
+        with Prefetcher([im for g in groups for im in g], self.spec.settings.resize) as prefetch:
+            for group in groups:
+                i = 0
+                while i < len(group):
+                    if committed_since(self.output, at.shard.id, at.base):
+                        yield None
+                        return
+                    batch = group[i : i + self.batch_size]
+                    i += len(batch)
+                    yield self._batch(at, batch, prefetch, sum(1 / counts[im.row] for im in batch))
         if at.todo and at.failures == len(at.todo) and at.base is None:
             raise ShardError(
                 f"Shard {at.shard.id}: every row failed in the pipeline; first error: "
                 f"{at.records[at.todo[0].id]['error']}"
             )
 
-    def _batches(self, at: _Attempt, groups: list, counts: Counter, prefetch: Prefetcher):
-        for group in groups:
-            i = 0
-            while i < len(group):
-                if committed_since(self.output, at.shard.id, at.base):
-                    yield None
-                    return
-                asked = batch = group[i : i + self.batch_size]
-                i += len(batch)
-                inputs, unreadable = {}, {}
-                for im in batch:
-                    loaded, why = prefetch.take(im)
-                    if why:
-                        unreadable[im.id] = why
-                    elif loaded:
-                        inputs[im.id] = loaded
-                        at.records[im.id]["inputs"] = [x.record() for x in loaded]
-                for image_id, error in unreadable.items():  # an input that cannot be read: its row only
-                    at.records[image_id].update(status="error", error=error)
-                batch = [im for im in batch if im.id not in unreadable]
-                rows = sum(1 / counts[im.row] for im in asked)
-                if not batch:
-                    yield BatchDone(at.shard.id, self.spec.name, 0, len(unreadable), rows=rows)
-                    continue
-                pictures, failed = self.fitted.generate(batch, inputs)
-                made = [self._records.made(p, at.records[p.image.id]) for p in pictures]
-                if self.spec.settings.store_inputs:
-                    for m in made:
-                        m.inputs = stored_inputs(inputs.get(m.id, ()))
-                # Counted before the writer thread takes the batch: it drops each picture once encoded.
-                filtered = sum(m.picture is None for m in made)  # flagged by a safety checker: not stored
-                # Encoding, hashing and storing run on the writer thread while the device makes the next batch.
-                self._writer.submit(self._encode_and_store, at.sink, made, at.records, at.table)
-                for image_id, error in failed.items():
-                    at.records[image_id].update(status="error", error=error)
-                at.failures += len(failed)
-                yield BatchDone(
-                    at.shard.id,
-                    self.spec.name,
-                    len(made) - filtered,
-                    len(failed) + filtered + len(unreadable),
-                    rows=rows,
-                )
+    def _batch(self, at: _Attempt, asked: list[Image], prefetch: Prefetcher, rows: float) -> BatchDone:
+        """One pipeline call: the batch's inputs (an unreadable one fails its row only), the call,
+        its pictures handed to the writer thread, which encodes, hashes and stores them while the
+        device makes the next batch."""
+        batch, inputs, unreadable = prefetch.batch(asked, at.records)
+        made, failed, filtered = [], {}, 0
+        if batch:
+            pictures, failed = self.fitted.generate(batch, inputs)
+            made = [self._records.made(p, at.records[p.image.id], inputs.get(p.image.id)) for p in pictures]
+            # Counted before the writer thread takes the batch: it drops each picture once encoded.
+            filtered = sum(m.picture is None for m in made)  # flagged by a safety checker: not stored
+            self._writer.submit(self._encode_and_store, at.sink, made, at.records, at.table)
+        for image_id, error in failed.items():
+            at.records[image_id].update(status="error", error=error)
+        at.failures += len(failed)
+        errors = len(failed) + filtered + len(unreadable)
+        return BatchDone(at.shard.id, self.spec.name, len(made) - filtered, errors, rows=rows)
 
     def _commit(self, at: _Attempt) -> tuple[bool, str | None]:
         """Wait for the writer, commit the manifest, move the objects to their keys. Returns (won,
@@ -309,10 +282,8 @@ class Worker:
     def _open_sink(self, shard: Shard, table: pa.Table, base: bytes | None, attempt: str):
         s, carry = self.spec.settings, self.spec.columns.carry
         carried = table.select(list(carry)).schema.remove_metadata() if carry else None
-        task = s.task_spec()
-        inputs = (("input_image",) + (("mask_image",) if task.mask else ())) if s.store_inputs else ()
         sink = open_sink(
-            self.output, shard.id, s.output_format, s.image_format, carried, staging(shard.id, attempt), inputs
+            self.output, shard.id, s.output_format, s.image_format, carried, staging(shard.id, attempt), s.stored()
         )
         if base is not None:
             sink.keep_existing()  # a retry: the shard's stored images stay, byte for byte

@@ -1,0 +1,90 @@
+"""What an entry of the family table (workers/family_table.py) says: how a kind of pipeline is
+called, for which tasks (workers/tasks.py), and its defaults. No torch here."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from workers.tasks import Task, text_task
+
+# How the job's `--guidance` reaches the pipeline (Family.guidance_arg).
+GUIDANCE_ARGS = ("guidance_scale", "true_cfg_scale", "distilled_guidance_scale", "guider")
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    pipelines: tuple[str, ...]  # diffusers pipeline class names (model_index.json `_class_name`)
+    steps: int  # default denoising steps
+    guidance: float  # default guidance (0 where the model is distilled without it)
+    dtype: str  # default dtype on CUDA (CPU computes in float32)
+    # How a negative prompt is applied: "negative_prompt" (a second, unconditional pass, under
+    # guidance above 1), "true_cfg" (FLUX.1: only with `--true-cfg-scale` above 1), "none" (the
+    # pipeline takes none: a negative-prompt column is refused).
+    negative: str
+    tokenizer: str  # the pipeline attribute whose tokenizer reads the whole prompt (the longest limit)
+    max_sequence_length: int | None  # passed to the pipeline and the prompt limit; None: the tokenizer's own
+    cfg: bool  # guidance above 1 runs a second, unconditional pass of the denoiser
+    extra: dict = field(default_factory=dict)  # fixed call arguments
+    note: str = ""
+    # What the pipeline's own input check demands of width and height, whatever the VAE (diffusers'
+    # SD, SDXL and PixArt pipelines refuse sizes that are not multiples of 8); the VAE scale x patch
+    # multiple of the model is added to it (workers/model_dir.py, workers/pipeline.py).
+    size_floor: int = 8
+    # The pipeline decodes with its VAE cast to float32 when the run dtype is float16 and the VAE's
+    # config says `force_upcast` (SDXL): the planner counts that VAE at 4 bytes per weight and
+    # activation, and never streams it (its pinned copy would stay float16).
+    upcasts_vae: bool = False
+    # The keyword the job's guidance is passed as: `guidance_scale`; `true_cfg_scale` (Qwen-Image,
+    # whose `guidance_scale` is only for guidance-distilled checkpoints); `distilled_guidance_scale`
+    # (HunyuanImage distilled); `guider` (set on the pipeline's guider objects, HunyuanImage 2.1).
+    guidance_arg: str = "guidance_scale"
+    # The second pass runs in the same denoiser call, on a doubled batch (SD, SDXL, HiDream), or as a
+    # call of its own (FLUX.1 true CFG, Qwen-Image, Chroma, klein base, HunyuanImage's guider): the
+    # planner doubles the activations only for the first.
+    cfg_batched: bool = True
+    # The negative prompt of rows without one, where the model needs one for its CFG to run at all
+    # (Qwen-Image's card passes " ").
+    negative_default: str | None = None
+    text_encoder: str = ""  # the real model's text encoder(s) and token limit, for the table and the log
+    sizes: tuple[str, ...] = ()  # the sizes its card recommends, WIDTHxHEIGHT
+    # The pipeline rescales any asked size to its default area (HiDream): fleetgen pins that area to
+    # the asked size before each call, so the size asked is the size made.
+    pins_area: bool = False
+    # False where the checkpoint ignores the guidance whatever its value (FLUX.1-schnell has no
+    # guidance embedding; FLUX.2 klein's distilled model drops it): `--guidance` is refused, so no
+    # record says a value the pipeline did not use.
+    uses_guidance: bool = True
+    # The tasks its weights serve, text-to-image first where it makes images from text alone
+    # (default: text-to-image with its first pipeline class).
+    tasks: tuple[Task, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.tasks and self.pipelines:
+            object.__setattr__(self, "tasks", (text_task(self.pipelines[0]),))
+
+    def task(self, name: str) -> Task | None:
+        return next((t for t in self.tasks if t.name == name), None)
+
+    def task_of(self, pipeline: str) -> Task | None:
+        """The task a pipeline class of this family does (a directory's `_class_name`)."""
+        return next((t for t in self.tasks if t.pipeline == pipeline), None)
+
+    def classes(self) -> tuple[str, ...]:
+        """Every pipeline class of the family: its own and its tasks'."""
+        return tuple(dict.fromkeys([*self.pipelines, *(t.pipeline for t in self.tasks)]))
+
+    def guided(self, guidance: float, true_cfg_scale: float | None = None) -> bool:
+        """Whether the second (negative or unconditional) pass runs at these settings."""
+        if self.negative == "true_cfg":
+            return bool(true_cfg_scale and true_cfg_scale > 1)
+        return self.cfg and guidance > 1
+
+    def doubles_batch(self, guidance: float, true_cfg_scale: float | None) -> bool:
+        """Whether the denoiser's activations are for twice the images per step."""
+        if self.negative == "true_cfg":  # FLUX.1's true CFG: counted doubled, as it always has been
+            return self.guided(guidance, true_cfg_scale)
+        return self.cfg_batched and self.guided(guidance, true_cfg_scale)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
