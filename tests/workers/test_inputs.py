@@ -241,22 +241,40 @@ def test_an_edit_model_batches_its_inputs_as_it_makes_them_alone(kontext, tmp_pa
 
 
 @pytest.mark.slow
-def test_inputs_from_s3_urls(tiny_model, s3_server, tmp_path):
+@pytest.mark.parametrize("task", ["image-to-image", "inpaint", "edit"])
+def test_inputs_from_s3_urls_and_local_paths(task, tiny_model, kontext, s3_server, tmp_path):
+    """Each task with its inputs at `s3://` URLs on the loopback S3 server and at local paths (a
+    missing key is an error row): SD img2img and inpaint (masks too), FLUX.1 Kontext edit."""
     import s3fs
 
     fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_server}, key="k", secret="s")
-    fs.mkdirs("inputs-22", exist_ok=True)
-    fs.pipe("inputs-22/pics/a.png", png("red"))
-    fs.pipe("inputs-22/pics/b.png", png("blue"))
+    bucket = f"inputs-{task}"
+    fs.mkdirs(bucket, exist_ok=True)
+    fs.pipe(f"{bucket}/pics/a.png", png("red"))
+    fs.pipe(f"{bucket}/masks/a.png", png("white"))
+    (tmp_path / "b.png").write_bytes(png("blue"))
+    (tmp_path / "mask.png").write_bytes(png("white"))
     rows = {
-        "id": ["a", "b", "gone"],
+        "id": ["s3", "local", "gone"],
         "prompt": ["a photo"] * 3,
-        "input_image": ["s3://inputs-22/pics/a.png", "s3://inputs-22/pics/b.png", "s3://inputs-22/pics/gone.png"],
+        "input_image": [f"s3://{bucket}/pics/a.png", "b.png", f"s3://{bucket}/pics/gone.png"],
     }
-    records, out = run(tiny_model, tmp_path, rows, "image-to-image", strength=0.5)
-    assert records["a"]["status"] == records["b"]["status"] == "ok"
-    assert records["gone"]["error"] == "input image `s3://inputs-22/pics/gone.png` not found"
-    assert records["a"]["inputs"][0]["version"].startswith(f"{len(png('red'))}:")  # size and ETag
+    if task == "inpaint":
+        rows["mask_image"] = [f"s3://{bucket}/masks/a.png", "mask.png", "mask.png"]
+    model, family = (kontext, "flux-kontext") if task == "edit" else (tiny_model, "sd")
+    strength = {} if task == "edit" else {"strength": 0.5 if task == "image-to-image" else 1.0}
+    records, out = run(model, tmp_path, rows, task, family, guidance=2.5 if task == "edit" else 5.0, **strength)
+    assert records["s3"]["status"] == records["local"]["status"] == "ok", records
+    assert records["gone"]["error"] == f"input image `s3://{bucket}/pics/gone.png` not found"
+    assert records["s3"]["inputs"][0]["version"].startswith(f"{len(png('red'))}:")  # size and ETag
+    assert records["local"]["inputs"][0]["source"] == str(tmp_path / "b.png")
+    if task == "inpaint":
+        assert records["s3"]["inputs"][1] == {
+            **records["s3"]["inputs"][1],
+            "role": "mask",
+            "source": f"s3://{bucket}/masks/a.png",
+        }
+    assert len(stored(out)) == 2
 
 
 def test_stored_inputs_load_with_datasets_beside_the_output(tiny_model, tmp_path):
