@@ -28,6 +28,7 @@ from jobs.progress import Progress
 from jobs.sharding import distinct_strings, largest, list_input_files, plan_shards, read_footers, resolve_columns
 from jobs.state import claim_output, fingerprint, list_manifests, pinned_revision, shard_counts, sweep
 from jobs.summary import JobSummary, Run, finish
+from workers.family_table import TEXT
 from workers.formats import PLUGINS_ENV
 from workers.shard import Shard
 from workers.spec import WorkerSpec
@@ -78,7 +79,7 @@ def run_job(
         sweep(output)
         listing = list_manifests(output)  # the run's one listing of shards/: the end adds what this run committed
         todo = [s for s in shards if s.id not in listing]
-        if config.task != "text-to-image" and len(todo) < len(shards):  # inputs are part of the images made
+        if config.task != TEXT and len(todo) < len(shards):  # inputs are part of the images made
             check_unchanged(output, [s.id for s in shards if s.id in listing])
         retry = _with_errors(output, [s for s in shards if s.id in listing], listing) if config.retry_errors else []
         redone = {s.id for s in retry}  # counted as to do again

@@ -10,7 +10,7 @@ import hashlib
 from concurrent.futures import ThreadPoolExecutor
 
 from fleetgen.errors import ConfigError
-from workers.layout import manifest_key
+from jobs.state import read_manifests
 from workers.storage import Output, guarded, url_to_fs, version_of
 
 THREADS = 32
@@ -33,16 +33,11 @@ def _current(source: str, version: str, sha256: str) -> tuple[str, str | None]:
 def recorded_inputs(output: Output, shards: list[str]) -> dict[str, tuple[str, str]]:
     """{source: (version, sha256)} of every input read from a path or URL by these committed shards."""
 
-    def read(shard: str) -> list:
-        table = output.read_parquet(manifest_key(shard), columns=["inputs"])
-        return [x for row in table.column("inputs").to_pylist() if row for x in row]
-
     found = {}
-    with ThreadPoolExecutor(THREADS) as pool:
-        for inputs in pool.map(read, shards):
-            for x in inputs:
-                if x.get("version"):  # bytes in the column: the input file's fingerprint covers them
-                    found[x["source"]] = (x["version"], x["sha256"])
+    for rows in read_manifests(output, shards, ["inputs"]).values():  # fetched together
+        for x in (x for row in rows for x in row.get("inputs") or ()):
+            if x.get("version"):  # bytes in the column: the input file's fingerprint covers them
+                found[x["source"]] = (x["version"], x["sha256"])
     return found
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import posixpath
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -70,8 +71,6 @@ def _resolve(value: str, base: str) -> str:
     if "://" in value:
         return value
     if value.startswith("~"):
-        import os
-
         return os.path.expanduser(value)
     if value.startswith("/"):
         return value

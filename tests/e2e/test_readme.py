@@ -42,8 +42,11 @@ def user_env(ray_cluster, tmp_path) -> dict:
     }
 
 
-def test_synthesising_a_dataset_runs_as_written(user_env, tmp_path):
-    found = blocks("Synthesising a dataset")
+def walk_through(section: str, user_env: dict, tmp_path: Path) -> tuple[str, subprocess.CompletedProcess, dict]:
+    """A walk-through of three blocks run as written: the Python that makes the input, the shell
+    commands, the Python that loads the result. Returns (the commands, what they printed, the last
+    block's namespace)."""
+    found = blocks(section)
     assert [lang for lang, _ in found] == ["python", "bash", "python"]
     (_, make_input), (_, commands), (_, load) = found
     done = subprocess.run(
@@ -52,8 +55,6 @@ def test_synthesising_a_dataset_runs_as_written(user_env, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     done = shell(commands, tmp_path, user_env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "18 images (0 row errors)" in done.stdout and "1/1 shards committed" in done.stdout
-    assert "clean" in done.stdout.splitlines()[-1]  # `fleetgen verify out/animals --deep`
     namespace: dict = {}
     cwd = os.getcwd()
     os.chdir(tmp_path)
@@ -61,6 +62,13 @@ def test_synthesising_a_dataset_runs_as_written(user_env, tmp_path):
         exec(compile(load, "README.md", "exec"), namespace)  # noqa: S102 - the README's own code
     finally:
         os.chdir(cwd)
+    return commands, done, namespace
+
+
+def test_synthesising_a_dataset_runs_as_written(user_env, tmp_path):
+    _, done, namespace = walk_through("Synthesising a dataset", user_env, tmp_path)
+    assert "18 images (0 row errors)" in done.stdout and "1/1 shards committed" in done.stdout
+    assert "clean" in done.stdout.splitlines()[-1]  # `fleetgen verify out/animals --deep`
     first = namespace["ds"][0]
     assert (first["id"], first["row_id"], first["prompt"]) == ("cat-photo-0", "cat-photo", "a photo of a cat")
     assert (first["label"], first["style"], first["class_id"]) == ("cat", "photo", 0)
@@ -68,24 +76,9 @@ def test_synthesising_a_dataset_runs_as_written(user_env, tmp_path):
 
 
 def test_editing_a_folder_of_images_runs_as_written(user_env, tmp_path):
-    found = blocks("Editing a folder of images")
-    assert [lang for lang, _ in found] == ["python", "bash", "python"]
-    (_, make_input), (_, commands), (_, load) = found
-    done = subprocess.run(
-        [sys.executable, "-c", make_input], cwd=tmp_path, env=user_env, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    done = shell(commands, tmp_path, user_env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    commands, done, namespace = walk_through("Editing a folder of images", user_env, tmp_path)
     assert "4 images (0 row errors)" in done.stdout and "clean" in done.stdout.splitlines()[-1]
     assert "task image-to-image (`--task image-to-image`" in done.stderr  # the driver's log
-    namespace: dict = {}
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        exec(compile(load, "README.md", "exec"), namespace)  # noqa: S102 - the README's own code
-    finally:
-        os.chdir(cwd)
     before, after, ds = namespace["before"], namespace["after"], namespace["ds"]
     assert before.size == after.size == (64, 64) and len(ds) == 4
     rows = {r["id"]: r for r in ds}

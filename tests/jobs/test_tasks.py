@@ -100,48 +100,24 @@ def test_the_planner_counts_encodes_and_reference_tokens():
     assert (_forwards(vae, text), _forwards(vae, img2img), _forwards(transformer, edit)) == (1, 2, 30)
 
 
+def _flux2_workload(**kw):
+    from jobs.planning import plan_workload
+
+    base = {"width": 1024, "height": 1024, "steps": None, "guidance": None, "true_cfg_scale": None}
+    return plan_workload("flux.2-dev", **{**base, "max_batch": 1, "offload": "auto", **kw})
+
+
 def test_fleetgen_plan_plans_an_edit_with_its_references(capsys):
     from jobs.cli import main
-    from jobs.planning import plan_rows, plan_workload
+    from jobs.planning import plan_rows
 
-    edit, family = plan_workload(
-        "flux.2-dev",
-        width=1024,
-        height=1024,
-        steps=None,
-        guidance=None,
-        true_cfg_scale=None,
-        max_batch=8,
-        offload="auto",
-        task="edit",
-        references=3,
-    )
+    edit, family = _flux2_workload(max_batch=8, task="edit", references=3)
     assert (edit.input_images, edit.in_sequence, edit.max_batch) == (3, True, 1)
-    text, _ = plan_workload(
-        "flux.2-dev",
-        width=1024,
-        height=1024,
-        steps=None,
-        guidance=None,
-        true_cfg_scale=None,
-        max_batch=1,
-        offload="auto",
-    )
+    text, _ = _flux2_workload()
     peaks = [plan_rows("flux.2-dev", ["141GiB"], "128GiB", "bfloat16", w)[1][0]["peak_bytes"] for w in (text, edit)]
     assert peaks[1] > peaks[0]  # three references' tokens beside the image's own
     with pytest.raises(ConfigError, match=r"`--references` must be 1 to 10 for flux2 edit"):
-        plan_workload(
-            "flux.2-dev",
-            width=1024,
-            height=1024,
-            steps=None,
-            guidance=None,
-            true_cfg_scale=None,
-            max_batch=1,
-            offload="auto",
-            task="edit",
-            references=11,
-        )
+        _flux2_workload(task="edit", references=11)
     assert (
         main(["plan", "--model", "sdxl", "--gpu-memory", "24GiB", "--task", "inpaint", "--host-memory", "64GiB"]) == 0
     )
