@@ -80,10 +80,28 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         help="webdataset/parquet output: carry each image's input beside it (<id>.input.png; an "
         "`input_image` column), for before/after datasets",
     )
-    g.add_argument("--width", type=int, help="pixels, multiple of 8 (default 512)")
-    g.add_argument("--height", type=int, help="pixels, multiple of 8 (default 512)")
+    g.add_argument("--width", type=int, help="pixels, multiple of 8 (default 512; video families: their card's)")
+    g.add_argument("--height", type=int, help="pixels, multiple of 8 (default 512; video families: their card's)")
     g.add_argument("--seed", type=int, help="job seed (default 0)")
     g.add_argument("--image-format", choices=["png", "jpeg", "webp"], help="default png")
+    from workers.video import VIDEO_FORMATS
+
+    g.add_argument(
+        "--num-frames",
+        type=int,
+        help="video tasks: frames per clip (default: the family's, e.g. 81 for Wan, which makes 4k+1); "
+        "a `num_frames` column sets it per row",
+    )
+    g.add_argument(
+        "--fps",
+        type=float,
+        help="video tasks: frames per second of the stored clip (default: the family's, e.g. 16 for Wan); an "
+        "`fps` column sets it per row",
+    )
+    g.add_argument(
+        "--video-format", choices=list(VIDEO_FORMATS), help="video tasks: mp4 (H.264, yuv420p; default) or webm (AV1)"
+    )
+    g.add_argument("--crf", type=int, help="video tasks: the encoder's quality, 0 (lossless) to 51; default 18")
     from workers.formats import FORMATS, format_names
 
     g.add_argument(

@@ -15,7 +15,7 @@ from offload.formats import normalized, parse_quantize, refusal
 from offload.planner import OFFLOAD_CHOICES
 from workers.batches import Adapter, template_fields
 from workers.family_table import TASKS, TEXT
-from workers.fields import MAX_IMAGES_PER_ROW, default_column
+from workers.fields import MAX_FPS, MAX_FRAMES, MAX_IMAGES_PER_ROW, default_column
 from workers.formats import format_names
 from workers.inputs import RESIZE_RULES
 from workers.layout import IMAGE_FORMATS
@@ -24,6 +24,7 @@ from workers.pipeline import DTYPES as PIPELINE_DTYPES
 from workers.shard import SETTING_ROLES, Columns
 from workers.spec import GenerationSettings
 from workers.storage import resolve_url
+from workers.video import MAX_CRF, VIDEO_FORMATS
 
 DEVICES = re.compile(r"auto|cpu|cuda(:\d+)?")
 DTYPES = ("auto", *PIPELINE_DTYPES)
@@ -47,10 +48,14 @@ class _Job:
     store_inputs: bool = False  # webdataset/parquet outputs carry each image's input beside it
     revision: str | None = None  # hub models: branch, tag or commit; pinned to a commit in job.json (default main)
     variant: str | None = None  # hub/local weights variant, e.g. fp16 (files named *.fp16.safetensors)
-    width: int = 512  # pixels, a multiple of 8
-    height: int = 512  # pixels, a multiple of 8
+    width: int | None = None  # pixels, a multiple of 8; default 512 (video families: their card's size)
+    height: int | None = None  # pixels, a multiple of 8; default 512 (video families: their card's size)
     seed: int = 0  # job seed; rows without a seed derive theirs from it and their id
     image_format: str = "png"  # png | jpeg | webp
+    num_frames: int | None = None  # video tasks: frames per clip; default: the family's (Wan: 81)
+    fps: float | None = None  # video tasks: frames per second of the stored clip; default: the family's
+    video_format: str = "mp4"  # video tasks: mp4 (H.264) | webm (AV1)
+    crf: int = 18  # video tasks: the encoder's constant rate factor (0 lossless .. 51; lower is larger)
     output_format: str = "files"  # files | webdataset | parquet
     prompt_column: str = "prompt"
     id_column: str = "id"  # used when present; else ids come from row positions
@@ -90,7 +95,7 @@ class _Job:
 
     def settings(self) -> GenerationSettings:
         """What every image shares, once the family's defaults are resolved (jobs/models.py)."""
-        if self.family is None or self.steps is None or self.guidance is None:
+        if self.family is None or self.steps is None or self.guidance is None or self.width is None:
             raise ValueError("settings() needs the family's defaults resolved (jobs.models.resolve_defaults)")
         return GenerationSettings(
             steps=self.steps,
@@ -110,6 +115,10 @@ class _Job:
             strength=self.strength,
             resize=self.resize,
             store_inputs=self.store_inputs,
+            num_frames=self.num_frames,
+            fps=self.fps,
+            video_format=self.video_format,
+            crf=self.crf,
         )
 
     def budgets(self) -> tuple[int | None, int | None]:
@@ -217,6 +226,8 @@ def validate(config: JobConfig) -> JobConfig:
     multiple = size_multiple(c.model)  # from a local model's configs; else 8, as every SD-family VAE needs
     for name in ("width", "height"):
         v = getattr(c, name)
+        if v is None:
+            continue  # the family's default (jobs/models.py), checked there
         if multiple is None:
             _check(v >= 8 and v % 8 == 0, f"{_option(name)} must be a positive multiple of 8, got `{v}`.")
         else:
@@ -238,6 +249,19 @@ def validate(config: JobConfig) -> JobConfig:
         c.image_format in IMAGE_FORMATS,
         f"`--image-format` must be one of {', '.join(IMAGE_FORMATS)}; got `{c.image_format}`.",
     )
+    _check(
+        c.video_format in VIDEO_FORMATS,
+        f"`--video-format` must be one of {', '.join(VIDEO_FORMATS)}; got `{c.video_format}`.",
+    )
+    _check(
+        0 <= c.crf <= MAX_CRF[c.video_format],
+        f"`--crf` must be 0 to {MAX_CRF[c.video_format]} for {c.video_format}, got `{c.crf}`.",
+    )
+    _check(
+        c.num_frames is None or 1 <= c.num_frames <= MAX_FRAMES,
+        f"`--num-frames` must be 1 to {MAX_FRAMES}, got `{c.num_frames}`.",
+    )
+    _check(c.fps is None or 0 < c.fps <= MAX_FPS, f"`--fps` must be more than 0 and at most {MAX_FPS}, got `{c.fps}`.")
     _check(
         c.output_format in format_names(),
         f"`--output-format` must be one of {', '.join(format_names())}; got `{c.output_format}`.",

@@ -222,6 +222,26 @@ def _check_inputs(config: JobConfig, columns: Columns, family: Family, task: Tas
         )
 
 
+def _check_video(config: JobConfig, columns: Columns, family: Family, task: Task) -> None:
+    """Frame settings for a task that makes images are refused (never recorded as if used); a video
+    task needs an encoder for its format on this machine (the workers have the same packages)."""
+    if not task.video:
+        given = [f"`--{n.replace('_', '-')}`" for n in ("num_frames", "fps") if getattr(config, n) is not None]
+        given += [f"the `{getattr(columns, n)}` column" for n in ("num_frames", "fps") if getattr(columns, n)]
+        if given:
+            raise ConfigError(
+                f"{' and '.join(given)}: {family.name} {task.name} makes images, not clips; leave "
+                f"{'them' if len(given) > 1 else 'it'} out (or pass `--num-frames-column none` / `--fps-column none`)."
+            )
+        return
+    from workers.video import VideoUnavailable, encoder
+
+    try:
+        encoder(config.video_format)
+    except VideoUnavailable as err:
+        raise ConfigError(f"{family.name} makes video: {err}.") from None
+
+
 def resolve_defaults(config: JobConfig, columns: Columns) -> tuple[JobConfig, Family, dict]:
     """(the config with the family's defaults filled in, the family, {setting: where its value came from})."""
     detected, why, cls = model_family(config.model, config.revision)
@@ -231,6 +251,7 @@ def resolve_defaults(config: JobConfig, columns: Columns) -> tuple[JobConfig, Fa
     if family is GENERIC and task.name == "text-to-image":
         check_generic(cls)
     _check_inputs(config, columns, family, task)
+    _check_video(config, columns, family, task)
     given = {"steps": config.steps, "guidance": config.guidance}
     defaults = {"steps": family.steps, "guidance": family.guidance}
     values = {k: v if v is not None else defaults[k] for k, v in given.items()}
@@ -243,6 +264,18 @@ def resolve_defaults(config: JobConfig, columns: Columns) -> tuple[JobConfig, Fa
         sources["strength"] = "given" if config.strength is not None else "task default"
         if int(values["steps"] * values["strength"]) < 1:
             raise ConfigError(f"`--strength`: {no_steps(values['steps'], values['strength'])}.")
+    size = family.sizes[0] if task.video and family.sizes else "512x512"  # a video card's size, else 512
+    for name, side in zip(("width", "height"), map(int, size.split("x")), strict=True):
+        values[name] = getattr(config, name) or side
+        sources[name] = "given" if getattr(config, name) else ("family default" if task.video else "default")
+    if task.video:
+        values["num_frames"] = config.num_frames or family.frames
+        values["fps"] = config.fps or family.fps
+        sources["num_frames"] = "given" if config.num_frames else "family default"
+        sources["fps"] = "given" if config.fps else "family default"
+        why = family.frames_rule(values["num_frames"])
+        if why:
+            raise ConfigError(f"`--num-frames`: {why}.")
     if config.true_cfg_scale and family.negative != "true_cfg":
         where = "its guidance (`--guidance`)" if family.guidance_arg == "true_cfg_scale" else "none"
         raise ConfigError(
@@ -270,6 +303,8 @@ def describe(config: JobConfig, family: Family, sources: dict) -> str:
     ]
     if config.true_cfg_scale:
         parts.append(f"true CFG scale {config.true_cfg_scale:g}")
+    if config.num_frames:
+        parts.insert(0, f"{config.num_frames} frames at {config.fps:g} fps ({sources.get('num_frames')})")
     if config.task and config.task != "text-to-image":
         parts.insert(0, f"task {config.task} ({sources.get('task')})")
         if config.strength is not None:

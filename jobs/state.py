@@ -103,6 +103,10 @@ _NEW_DEFAULTS = {
         "strength": None,
         "resize": "crop",
         "store_inputs": False,
+        "num_frames": None,
+        "fps": None,
+        "video_format": "mp4",
+        "crf": 18,
     }
 }  # settings newer than some jobs' job.json, as those made them
 

@@ -107,6 +107,19 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _clip_problem(data: bytes, row: dict) -> str | None:
+    """Why a stored clip is not the one its manifest row describes (decoded frame by frame), or None."""
+    from workers.video import read_clip
+
+    try:
+        clip = read_clip(data)
+    except ValueError as err:
+        return str(err)
+    if clip.frames != row["num_frames"]:
+        return f"{clip.frames} frames decode; the manifest says {row['num_frames']}"
+    return None
+
+
 class _Checker:
     def __init__(self, output: Output, report: VerifyReport, deep: bool, fmt: OutputFormat):
         self.output, self.report, self.deep, self.fmt = output, report, deep, fmt
@@ -129,6 +142,11 @@ class _Checker:
             if _sha(data) != row["sha256"]:
                 self.report.add("mismatch", where, "sha256 differs from the manifest")
                 return False
+            if self.deep and row.get("num_frames"):  # a clip: every frame decodes, as many as were made
+                why = _clip_problem(data, row)
+                if why:
+                    self.report.add("mismatch", where, why)
+                    return False
         return True
 
     def check(self, shard: str, rows: list[dict]) -> bool:
@@ -182,7 +200,7 @@ def verify(
     if fix:  # first, complete commits whose objects were still being moved (their staging is whole)
         finish_attempts(output)
     committed = sorted(committed_shards(output))
-    columns = ["id", "status", "image", "member", "sha256", "size"]
+    columns = ["id", "status", "image", "member", "sha256", "size", "num_frames"]
     damaged: dict[str, list[dict]] = {}  # shard -> its rows, for shards with missing or wrong images
     for n, shard in enumerate(committed, 1):
         manifest = output.read_parquet(manifest_key(shard), columns)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from fleetgen.errors import InputError
+from workers.family import frame_count_error
 from workers.fields import INPUT_ROLES, extra_settings
 from workers.fields import roles as table_roles
 from workers.inputs import InputRef, refs_of
@@ -86,6 +87,7 @@ class Recipe:
     dotless_ids: bool = False  # webdataset output: readers split `<id>.<ext>` at the first dot
     input_images: int = 0  # the task's input images per image: 0 none (text-to-image), N at most N
     mask: bool = False  # the task takes a mask (inpaint)
+    frame_step: int = 0  # video tasks: clips are frame_step x k + 1 frames (Wan: 4); 0: makes images
 
     def suffixed(self, columns: Columns) -> bool:
         """Whether image ids carry `-<k>`: in any job that can make several images per row."""
@@ -152,6 +154,8 @@ def _look(values: dict, recipe: Recipe, settings: list, extras: list) -> tuple[L
     strength = extra.get("strength")
     if strength is not None and int(steps * strength) < 1:
         errors.append(no_steps(steps, strength))
+    if recipe.frame_step and extra.get("num_frames") is not None:
+        errors.append(frame_count_error(extra["num_frames"], recipe.frame_step))
     extra = tuple(extra.items())
     error = next((e for e in errors if e), None)
     return Look(width, height, steps, guidance, adapters, extra), count, error

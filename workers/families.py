@@ -65,6 +65,13 @@ def _variant(cls: str, index: dict, transformer: dict | None, name: str, schedul
             "guessed Turbo: neither its name nor its scheduler tells Turbo from the base model; "
             "`--family z-image` for the base model"
         )
+    if cls == "WanPipeline":
+        channels = None if transformer is None else transformer.get("in_channels")
+        if channels == 48:
+            return "wan-ti2v", "its transformer takes 48 latent channels (Wan 2.2 TI2V-5B's VAE)"
+        if isinstance(index.get("transformer_2"), list) and index["transformer_2"][0]:
+            return "wan2.2", "model_index.json has a second expert, transformer_2 (Wan 2.2 A14B)"
+        return "wan", "one transformer of 16 latent channels (Wan 2.1)"
     if cls == "HiDreamImagePipeline":
         for word, entry in (("fast", "hidream-fast"), ("dev", "hidream-dev"), ("full", "hidream")):
             if word in name.rsplit("hidream", 1)[-1]:
@@ -76,8 +83,19 @@ def _variant(cls: str, index: dict, transformer: dict | None, name: str, schedul
     raise AssertionError(cls)
 
 
-_SHARED = ("FluxPipeline", "Flux2KleinPipeline", "HunyuanImagePipeline", "ZImagePipeline", "HiDreamImagePipeline")
-READS_TRANSFORMER = ("FluxPipeline", "HunyuanImagePipeline")  # variants told apart by the transformer's config
+_SHARED = (
+    "FluxPipeline",
+    "Flux2KleinPipeline",
+    "HunyuanImagePipeline",
+    "ZImagePipeline",
+    "HiDreamImagePipeline",
+    "WanPipeline",
+)
+READS_TRANSFORMER = (
+    "FluxPipeline",
+    "HunyuanImagePipeline",
+    "WanPipeline",
+)  # variants told apart by the transformer's config
 READS_SCHEDULER = ("ZImagePipeline",)  # ... by the scheduler's
 
 
@@ -250,7 +268,10 @@ def task_kwargs(task: Task, width: int, height: int, inputs: list | None) -> dic
         extra[task.pins_area] = width * height
     if task.takes_images:
         images = [[p for p, role in one if role == "image"] for one in inputs]
-        extra["image"] = [one[0] for one in images] if task.images == 1 else images[0]
+        if task.video:  # image-to-video: one row per call, its image the first frame
+            extra["image"] = images[0][0]
+        else:
+            extra["image"] = [one[0] for one in images] if task.images == 1 else images[0]
         if task.mask:
             extra["mask_image"] = [next(p for p, role in one if role == "mask") for one in inputs]
     return extra

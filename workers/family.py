@@ -11,6 +11,14 @@ from workers.tasks import Task, text_task
 GUIDANCE_ARGS = ("guidance_scale", "true_cfg_scale", "distilled_guidance_scale", "guider")
 
 
+def frame_count_error(n: int, step: int, who: str = "the model") -> str | None:
+    """Why a clip of `n` frames cannot be made where counts must be step x k + 1, or None."""
+    if step > 1 and (n - 1) % step:
+        below, above = (n - 1) // step * step + 1, ((n - 1) // step + 1) * step + 1
+        return f"num_frames `{n}` is not {step}k+1, which {who} makes (e.g. {max(below, 1)} or {above})"
+    return None
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -58,10 +66,24 @@ class Family:
     # The tasks its weights serve, text-to-image first where it makes images from text alone
     # (default: text-to-image with its first pipeline class).
     tasks: tuple[Task, ...] = ()
+    # Video families: the clip length and frame rate of the model's card, and its frame-count rule
+    # (`num_frames` must be frame_step x k + 1: Wan's VAE compresses 4 frames into one latent frame
+    # after the first, and its pipeline silently rounds any other count).
+    frames: int = 0
+    fps: float = 0.0
+    frame_step: int = 1
 
     def __post_init__(self) -> None:
         if not self.tasks and self.pipelines:
             object.__setattr__(self, "tasks", (text_task(self.pipelines[0]),))
+
+    @property
+    def video(self) -> bool:
+        return any(t.video for t in self.tasks)
+
+    def frames_rule(self, n: int) -> str | None:
+        """Why `n` frames is not a count this family makes, or None."""
+        return frame_count_error(n, self.frame_step, self.name)
 
     def task(self, name: str) -> Task | None:
         return next((t for t in self.tasks if t.name == name), None)

@@ -53,7 +53,9 @@ class Field:
 
 MAX_STEPS = 1000  # schedulers are trained on 1000 timesteps; more is a typo
 MAX_SIDE = 8192  # pixels; no released text-to-image model generates larger, so more is a typo
-MAX_IMAGES_PER_ROW = 1000  # images of one row stay in one shard: a bound on a shard's size
+MAX_IMAGES_PER_ROW = 1000
+MAX_FRAMES = 2049  # frames of one clip: Wan makes 81, LTX up to 257; far more is a typo
+MAX_FPS = 240  # images of one row stay in one shard: a bound on a shard's size
 INPUT = pa.struct(
     [
         ("role", pa.string()),
@@ -147,6 +149,33 @@ FIELDS: list[Field] = [
         call_arg="strength",
         stored=True,
     ),
+    Field(
+        "num_frames",
+        pa.int32(),
+        "frames of the clip (video tasks): the row's, else `--num-frames`, else the family's; null for images",
+        role="num_frames",
+        kind="int",
+        low=1,
+        high=MAX_FRAMES,
+        pixels=True,
+        call_arg="num_frames",
+        stored=True,
+    ),
+    Field(
+        "fps",
+        pa.float32(),
+        "frames per second of the clip as stored (and the model's frame rate where its call takes one): the "
+        "row's, else `--fps`, else the family's; null for images",
+        role="fps",
+        kind="number",
+        low=1,
+        high=MAX_FPS,
+        pixels=True,
+        call_arg="frame_rate",
+        stored=True,
+    ),
+    Field("duration", pa.float32(), "seconds of the stored clip (video tasks)", stored=True),
+    Field("codec", pa.string(), "the stored clip's codec, e.g. h264 (video tasks)", stored=True),
     Field(
         "inputs",
         pa.list_(INPUT),

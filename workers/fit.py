@@ -51,6 +51,7 @@ from workers.plans import (
 from workers.probe import probe
 from workers.seeds import generators
 from workers.spec import Source, Workload
+from workers.video import Clip
 
 
 @dataclass
@@ -58,7 +59,7 @@ class Picture:
     """One image out of a pipeline call."""
 
     image: Image  # what was asked
-    picture: object | None  # the decoded image; None when the pipeline's safety checker flagged it
+    picture: object | None  # the decoded image (a video task's: a Clip); None when the safety checker flagged it
     nsfw: bool | None  # the safety checker's flag; None where the pipeline has none
     batch: int  # images in the call that made it
     seconds: float  # its share of the call's wall time
@@ -158,7 +159,8 @@ class FittedPipeline:
             self.placed = apply(self.pipe, self.plan, self.profile, self.device, tag=tag)
             self.offload_stats = OffloadStats(pipeline_modules(self.pipe), self.device)
             if self.device.type == "cuda":  # kernels, allocator and stream prefetch order settle on a first call
-                self._warm_up(Look(w.width, w.height, 1, w.guidance))
+                frames = (("num_frames", w.num_frames),) if w.num_frames else ()
+                self._warm_up(Look(w.width, w.height, 1, w.guidance, extra=frames))
         except BaseException:
             # A pipeline that cannot start leaves a pipeline it was given as it came (no hooks, on the CPU):
             # the next plan applied to it must not find this one's hooks.
@@ -351,7 +353,8 @@ class FittedPipeline:
                     [[(x.picture, x.ref.role) for x in (inputs or {}).get(im.id, ())] for im in batch],
                 )
             )
-        made = {getattr(p, "size", None) for p in out.images}
+        pictures = self._clips(out.frames, look) if self.task.video else out.images
+        made = {getattr(p, "size", None) for p in pictures}
         if made != {(look.width, look.height)}:  # a pipeline that rescales: its records would say otherwise
             sizes = ", ".join(sorted(f"{w}x{h}" for w, h in made if w) or ["no images"])
             raise FleetgenError(f"{type(self.pipe).__name__} made {sizes} where {look.width}x{look.height} was asked")
@@ -362,8 +365,21 @@ class FittedPipeline:
         quantized = describe(self.quantized)
         return [
             Picture(im, None if flagged else picture, flagged, len(batch), seconds / len(batch), quantized)
-            for im, picture, flagged in zip(batch, out.images, flags, strict=True)
+            for im, picture, flagged in zip(batch, pictures, flags, strict=True)
         ]
+
+    def _clips(self, videos, look: Look) -> list[Clip]:
+        """A video pipeline's output (per prompt, its frames as PIL images) as clips at the look's
+        frame rate; a clip of another length than asked is an error, never stored as if asked."""
+        extra = dict(look.extra)
+        asked = extra.get("num_frames")
+        clips = [Clip(list(frames), extra.get("fps") or self.family.fps) for frames in videos]
+        lengths = {len(c.frames) for c in clips}
+        if asked is not None and lengths != {asked}:
+            raise FleetgenError(
+                f"{type(self.pipe).__name__} made {', '.join(map(str, sorted(lengths)))} frames where {asked} were asked"
+            )
+        return clips
 
     def close(self) -> None:
         self.offload_stats.close()

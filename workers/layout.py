@@ -23,6 +23,8 @@ WIDS_INDEX = "wids-index.json"  # webdataset output: every shard's URL and sampl
 FLEET = "fleet.json"  # the workers as the driver last saw them, and the latest fleet events (jobs/fleet.py)
 
 IMAGE_FORMATS = {"png": "png", "jpeg": "jpg", "webp": "webp"}  # --image-format -> file extension
+VIDEO_EXTENSIONS = {"mp4": "mp4", "webm": "webm"}  # --video-format -> file extension (workers/video.py)
+EXTENSIONS = {**IMAGE_FORMATS, **VIDEO_EXTENSIONS}
 
 # Ids become object keys: keep them to a portable alphabet, never a path (`../x`, `/abs`).
 _SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -47,7 +49,7 @@ def worker_key(worker: str) -> str:
 
 
 def image_key(shard_id: str, row_id: str, image_format: str) -> str:
-    return f"images/{shard_id}/{row_id}.{IMAGE_FORMATS[image_format]}"
+    return f"images/{shard_id}/{row_id}.{EXTENSIONS[image_format]}"
 
 
 def __getattr__(name: str):

@@ -33,6 +33,14 @@ class GenerationSettings:
     strength: float | None = None  # tasks that take one: the job's (a row's `strength` replaces it)
     resize: str = "crop"  # how input images become the image's size (workers/inputs.py)
     store_inputs: bool = False  # webdataset and parquet outputs carry each image's input beside it
+    num_frames: int | None = None  # video tasks: frames per clip (a row's `num_frames` replaces it)
+    fps: float | None = None  # video tasks: frames per second (a row's `fps` replaces it)
+    video_format: str = "mp4"  # video tasks: mp4 (H.264) | webm (AV1) (workers/video.py)
+    crf: int = 18  # video tasks: the encoder's constant rate factor (lower: larger, closer to the frames made)
+
+    def media_format(self) -> str:
+        """What each object of the job is encoded as: the video format for video tasks, else the image format."""
+        return self.video_format if self.task_spec().video else self.image_format
 
     def task_spec(self) -> Task:
         family = FAMILIES.get(self.family)
@@ -40,14 +48,16 @@ class GenerationSettings:
         return found or Task(self.task, "")
 
     def stored(self) -> tuple[str, ...]:
-        """The input columns stored beside each image (`--store-inputs`)."""
-        if not self.store_inputs:
-            return ()
-        return ("input_image", "mask_image") if self.task_spec().mask else ("input_image",)
+        """The image columns stored beside each image: its inputs (`--store-inputs`), a clip's poster."""
+        task = self.task_spec()
+        inputs = ("input_image", "mask_image") if task.mask else ("input_image",)
+        return (inputs if self.store_inputs else ()) + (("poster",) if task.video else ())
 
     def recipe(self, size_multiple: int = 8) -> Recipe:
         task = self.task_spec()
-        extra = (("strength", self.strength),) if self.strength is not None else ()
+        given = {"strength": self.strength, "num_frames": self.num_frames, "fps": self.fps}
+        extra = tuple((k, v) for k, v in given.items() if v is not None)
+        family = FAMILIES.get(self.family)
         return Recipe(
             Look(self.width, self.height, self.steps, self.guidance, self.loras, extra),
             seed=self.seed,
@@ -57,6 +67,7 @@ class GenerationSettings:
             dotless_ids=get_format(self.output_format).dotless_ids,
             input_images=task.images,
             mask=task.mask,
+            frame_step=family.frame_step if family is not None and task.video else 0,
         )
 
 
@@ -113,6 +124,7 @@ class WorkerSpec:
             # planned for one input (a row with more references steps down on its first OOM)
             input_images=min(self.settings.task_spec().images, 1),
             in_sequence=self.settings.task_spec().in_sequence,
+            num_frames=(s.num_frames or 0) if self.settings.task_spec().video else 0,
         )
 
 
@@ -171,3 +183,4 @@ class Workload:
     host_memory: int | None = None  # host RAM for offloaded copies; default: 80 % of available
     input_images: int = 0  # input images per image, each encoded by the VAE (at most; references)
     in_sequence: bool = False  # their latents join the denoiser's sequence (edit models)
+    num_frames: int = 0  # video tasks: frames per clip, planned for (0: images)

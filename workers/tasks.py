@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 TEXT = "text-to-image"
-TASKS = (TEXT, "image-to-image", "inpaint", "edit")  # `--task` choices
+TEXT_TO_VIDEO, IMAGE_TO_VIDEO = "text-to-video", "image-to-video"
+TASKS = (TEXT, "image-to-image", "inpaint", "edit", TEXT_TO_VIDEO, IMAGE_TO_VIDEO)  # `--task` choices
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class Task:
     in_sequence: bool = False
     extra: tuple[tuple[str, object], ...] = ()  # fixed call arguments of this task
     pins_area: str | None = None  # the keyword of the area the pipeline rescales every size to (Kontext's max_area)
+    video: bool = False  # makes a clip per row (`num_frames` frames at `fps`), stored as one video object
     note: str = ""
 
     @property
@@ -37,6 +39,16 @@ class Task:
 
 def text_task(pipeline: str) -> Task:
     return Task(TEXT, pipeline)
+
+
+def text_to_video(pipeline: str) -> Task:
+    return Task(TEXT_TO_VIDEO, pipeline, video=True)
+
+
+def image_to_video(pipeline: str, batched: bool = False) -> Task:
+    """The clip starts from the row's input image (its first frame). Wan's image-to-video call
+    takes one image, so one row per call."""
+    return Task(IMAGE_TO_VIDEO, pipeline, images=1, batched=batched, video=True)
 
 
 def img2img(pipeline: str, strength: float) -> Task:
@@ -114,3 +126,5 @@ ZIMAGE_TASKS = (
     img2img("ZImageImg2ImgPipeline", 0.6),
     inpaint("ZImageInpaintPipeline", 1.0),
 )
+WAN_TASKS = (text_to_video("WanPipeline"),)
+WAN_I2V_TASKS = (image_to_video("WanImageToVideoPipeline"),)

@@ -283,7 +283,7 @@ class Worker:
         s, carry = self.spec.settings, self.spec.columns.carry
         carried = table.select(list(carry)).schema.remove_metadata() if carry else None
         sink = open_sink(
-            self.output, shard.id, s.output_format, s.image_format, carried, staging(shard.id, attempt), s.stored()
+            self.output, shard.id, s.output_format, s.media_format(), carried, staging(shard.id, attempt), s.stored()
         )
         if base is not None:
             sink.keep_existing()  # a retry: the shard's stored images stay, byte for byte
@@ -293,7 +293,8 @@ class Worker:
         """On the writer thread: encode, hash and store a batch (workers/writer.py)."""
         carry = self.spec.columns.carry
         carried = table.select(list(carry)).take([m.row for m in made]) if carry else None
-        encode_and_store(sink, made, records, carried, self.spec.settings.image_format)
+        settings = self.spec.settings
+        encode_and_store(sink, made, records, carried, settings.media_format(), settings.crf)
 
     def close(self) -> None:
         self._writer.close()

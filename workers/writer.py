@@ -12,6 +12,10 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from workers.video import VIDEO_FORMATS, encode_clip, poster
+
+POSTER = "poster.jpg"  # a clip's first frame, stored beside it (`<id>.poster.jpg`, parquet's `poster` column)
+
 WRITE_AHEAD = 2  # batches handed to the writer thread before the pipeline waits: one being written, one queued
 _ENCODE_ARGS = {
     "png": {"format": "PNG"},
@@ -26,32 +30,47 @@ def encode(image, image_format: str) -> bytes:
     return buf.getvalue()
 
 
+def encode_made(picture, media_format: str, crf: int) -> tuple[bytes, dict, dict]:
+    """(bytes, what the record gains, extra members stored beside it) of an image, or of a clip
+    (workers/video.py: its duration and codec, and its first frame as the poster)."""
+    if media_format in VIDEO_FORMATS:
+        data, info = encode_clip(picture, media_format, crf)
+        return data, info, {POSTER: poster(picture)}
+    return encode(picture, media_format), {}, {}
+
+
 @dataclass
 class Made:
     """One image on its way to the store."""
 
     id: str
     row: int  # its row in the shard's table
-    picture: object | None  # the decoded image until the writer encodes it; None when the safety checker filtered it
+    picture: (
+        object | None
+    )  # the decoded image (or clip) until the writer encodes it; None when the safety checker filtered it
     meta: dict  # what webdataset/parquet output stores beside it
     record: dict  # what its manifest row gains once made
     data: bytes | None = None  # the encoded image (set by the writer)
     inputs: list | None = None  # `--store-inputs`: (member name, picture) of its inputs, stored beside it as PNG
 
 
-def encode_and_store(sink, made: list[Made], records: dict, carried: pa.Table | None, image_format: str) -> None:
-    """On the writer thread: encode and hash each image, then store the batch; each image's manifest
-    record gains its key, member, digest and size. `carried`: the input columns kept beside each
-    image, one row per entry of `made`."""
+def encode_and_store(
+    sink, made: list[Made], records: dict, carried: pa.Table | None, media_format: str, crf: int = 18
+) -> None:
+    """On the writer thread: encode and hash each image (or clip), then store the batch; each
+    manifest record gains its key, member, digest and size. `carried`: the input columns kept
+    beside each image, one row per entry of `made`."""
     for m in made:
         if m.picture is not None:
-            m.data = encode(m.picture, image_format)
+            m.data, info, extra = encode_made(m.picture, media_format, crf)
             m.picture = None  # the decoded image is not held longer than needed
             digest = hashlib.sha256(m.data).hexdigest()
-            m.meta["sha256"] = digest
-            m.record.update(sha256=digest, size=len(m.data))
+            m.meta.update(sha256=digest, **info)
+            m.record.update(sha256=digest, size=len(m.data), **info)
             if m.inputs:
-                m.meta["_extra"] = {name: encode(picture, "png") for name, picture in m.inputs}
+                extra.update((name, encode(picture, "png")) for name, picture in m.inputs)
+            if extra:
+                m.meta["_extra"] = extra
             m.inputs = None
     kept = [i for i, m in enumerate(made) if m.data is not None]
     if kept:

@@ -1,4 +1,5 @@
-"""`files`: one object per image, `OUT/images/<shard>/<id>.<ext>`."""
+"""`files`: one object per image, `OUT/images/<shard>/<id>.<ext>`; a clip's poster frame beside
+it, `<id>.poster.jpg`."""
 
 from __future__ import annotations
 
@@ -7,6 +8,12 @@ import pyarrow as pa
 from workers.formats import OutputFormat, Stored, register
 from workers.layout import image_key
 from workers.storage import Output
+from workers.writer import POSTER
+
+
+def _beside(key: str, name: str) -> str:
+    """The key of an object stored beside an image: `images/s/<id>.mp4` -> `images/s/<id>.poster.jpg`."""
+    return f"{key.rsplit('.', 1)[0]}.{name}"
 
 
 class FilesSink:
@@ -17,8 +24,10 @@ class FilesSink:
 
     def add(self, batch, carried=None):
         keys = []
-        for row_id, data, _meta in batch:
+        for row_id, data, meta in batch:
             key = image_key(self.shard_id, row_id, self.image_format)
+            for name, value in meta.pop("_extra", {}).items():  # a clip's poster: before the clip
+                self.output.put(self.prefix + _beside(key, name), value)
             self.output.put(self.prefix + key, data)
             keys.append((key, None))
         return keys
@@ -38,7 +47,7 @@ class Files(OutputFormat):
     description = "one object per image, images/<shard>/<id>.<ext>"
     linked = True
 
-    def sink(self, output, shard_id, image_format, carried, prefix):
+    def sink(self, output, shard_id, image_format, carried, prefix, inputs=()):
         return FilesSink(output, shard_id, image_format, carried, prefix)
 
     def shard_objects(self, shard_id: str) -> list[str]:
@@ -50,7 +59,8 @@ class Files(OutputFormat):
         """One listing of the shard's prefix gives every size; bytes are read by who needs them."""
         sizes = output.sizes(f"images/{shard_id}")
         found = {r["id"]: (sizes.get(r["image"]), None) for r in rows}
-        return found, sorted(sizes.keys() - {r["image"] for r in rows})
+        named = {r["image"] for r in rows} | {_beside(r["image"], POSTER) for r in rows if r.get("num_frames")}
+        return found, sorted(sizes.keys() - named)
 
     def how_to_load(self, url: str, shards: list[str]) -> list[str]:
         return [

@@ -1,5 +1,6 @@
 """`parquet`: one Parquet file per shard, `OUT/data/<shard>.parquet`, a row group per batch; its
-`image` column decodes as a `datasets` Image feature (`datasets.load_dataset(OUT)`)."""
+`image` column decodes as a `datasets` Image feature (`datasets.load_dataset(OUT)`); a video job's
+`video` column as a Video feature, beside its `poster` (the first frame, an Image feature)."""
 
 from __future__ import annotations
 
@@ -10,39 +11,46 @@ import pyarrow.parquet as pq
 
 from workers.fields import table
 from workers.formats import OutputFormat, Stored, Unreadable, register
-from workers.layout import IMAGE_FORMATS
+from workers.layout import EXTENSIONS
 from workers.storage import Output
+from workers.video import VIDEO_FORMATS
+from workers.writer import POSTER
 
 # For `datasets.load_dataset`: the `image` struct decodes as an Image feature. Only it is named here;
 # `datasets` takes every other column's feature from its Arrow type (carried columns included).
-_HF_FEATURES = {"image": {"_type": "Image"}}
-_IMAGE = pa.field("image", pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+_BYTES = pa.struct([("bytes", pa.binary()), ("path", pa.string())])  # what `datasets` Image and Video features hold
 
 
-def stored_schema(inputs: tuple[str, ...] = ()) -> pa.Schema:
-    """The stored fields of the field table (workers/fields.py), the image after the seed (read
-    when a sink opens: fields a plugin added are in it); `inputs`: the input image columns stored
-    beside it (`--store-inputs`: `input_image`, `mask_image`), each an Image feature too."""
+def media_column(media_format: str) -> str:
+    return "video" if media_format in VIDEO_FORMATS else "image"
+
+
+def stored_schema(inputs: tuple[str, ...] = (), media: str = "image") -> pa.Schema:
+    """The stored fields of the field table (workers/fields.py), the image (or `video`) after the
+    seed (read when a sink opens: fields a plugin added are in it); `inputs`: the image columns
+    stored beside it (`--store-inputs`: `input_image`, `mask_image`; a clip's `poster`), each an
+    Image feature too."""
     stored = [pa.field(f.name, f.type) for f in table() if f.stored]
     at = next(i for i, f in enumerate(stored) if f.name == "seed") + 1
-    extra = [pa.field(name, _IMAGE.type) for name in inputs]
-    features = {**_HF_FEATURES, **{name: {"_type": "Image"} for name in inputs}}
+    extra = [pa.field(name, _BYTES) for name in inputs]
+    features = {media: {"_type": media.capitalize()}, **{name: {"_type": "Image"} for name in inputs}}
     return pa.schema(
-        [*stored[:at], _IMAGE, *extra, *stored[at:]],
+        [*stored[:at], pa.field(media, _BYTES), *extra, *stored[at:]],
         metadata={"huggingface": json.dumps({"info": {"features": features}})},
     )
 
 
-INPUT_COLUMNS = {"input.png": "input_image", "mask.png": "mask_image"}  # stored inputs (`--store-inputs`) by member
+# images stored beside each image by member name: `--store-inputs`'s, and a clip's poster frame
+INPUT_COLUMNS = {"input.png": "input_image", "mask.png": "mask_image", POSTER: "poster"}
 
 
 def data_key(shard_id: str) -> str:
     return f"data/{shard_id}.parquet"
 
 
-def parquet_schema(carried: pa.Schema | None, inputs: tuple[str, ...] = ()) -> pa.Schema:
+def parquet_schema(carried: pa.Schema | None, inputs: tuple[str, ...] = (), media: str = "image") -> pa.Schema:
     """The stored fields followed by the carried input columns, as typed in the input."""
-    base = stored_schema(inputs)
+    base = stored_schema(inputs, media)
     if carried is None:
         return base
     return pa.schema([*base, *carried], metadata=base.metadata)
@@ -60,8 +68,8 @@ class ParquetSink:
     ):
         self.output = output
         self.key = data_key(shard_id)
-        self.ext = IMAGE_FORMATS[image_format]
-        self.base, self.schema = stored_schema(inputs), parquet_schema(carried, inputs)
+        self.ext, self.media = EXTENSIONS[image_format], media_column(image_format)
+        self.base, self.schema = stored_schema(inputs, self.media), parquet_schema(carried, inputs, self.media)
         self.stream = output.open_write(prefix + self.key)
         self.writer = pq.ParquetWriter(self.stream, self.schema)
 
@@ -69,7 +77,7 @@ class ParquetSink:
         rows = [
             {
                 **{k: meta[k] for k in self.base.names if k in meta},
-                "image": {"bytes": data, "path": f"{row_id}.{self.ext}"},
+                self.media: {"bytes": data, "path": f"{row_id}.{self.ext}"},
                 **{
                     INPUT_COLUMNS[name]: {"bytes": value, "path": f"{row_id}.{name}"}
                     for name, value in meta.pop("_extra", {}).items()
@@ -118,16 +126,15 @@ class Parquet(OutputFormat):
         def read(f) -> Stored:
             pf = pq.ParquetFile(f, pre_buffer=False)  # no pool work: see workers.storage.read_parquet
             ids = pf.read(columns=["id"], use_threads=False).column("id").to_pylist()
+            media = "video" if "video" in pf.schema_arrow.names else "image"
             found = {i: (sizes.get(i), None) for i in ids}  # present; bytes not read: trust the manifest's size
             starts = [0]
             for g in range(pf.metadata.num_row_groups):
                 starts.append(starts[-1] + pf.metadata.row_group(g).num_rows)
             for g in range(pf.metadata.num_row_groups):
                 if wanted is None or wanted & set(ids[starts[g] : starts[g + 1]]):
-                    group = pf.read_row_group(g, columns=["id", "image"], use_threads=False)
-                    for rid, image in zip(
-                        group.column("id").to_pylist(), group.column("image").to_pylist(), strict=True
-                    ):
+                    group = pf.read_row_group(g, columns=["id", media], use_threads=False)
+                    for rid, image in zip(group.column("id").to_pylist(), group.column(media).to_pylist(), strict=True):
                         data = image["bytes"] if image else None
                         found[rid] = (len(data), data) if data is not None else (None, None)
             return found
@@ -146,6 +153,10 @@ class Parquet(OutputFormat):
             "import datasets",
             f'ds = datasets.load_dataset("{url}", split="train")  # `image` is an Image feature',
             "```",
+            "",
+            "Video jobs: `video` is a Video feature (decoded with `torchcodec`; "
+            '`ds.cast_column("video", datasets.Video(decode=False))` gives the MP4 bytes) and `poster` its first '
+            "frame.",
         ]
 
 

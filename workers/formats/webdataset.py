@@ -10,7 +10,7 @@ import tarfile
 import pyarrow as pa
 
 from workers.formats import OutputFormat, Stored, Unreadable, register
-from workers.layout import IMAGE_FORMATS, WIDS_INDEX
+from workers.layout import EXTENSIONS, WIDS_INDEX
 from workers.storage import Output
 
 
@@ -24,7 +24,7 @@ class WebDatasetSink:
     ):
         self.output = output
         self.key = tar_key(shard_id)
-        self.ext = IMAGE_FORMATS[image_format]
+        self.ext = EXTENSIONS[image_format]
         self.stream = output.open_write(prefix + self.key)
         self.tar = tarfile.open(fileobj=self.stream, mode="w|", format=tarfile.PAX_FORMAT)
 
@@ -38,7 +38,7 @@ class WebDatasetSink:
         extra = carried.to_pylist() if carried is not None else [{}] * len(batch)
         for (row_id, data, meta), columns in zip(batch, extra, strict=True):
             self._member(f"{row_id}.{self.ext}", data)
-            for name, value in meta.pop("_extra", {}).items():  # `--store-inputs`: <id>.input.png, <id>.mask.png
+            for name, value in meta.pop("_extra", {}).items():  # <id>.input.png, <id>.mask.png, <id>.poster.jpg
                 self._member(f"{row_id}.{name}", value)
             # default=str: dates, decimals and the like become strings in the sample's JSON
             self._member(f"{row_id}.json", json.dumps({**meta, **columns}, sort_keys=True, default=str).encode())
@@ -117,7 +117,7 @@ class WebDataset(OutputFormat):
             "```python",
             "import webdataset as wds",
             f'ds = wds.WebDataset("{url}/data/shard-{{{span}}}.tar")'
-            '.decode("pil")  # samples: png/jpg/webp + json (committed shards)',
+            '.decode("pil")  # samples: png/jpg/webp (or mp4 + poster.jpg) + json',
             "",
             "import wids",
             f'ds = wids.ShardListDataset("{url}/wids-index.json")  # random access, sizes from the index',

@@ -1,0 +1,85 @@
+"""Tiny random-weight video pipelines of the real classes (the sizes of diffusers' own tests,
+tests/pipelines/wan/): Wan 2.1 text-to-video, Wan 2.2's two experts, Wan image-to-video."""
+
+from __future__ import annotations
+
+import torch
+
+from workers.tiny_parts import _evaluated, _tokenizer
+
+
+def _umt5(tokenizer, seed: int):
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(seed)
+    return UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=len(tokenizer),
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
+            decoder_start_token_id=0,
+            pad_token_id=1,
+            eos_token_id=1,
+        )
+    )
+
+
+def _wan_parts(seed: int, in_channels: int = 16, experts: int = 1) -> dict:
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+
+    tokenizer = _tokenizer(model_max_length=512)
+    torch.manual_seed(seed)
+    vae = AutoencoderKLWan(
+        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    )
+    transformers = []
+    for k in range(experts):
+        torch.manual_seed(seed + 1 + k)
+        transformers.append(
+            WanTransformer3DModel(
+                patch_size=(1, 2, 2),
+                num_attention_heads=2,
+                attention_head_dim=12,
+                in_channels=in_channels,
+                out_channels=16,
+                text_dim=32,
+                freq_dim=256,
+                ffn_dim=32,
+                num_layers=2,
+                cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads",
+                rope_max_seq_len=32,
+            )
+        )
+    # the published schedulers: UniPC on flow sigmas, shift 3 (480p)
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    parts = {
+        "tokenizer": tokenizer,
+        "text_encoder": _umt5(tokenizer, seed + 10),
+        "vae": vae,
+        "transformer": transformers[0],
+        "scheduler": scheduler,
+    }
+    if experts == 2:
+        parts.update(transformer_2=transformers[1], boundary_ratio=0.875)  # Wan 2.2 T2V-A14B's boundary
+    return parts
+
+
+@_evaluated
+def build_tiny_wan(seed: int = 0, experts: int = 1):
+    """Wan 2.1 text-to-video (`experts=2`: Wan 2.2 A14B's high- and low-noise transformers)."""
+    from diffusers import WanPipeline
+
+    return WanPipeline(**_wan_parts(seed, experts=experts))
+
+
+@_evaluated
+def build_tiny_wan_i2v(seed: int = 0):
+    """Wan image-to-video as Wan 2.2 I2V has it: no CLIP image encoder; the first frame's latents
+    and a mask join the noise channels (16 + 4 + 16 = 36 in)."""
+    from diffusers import WanImageToVideoPipeline
+
+    return WanImageToVideoPipeline(**_wan_parts(seed, in_channels=36), image_encoder=None, image_processor=None)

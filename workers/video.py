@@ -1,0 +1,130 @@
+"""Clips as stored objects: encoding (on the writer thread) and reading back (`verify --deep`,
+`report`), with PyAV, FFmpeg's Python binding, whose wheels carry the encoders.
+
+mp4   H.264 (libx264), yuv420p: what every player and `datasets`' Video feature read
+webm  AV1 (libsvtav1, else libaom-av1), yuv420p: smaller at the same quality, slower to encode
+
+A clip's frames are the pipeline's output as it made them (PIL images, one size); its frame rate
+is the row's `fps` (Wan's pipelines take none: it is the rate they were trained at). Encoding is
+deterministic for the same frames and settings (one encoder thread, the muxer's `bitexact`: no
+random segment id or date in the file), so a retried clip has the same bytes.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass
+from fractions import Fraction
+
+# --video-format -> (container, encoders in order of preference, codec name as decoders report it)
+VIDEO_FORMATS = {"mp4": ("mp4", ("libx264",), "h264"), "webm": ("webm", ("libsvtav1", "libaom-av1"), "av1")}
+MAX_CRF = {"mp4": 51, "webm": 63}
+POSTER_QUALITY = 90  # the poster frame's JPEG quality
+
+
+class VideoUnavailable(Exception):
+    """PyAV is not installed, or its FFmpeg lacks the format's encoder."""
+
+
+@dataclass
+class Clip:
+    """One clip on its way to the store: its frames until the writer encodes them."""
+
+    frames: list  # PIL images, first to last
+    fps: float
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return self.frames[0].size
+
+
+def _av():
+    os.environ.setdefault("SVT_LOG", "1")  # SVT-AV1 prints its whole configuration per clip otherwise
+    try:
+        import av
+    except ImportError as err:
+        raise VideoUnavailable(
+            "video output needs PyAV: `pip install 'fleetgen[video]'` (or `pip install av`) where the job runs"
+        ) from err
+    return av
+
+
+def encoder(video_format: str) -> str:
+    """The encoder this machine has for `video_format`; raises VideoUnavailable."""
+    av = _av()
+    _, names, _ = VIDEO_FORMATS[video_format]
+    for name in names:
+        if name in av.codecs_available:
+            return name
+    raise VideoUnavailable(
+        f"`--video-format {video_format}` needs one of the encoders {', '.join(names)}, and this PyAV's FFmpeg "
+        f"has none (PyAV {av.__version__}); use `--video-format mp4`"
+    )
+
+
+def _rate(fps: float) -> Fraction:
+    return Fraction(fps).limit_denominator(1001)  # 23.976 -> 24000/1001
+
+
+def encode_clip(clip: Clip, video_format: str, crf: int) -> tuple[bytes, dict]:
+    """(the clip's bytes, what its record gains: duration, codec)."""
+    av = _av()
+    container, _, codec = VIDEO_FORMATS[video_format]
+    width, height = clip.size
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format=container, container_options={"fflags": "+bitexact"}) as out:
+        stream = out.add_stream(encoder(video_format), rate=_rate(clip.fps))
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        # one thread: the same frames give the same bytes (x264's threads change its decisions)
+        stream.options = {"crf": str(crf), **({"svtav1-params": "lp=1"} if codec == "av1" else {})}
+        stream.thread_count = 1
+        for frame in clip.frames:
+            for packet in stream.encode(av.VideoFrame.from_image(frame.convert("RGB"))):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue(), {"duration": round(len(clip.frames) / clip.fps, 4), "codec": codec}
+
+
+def poster(clip: Clip) -> bytes:
+    """The clip's first frame as JPEG (`report`'s thumbnail)."""
+    buf = io.BytesIO()
+    clip.frames[0].convert("RGB").save(buf, format="JPEG", quality=POSTER_QUALITY)
+    return buf.getvalue()
+
+
+@dataclass(frozen=True)
+class ClipInfo:
+    frames: int
+    fps: float
+    width: int
+    height: int
+    codec: str
+
+
+def read_clip(data: bytes, decode: bool = True) -> ClipInfo:
+    """What a stored clip holds; `decode` reads every frame (what `verify --deep` checks: a clip
+    whose header is whole but whose frames are damaged fails here). Raises ValueError when the
+    bytes are not a clip."""
+    av = _av()
+    try:
+        with av.open(io.BytesIO(data), mode="r") as f:
+            if not f.streams.video:
+                raise ValueError("no video stream")
+            stream = f.streams.video[0]
+            frames = sum(1 for _ in f.decode(stream)) if decode else stream.frames
+            rate = stream.average_rate or stream.guessed_rate
+            codec = stream.codec_context.codec.canonical_name  # av1, whichever decoder read it
+            return ClipInfo(frames, float(rate), stream.width, stream.height, codec)
+    except av.FFmpegError as err:
+        raise ValueError(f"not a readable clip: {err}") from err
+
+
+def first_frame(data: bytes):
+    """The first frame of a stored clip as a PIL image (for clips stored without a poster)."""
+    av = _av()
+    with av.open(io.BytesIO(data), mode="r") as f:
+        for frame in f.decode(video=0):
+            return frame.to_image()
+    raise ValueError("the clip has no frames")
