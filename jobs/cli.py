@@ -305,7 +305,7 @@ def _run(config) -> int:
     summary = run_job(config)
     filtered = f", {summary.images_filtered} filtered by the safety checker" if summary.images_filtered else ""
     print(
-        f"{summary.images_ok} images ({summary.images_error} row errors{filtered}) in {summary.output} "
+        f"{summary.images_ok} {summary.unit}s ({summary.images_error} row errors{filtered}) in {summary.output} "
         f"— {summary.shards_committed}/{summary.shards_total} shards committed in {summary.seconds:.1f} s"
     )
     for f in summary.failures[:FAILURES_SHOWN]:

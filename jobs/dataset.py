@@ -69,18 +69,25 @@ def write_card(
         "LoRA": ", ".join(config.lora) or None,
         "true CFG scale": config.true_cfg_scale,
         "variant": config.variant,
-        "image format": config.image_format,
+        "image format": None if config.num_frames else config.image_format,
+        "clips": (
+            f"{config.num_frames} frames at {config.fps:g} fps, {config.video_format} (crf {config.crf}), "
+            "a poster frame (JPEG) beside each"
+            if config.num_frames
+            else None
+        ),
         "output format": fmt.name,
     }
+    what = "clips" if config.num_frames else "images"  # num_frames: resolved for every video task
     per_row = [f"`{getattr(columns, role)}` ({role})" for role in SETTING_ROLES if getattr(columns, role)]
     carried = [f"| `{f.name}` | {_type(f.type)} | from the input |" for f in schema if f.name in columns.carry]
     own = [f"| `{f.name}` | {_type(f.type)} | fleetgen |" for f in MANIFEST_SCHEMA]
     lines = [
         header + f"# {output.url.rstrip('/').rsplit('/', 1)[-1]}",
         "",
-        f"Images generated with fleetgen from `{config.input}` by `{model}`.",
+        f"{what.capitalize()} generated with fleetgen from `{config.input}` by `{model}`.",
         "",
-        f"**{ok} images**, {errors} error rows, {filtered} filtered by the safety checker; "
+        f"**{ok} {what}**, {errors} error rows, {filtered} filtered by the safety checker; "
         f"{summary.shards_committed} of {summary.shards_total} shards committed"
         + (" (complete)." if summary.complete else " (incomplete: rerun the job to finish it)."),
         "",

@@ -231,7 +231,9 @@ def follow(events: Iterable, run: Run, fleet: FleetRecord) -> None:
         elif isinstance(event, BatchDone):
             rows = min(event.rows, lengths[event.shard_id] - counted[event.shard_id])
             counted[event.shard_id] += rows
-            progress.update(images=event.images, rows=rows)  # row errors: counted when their shard commits
+            progress.update(
+                images=event.images, rows=rows, frames=event.frames
+            )  # row errors: counted when their shard commits
         elif isinstance(event, ShardSpeculated):
             progress.speculated += 1
             progress.log(

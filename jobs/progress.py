@@ -27,6 +27,7 @@ class Progress:
         stream: TextIO | None = None,
         interval: float = 5.0,
         tty: bool | None = None,
+        unit: str = "image",
     ):
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty() if tty is None else tty
@@ -34,7 +35,9 @@ class Progress:
         self.shards_total, self.rows_total = shards_total, rows_total
         self.shards_done, self.rows_done = shards_done, rows_done
         self._rows_at_start = rows_done  # rows/s for the ETA counts this run's rows only
-        self.failed = self.errors = self.made = 0  # made: images made by this run
+        self.failed = self.errors = self.made = 0  # made: images (or clips) made by this run
+        self.unit = unit  # "clip" for video tasks: seconds per clip and frames/s instead of images/s
+        self.frames = 0  # frames of the clips made by this run
         self.speculated = 0  # straggling shards given to a second worker
         self.started = time.monotonic()
         self._last = float("-inf")  # the first update draws
@@ -44,8 +47,11 @@ class Progress:
         if not self.made:
             self.started = time.monotonic()
 
-    def update(self, images: int = 0, errors: int = 0, shards: int = 0, failed: int = 0, rows: float = 0) -> None:
+    def update(
+        self, images: int = 0, errors: int = 0, shards: int = 0, failed: int = 0, rows: float = 0, frames: int = 0
+    ) -> None:
         self.made += images
+        self.frames += frames
         self.errors += errors
         self.rows_done += rows
         self.shards_done += shards
@@ -61,9 +67,14 @@ class Progress:
         rows_rate = (self.rows_done - self._rows_at_start) / elapsed  # rows, not images: a row may make several
         left = self.rows_total - self.rows_done
         eta = _duration(left / rows_rate) if rows_rate > 0 and left > 0 else "-"
+        if self.unit == "clip":  # minutes per clip on one GPU: seconds per clip says more than clips/s
+            per = f"{elapsed / self.made:.1f} s/clip" if self.made else "- s/clip"
+            speed = f"{self.made} clips  {per}  {self.frames / elapsed:.1f} frames/s"
+        else:
+            speed = f"{rate:.2f} img/s"
         text = (
             f"shards {self.shards_done}/{self.shards_total}  rows {int(self.rows_done)}/{self.rows_total}  "
-            f"{rate:.2f} img/s  ETA {eta}"
+            f"{speed}  ETA {eta}"
         )
         if self.errors or self.failed:
             text += f"  ({self.errors} row errors, {self.failed} shards failed)"

@@ -11,21 +11,35 @@ from fleetgen.units import format_size
 from jobs.inspect import job_state
 from jobs.state import read_manifests
 from workers.formats import get_format
-from workers.layout import IMAGE_FORMATS
+from workers.layout import IMAGE_FORMATS, POSTER, beside
 from workers.storage import Output
 
 SAMPLE = 24  # images on the contact sheet
 ERRORS = 50  # rows that are not ok, listed
 _MIME = {"png": "image/png", "jpg": "image/jpeg", "webp": "image/webp"}
-_COLUMNS = ("id", "prompt", "seed", "status", "error", "warning", "image", "member", "worker", "inputs")
+_COLUMNS = (
+    "id",
+    "prompt",
+    "seed",
+    "status",
+    "error",
+    "warning",
+    "image",
+    "member",
+    "worker",
+    "inputs",
+    "num_frames",
+    "fps",
+)
 THUMB = 128  # pixels a side of an input's thumbnail beside its output
 
 
-def _sources(out: Output, fmt, rows: list[dict], ext: str) -> dict[str, str]:
+def _sources(out: Output, fmt, rows: list[dict], ext: str, video: bool = False) -> dict[str, str]:
     """How the page reaches each image: a relative link where each image is an object of its own,
-    else its bytes embedded, read from its shard's object (once per shard) by the output format."""
+    else its bytes embedded, read from its shard's object (once per shard) by the output format.
+    A clip is shown by its first frame: the poster stored beside it, or decoded from its bytes."""
     if fmt.linked:
-        return {r["id"]: html.escape(r["image"]) for r in rows}
+        return {r["id"]: html.escape(beside(r["image"], POSTER) if video else r["image"]) for r in rows}
     by_shard: dict[str, list[dict]] = {}
     for r in rows:
         by_shard.setdefault(r["shard"], []).append(r)
@@ -33,9 +47,26 @@ def _sources(out: Output, fmt, rows: list[dict], ext: str) -> dict[str, str]:
     for shard, shard_rows in by_shard.items():
         stored, _ = fmt.stored(out, shard, shard_rows, {r["id"] for r in shard_rows})
         for image_id, (_size, data) in stored.items():
-            if data is not None:
+            if data is not None and video:
+                sources[image_id] = _first_frame_url(data)
+            elif data is not None:
                 sources[image_id] = f"data:{_MIME[ext]};base64,{base64.b64encode(data).decode()}"
     return sources
+
+
+def _first_frame_url(data: bytes) -> str:
+    """A clip's first frame as an embedded JPEG ("" for a clip that does not decode)."""
+    import io
+
+    from workers.video import first_frame
+
+    try:
+        frame = first_frame(data)
+    except Exception:  # noqa: BLE001 - a report never fails over one clip it cannot show
+        return ""
+    buf = io.BytesIO()
+    frame.save(buf, "JPEG", quality=85)
+    return f"data:image/jpeg;base64,{base64.b64encode(buf.getvalue()).decode()}"
 
 
 def _input_thumbs(rows: list[dict]) -> dict[str, str]:
@@ -67,6 +98,10 @@ def _input_thumbs(rows: list[dict]) -> dict[str, str]:
         picture.save(buf, "PNG")
         thumbs[r["id"]] = f"data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}"
     return thumbs
+
+
+def _clip_note(r: dict) -> str:
+    return f", {r['num_frames']} frames at {r['fps']:g} fps" if r.get("num_frames") else ""
 
 
 def _input_note(r: dict, thumbs: dict[str, str]) -> str:
@@ -137,12 +172,20 @@ def write_report(url: str) -> str:
     out = Output(url)
     sample = sample_images(out, state["counts"])
     generation = state["job"]["fingerprint"]["generation"]
-    sources = _sources(out, get_format(generation["output_format"]), sample, IMAGE_FORMATS[generation["image_format"]])
+    video = bool(generation.get("num_frames"))  # resolved for every video task
+    fmt = get_format(generation["output_format"])
+    sources = _sources(out, fmt, sample, IMAGE_FORMATS.get(generation["image_format"], "png"), video)
     thumbs = _input_thumbs(sample)
+
+    def picture(r: dict) -> str:
+        img = f'<img src="{sources.get(r["id"], "")}" alt="{html.escape(r["id"])}">'
+        if video and fmt.linked:  # the poster, linked to its clip
+            return f'<a href="{html.escape(r["image"])}">{img}</a>'
+        return img
+
     cards = "".join(
-        f'<figure class="card">{_input_note(r, thumbs)}<img src="{sources.get(r["id"], "")}" '
-        f'alt="{html.escape(r["id"])}"><figcaption><b>{html.escape(r["id"])}</b> seed {r["seed"]}<br>'
-        f"{html.escape(r['prompt'] or '')}</figcaption></figure>"
+        f'<figure class="card">{_input_note(r, thumbs)}{picture(r)}<figcaption><b>{html.escape(r["id"])}</b> '
+        f"seed {r['seed']}{_clip_note(r)}<br>{html.escape(r['prompt'] or '')}</figcaption></figure>"
         for r in sample
     )
     workers = state["workers"]

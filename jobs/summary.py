@@ -37,6 +37,7 @@ class JobSummary:
     speculative_attempts: int = 0  # straggling shards also given to an idle worker
     error: str | None = None  # why the run ended early (no worker could be placed, the store failed)
     error_exit: int = 2  # the exit code `error` gives: 2 nothing could run, 1 the store failed (a rerun resumes)
+    unit: str = "image"  # what each made object is: "clip" for video tasks (`images_*` count clips then)
 
     @property
     def complete(self) -> bool:
@@ -160,6 +161,7 @@ def _summary(run: Run, counts: list[dict]) -> JobSummary:
         failures=run.failures,
         workers=run.workers,
         stopped=run.stop.is_set(),
+        unit=run.progress.unit,
     )
 
 

@@ -52,6 +52,19 @@ def image_key(shard_id: str, row_id: str, image_format: str) -> str:
     return f"images/{shard_id}/{row_id}.{EXTENSIONS[image_format]}"
 
 
+POSTER = "poster.jpg"  # a clip's first frame, stored beside it (`<id>.poster.jpg`, parquet's `poster` column)
+
+
+def beside(key: str, name: str) -> str:
+    """The key of an object stored beside an image: `images/s/<id>.mp4` -> `images/s/<id>.poster.jpg`."""
+    return f"{key.rsplit('.', 1)[0]}.{name}"
+
+
+def with_companions(keys: set[str]) -> set[str]:
+    """Image keys and the objects stored beside them: a clip's poster (files output)."""
+    return keys | {beside(k, POSTER) for k in keys if k.rsplit(".", 1)[-1] in VIDEO_EXTENSIONS.values()}
+
+
 def __getattr__(name: str):
     """`MANIFEST_SCHEMA`: one row per image, ok or error (a row of the input gives one image, or
     several with `--images-per-prompt`/`num_images`), followed by the input columns carried

@@ -137,6 +137,7 @@ class BatchDone:
     images: int
     errors: int
     rows: float = 0.0  # input rows this call finished: each image is 1/N of a row that makes N
+    frames: int = 0  # video tasks: frames of the clips it made
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from workers.records import Records
 from workers.shard import Shard, read_shard
 from workers.spec import BatchDone, ShardResult, WorkerSpec
 from workers.storage import Output
+from workers.video import Clip
 from workers.writer import Made, Writer, encode_and_store
 
 
@@ -226,18 +227,19 @@ class Worker:
         its pictures handed to the writer thread, which encodes, hashes and stores them while the
         device makes the next batch."""
         batch, inputs, unreadable = prefetch.batch(asked, at.records)
-        made, failed, filtered = [], {}, 0
+        made, failed, filtered, frames = [], {}, 0, 0
         if batch:
             pictures, failed = self.fitted.generate(batch, inputs)
             made = [self._records.made(p, at.records[p.image.id], inputs.get(p.image.id)) for p in pictures]
             # Counted before the writer thread takes the batch: it drops each picture once encoded.
             filtered = sum(m.picture is None for m in made)  # flagged by a safety checker: not stored
+            frames = sum(len(m.picture.frames) for m in made if isinstance(m.picture, Clip))
             self._writer.submit(self._encode_and_store, at.sink, made, at.records, at.table)
         for image_id, error in failed.items():
             at.records[image_id].update(status="error", error=error)
         at.failures += len(failed)
         errors = len(failed) + filtered + len(unreadable)
-        return BatchDone(at.shard.id, self.spec.name, len(made) - filtered, errors, rows=rows)
+        return BatchDone(at.shard.id, self.spec.name, len(made) - filtered, errors, rows=rows, frames=frames)
 
     def _commit(self, at: _Attempt) -> tuple[bool, str | None]:
         """Wait for the writer, commit the manifest, move the objects to their keys. Returns (won,

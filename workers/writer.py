@@ -12,9 +12,8 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from workers.layout import POSTER
 from workers.video import VIDEO_FORMATS, encode_clip, poster
-
-POSTER = "poster.jpg"  # a clip's first frame, stored beside it (`<id>.poster.jpg`, parquet's `poster` column)
 
 WRITE_AHEAD = 2  # batches handed to the writer thread before the pipeline waits: one being written, one queued
 _ENCODE_ARGS = {

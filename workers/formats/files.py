@@ -6,14 +6,8 @@ from __future__ import annotations
 import pyarrow as pa
 
 from workers.formats import OutputFormat, Stored, register
-from workers.layout import image_key
+from workers.layout import beside, image_key, with_companions
 from workers.storage import Output
-from workers.writer import POSTER
-
-
-def _beside(key: str, name: str) -> str:
-    """The key of an object stored beside an image: `images/s/<id>.mp4` -> `images/s/<id>.poster.jpg`."""
-    return f"{key.rsplit('.', 1)[0]}.{name}"
 
 
 class FilesSink:
@@ -27,7 +21,7 @@ class FilesSink:
         for row_id, data, meta in batch:
             key = image_key(self.shard_id, row_id, self.image_format)
             for name, value in meta.pop("_extra", {}).items():  # a clip's poster: before the clip
-                self.output.put(self.prefix + _beside(key, name), value)
+                self.output.put(self.prefix + beside(key, name), value)
             self.output.put(self.prefix + key, data)
             keys.append((key, None))
         return keys
@@ -59,7 +53,7 @@ class Files(OutputFormat):
         """One listing of the shard's prefix gives every size; bytes are read by who needs them."""
         sizes = output.sizes(f"images/{shard_id}")
         found = {r["id"]: (sizes.get(r["image"]), None) for r in rows}
-        named = {r["image"] for r in rows} | {_beside(r["image"], POSTER) for r in rows if r.get("num_frames")}
+        named = with_companions({r["image"] for r in rows})
         return found, sorted(sizes.keys() - named)
 
     def how_to_load(self, url: str, shards: list[str]) -> list[str]:

@@ -11,10 +11,9 @@ import pyarrow.parquet as pq
 
 from workers.fields import table
 from workers.formats import OutputFormat, Stored, Unreadable, register
-from workers.layout import EXTENSIONS
+from workers.layout import EXTENSIONS, POSTER
 from workers.storage import Output
 from workers.video import VIDEO_FORMATS
-from workers.writer import POSTER
 
 # For `datasets.load_dataset`: the `image` struct decodes as an Image feature. Only it is named here;
 # `datasets` takes every other column's feature from its Arrow type (carried columns included).
