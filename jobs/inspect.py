@@ -64,6 +64,8 @@ def job_state(url: str) -> dict:
 
 def status_text(state: dict) -> str:
     fp = state["job"]["fingerprint"]
+    clips = bool(fp["generation"].get("num_frames"))  # a video task: counts are clips
+    unit = "clips" if clips else "images"
     lines = [
         f"job at {state['url']}: model {fp['model']}",
         "state: "
@@ -75,7 +77,7 @@ def status_text(state: dict) -> str:
             else "stopped or failed (no driver running; rerun the same command to resume)"
         ),
         f"shards {state['shards_committed']}/{state['shards_total']} committed, rows {state['rows_done']}/"
-        f"{state['rows_total']}: {state['images_ok']} images, {state['images_error']} row errors"
+        f"{state['rows_total']}: {state['images_ok']} {unit}, {state['images_error']} row errors"
         + (f", {state['images_filtered']} filtered by the safety checker" if state["images_filtered"] else ""),
     ]
     if state["eta_seconds"]:
@@ -87,9 +89,11 @@ def status_text(state: dict) -> str:
         lines.append(f"worker {w['worker']} could not run: {w['error']}")
     for w in state["workers"]:
         st = w.get("stats") or {}
+        rate = st.get("images_per_second") or 0
+        speed = f"{1 / rate:.1f} s/clip" if clips and rate else f"{rate:.2f} {'clips' if clips else 'img'}/s"
         lines.append(
             f"  {w['worker']}: {w['device']['name']}, batch {w.get('batch_size')}, "
-            f"{st.get('images', 0)} images, {st.get('images_per_second') or 0:.2f} img/s, "
+            f"{st.get('images', 0)} {unit}, {speed}, "
             f"plan: {', '.join(f'{k} {v}' for k, v in w['plan']['modes'].items())}"
         )
     return "\n".join(lines)

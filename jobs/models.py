@@ -267,7 +267,8 @@ def resolve_defaults(config: JobConfig, columns: Columns) -> tuple[JobConfig, Fa
     size = family.sizes[0] if task.video and family.sizes else "512x512"  # a video card's size, else 512
     for name, side in zip(("width", "height"), map(int, size.split("x")), strict=True):
         values[name] = getattr(config, name) or side
-        sources[name] = "given" if getattr(config, name) else ("family default" if task.video else "default")
+        if task.video:
+            sources[name] = "given" if getattr(config, name) else "family default"
     if task.video:
         values["num_frames"] = config.num_frames or family.frames
         values["fps"] = config.fps or family.fps
