@@ -72,6 +72,15 @@ def start_driver(args: list[str], env: dict | None = None, log: Path | None = No
     return subprocess.Popen([sys.executable, "-m", "jobs", "run", *args], cwd=ROOT, env=env or dict(os.environ), **out)
 
 
+def wait_for_commits(out: Path, more_than: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Until more than `more_than` shards of `out` are committed, while `proc` (a driver) runs."""
+    deadline = time.monotonic() + timeout
+    while len(list((out / "shards").glob("*.parquet"))) <= more_than:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"no shard committed past {more_than}"
+        time.sleep(0.1)
+
+
 def write_prompts(path: Path, prompts: list, row_group_size: int | None = None, **columns) -> Path:
     table = pa.table({"prompt": pa.array(prompts, pa.string()), **columns})
     pq.write_table(table, path, row_group_size=row_group_size)

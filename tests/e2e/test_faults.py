@@ -17,7 +17,7 @@ from bench.chaos import Killer, check, manifest_rows
 from fleetgen.errors import StorageError
 from jobs.driver import run_job
 from jobs.verify import verify
-from tests.conftest import make_job, run_args, start_driver, write_prompts
+from tests.conftest import make_job, run_args, start_driver, wait_for_commits, write_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -100,14 +100,6 @@ def _wait_for_images(out: Path, proc: subprocess.Popen, timeout: float = 120) ->
         time.sleep(0.1)
 
 
-def _wait_for_commits(out: Path, more_than: int, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while len(list((out / "shards").glob("*.parquet"))) <= more_than:
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, f"no shard committed past {more_than}"
-        time.sleep(0.1)
-
-
 @pytest.mark.chaos
 def test_driver_stopped_then_killed_then_rerun_resumes(chaos_input, tiny_model, tmp_path, ray_cluster):
     """A driver SIGTERMed mid-run stops in time, writes its summary and releases the lock; its rerun,
@@ -131,7 +123,7 @@ def test_driver_stopped_then_killed_then_rerun_resumes(chaos_input, tiny_model, 
     stopped = len(list((out / "shards").glob("*.parquet")))
 
     proc = start_driver(args, env)
-    _wait_for_commits(out, stopped, proc)
+    wait_for_commits(out, stopped, proc)
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL

@@ -1,0 +1,165 @@
+"""Video: tiny Wan text-to-video, Wan 2.2's two experts and Wan image-to-video through a worker (no
+Ray), every clip decoded with PyAV; the three output formats read back by `webdataset` and
+`datasets`; per-row `num_frames` and `fps`; frame-count rules; `verify --deep` over clips."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import tarfile
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from jobs.sharding import plan_shards, read_footer, resolve_columns
+from jobs.verify import verify
+from workers.shard import Columns
+from workers.spec import GenerationSettings, WorkerSpec
+from workers.tiny_model import write_tiny_model
+from workers.video import Clip, encode_clip, first_frame, read_clip
+from workers.worker import Worker
+
+FAST = {"steps": 2, "guidance": 5.0, "width": 64, "height": 48, "num_frames": 5, "fps": 16.0}
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("video")
+    return {f: str(write_tiny_model(root / f, family=f)) for f in ("wan", "wan2.2", "wan-i2v")}
+
+
+def png(color, size=(80, 60)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def run(model, tmp_path, rows: dict, family="wan", task="text-to-video", name="out", **settings):
+    """One shard of `rows` through a worker in this process; returns (manifest rows by id, output)."""
+    path = tmp_path / f"{name}.parquet"
+    pq.write_table(pa.table(rows), path)
+    files = [read_footer(str(path))]
+    roles = {k: k for k in ("num_frames", "fps") if k in rows}
+    columns = resolve_columns(files, Columns(image="input_image" if "input_image" in rows else None, **roles))
+    s = GenerationSettings(task=task, family=family, **{**FAST, "output_format": "files", **settings})
+    out = tmp_path / name
+    worker = Worker(WorkerSpec("w0", str(model), str(out), s, columns, max_batch=4, device="cpu", threads=1))
+    try:
+        worker.run_shard(plan_shards(files, 100)[0])
+    finally:
+        worker.close()
+    # verify reads the job record for the output format
+    job = {"fingerprint": {"generation": {"output_format": s.output_format}}}
+    (out / "job.json").write_text(json.dumps(job))
+    return {r["id"]: r for r in pq.read_table(out / "shards" / "shard-00000.parquet").to_pylist()}, out
+
+
+def test_text_to_video_clips_decode_with_the_frames_fps_and_size_asked(wan, tmp_path):
+    rows = {
+        "id": ["a", "b", "c", "d"],
+        "prompt": ["a cat", "a dog", "a fox", "a owl"],
+        "num_frames": [9, None, 10, None],  # 10 is not 4k+1: Wan would round it silently
+        "fps": [None, 8.0, None, 24.0],
+    }
+    manifest, out = run(wan["wan"], tmp_path, rows)
+    assert manifest["c"]["status"] == "error" and "4k+1" in manifest["c"]["error"]
+    expected = {"a": (9, 16.0), "b": (5, 8.0), "d": (5, 24.0)}
+    for rid, (frames, fps) in expected.items():
+        r = manifest[rid]
+        data = (out / r["image"]).read_bytes()
+        assert r["image"] == f"images/shard-00000/{rid}.mp4" and r["status"] == "ok"
+        assert (r["num_frames"], r["fps"], r["codec"]) == (frames, fps, "h264")
+        assert r["duration"] == pytest.approx(frames / fps, abs=1e-3)
+        assert r["sha256"] == hashlib.sha256(data).hexdigest() and r["size"] == len(data)
+        clip = read_clip(data)
+        assert (clip.frames, clip.fps, clip.width, clip.height, clip.codec) == (frames, fps, 64, 48, "h264")
+        poster = Image.open(out / f"images/shard-00000/{rid}.poster.jpg")
+        assert poster.size == (64, 48)
+        # the poster is the clip's first frame (both lossy: close, not equal)
+        diff = np.abs(np.asarray(poster, np.int16) - np.asarray(first_frame(data), np.int16)).mean()
+        assert diff < 8
+    report = verify(str(out), deep=True)
+    assert report.clean and report.hashed == 3
+
+
+def test_verify_deep_decodes_every_frame_of_a_clip(wan, tmp_path):
+    manifest, out = run(wan["wan"], tmp_path, {"id": ["a"], "prompt": ["a cat"]})
+    # a manifest whose digest matches but whose frame count does not: only decoding finds it
+    path = out / "shards" / "shard-00000.parquet"
+    table = pq.read_table(path)
+    i = table.schema.get_field_index("num_frames")
+    pq.write_table(table.set_column(i, table.schema.field(i), pa.array([9], pa.int32())), path)
+    assert verify(str(out)).clean  # the bytes are the ones recorded
+    report = verify(str(out), deep=True)
+    assert not report.clean and "5 frames decode; the manifest says 9" in json.dumps(report.to_dict())
+
+
+@pytest.mark.parametrize("output_format", ["webdataset", "parquet"])
+def test_clips_in_tars_and_parquet_read_back_with_webdataset_and_datasets(output_format, wan, tmp_path):
+    rows = {"id": ["a", "b"], "prompt": ["a cat", "a dog"], "num_frames": [9, 5]}
+    manifest, out = run(wan["wan"], tmp_path, rows, output_format=output_format, video_format="mp4")
+    assert verify(str(out), deep=True).clean
+    if output_format == "webdataset":
+        import webdataset as wds
+
+        samples = {s["__key__"]: s for s in wds.WebDataset(str(out / "data" / "shard-00000.tar"), shardshuffle=False)}
+        clips = {k: s["mp4"] for k, s in samples.items()}
+        assert {k: json.loads(s["json"])["num_frames"] for k, s in samples.items()} == {"a": 9, "b": 5}
+        assert all(Image.open(io.BytesIO(s["poster.jpg"])).size == (64, 48) for s in samples.values())
+        with tarfile.open(out / "data" / "shard-00000.tar") as tar:
+            assert sorted(tar.getnames()) == sorted(f"{k}.{e}" for k in "ab" for e in ("mp4", "poster.jpg", "json"))
+    else:
+        import datasets
+
+        ds = datasets.load_dataset(str(out), data_files="data/*.parquet", split="train")
+        assert isinstance(ds.features["video"], datasets.Video) and isinstance(ds.features["poster"], datasets.Image)
+        ds = ds.cast_column("video", datasets.Video(decode=False))
+        clips = {r["id"]: r["video"]["bytes"] for r in ds}
+        assert {r["id"]: r["poster"].size for r in ds} == {"a": (64, 48), "b": (64, 48)}
+    assert {k: read_clip(v).frames for k, v in clips.items()} == {"a": 9, "b": 5}
+    assert {k: hashlib.sha256(v).hexdigest() for k, v in clips.items()} == {k: manifest[k]["sha256"] for k in "ab"}
+
+
+def test_wan22_two_experts_and_webm(wan, tmp_path):
+    manifest, out = run(
+        wan["wan2.2"], tmp_path, {"id": ["a"], "prompt": ["a cat"]}, family="wan2.2", video_format="webm"
+    )
+    r = manifest["a"]
+    assert r["status"] == "ok" and r["image"].endswith(".webm") and r["codec"] == "av1"
+    clip = read_clip((out / r["image"]).read_bytes())
+    assert (clip.frames, clip.codec, clip.width, clip.height) == (5, "av1", 64, 48)
+
+
+def test_image_to_video_starts_from_the_rows_image(wan, tmp_path):
+    rows = {"id": ["a", "b"], "prompt": ["a cat", "a dog"], "input_image": [png((200, 30, 30)), None]}
+    manifest, out = run(wan["wan-i2v"], tmp_path, rows, family="wan-i2v", task="image-to-video")
+    a, b = manifest["a"], manifest["b"]
+    assert a["status"] == "ok" and a["batch"] == 1  # one row per call: the pipeline takes one image
+    assert [x["role"] for x in a["inputs"]] == ["image"] and a["inputs"][0]["sha256"] == hashlib.sha256(
+        png((200, 30, 30))
+    ).hexdigest()
+    assert read_clip((out / a["image"]).read_bytes()).frames == 5
+    assert b["status"] == "error" and "no input image" in b["error"]
+
+
+def test_a_clip_is_the_same_bytes_when_made_again(wan, tmp_path):
+    rows = {"id": ["a"], "prompt": ["a cat"]}
+    first, _ = run(wan["wan"], tmp_path, rows, name="one")
+    second, _ = run(wan["wan"], tmp_path, rows, name="two")
+    assert first["a"]["sha256"] == second["a"]["sha256"]  # a retried clip replaces its bytes with the same bytes
+
+
+def test_encoding_is_deterministic_and_reads_back_fractional_rates():
+    frames = [Image.new("RGB", (32, 16), (i * 20, 80, 40)) for i in range(7)]
+    for fmt, codec in (("mp4", "h264"), ("webm", "av1")):
+        data, info = encode_clip(Clip(frames, 23.976), fmt, 30)
+        assert data == encode_clip(Clip(frames, 23.976), fmt, 30)[0]
+        clip = read_clip(data)
+        assert (clip.frames, clip.codec, info["codec"]) == (7, codec, codec)
+        assert clip.fps == pytest.approx(23.976, abs=1e-3)
+    with pytest.raises(ValueError, match="not a readable clip"):
+        read_clip(b"not a clip")
