@@ -11,6 +11,8 @@ def vae_scale(vae: dict) -> int:
     `temperal_downsample` stages, HunyuanImage's its `spatial_compression_ratio`."""
     if vae.get("spatial_compression_ratio"):
         return int(vae["spatial_compression_ratio"])
+    if vae.get("scale_factor_spatial"):  # Wan 2.2's 48-channel VAE: 8 x its patch of 2
+        return int(vae["scale_factor_spatial"])
     if "temperal_downsample" in vae:
         return 2 ** len(vae["temperal_downsample"])
     return 2 ** (len(vae.get("block_out_channels") or vae.get("encoder_block_out_channels") or [0, 0, 0, 0]) - 1)
@@ -24,3 +26,34 @@ def denoiser_patch(cls: str, config: dict) -> int:
         return 2
     patch = config.get("patch_size") or config.get("all_patch_size") or 1
     return int(patch[-1] if isinstance(patch, (list, tuple)) else patch)
+
+
+def vae_temporal(vae: dict) -> int:
+    """Frames per latent frame (after the first) of a video VAE; 1 for image VAEs. Wan's VAEs say
+    `scale_factor_temporal` or their `temperal_downsample` stages (2 of 3: 4 frames), LTX's
+    `temporal_compression_ratio`."""
+    if vae.get("temporal_compression_ratio"):
+        return int(vae["temporal_compression_ratio"])
+    if vae.get("scale_factor_temporal"):
+        return int(vae["scale_factor_temporal"])
+    if "temperal_downsample" in vae:
+        return 2 ** sum(bool(x) for x in vae["temperal_downsample"])
+    return 1
+
+
+def latent_frames(frames: int, temporal: int) -> int:
+    """Latent frames of a clip of `frames` (0: an image, one)."""
+    return (frames - 1) // temporal + 1 if frames else 1
+
+
+def expert_shares(boundary: float | None, shift: float | None) -> dict[str, float]:
+    """The share of the steps each of Wan 2.2 A14B's experts runs: `transformer` (high noise) while
+    the timestep is at or above `boundary` x 1000, `transformer_2` after. The schedule's sigmas go
+    from 1 to 0 evenly before the flow shift s (sigma' = s sigma / (1 + (s - 1) sigma)); sigma' >= b
+    where sigma >= b / (s - (s - 1) b): at b = 0.875, s = 12 (T2V-A14B) the high-noise expert runs
+    63 % of the steps. {} for one denoiser."""
+    if not boundary:
+        return {}
+    s = shift or 1.0
+    high = 1 - boundary / (s - (s - 1) * boundary)
+    return {"transformer": high, "transformer_2": 1 - high}

@@ -246,8 +246,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     pl.add_argument("--gpu-memory", action="append", required=True, help="a budget, e.g. 24GiB; repeat for more")
     pl.add_argument("--host-memory", help="host RAM per worker for offloaded copies (default 80%% of this machine's)")
-    pl.add_argument("--width", type=int, default=1024, help="pixels to plan for (default 1024)")
-    pl.add_argument("--height", type=int, default=1024, help="pixels to plan for (default 1024)")
+    pl.add_argument("--width", type=int, help="pixels to plan for (default 1024; video families: their card's)")
+    pl.add_argument("--height", type=int, help="pixels to plan for (default 1024; video families: their card's)")
+    pl.add_argument("--num-frames", type=int, help="video families: frames per clip (default: the family's)")
     pl.add_argument("--steps", type=int, help="default: the model family's")
     pl.add_argument("--guidance", type=float, help="default: the model family's")
     pl.add_argument("--true-cfg-scale", type=float, help="Flux: true CFG scale (> 1 doubles the denoiser's batch)")
@@ -365,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.model,
                 task=args.task,
                 references=args.references,
+                num_frames=args.num_frames,
                 width=args.width,
                 height=args.height,
                 steps=args.steps,

@@ -9,7 +9,7 @@ import sys
 from fleetgen.errors import ConfigError, OffloadError
 from fleetgen.units import format_size, parse_size
 from offload import DeviceSpec, Workload, plan, profile_modules
-from offload.architectures import build_on_meta, resolve
+from offload.architectures import build_on_meta, pipeline_settings, resolve
 from offload.formats import CHOOSABLE, check_components, is_auto, normalized, parse_quantize
 from workers.families import Family, choose_task, identify_dir
 from workers.pipeline import DTYPES
@@ -28,6 +28,7 @@ def plan_workload(
     offload: str,
     task: str | None = None,
     references: int = 1,
+    num_frames: int | None = None,
 ) -> tuple[Workload, Family]:
     """The workload to plan for, with the model family's defaults and its own rule for whether
     guidance doubles the denoiser's batch (CFG families yes, guidance-distilled Flux no). `task`:
@@ -43,13 +44,23 @@ def plan_workload(
     if not chosen.batched:
         max_batch = 1  # one row per call (its references)
     guidance = family.guidance if guidance is None else guidance
+    frames = (num_frames or family.frames) if chosen.video else 0
+    why = family.frames_rule(frames) if frames else None
+    if num_frames and not chosen.video:
+        why = f"{family.name} {chosen.name} makes images, not clips"
+    if why:
+        raise ConfigError(f"`--num-frames`: {why}.")
+    size = family.sizes[0] if chosen.video and family.sizes else "1024x1024"
+    width, height = width or int(size.split("x")[0]), height or int(size.split("x")[1])
     work = Workload(
+        frames=frames,
         input_images=inputs,
         in_sequence=chosen.in_sequence,
         width=width,
         height=height,
         steps=family.steps if steps is None else steps,
         cfg=family.doubles_batch(guidance, true_cfg_scale),
+        cfg_calls=family.calls_twice(guidance, true_cfg_scale),
         max_batch=max_batch,
         offload=offload,
     )
@@ -73,7 +84,8 @@ def plan_rows(
     mapping = parse_quantize(quantize)
     check_components(mapping, list(modules), model)
     formats = CHOOSABLE if is_auto(quantize) else tuple(sorted(set(mapping.values())))
-    profile = profile_modules(model, modules, DTYPES[dtype], vae_upcast=vae_upcast, formats=formats)
+    settings = pipeline_settings(model)
+    profile = profile_modules(model, modules, DTYPES[dtype], vae_upcast, formats, settings)
     # from_pretrained loads every component to host RAM, at the run dtype unless its format applies at load
     loading = profile.total_bytes
     host = parse_size(host_memory, "--host-memory") if host_memory else int(host_available_bytes() * 0.8)
@@ -96,6 +108,7 @@ def plan_rows(
             rows.append({"gpu_memory": text, "binds": [binds], "error": str(err)})
     summary = {
         "model": model,
+        "frames": work.frames,
         "dtype": dtype,
         "host_memory_bytes": host,
         "load_host_bytes": loading,
@@ -137,7 +150,19 @@ def print_plans(summary: dict, rows: list[dict], as_json: bool, out=None) -> Non
         f"{summary['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s, {summary['flops'] / 1e12:.0f} TFLOP/s\n\n"
     )
     names = list(comps)
-    header = ["gpu", *names, "batch", "peak", "loading", "pinned", "moved/img", "rel img/s", "binds"]
+    clips = bool(summary.get("frames"))  # a video model: per clip, and clips per hour
+    rate = "clips/h" if clips else "rel img/s"
+    header = [
+        "gpu",
+        *names,
+        "batch",
+        "peak",
+        "loading",
+        "pinned",
+        "moved/clip" if clips else "moved/img",
+        rate,
+        "binds",
+    ]
     table = [header]
     for r in rows:
         binds = ", ".join(r.get("binds") or []) or "neither"
@@ -155,7 +180,7 @@ def print_plans(summary: dict, rows: list[dict], as_json: bool, out=None) -> Non
                 format_size(r["load_host_bytes"]),
                 format_size(r["pinned_bytes"]),
                 format_size(r["moved_bytes_per_image"]),
-                f"{r['predicted_relative_speed']:.2f}",
+                f"{3600 / r['predicted_seconds_per_image']:.1f}" if clips else f"{r['predicted_relative_speed']:.2f}",
                 binds,
             ]
         )

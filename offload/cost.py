@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from fleetgen.latents import latent_frames
 from offload.formats import CHOOSABLE, NONE, allowed, refusal, spec
 from offload.profile import ComponentProfile, PipelineProfile
 
@@ -21,6 +22,11 @@ FORWARD_SECONDS = 1e-3  # fixed cost of one forward (kernel launches, Python): w
 # they are estimates: the measured peak is in each worker's stats.
 ACT_FACTOR = 64
 VAE_ACT_FACTOR = 12
+# A clip's denoiser holds tens of thousands of tokens (Wan at 1280x720, 81 frames: 75,600), where
+# memory-efficient attention keeps no tokens x tokens matrix: per token the hidden states, q, k, v,
+# the attention output and the feed-forward's intermediate (2.7x the width) twice, about 12 widths.
+# An estimate from the layer's shapes, to calibrate on a GPU (bench/gpu_check.py's Wan case).
+VIDEO_ACT_FACTOR = 12
 # Tokens a text encoder reads per prompt (the families' `max_sequence_length`); else 77 (CLIP).
 TEXT_TOKENS = {
     "T5EncoderModel": 512,
@@ -67,6 +73,10 @@ class Workload:
     loaded: bool = False  # planned after loading (a worker): the loading peak is past, not planned
     input_images: int = 0  # input images per image (image-to-image, inpaint, edit): the VAE encodes each
     in_sequence: bool = False  # their latent tokens join the denoiser's sequence (Kontext, Qwen-Image-Edit, FLUX.2)
+    frames: int = 0  # video: frames per clip (0: an image); "per image" below is then per clip
+    # guidance runs the denoiser a second time per step, as a call of its own (Qwen-Image, Chroma,
+    # Wan): twice the compute, not twice the activations (those are `cfg`'s)
+    cfg_calls: bool = False
 
 
 @dataclass(frozen=True)
@@ -125,40 +135,55 @@ def _floor(c: ComponentProfile, p: Placement) -> int:
     return c.block_floor(p.blocks_per_group)
 
 
-def _forwards(c: ComponentProfile, w: Workload) -> int:
-    """Runs of `c` per pipeline call: every step for the denoiser; the VAE decodes once per image
-    and encodes each input image once (counted as costly as a decode, at the same size)."""
+def _forwards(c: ComponentProfile, w: Workload, prof: PipelineProfile | None = None) -> int:
+    """Runs of `c` per pipeline call: every step for the denoiser (each of two experts its share of
+    them: Wan 2.2 A14B); the VAE decodes once per image (or clip) and encodes each input image once
+    (counted as costly as a decode, at the same size); a text encoder runs once per call."""
     if c.per_step:
-        return w.steps
+        share = prof.step_shares.get(c.name) if prof is not None else None
+        return w.steps if share is None else max(1, round(w.steps * share))
     return 1 + (w.input_images if c.name == "vae" else 0)
 
 
 def _tokens(c: ComponentProfile, prof: PipelineProfile, w: Workload) -> int:
     if c.per_step:
         own = (w.width // (prof.vae_scale * prof.patch)) * (w.height // (prof.vae_scale * prof.patch))
-        # an edit model's input images, at the image's size, add as many tokens each
-        return own * (1 + (w.input_images if w.in_sequence else 0))
+        # a clip's tokens are every latent frame's; an edit model's input images, at the image's
+        # size, add as many tokens each
+        frames = latent_frames(w.frames, prof.vae_temporal)
+        return own * frames * (1 + (w.input_images if w.in_sequence else 0))
     if c.name == "vae":
-        return w.width * w.height // 16
+        return w.width * w.height // 16 * max(w.frames, 1)
     return TEXT_TOKENS.get(c.cls, 77)
 
 
 def _activations(c: ComponentProfile, prof: PipelineProfile, w: Workload) -> int:
-    """Estimated activation bytes per image while `c` runs."""
+    """Estimated activation bytes per image (or clip) while `c` runs. A video VAE decodes one latent
+    frame at a time (Wan's causal cache): its feature maps are one latent frame's output frames,
+    plus the decoded clip itself held at float32 until it is post-processed."""
     if c.name == "vae":
-        return w.width * w.height * prof.vae_channels * (prof.vae_dtype_bytes or prof.dtype_bytes) * VAE_ACT_FACTOR
+        per_frame = w.width * w.height * prof.vae_channels * (prof.vae_dtype_bytes or prof.dtype_bytes) * VAE_ACT_FACTOR
+        if not w.frames:
+            return per_frame
+        return per_frame * prof.vae_temporal + w.frames * w.width * w.height * 3 * 4
     cfg = 2 if c.per_step and w.cfg else 1
-    return _tokens(c, prof, w) * max(c.hidden, 1) * prof.dtype_bytes * ACT_FACTOR * cfg
+    factor = VIDEO_ACT_FACTOR if w.frames and c.per_step else ACT_FACTOR
+    return _tokens(c, prof, w) * max(c.hidden, 1) * prof.dtype_bytes * factor * cfg
 
 
 def _call_seconds(
     c: ComponentProfile, p: Placement, prof: PipelineProfile, w: Workload, d: DeviceSpec, batch: int
 ) -> float:
     """Seconds `c` takes in one pipeline call of `batch` images."""
-    forwards = _forwards(c, w)
-    cfg = 2 if c.per_step and w.cfg else 1
+    forwards = _forwards(c, w, prof)
+    cfg = 2 if c.per_step and (w.cfg or w.cfg_calls) else 1
     slowdown = spec(c.fmt).slowdown if c.fmt != NONE else 1.0  # dequantization (quantize.py's sources)
-    compute = 2 * c.params * _tokens(c, prof, w) * cfg * batch * slowdown / d.flops + FORWARD_SECONDS
+    tokens = _tokens(c, prof, w)
+    flops = 2 * c.params * tokens
+    if c.per_step and "Transformer" in c.cls:  # attention over every token in every block (a UNet's runs on
+        # its downsampled levels only: not counted): scores and weighted sum, 4 x tokens^2 x width (a clip's dominate)
+        flops += 4 * tokens**2 * max(c.hidden, 1) * len(c.blocks)
+    compute = flops * cfg * batch * slowdown / d.flops + FORWARD_SECONDS
     if p.mode == "resident":
         return forwards * compute
     if p.disk:
@@ -216,8 +241,9 @@ def _options(
     out = []
     for fmt in _formats(name, device, w):
         c = prof.variant(name, fmt)
-        acts = _activations(c, prof, w) * batch
-        forwards = _forwards(c, w)
+        # a video VAE decodes one clip at a time (workers enable its slicing): its activations are one clip's
+        acts = _activations(c, prof, w) * (1 if c.name == "vae" and w.frames else batch)
+        forwards = _forwards(c, w, prof)
         load = 0 if w.loaded else c.bytes if fmt != NONE and spec(fmt).at_load else prof.components[name].bytes
         for p in _candidates(c, device, w.offload):
             off = p.mode != "resident"

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 from fleetgen.errors import OffloadError
 from fleetgen.units import format_size
-from offload.cost import MARGIN, DeviceSpec, Placement, Workload, _activations, _ideal, _Option, _options
+from offload.cost import MARGIN, DeviceSpec, Placement, Workload, _activations, _floor, _ideal, _Option, _options
 from offload.formats import NONE
 from offload.profile import PipelineProfile
 from offload.search import _combos
@@ -239,7 +239,30 @@ def _reason(prof, device, w, placements, batch, peak, resident_peak, host, binds
         )
     cap = "`--max-batch`" if batch == w.max_batch else "memory"
     bound = " and ".join(binds) if binds else "neither budget (a larger one would not be faster)"
-    return f"{head}; batch {batch} (limited by {cap}); predicted peak {format_size(peak)} ({limit}); binds: {bound}"
+    return (
+        f"{head}; batch {batch} (limited by {cap}); predicted peak {format_size(peak)} ({limit}); binds: {bound}"
+        + _video_note(prof, w, placements, formats, batch)
+    )
+
+
+def _video_note(prof, w, placements, formats, batch) -> str:
+    """For a clip: what runs when (two experts on alternate step ranges, one live at a time) and
+    the VAE's decode of every frame, often the peak."""
+    if not w.frames:
+        return ""
+    notes = []
+    if prof.step_shares:
+        shares = ", ".join(f"{n} {share:.0%} of the steps" for n, share in prof.step_shares.items())
+        notes.append(f"two experts alternate ({shares}); an offloaded one is on the device only for its steps")
+    if "vae" in prof.components:
+        vae = prof.variant("vae", formats.get("vae", NONE))
+        decode = _floor(vae, placements["vae"]) + _activations(vae, prof, w)  # one clip at a time (sliced)
+        if placements["vae"].mode == "resident":
+            decode += vae.bytes
+        notes.append(
+            f"the VAE decodes one clip at a time: {w.frames} frames at {w.width}x{w.height} hold {format_size(decode)}"
+        )
+    return "; " + "; ".join(notes) if notes else ""
 
 
 def resident_plan(names: list[str], batch_size: int, reason: str) -> OffloadPlan:

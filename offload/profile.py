@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from fleetgen.latents import denoiser_patch, vae_scale
+from fleetgen.latents import denoiser_patch, expert_shares, vae_scale, vae_temporal
 from offload.formats import FLOAT8, LAYERS, NONE, spec
 from offload.quantize import stored_sizes
 
@@ -62,6 +62,9 @@ class PipelineProfile:
     vae_dtype_bytes: int = 0  # bytes per value of the VAE's decode (4 when the pipeline upcasts it); 0: dtype_bytes
     # {component: {format: the component counted in that format}} for the formats it could be given
     variants: dict[str, dict[str, ComponentProfile]] = field(default_factory=dict)
+    vae_temporal: int = 1  # video VAEs: frames per latent frame after the first (Wan: 4)
+    # denoisers that run on alternate step ranges (Wan 2.2 A14B's experts): {name: share of the steps}
+    step_shares: dict[str, float] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -234,11 +237,14 @@ def profile_modules(
     dtype: torch.dtype,
     vae_upcast: bool = False,
     formats: tuple[str, ...] = (),
+    pipeline_config: dict | None = None,
 ) -> PipelineProfile:
     """`vae_upcast`: the pipeline runs its VAE in float32 when the run dtype is float16 and the VAE's
     config says `force_upcast` (the family says whether its pipeline does: SDXL's does). `formats`:
     storage formats to count each component in too, where the format serves it (the planner's
-    `variants`)."""
+    `variants`). `pipeline_config`: the pipeline's own settings (model_index.json's plain values) and
+    its scheduler's `flow_shift`, where two experts share the steps (Wan 2.2's `boundary_ratio`)."""
+    pipeline_config = pipeline_config or {}
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     vae = modules.get("vae")
     denoiser = next((modules[n] for n in PER_STEP if n in modules), None)
@@ -259,6 +265,14 @@ def profile_modules(
         vae_scale=vae_scale(vae_config) if vae_config else 8,
         vae_channels=vae_blocks[0] or vae_config.get("base_dim") or 128,
         patch=denoiser_patch(type(denoiser).__name__, dict(getattr(denoiser, "config", None) or {})),
+        vae_temporal=vae_temporal(vae_config) if vae_config else 1,
+        step_shares={
+            n: share
+            for n, share in expert_shares(
+                pipeline_config.get("boundary_ratio"), pipeline_config.get("flow_shift")
+            ).items()
+            if n in modules
+        },
         variants={
             n: {f: profile_component(n, m, dtype_bytes, fmt=f) for f in formats if n in spec(f).components}
             for n, m in modules.items()
@@ -276,4 +290,6 @@ def profile_pipeline(pipe, model: str = "", vae_upcast: bool = False, formats: t
         (p.dtype for m in ordered for p in m.parameters() if p.is_floating_point() and p.dtype not in FLOAT8),
         torch.float32,
     )  # float8 is a storage format (`--quantize`), never the run dtype
-    return profile_modules(model or getattr(pipe, "name_or_path", ""), modules, dtype, vae_upcast, formats)
+    settings = {"boundary_ratio": getattr(getattr(pipe, "config", None), "boundary_ratio", None)}
+    settings["flow_shift"] = getattr(getattr(getattr(pipe, "scheduler", None), "config", None), "flow_shift", None)
+    return profile_modules(model or getattr(pipe, "name_or_path", ""), modules, dtype, vae_upcast, formats, settings)

@@ -108,5 +108,9 @@ class Family:
             return self.guided(guidance, true_cfg_scale)
         return self.cfg_batched and self.guided(guidance, true_cfg_scale)
 
+    def calls_twice(self, guidance: float, true_cfg_scale: float | None) -> bool:
+        """Whether the second pass is a denoiser call of its own (twice the compute per step)."""
+        return self.guided(guidance, true_cfg_scale) and not self.doubles_batch(guidance, true_cfg_scale)
+
     def to_dict(self) -> dict:
         return asdict(self)

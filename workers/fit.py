@@ -113,6 +113,8 @@ class FittedPipeline:
         self.task = self.family.task(source.task) or Task(source.task, "")
         self.pipe = as_task(self.pipe, self.task, tag)
         self.pipe.set_progress_bar_config(disable=True)
+        if self.task.video and hasattr(getattr(self.pipe, "vae", None), "enable_slicing"):
+            self.pipe.vae.enable_slicing()  # one clip's decode at a time, on every worker (the planner counts so)
         # {component: format} as applied: at load, or already held by a pipeline given quantized
         self.quantized: dict[str, str] = {**held(pipeline_modules(self.pipe)), **at_load}
         self.takes_negative = takes_negative_prompt(self.pipe)
@@ -141,6 +143,8 @@ class FittedPipeline:
             "formats": self._formats,
             "input_images": w.input_images,
             "in_sequence": w.in_sequence,
+            "frames": w.num_frames,
+            "cfg_calls": self.family.calls_twice(w.guidance, w.true_cfg_scale),
         }
         self.plan = choose_plan(
             self.profile,
@@ -194,6 +198,8 @@ class FittedPipeline:
             {},
             w.input_images,
             w.in_sequence,
+            w.num_frames,
+            self.family.calls_twice(w.guidance, w.true_cfg_scale),
         )
         return at_load_formats(str(Path(source.model).expanduser()), self.dtype, spec_, work, self.family.upcasts_vae)
 

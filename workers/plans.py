@@ -57,9 +57,10 @@ def at_load_formats(model_dir: str, dtype: torch.dtype, device: DeviceSpec, work
     with the loading peak counted — {component: format} of that plan's at-load formats, which the
     worker then loads with. Where nothing fits even so, none: the worker's own plan says why."""
     from offload import profile_modules
-    from offload.architectures import build_on_meta
+    from offload.architectures import build_on_meta, pipeline_settings
 
-    prof = profile_modules(model_dir, build_on_meta(model_dir), dtype, vae_upcast=vae_upcast, formats=device.formats)
+    modules, settings = build_on_meta(model_dir), pipeline_settings(model_dir)
+    prof = profile_modules(model_dir, modules, dtype, vae_upcast, device.formats, settings)
     try:
         chosen = plan(prof, device, replace(work, quantize="auto", loaded=False))
     except OffloadError:
@@ -81,6 +82,8 @@ def planner_workload(
     fixed: dict,
     input_images: int = 0,
     in_sequence: bool = False,
+    frames: int = 0,
+    cfg_calls: bool = False,
 ) -> PlannerWorkload:
     # a worker plans a pipeline already loaded: its loading peak is past
     return PlannerWorkload(
@@ -95,6 +98,8 @@ def planner_workload(
         fixed=tuple(sorted(fixed.items())),
         input_images=input_images,
         in_sequence=in_sequence,
+        frames=frames,
+        cfg_calls=cfg_calls,
     )
 
 
@@ -133,6 +138,8 @@ def choose_plan(
     fixed: dict | None = None,
     input_images: int = 0,
     in_sequence: bool = False,
+    frames: int = 0,
+    cfg_calls: bool = False,
 ) -> OffloadPlan:
     """On a CPU worker with no `--gpu-memory` and `--offload auto|none`, everything is resident at
     `--max-batch` (a `--quantize` mapping applied as given; `auto` has no budget to fit, so keeps
@@ -148,7 +155,9 @@ def choose_plan(
     return plan(
         profile,
         device_spec(device, probe, gpu_memory, host_memory, formats),
-        planner_workload(offload, max_batch, width, height, steps, cfg, quantize, fixed, input_images, in_sequence),
+        planner_workload(
+            offload, max_batch, width, height, steps, cfg, quantize, fixed, input_images, in_sequence, frames, cfg_calls
+        ),
     )
 
 
@@ -169,13 +178,17 @@ def leaner_plan(
     fixed: dict | None = None,
     input_images: int = 0,
     in_sequence: bool = False,
+    frames: int = 0,
+    cfg_calls: bool = False,
 ) -> OffloadPlan:
     """After an out-of-memory error at batch 1: plan for ever smaller budgets until the placement
     changes; `OffloadError` when even the leanest plan does not fit. A step that goes from the
     current placement straight to "nothing fits" (where activations, not weights, fill the budget)
     is bisected for the budgets between, where a leaner placement may still fit."""
     high = current.budget or probe.get("free_bytes") or probe["host_available_bytes"]
-    work = planner_workload(offload, 1, width, height, steps, cfg, quantize, fixed or {}, input_images, in_sequence)
+    work = planner_workload(
+        offload, 1, width, height, steps, cfg, quantize, fixed or {}, input_images, in_sequence, frames, cfg_calls
+    )
 
     def at(budget: int) -> OffloadPlan:
         return plan(profile, device_spec(device, probe, budget, host_memory, formats), work)

@@ -54,6 +54,17 @@ def torch_components(root: Path) -> dict[str, tuple[str, type]]:
     return out
 
 
+def pipeline_settings(model: str) -> dict:
+    """The pipeline's own plain settings (model_index.json: Wan 2.2's `boundary_ratio`) and its
+    scheduler's `flow_shift`, where the directory has them: what profile_modules plans two experts by."""
+    root = resolve(model)
+    settings = {k: v for k, v in json.loads((root / "model_index.json").read_text()).items() if not k.startswith("_")}
+    scheduler = root / "scheduler" / "scheduler_config.json"
+    if scheduler.exists():
+        settings["flow_shift"] = json.loads(scheduler.read_text()).get("flow_shift")
+    return {k: v for k, v in settings.items() if not isinstance(v, list)}
+
+
 def build_on_meta(model: str) -> dict[str, torch.nn.Module]:
     """The pipeline's torch components built from their configs on the `meta` device: the real
     module structure and parameter shapes, no memory, no weights read."""

@@ -163,3 +163,27 @@ def test_encoding_is_deterministic_and_reads_back_fractional_rates():
         assert clip.fps == pytest.approx(23.976, abs=1e-3)
     with pytest.raises(ValueError, match="not a readable clip"):
         read_clip(b"not a clip")
+
+
+@pytest.mark.parametrize("offload", ["block", "leaf"])
+def test_group_offloading_keeps_the_clips_bytes(offload, wan, tmp_path):
+    rows = {"id": ["a", "b"], "prompt": ["a cat", "a dog"]}
+    resident, _ = run(wan["wan2.2"], tmp_path, rows, family="wan2.2", name="resident")
+    worker_offload = run_offloaded(wan["wan2.2"], tmp_path, rows, offload)
+    assert {k: r["sha256"] for k, r in worker_offload.items()} == {k: r["sha256"] for k, r in resident.items()}
+
+
+def run_offloaded(model, tmp_path, rows, offload):
+    path = tmp_path / "o.parquet"
+    pq.write_table(pa.table(rows), path)
+    files = [read_footer(str(path))]
+    s = GenerationSettings(task="text-to-video", family="wan2.2", **{**FAST, "output_format": "files"})
+    out = tmp_path / offload
+    spec = WorkerSpec("w0", str(model), str(out), s, resolve_columns(files, Columns()), max_batch=4, device="cpu")
+    worker = Worker(WorkerSpec(**{**spec.__dict__, "threads": 1, "offload": offload, "gpu_memory": 1 << 30}))
+    try:
+        assert set(worker.plan.to_dict()["modes"].values()) != {"resident"}
+        worker.run_shard(plan_shards(files, 100)[0])
+    finally:
+        worker.close()
+    return {r["id"]: r for r in pq.read_table(out / "shards" / "shard-00000.parquet").to_pylist()}
