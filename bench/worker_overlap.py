@@ -8,6 +8,12 @@ thread (`workers/worker.py`, `WRITE_AHEAD` batches), alternating. Reported per r
 the share of the worker's time spent outside pipeline calls.
 
     python bench/worker_overlap.py [--images 48] [--call 1.0] [--rounds 2] [--json out.json]
+
+`--video`: the stand-in returns a clip of 81 frames at 832x480 (Wan's 480p) per call, with
+moving photo-like content (a textured gradient panning, what x264's motion search meets in real
+footage), encoded to MP4 on the writer thread as a video job's are:
+
+    python bench/worker_overlap.py --video --images 24 --call 2.0
 """
 
 from __future__ import annotations
@@ -29,12 +35,24 @@ SIDE = 1024
 BATCH = 4
 
 
-class StandIn:
-    """A pipeline call of fixed duration returning photo-like images (what a GPU returns)."""
+FRAMES, VIDEO_SIZE = 81, (832, 480)
 
-    def __init__(self, seconds: float):
-        self.seconds = seconds
+
+class StandIn:
+    """A pipeline call of fixed duration returning photo-like images (what a GPU returns), or clips."""
+
+    def __init__(self, seconds: float, video: bool = False):
+        self.seconds, self.video = seconds, video
         rng = np.random.default_rng(0)
+        if video:
+            w, h = VIDEO_SIZE
+            ramp = np.linspace(0, 200, w + 4 * FRAMES, dtype=np.float32)[None, :, None]
+            texture = (
+                ramp + np.linspace(0, 50, h, dtype=np.float32)[:, None, None] + rng.normal(0, 6, (h, w + 4 * FRAMES, 3))
+            )
+            texture = np.clip(texture, 0, 255).astype(np.uint8)
+            self.clip = [Image.fromarray(np.ascontiguousarray(texture[:, 4 * i : 4 * i + w])) for i in range(FRAMES)]
+            return
         ramp = np.linspace(0, 200, SIDE, dtype=np.float32)
         base = (ramp[None, :, None] + ramp[:, None, None] * 0.2) * np.ones((1, 1, 3), np.float32)
         self.frames = [
@@ -51,16 +69,18 @@ class StandIn:
         generator=None,
         output_type="pil",
         negative_prompt=None,
+        num_frames=None,
     ):
         time.sleep(self.seconds)
+        made = [self.clip] * len(prompt) if self.video else self.frames[: len(prompt)]
 
         class Out:
-            images = self.frames[: len(prompt)]
+            images = frames = made
 
         return Out()
 
 
-def run(model: str, prompts: str, out: str, call: float, depth: int) -> dict:
+def run(model: str, prompts: str, out: str, call: float, depth: int, video: bool = False) -> dict:
     from jobs.sharding import plan_shards, read_footer, resolve_columns
     from workers.shard import Columns
     from workers.spec import GenerationSettings, WorkerSpec
@@ -69,18 +89,29 @@ def run(model: str, prompts: str, out: str, call: float, depth: int) -> dict:
 
     files = [read_footer(prompts)]
     settings = GenerationSettings(steps=1, guidance=0.0, width=SIDE, height=SIDE)
+    if video:
+        w, h = VIDEO_SIZE
+        kind = {"task": "text-to-video", "family": "wan", "num_frames": FRAMES, "fps": 16.0}
+        settings = GenerationSettings(steps=1, guidance=0.0, width=w, height=h, **kind)
     worker = Worker(
         WorkerSpec(
-            "w0", model, out, settings, resolve_columns(files, Columns()), max_batch=BATCH, device="cpu", threads=1
+            "w0",
+            model,
+            out,
+            settings,
+            resolve_columns(files, Columns()),
+            max_batch=1 if video else BATCH,  # a clip per call, as Wan on one GPU makes them
+            device="cpu",
+            threads=1,
         )
     )
-    worker.fitted.pipe = StandIn(call)
+    worker.fitted.pipe = StandIn(call, video)
     worker._writer = Writer(depth)
     (shard,) = plan_shards(files, 10_000)
     started = time.perf_counter()
     result = worker.run_shard(shard)
     total = time.perf_counter() - started
-    inside = worker.stats["generate_seconds"]
+    inside = worker.fitted.seconds  # wall time inside pipeline calls
     worker.close()
     return {
         "depth": depth,
@@ -96,6 +127,7 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=48)
     parser.add_argument("--call", type=float, default=1.0, help="seconds per pipeline call of 4 images")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--video", action="store_true", help="clips of 81 frames at 832x480, one per call")
     parser.add_argument("--json")
     args = parser.parse_args()
     from tests.conftest import write_prompts
@@ -103,19 +135,20 @@ def main() -> None:
     from workers.writer import WRITE_AHEAD
 
     tmp = Path(tempfile.mkdtemp(prefix="fleetgen-bench-overlap-"))
-    model = str(write_tiny_model(tmp / "tiny"))
+    model = str(write_tiny_model(tmp / "tiny", family="wan" if args.video else "sd"))
     prompts = str(write_prompts(tmp / "p.parquet", [f"image {i}" for i in range(args.images)]))
     runs = []
     for r in range(args.rounds):
         for depth in (0, WRITE_AHEAD):
-            runs.append({"round": r, **run(model, prompts, str(tmp / f"out-{r}-{depth}"), args.call, depth)})
+            out = str(tmp / f"out-{r}-{depth}")
+            runs.append({"round": r, **run(model, prompts, out, args.call, depth, args.video)})
             print(json.dumps(runs[-1]), flush=True)
     inline = [x for x in runs if x["depth"] == 0]
     overlap = [x for x in runs if x["depth"] != 0]
     summary = {
         "call_seconds": args.call,
-        "batch": BATCH,
-        "side": SIDE,
+        "batch": 1 if args.video else BATCH,
+        "size": f"{FRAMES} frames of {VIDEO_SIZE[0]}x{VIDEO_SIZE[1]}" if args.video else f"{SIDE}x{SIDE}",
         "images": args.images,
         "outside_share_inline": statistics.median(x["outside_share"] for x in inline),
         "outside_share_overlapped": statistics.median(x["outside_share"] for x in overlap),

@@ -135,3 +135,17 @@ def test_every_fleetgen_command_in_the_readme_parses():
             _parser().parse_args(shlex.split(line))
         except SystemExit as err:
             raise AssertionError(f"README command does not parse: fleetgen {line}") from err
+
+
+def test_making_video_runs_as_written(user_env, tmp_path):
+    _, done, namespace = walk_through("Making video", user_env, tmp_path)
+    assert "3 clips (0 row errors)" in done.stdout and "clean" in done.stdout.splitlines()[-1]
+    assert "5 frames at 16 fps (given)" in done.stderr  # the driver's log
+    assert {f.size for f in namespace["frames"]} == {(64, 48)}  # the last sample's frames, as the README decodes them
+    import webdataset as wds
+
+    from workers.video import read_clip
+
+    tar = str(tmp_path / "out" / "clips" / "data" / "shard-00000.tar")
+    clips = {s["__key__"]: read_clip(s["mp4"]) for s in wds.WebDataset(tar, shardshuffle=False)}
+    assert {k: (c.frames, c.fps) for k, c in clips.items()} == {"fox": (9, 16.0), "owl": (5, 8.0), "ship": (13, 16.0)}
