@@ -52,6 +52,7 @@ NEEDS = [
     "packaging",
     "filelock",
     "torchao",  # the int8 rows (`--quantize ...=int8`); pure Python for what they use
+    "av",  # the Wan rows' clips (PyAV: its abi3 wheel carries FFmpeg, ~35 MB)
 ]
 # A torch wheel brings these (and CUDA libraries): left out unless asked for.
 TORCH_BRINGS = [
@@ -71,7 +72,7 @@ TORCH_BRINGS = [
 # 1.15, huggingface_hub 1.33, ... — ../shared/notes/gpu-check-review.md): all the check needs but
 # diffusers (and torchao, for the int8 rows), whose wheels need nothing the image lacks. An overlay of cp311 builds
 # on its PYTHONPATH would shadow its working cp312 numpy and pyarrow.
-H200_HAS = [n for n in dict.fromkeys([*NEEDS, *TORCH_BRINGS]) if n not in ("diffusers", "torchao")]
+H200_HAS = [n for n in dict.fromkeys([*NEEDS, *TORCH_BRINGS]) if n not in ("diffusers", "torchao", "av")]
 # Never loaded by the check: removed from the overlay (globs under it).
 PRUNE = [
     "pyarrow/libarrow_flight.so*",

@@ -213,9 +213,11 @@ def build_random_pipeline(architecture: str, device: torch.device | str, dtype: 
     try:
         torch.set_default_dtype(dtype)  # initialised in `dtype`: no full-precision copy at any time
         for name, spec in index.items():
-            if name.startswith("_") or not isinstance(spec, list):
+            if name.startswith("_") or not isinstance(spec, list) or spec[0] is None:  # [null, null]: absent
                 continue
             module_cls = _component_class(*spec)
+            if module_cls is None:  # a scheduler or tokenizer named in model_index.json: made below
+                continue
             config = json.loads((root / name / "config.json").read_text())
             with torch.device(device):
                 if spec[0] == "diffusers":
