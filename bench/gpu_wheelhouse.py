@@ -217,7 +217,7 @@ def main() -> None:
         "--have",
         default=",".join(H200_HAS),
         help="packages the GPU machine has already (left out), comma-separated; default: what the "
-        "lent H200 image has (all but diffusers and torchao); a torch-only image: --have " + ",".join(TORCH_BRINGS),
+        "lent H200 image has (all but diffusers, torchao and av); a torch-only image: --have " + ",".join(TORCH_BRINGS),
     )
     parser.add_argument("--out", default="gpu-overlay.tar.xz")
     args = parser.parse_args()
