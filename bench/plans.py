@@ -8,6 +8,11 @@ enough to run (`--exhaustive-up-to` components, default 5). Predictions only: no
 
     python bench/plans.py [--host-memory 256GiB] [--budgets 16,24,48,80,141]
     python bench/plans.py --quantize [--models flux.1-dev,flux.2-dev] [--hosts 64,128]
+    python bench/plans.py --video [--host-memory 128GiB]
+
+`--video`: the shipped video architectures at their family's card (size, frames, steps), a clip per
+row: placements, batch, predicted peak, clips per hour, each plan's reason (the experts and the VAE
+decode), the seconds `plan()` took.
 
 `--quantize`: per model, host budget and device budget, the plan under `--quantize none` and under
 `--quantize auto` (every format the table has, as `fleetgen plan` assumes a CUDA GPU with the
@@ -84,6 +89,48 @@ def quantize_table(args) -> None:
                     )
 
 
+def video_table(args) -> None:
+    from jobs.planning import plan_workload
+    from offload.architectures import pipeline_settings
+
+    host = parse_size(args.host_memory, "--host-memory")
+    print("| architecture | clip | GPU | offloaded | batch | peak | clips/h | plan s |")
+    print("|---|---|---|---|---|---|---|---|")
+    notes = []
+    for name in [n for n in NAMES if read_family(HERE / n).video]:
+        work, family = plan_workload(
+            name,
+            width=None,
+            height=None,
+            steps=None,
+            guidance=None,
+            true_cfg_scale=None,
+            max_batch=args.max_batch,
+            offload="auto",
+        )
+        modules = build_on_meta(name)
+        prof = profile_modules(name, modules, DTYPES[family.dtype], pipeline_config=pipeline_settings(name))
+        clip = f"{work.frames} x {work.width}x{work.height}, {work.steps} steps"
+        for gib in (int(b) for b in args.budgets.split(",")):
+            started = time.perf_counter()
+            try:
+                p = plan(prof, DeviceSpec(budget=gib << 30, host_budget=host, flops=args.flops * 1e12), work)
+                cells = [
+                    ", ".join(f"{n} {m}" for n, m in p.modes.items() if m != "resident") or "all resident",
+                    str(p.batch_size),
+                    format_size(p.peak_bytes),
+                    f"{3600 / p.seconds_per_image:.2f}",
+                ]
+                notes.append(f"{name} at {gib} GiB: {p.reason}")
+            except OffloadError as err:
+                cells = ["nothing fits", "", "", ""]
+                notes.append(f"{name} at {gib} GiB: {err}")
+            print(f"| {name} | {clip} | {gib} GiB | " + " | ".join(cells) + f" | {time.perf_counter() - started:.3f} |")
+    print()
+    for note in notes:
+        print(f"- {note}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host-memory", default="256GiB")
@@ -94,12 +141,15 @@ def main() -> None:
         "--exhaustive-up-to", type=int, default=5, help="components: time the old search up to this many"
     )
     parser.add_argument("--quantize", action="store_true", help="the none-vs-auto table")
+    parser.add_argument("--video", action="store_true", help="the video architectures, a clip per row")
     parser.add_argument("--models", default="flux.1-dev,flux.2-dev")
     parser.add_argument("--hosts", default="64,128", help="GiB of host RAM (with --quantize)")
-    parser.add_argument("--flops", type=float, default=100, help="TFLOP/s the device computes at (with --quantize)")
+    parser.add_argument("--flops", type=float, default=100, help="TFLOP/s the device computes at (--quantize, --video)")
     args = parser.parse_args()
     if args.quantize:
         return quantize_table(args)
+    if args.video:
+        return video_table(args)
     host = parse_size(args.host_memory, "--host-memory")
     print("| architecture | components | GPU | plan | batch | peak | rel img/s | binds | plan s | exhaustive loop s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
