@@ -13,6 +13,8 @@ def vae_scale(vae: dict) -> int:
         return int(vae["spatial_compression_ratio"])
     if vae.get("scale_factor_spatial"):  # Wan 2.2's 48-channel VAE: 8 x its patch of 2
         return int(vae["scale_factor_spatial"])
+    if "spatio_temporal_scaling" in vae:  # LTX-Video: its patch x 2 per scaling stage (4 x 2^3 = 32)
+        return int(vae.get("patch_size") or 1) * 2 ** sum(bool(x) for x in vae["spatio_temporal_scaling"])
     if "temperal_downsample" in vae:
         return 2 ** len(vae["temperal_downsample"])
     return 2 ** (len(vae.get("block_out_channels") or vae.get("encoder_block_out_channels") or [0, 0, 0, 0]) - 1)
@@ -38,6 +40,8 @@ def vae_temporal(vae: dict) -> int:
         return int(vae["scale_factor_temporal"])
     if "temperal_downsample" in vae:
         return 2 ** sum(bool(x) for x in vae["temperal_downsample"])
+    if "spatio_temporal_scaling" in vae:  # LTX-Video: 1 x 2^3 = 8
+        return int(vae.get("patch_size_t") or 1) * 2 ** sum(bool(x) for x in vae["spatio_temporal_scaling"])
     return 1
 
 

@@ -15,6 +15,7 @@ from workers.tasks import (  # noqa: F401 - TASKS, TEXT and Task are this table'
     FLUX2_TASKS,
     KLEIN_TASKS,
     KONTEXT_TASKS,
+    LTX_TASKS,
     QWEN_EDIT_PLUS_TASKS,
     QWEN_EDIT_TASKS,
     QWEN_TASKS,
@@ -380,6 +381,25 @@ TABLE = (
         sizes=("1280x720", "832x480"),
         note="Wan 2.1 / 2.2 image-to-video: each clip starts at its row's image",
         **_WAN,
+    ),
+    Family(
+        "ltx-video",
+        ("LTXPipeline",),
+        steps=50,
+        guidance=3.0,
+        tasks=LTX_TASKS,
+        sizes=("704x480", "480x704"),
+        note="LTX-Video (2 B): 161 frames at 25 fps; image-to-video from the same weights",
+        **{
+            **_WAN,
+            "max_sequence_length": 128,
+            "cfg_batched": True,  # cond and uncond in one batch
+            "size_floor": 32,
+            "text_encoder": "T5-XXL, 128 tokens",
+            "frames": 161,
+            "fps": 25.0,  # the pipeline's `frame_rate` (it conditions on it) and the stored clip's
+            "frame_step": 8,
+        },
     ),
     Family("hidream", steps=50, guidance=5.0, note="HiDream-I1-Full (17 B, mixture of experts)", **_HIDREAM),
     Family("hidream-dev", steps=28, guidance=0.0, note="HiDream-I1-Dev: distilled, 28 steps, no CFG", **_HIDREAM),

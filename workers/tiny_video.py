@@ -1,11 +1,12 @@
 """Tiny random-weight video pipelines of the real classes (the sizes of diffusers' own tests,
-tests/pipelines/wan/): Wan 2.1 text-to-video, Wan 2.2's two experts, Wan image-to-video."""
+tests/pipelines/wan/ and ltx/): Wan 2.1 text-to-video, Wan 2.2's two experts, Wan image-to-video,
+LTX-Video."""
 
 from __future__ import annotations
 
 import torch
 
-from workers.tiny_parts import _evaluated, _tokenizer
+from workers.tiny_parts import _evaluated, _t5, _tokenizer
 
 
 def _umt5(tokenizer, seed: int):
@@ -83,3 +84,54 @@ def build_tiny_wan_i2v(seed: int = 0):
     from diffusers import WanImageToVideoPipeline
 
     return WanImageToVideoPipeline(**_wan_parts(seed, in_channels=36), image_encoder=None, image_processor=None)
+
+
+@_evaluated
+def build_tiny_ltx(seed: int = 0):
+    """LTX-Video: a T5 encoder, the LTX transformer (patch 1), its VAE with matching encoder and
+    decoder (4x spatial, 4x temporal here; the real one 32x and 8x)."""
+    from diffusers import (
+        AutoencoderKLLTXVideo,
+        FlowMatchEulerDiscreteScheduler,
+        LTXPipeline,
+        LTXVideoTransformer3DModel,
+    )
+
+    tokenizer = _tokenizer(model_max_length=128)
+    torch.manual_seed(seed)
+    transformer = LTXVideoTransformer3DModel(
+        in_channels=8,
+        out_channels=8,
+        patch_size=1,
+        patch_size_t=1,
+        num_attention_heads=4,
+        attention_head_dim=8,
+        cross_attention_dim=32,
+        num_layers=1,
+        caption_channels=32,
+    )
+    torch.manual_seed(seed + 1)
+    channels, scaling = (8, 8, 8, 8), (True, True, False, False)
+    vae = AutoencoderKLLTXVideo(
+        latent_channels=8,
+        block_out_channels=channels,
+        spatio_temporal_scaling=scaling,
+        layers_per_block=(1, 1, 1, 1, 1),
+        patch_size=1,
+        patch_size_t=1,
+        encoder_causal=True,
+        decoder_causal=False,
+        decoder_block_out_channels=channels,  # the decoder mirrors the encoder (its defaults are the real size)
+        decoder_spatio_temporal_scaling=scaling,
+        decoder_layers_per_block=(1, 1, 1, 1, 1),
+        decoder_inject_noise=(False,) * 5,
+        upsample_residual=(False,) * 4,
+        upsample_factor=(1,) * 4,
+    )
+    return LTXPipeline(
+        transformer=transformer,
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        text_encoder=_t5(tokenizer, seed + 2),
+        tokenizer=tokenizer,
+    )

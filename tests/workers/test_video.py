@@ -1,5 +1,5 @@
-"""Video: tiny Wan text-to-video, Wan 2.2's two experts and Wan image-to-video through a worker (no
-Ray), every clip decoded with PyAV; the three output formats read back by `webdataset` and
+"""Video: tiny Wan text-to-video, Wan 2.2's two experts, Wan image-to-video and LTX-Video (text- and
+image-to-video from one checkpoint) through a worker (no Ray), every clip decoded with PyAV; the three output formats read back by `webdataset` and
 `datasets`; per-row `num_frames` and `fps`; frame-count rules; `verify --deep` over clips."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ FAST = {"steps": 2, "guidance": 5.0, "width": 64, "height": 48, "num_frames": 5,
 @pytest.fixture(scope="module")
 def wan(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("video")
-    return {f: str(write_tiny_model(root / f, family=f)) for f in ("wan", "wan2.2", "wan-i2v")}
+    return {f: str(write_tiny_model(root / f, family=f)) for f in ("wan", "wan2.2", "wan-i2v", "ltx-video")}
 
 
 def png(color, size=(80, 60)) -> bytes:
@@ -187,3 +187,26 @@ def run_offloaded(model, tmp_path, rows, offload):
     finally:
         worker.close()
     return {r["id"]: r for r in pq.read_table(out / "shards" / "shard-00000.parquet").to_pylist()}
+
+
+def test_ltx_makes_clips_from_text_and_from_images_with_its_frame_rate(wan, tmp_path):
+    rows = {"id": ["a", "b"], "prompt": ["a cat", "a dog"], "fps": [None, 12.0]}
+    settings = {"family": "ltx-video", "num_frames": 9, "fps": 25.0, "width": 64, "height": 64}
+    manifest, out = run(wan["ltx-video"], tmp_path, rows, name="t2v", **settings)
+    for rid, fps in (("a", 25.0), ("b", 12.0)):
+        clip = read_clip((out / manifest[rid]["image"]).read_bytes())
+        assert (clip.frames, clip.fps, manifest[rid]["fps"]) == (9, fps, fps)
+    rows = {**rows, "input_image": [png((200, 30, 30)), png((30, 30, 200))], "num_frames": [9, 12]}
+    manifest, out = run(wan["ltx-video"], tmp_path, rows, task="image-to-video", name="i2v", **settings)
+    assert manifest["a"]["status"] == "ok" and manifest["a"]["inputs"][0]["role"] == "image"
+    assert "not 8k+1" in manifest["b"]["error"]  # LTX makes 8k+1 frames: 12 would be rounded
+    # the clip's rate is the pipeline's `frame_rate` (LTX conditions on it), from the row's fps
+    from workers.batches import Look
+    from workers.fit import FittedPipeline
+    from workers.spec import Source, Workload
+
+    fitted = FittedPipeline(Source(wan["ltx-video"], "ltx-video", "cpu", task="text-to-video"), Workload())
+    look = Look(64, 64, 2, 3.0, extra=(("num_frames", 9), ("fps", 12.0)))
+    kwargs = fitted._kwargs(["a cat"], [None], look, None)
+    assert (kwargs["frame_rate"], kwargs["num_frames"], kwargs["max_sequence_length"]) == (12.0, 9, 128)
+    fitted.close()
