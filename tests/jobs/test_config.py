@@ -11,7 +11,8 @@ def test_defaults_and_cli_over_file(tmp_path):
     f.write_text('input = "file.parquet"\nmodel = "from-file"\nsteps = 12\nmax-batch = 2\nguidance = 3\n')
     c = make_config({"output": "o", "model": "from-cli"}, str(f))
     assert (c.input, c.model, c.steps, c.max_batch, c.guidance) == ("file.parquet", "from-cli", 12, 2, 3.0)
-    assert c.width == 512 and c.output_format == "files"
+    # width and height: the family's (a video card's size, else 512), resolved by jobs.models
+    assert c.width is None and c.output_format == "files"
 
 
 @pytest.mark.parametrize(
