@@ -168,6 +168,7 @@ def test_second_driver_refuses_naming_the_first(tiny_model, tmp_path, ray_cluste
     assert "took over a stale lock of old-host pid 1" in log.getvalue()
 
 
+@pytest.mark.slow  # a job of its own: seconds
 def test_pathological_row_costs_only_itself(tiny_model, tmp_path):
     """A real pipeline failure injected for one prompt (a hook on the text encoder): the batch is
     retried row by row, the bad row is an error row, the rest of the shard commits."""

@@ -242,6 +242,7 @@ def test_out_of_memory_steps_down_batch_then_plan(tiny_model, shard_input, tmp_p
     assert info["step_downs"] == worker.step_downs and info["plan"]["modes"]["unet"] != "resident"
 
 
+@pytest.mark.slow  # builds a tiny SDXL: seconds
 def test_an_oom_in_the_sdxl_decode_leaves_the_vae_as_it_was(shard_input, tmp_path):
     """SDXL's pipeline casts its float16 VAE to float32 for the decode and back only on success: an
     OOM in the decode once left it float32, and every later call failed ("Input type (c10::Half)
