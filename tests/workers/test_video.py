@@ -210,3 +210,35 @@ def test_ltx_makes_clips_from_text_and_from_images_with_its_frame_rate(wan, tmp_
     kwargs = fitted._kwargs(["a cat"], [None], look, None)
     assert (kwargs["frame_rate"], kwargs["num_frames"], kwargs["max_sequence_length"]) == (12.0, 9, 128)
     fitted.close()
+
+
+def test_a_clip_that_runs_out_of_memory_steps_down_never_to_fewer_frames(wan, tmp_path):
+    """An OOM (a real torch.OutOfMemoryError, injected while the transformer is resident) halves the
+    batch, then leans the plan; every clip still has the frames asked."""
+    import torch
+
+    from offload.stats import find_groups
+
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"id": ["a", "b"], "prompt": ["a cat", "a dog"], "num_frames": [9, 9]}), path)
+    files = [read_footer(str(path))]
+    s = GenerationSettings(task="text-to-video", family="wan", **{**FAST, "output_format": "files"})
+    columns = resolve_columns(files, Columns(num_frames="num_frames"))
+    out = tmp_path / "out"
+    spec = WorkerSpec("w0", wan["wan"], str(out), s, columns, max_batch=2, device="cpu", threads=1, gpu_memory=1 << 30)
+    worker = Worker(spec)
+    assert worker.batch_size == 2 and set(worker.plan.modes.values()) == {"resident"}
+
+    def fail_while_resident(module, args):
+        if not find_groups(module):
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    worker.pipe.transformer.register_forward_pre_hook(fail_while_resident)
+    try:
+        result = worker.run_shard(plan_shards(files, 100)[0])
+    finally:
+        worker.close()
+    assert result.ok == 2 and worker.step_downs[0]["to"] == "batch 1"
+    assert worker.plan.modes["transformer"] != "resident"
+    manifest = {r["id"]: r for r in pq.read_table(out / "shards" / "shard-00000.parquet").to_pylist()}
+    assert {k: read_clip((out / r["image"]).read_bytes()).frames for k, r in manifest.items()} == {"a": 9, "b": 9}
