@@ -35,6 +35,7 @@ TEXT_TOKENS = {
     "Qwen3ForCausalLM": 512,  # FLUX.2 klein
     "Qwen3Model": 512,  # Z-Image
     "Qwen2_5_VLForConditionalGeneration": 1024,  # Qwen-Image (512 + its template), HunyuanImage (1000)
+    "Qwen2_5_VLTextModel": 1024,  # HunyuanVideo 1.5 (its text model alone)
     "LlamaForCausalLM": 128,  # HiDream
     "Gemma2Model": 300,  # Sana
 }

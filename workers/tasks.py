@@ -129,3 +129,4 @@ ZIMAGE_TASKS = (
 WAN_TASKS = (text_to_video("WanPipeline"),)
 WAN_I2V_TASKS = (image_to_video("WanImageToVideoPipeline"),)
 LTX_TASKS = (text_to_video("LTXPipeline"), image_to_video("LTXImageToVideoPipeline", batched=True))
+HUNYUANVIDEO15_TASKS = (text_to_video("HunyuanVideo15Pipeline"),)

@@ -22,7 +22,7 @@ from workers.tiny_families import (
 from workers.tiny_frontier import build_tiny_flux2, build_tiny_flux2_klein, build_tiny_qwen_image, build_tiny_z_image
 from workers.tiny_hunyuan_chroma_hidream import build_tiny_chroma, build_tiny_hidream, build_tiny_hunyuanimage
 from workers.tiny_parts import _evaluated, _tokenizer
-from workers.tiny_video import build_tiny_ltx, build_tiny_wan, build_tiny_wan_i2v
+from workers.tiny_video import build_tiny_hunyuanvideo15, build_tiny_ltx, build_tiny_wan, build_tiny_wan_i2v
 
 __all__ = [
     "SIZES",
@@ -162,6 +162,7 @@ TINY_FAMILIES = {
     "wan2.2": lambda seed: build_tiny_wan(seed, experts=2),
     "wan-i2v": build_tiny_wan_i2v,
     "ltx-video": build_tiny_ltx,
+    "hunyuanvideo-1.5": build_tiny_hunyuanvideo15,
 }
 
 

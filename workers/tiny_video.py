@@ -1,6 +1,6 @@
 """Tiny random-weight video pipelines of the real classes (the sizes of diffusers' own tests,
-tests/pipelines/wan/ and ltx/): Wan 2.1 text-to-video, Wan 2.2's two experts, Wan image-to-video,
-LTX-Video."""
+tests/pipelines/wan/, ltx/ and hunyuan_video1_5/): Wan 2.1 text-to-video, Wan 2.2's two experts,
+Wan image-to-video, LTX-Video, HunyuanVideo 1.5."""
 
 from __future__ import annotations
 
@@ -134,4 +134,94 @@ def build_tiny_ltx(seed: int = 0):
         scheduler=FlowMatchEulerDiscreteScheduler(),
         text_encoder=_t5(tokenizer, seed + 2),
         tokenizer=tokenizer,
+    )
+
+
+@_evaluated
+def build_tiny_hunyuanvideo15(seed: int = 0):
+    """HunyuanVideo 1.5 text-to-video: a Qwen2.5-VL text model and ByT5, its transformer (patch 1)
+    and VAE (4x spatial, 2x temporal here; the real one 16x and 4x), guided by its CFG guider."""
+    from diffusers import (
+        AutoencoderKLHunyuanVideo15,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideo15Pipeline,
+        HunyuanVideo15Transformer3DModel,
+    )
+    from diffusers.guiders import ClassifierFreeGuidance
+    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+
+    from workers.tiny_frontier import _chat_tokenizer
+
+    tokenizer = _chat_tokenizer()
+    torch.manual_seed(seed)
+    transformer = HunyuanVideo15Transformer3DModel(
+        in_channels=9,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        num_layers=1,
+        num_refiner_layers=1,
+        mlp_ratio=2.0,
+        patch_size=1,
+        patch_size_t=1,
+        text_embed_dim=16,
+        text_embed_2_dim=32,
+        image_embed_dim=12,
+        rope_axes_dim=(2, 2, 4),
+        target_size=16,
+        task_type="t2v",
+    )
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKLHunyuanVideo15(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        block_out_channels=(16, 16),
+        layers_per_block=1,
+        spatial_compression_ratio=4,
+        temporal_compression_ratio=2,
+        downsample_match_channel=False,
+        upsample_match_channel=False,
+    )
+    torch.manual_seed(seed + 2)
+    rope = {"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"}
+    text_encoder = Qwen2_5_VLTextModel(
+        Qwen2_5_VLTextConfig(
+            hidden_size=16,
+            intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            rope_scaling=rope,
+            rope_theta=1e6,
+            vocab_size=len(tokenizer) + 3,
+        )
+    )
+    torch.manual_seed(seed + 3)
+    text_encoder_2 = T5EncoderModel(
+        T5Config(
+            d_model=32,
+            d_kv=4,
+            d_ff=16,
+            num_layers=2,
+            num_heads=2,
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=32,
+            vocab_size=384,
+            feed_forward_proj="gated-gelu",
+            dense_act_fn="gelu_new",
+            is_encoder_decoder=False,
+            use_cache=False,
+            tie_word_embeddings=False,
+        )
+    )
+    return HunyuanVideo15Pipeline(
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=ByT5Tokenizer(),
+        guider=ClassifierFreeGuidance(guidance_scale=6.0),
     )

@@ -99,3 +99,31 @@ def test_fleetgen_plan_says_clips_per_hour(capsys):
     )
     summary, rows = plan_rows("wan2.2-ti2v-5b", BUDGETS, "64GiB", "bfloat16", work)
     assert summary["frames"] == 41 and all("error" not in r for r in rows)
+
+
+def test_hunyuanvideo15_is_planned_from_its_published_configs():
+    work, family = plan_workload(
+        "hunyuanvideo-1.5",
+        width=None,
+        height=None,
+        steps=None,
+        guidance=None,
+        true_cfg_scale=None,
+        max_batch=4,
+        offload="auto",
+    )
+    assert (family.name, work.frames, work.width, work.height, work.cfg_calls) == (
+        "hunyuanvideo-1.5",
+        121,
+        848,
+        480,
+        True,
+    )
+    summary, rows = plan_rows("hunyuanvideo-1.5", BUDGETS, "128GiB", "bfloat16", work)
+    assert round(summary["components"]["transformer"]["params"] / 1e9, 1) == 8.3  # HunyuanVideo 1.5: 8.3 B
+    assert all("error" not in r and r["peak_bytes"] <= parse_gib(r["gpu_memory"]) * 0.9 for r in rows)
+    assert "121 frames at 848x480" in rows[0]["reason"]
+
+
+def parse_gib(text: str) -> int:
+    return int(text.removesuffix("GiB")) << 30

@@ -1,5 +1,5 @@
-"""Video: tiny Wan text-to-video, Wan 2.2's two experts, Wan image-to-video and LTX-Video (text- and
-image-to-video from one checkpoint) through a worker (no Ray), every clip decoded with PyAV; the three output formats read back by `webdataset` and
+"""Video: tiny Wan text-to-video, Wan 2.2's two experts, Wan image-to-video, LTX-Video (text- and
+image-to-video from one checkpoint) and HunyuanVideo 1.5 (guided by its guider) through a worker (no Ray), every clip decoded with PyAV; the three output formats read back by `webdataset` and
 `datasets`; per-row `num_frames` and `fps`; frame-count rules; `verify --deep` over clips."""
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ FAST = {"steps": 2, "guidance": 5.0, "width": 64, "height": 48, "num_frames": 5,
 @pytest.fixture(scope="module")
 def wan(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("video")
-    return {f: str(write_tiny_model(root / f, family=f)) for f in ("wan", "wan2.2", "wan-i2v", "ltx-video")}
+    families = ("wan", "wan2.2", "wan-i2v", "ltx-video", "hunyuanvideo-1.5")
+    return {f: str(write_tiny_model(root / f, family=f)) for f in families}
 
 
 def png(color, size=(80, 60)) -> bytes:
@@ -242,3 +243,22 @@ def test_a_clip_that_runs_out_of_memory_steps_down_never_to_fewer_frames(wan, tm
     assert worker.plan.modes["transformer"] != "resident"
     manifest = {r["id"]: r for r in pq.read_table(out / "shards" / "shard-00000.parquet").to_pylist()}
     assert {k: read_clip((out / r["image"]).read_bytes()).frames for k, r in manifest.items()} == {"a": 9, "b": 9}
+
+
+def test_hunyuanvideo15_is_guided_through_its_guider(wan, tmp_path):
+    rows = {"id": ["a", "b"], "prompt": ["a cat", "a dog"]}
+    settings = {"family": "hunyuanvideo-1.5", "guidance": 3.0, "width": 32, "height": 32, "num_frames": 9}
+    manifest, out = run(wan["hunyuanvideo-1.5"], tmp_path, rows, **settings)
+    assert {k: read_clip((out / r["image"]).read_bytes()).frames for k, r in manifest.items()} == {"a": 9, "b": 9}
+    assert {r["guidance"] for r in manifest.values()} == {3.0}
+    from workers.batches import Look
+    from workers.fit import FittedPipeline
+    from workers.spec import Source, Workload
+
+    fitted = FittedPipeline(
+        Source(wan["hunyuanvideo-1.5"], "hunyuanvideo-1.5", "cpu", task="text-to-video"), Workload()
+    )
+    assert fitted.pipe.guider.guidance_scale == 6.0  # as saved
+    fitted._kwargs(["a cat"], [None], Look(32, 32, 2, 3.0, extra=(("num_frames", 9),)), None)
+    assert fitted.pipe.guider.guidance_scale == 3.0  # the job's, set on the guider before the call
+    fitted.close()
