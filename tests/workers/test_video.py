@@ -262,3 +262,44 @@ def test_hunyuanvideo15_is_guided_through_its_guider(wan, tmp_path):
     fitted._kwargs(["a cat"], [None], Look(32, 32, 2, 3.0, extra=(("num_frames", 9),)), None)
     assert fitted.pipe.guider.guidance_scale == 3.0  # the job's, set on the guider before the call
     fitted.close()
+
+
+@pytest.mark.slow  # the S3 server and two shards of retries: seconds
+@pytest.mark.parametrize("output_format", ["files", "webdataset"])
+def test_clips_to_a_flaky_s3_store_are_whole_or_not_committed(output_format, wan, faulty_store, tmp_path):
+    """Clips and posters to `s3://` through the fault-injecting proxy (5 % of requests faulted):
+    what commits is every clip, its poster and its digest; `verify --deep` over S3 finds it whole."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": faulty_store.endpoint}, key="k", secret="s")
+    bucket = f"clips-{output_format}"
+    fs.mkdirs(bucket, exist_ok=True)
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(4)], "prompt": ["a red fox"] * 4}), path)
+    files = [read_footer(str(path))]
+    s = GenerationSettings(task="text-to-video", family="wan", **{**FAST, "output_format": output_format})
+    out = f"s3://{bucket}/out"
+    spec = WorkerSpec("w0", wan["wan"], out, s, resolve_columns(files, Columns()), max_batch=2, device="cpu", threads=1)
+    worker = Worker(spec)
+    worker.output.put(
+        "job.json", json.dumps({"fingerprint": {"generation": {"output_format": output_format}}}).encode()
+    )
+    faulty_store.reset(rate=0.05, seed=3)
+    try:
+        for shard in plan_shards(files, 2):
+            for attempt in range(4):  # a shard whose store failed is retried, as the driver would
+                try:
+                    worker.run_shard(shard)
+                    break
+                except Exception:  # noqa: BLE001 - the store's fault; the next attempt redoes the shard
+                    assert attempt < 3
+    finally:
+        faults = faulty_store.faulted()
+        faulty_store.reset()
+        worker.close()
+    assert faults > 0  # the faults did happen
+    report = verify(out, deep=True)
+    assert report.clean and report.images == 4, report.to_dict()
+    if output_format == "files":
+        keys = {k.rsplit("/", 1)[-1] for k in fs.find(f"{bucket}/out/images")}
+        assert keys == {f"r{i}.{e}" for i in range(4) for e in ("mp4", "poster.jpg")}
