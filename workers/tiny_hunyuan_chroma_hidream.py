@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from workers.tiny_frontier import _qwen25_vl
-from workers.tiny_parts import _clip, _evaluated, _t5, _tokenizer, _vae
+from workers.tiny_parts import _byt5, _clip, _evaluated, _t5, _tokenizer, _vae
 
 
 @_evaluated
@@ -21,7 +21,7 @@ def build_tiny_hunyuanimage(seed: int = 0, distilled: bool = False):
         HunyuanImagePipeline,
         HunyuanImageTransformer2DModel,
     )
-    from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
+    from transformers import ByT5Tokenizer
 
     tokenizer = _tokenizer(model_max_length=1024)
     torch.manual_seed(seed)
@@ -50,24 +50,6 @@ def build_tiny_hunyuanimage(seed: int = 0, distilled: bool = False):
         spatial_compression_ratio=8,
         sample_size=128,
     )
-    torch.manual_seed(seed + 2)
-    text_encoder_2 = T5EncoderModel(
-        T5Config(
-            d_model=32,
-            d_kv=4,
-            d_ff=16,
-            num_layers=2,
-            num_heads=2,
-            relative_attention_num_buckets=8,
-            relative_attention_max_distance=32,
-            vocab_size=384,
-            feed_forward_proj="gated-gelu",
-            dense_act_fn="gelu_new",
-            is_encoder_decoder=False,
-            use_cache=False,
-            tie_word_embeddings=False,
-        )
-    )
     guiders = (
         {"guider": None, "ocr_guider": None}
         if distilled
@@ -82,7 +64,7 @@ def build_tiny_hunyuanimage(seed: int = 0, distilled: bool = False):
         scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
         text_encoder=_qwen25_vl(tokenizer, seed + 3, hidden=32),
         tokenizer=tokenizer,
-        text_encoder_2=text_encoder_2,
+        text_encoder_2=_byt5(seed + 2),
         tokenizer_2=ByT5Tokenizer(),
         **guiders,
     )

@@ -77,12 +77,14 @@ def _clip(tokenizer, seed: int, projection: bool = False, hidden: int = 32, posi
     return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config)
 
 
-def _t5(tokenizer, seed: int, d_model: int = 32):
-    from transformers import T5Config, T5EncoderModel
+def _t5(tokenizer, seed: int, d_model: int = 32, umt5: bool = False):
+    """A tiny T5 encoder (`umt5`: UMT5, Wan's, the same shape with per-layer relative positions)."""
+    from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
 
     torch.manual_seed(seed)
-    return T5EncoderModel(
-        T5Config(
+    config, model = (UMT5Config, UMT5EncoderModel) if umt5 else (T5Config, T5EncoderModel)
+    return model(
+        config(
             vocab_size=len(tokenizer),
             d_model=d_model,
             d_kv=8,
@@ -110,4 +112,28 @@ def _vae(seed: int, **kw):
         norm_num_groups=32,
         sample_size=32,
         **kw,
+    )
+
+
+def _byt5(seed: int):
+    """A tiny ByT5 encoder (HunyuanImage's and HunyuanVideo 1.5's glyph encoder; 384 byte ids)."""
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(seed)
+    return T5EncoderModel(
+        T5Config(
+            d_model=32,
+            d_kv=4,
+            d_ff=16,
+            num_layers=2,
+            num_heads=2,
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=32,
+            vocab_size=384,
+            feed_forward_proj="gated-gelu",
+            dense_act_fn="gelu_new",
+            is_encoder_decoder=False,
+            use_cache=False,
+            tie_word_embeddings=False,
+        )
     )

@@ -6,26 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.tiny_parts import _evaluated, _t5, _tokenizer
-
-
-def _umt5(tokenizer, seed: int):
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    torch.manual_seed(seed)
-    return UMT5EncoderModel(
-        UMT5Config(
-            vocab_size=len(tokenizer),
-            d_model=32,
-            d_kv=8,
-            d_ff=64,
-            num_layers=2,
-            num_heads=4,
-            decoder_start_token_id=0,
-            pad_token_id=1,
-            eos_token_id=1,
-        )
-    )
+from workers.tiny_parts import _byt5, _evaluated, _t5, _tokenizer
 
 
 def _wan_parts(seed: int, in_channels: int = 16, experts: int = 1) -> dict:
@@ -59,7 +40,7 @@ def _wan_parts(seed: int, in_channels: int = 16, experts: int = 1) -> dict:
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
     parts = {
         "tokenizer": tokenizer,
-        "text_encoder": _umt5(tokenizer, seed + 10),
+        "text_encoder": _t5(tokenizer, seed + 10, umt5=True),
         "vae": vae,
         "transformer": transformers[0],
         "scheduler": scheduler,
@@ -148,7 +129,7 @@ def build_tiny_hunyuanvideo15(seed: int = 0):
         HunyuanVideo15Transformer3DModel,
     )
     from diffusers.guiders import ClassifierFreeGuidance
-    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
 
     from workers.tiny_frontier import _chat_tokenizer
 
@@ -197,31 +178,13 @@ def build_tiny_hunyuanvideo15(seed: int = 0):
             vocab_size=len(tokenizer) + 3,
         )
     )
-    torch.manual_seed(seed + 3)
-    text_encoder_2 = T5EncoderModel(
-        T5Config(
-            d_model=32,
-            d_kv=4,
-            d_ff=16,
-            num_layers=2,
-            num_heads=2,
-            relative_attention_num_buckets=8,
-            relative_attention_max_distance=32,
-            vocab_size=384,
-            feed_forward_proj="gated-gelu",
-            dense_act_fn="gelu_new",
-            is_encoder_decoder=False,
-            use_cache=False,
-            tie_word_embeddings=False,
-        )
-    )
     return HunyuanVideo15Pipeline(
         text_encoder=text_encoder,
         tokenizer=tokenizer,
         transformer=transformer,
         vae=vae,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
-        text_encoder_2=text_encoder_2,
+        text_encoder_2=_byt5(seed + 3),
         tokenizer_2=ByT5Tokenizer(),
         guider=ClassifierFreeGuidance(guidance_scale=6.0),
     )
