@@ -90,7 +90,7 @@ def run_job(
             rows_done=sum(s.length for s in shards if s.id in listing and s.id not in redone),
             stream=progress_stream,
             interval=progress_interval,
-            unit="clip" if family.task(config.task) and family.task(config.task).video else "image",
+            unit="clip" if config.settings().task_spec().video else "image",
         )
         lock.say = progress.log
         progress.log(describe(config, family, sources))

@@ -9,6 +9,7 @@ from jobs.fleet import fleet_lines
 from jobs.lock import live_lock
 from jobs.state import shard_counts
 from workers.layout import FLEET, JOB, SUCCESS, SUMMARY, WORKERS
+from workers.spec import makes_clips
 from workers.storage import Output
 
 
@@ -64,7 +65,7 @@ def job_state(url: str) -> dict:
 
 def status_text(state: dict) -> str:
     fp = state["job"]["fingerprint"]
-    clips = bool(fp["generation"].get("num_frames"))  # a video task: counts are clips
+    clips = makes_clips(fp["generation"])  # a video task: counts are clips
     unit = "clips" if clips else "images"
     lines = [
         f"job at {state['url']}: model {fp['model']}",

@@ -12,6 +12,7 @@ from jobs.inspect import job_state
 from jobs.state import read_manifests
 from workers.formats import get_format
 from workers.layout import IMAGE_FORMATS, POSTER, beside
+from workers.spec import makes_clips
 from workers.storage import Output
 
 SAMPLE = 24  # images on the contact sheet
@@ -172,7 +173,7 @@ def write_report(url: str) -> str:
     out = Output(url)
     sample = sample_images(out, state["counts"])
     generation = state["job"]["fingerprint"]["generation"]
-    video = bool(generation.get("num_frames"))  # resolved for every video task
+    video = makes_clips(generation)
     fmt = get_format(generation["output_format"])
     sources = _sources(out, fmt, sample, IMAGE_FORMATS.get(generation["image_format"], "png"), video)
     thumbs = _input_thumbs(sample)

@@ -71,6 +71,12 @@ class GenerationSettings:
         )
 
 
+def makes_clips(generation: dict) -> bool:
+    """Whether a job's recorded generation settings (job.json's fingerprint) are a video task's:
+    every video task has its frames resolved, no image task has any."""
+    return bool(generation.get("num_frames"))
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """Everything a worker needs to start; picklable, so Ray can ship it to an actor."""
