@@ -205,7 +205,7 @@ class Run:
         self.build_seconds = round(time.perf_counter() - started, 1)
 
     def worker(
-        self, offload: str, budget: int | None, max_batch: int, images: int, quantize: str = "none"
+        self, offload: str, budget: int | None, max_batch: int, images: int, quantize: str = "none", cache: str = "none"
     ) -> tuple[Worker, list]:
         self.count += 1
         shards, columns = write_prompts(self.tmp / f"{self.model}-{self.count}.parquet", images)
@@ -213,7 +213,7 @@ class Run:
             name=f"w{self.count}",
             model=self.model,
             output=str(self.tmp / f"out-{self.model}-{self.count}"),
-            settings=dataclasses.replace(self.settings, quantize=quantize),
+            settings=dataclasses.replace(self.settings, quantize=quantize, cache=cache),
             columns=columns,
             max_batch=max_batch,
             device=str(self.device),
@@ -232,15 +232,18 @@ class Run:
             cap = min(1.0, max(budget - self.overhead, 0) / self.total) if budget else 1.0
             torch.cuda.set_per_process_memory_fraction(cap)
 
-    def measure(self, label: str, offload: str, budget: int | None, quantize: str = "none") -> dict:
+    def measure(
+        self, label: str, offload: str, budget: int | None, quantize: str = "none", cache: str = "none"
+    ) -> dict:
         """The planner's choice for `budget` (None: all resident) run on one shard, as a job runs it.
-        `quantize` applies a format to the given pipeline in place (it stays: quantized rows run last)."""
-        row = {"model": self.model, "run": label, "budget_bytes": budget, "quantize": quantize}
+        `quantize` applies a format to the given pipeline in place (it stays: quantized rows run last);
+        `cache` a step cache (its hooks are removed when the worker closes)."""
+        row = {"model": self.model, "run": label, "budget_bytes": budget, "quantize": quantize, "cache": cache}
         self.limit(budget)
         worker = None
         try:
             images = min(self.args.images, 2) if self.video else self.args.images  # clips take minutes
-            worker, shards = self.worker(offload, budget, self.args.max_batch, images, quantize)
+            worker, shards = self.worker(offload, budget, self.args.max_batch, images, quantize, cache)
             if self.cuda:
                 torch.cuda.reset_peak_memory_stats(self.device)
             result = worker.run_shard(shards[0])
@@ -276,6 +279,7 @@ class Run:
             step_downs=info["step_downs"],
             quantized=info["quantized"],
             weight_bytes=info["weight_bytes"],
+            cache_counts=info["cache"],
         )
         if predicted_peak and allocated:
             row["measured_over_predicted_peak"] = round(allocated / predicted_peak, 3)
@@ -342,6 +346,45 @@ class Run:
 # files, which this check's in-memory random pipelines are not: their rows say so.
 QUANTIZED_FORMATS = ("fp8", "int8", "nf4")
 QUANTIZED_BUDGETS = ("16", "24")  # GiB
+
+
+# The step-cache rows: First Block Cache at ParaAttention's FLUX.1-dev threshold (1.4x at LPIPS ~0.08
+# published), all resident and at the 24 GiB budget (block offload under it: skipped blocks should
+# move nothing), beside an uncached row at its batch of 1 — a first-block cache makes one image per call.
+CACHES = ("first-block:0.08",)
+
+
+def cache_rows(run: Run, jobs: list, results, started: float) -> None:
+    from workers.caching import pipeline_refusal
+
+    why = pipeline_refusal(type(run.pipe).__name__, False, "first-block")
+    targets = [jobs[0], *[j for j in jobs if j[0].split()[0] == "24"]]
+    for cache in CACHES:
+        if why:
+            results.add({"model": run.model, "run": f"cache {cache}", "cache": cache, "skipped": why})
+            continue
+        for label, offload, budget in targets:
+            plain = None
+            for this in ("none", cache):
+                name = f"cache {this}, {label}, batch 1"
+                if time.perf_counter() - started > run.args.time_limit:
+                    results.add(
+                        {"model": run.model, "run": name, "skipped": f"--time-limit {run.args.time_limit:g} s reached"}
+                    )
+                    continue
+                max_batch, run.args.max_batch = run.args.max_batch, 1
+                try:
+                    row = run.measure(name, offload, budget, cache=this)
+                except Exception as err:  # noqa: BLE001 - recorded; the next row runs
+                    row = {"model": run.model, "run": name, "budget_bytes": budget, **failure(err)}
+                    run.limit(None)
+                finally:
+                    run.args.max_batch = max_batch
+                if this == "none":
+                    plain = row
+                elif (plain or {}).get("images_per_second") and row.get("images_per_second"):
+                    row["vs_uncached"] = round(row["images_per_second"] / plain["images_per_second"], 3)
+                results.add(row)
 
 
 def quantized_rows(run: Run, jobs: list, denoiser: str, resident: dict, results, started: float) -> None:
@@ -468,7 +511,12 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"{r['model']:12s} {r['run']:16s} {modes[:38]:38s} {r['batch']:5d}  {peak_text:23s} {reserved:9s} "
             f"{(sp['measured'] or 0):7.3f} {ratio if ratio is not None else '-':>9}  "
-            f"{r['average_h2d_gb_per_s']:12.1f}  {r.get('vs_resident', '-')}"
+            f"{r['average_h2d_gb_per_s']:12.1f}  {r.get('vs_resident', r.get('vs_uncached', '-'))}"
+            + (
+                f"  skipped {r['cache_counts']['skipped_share']:.0%}"
+                if (r.get("cache_counts") or {}).get("skipped_share") is not None
+                else ""
+            )
         )
     return "\n".join(lines)
 
@@ -597,6 +645,7 @@ def main() -> None:
                 elif resident.get("images_per_second") and row.get("images_per_second"):
                     row["vs_resident"] = round(row["images_per_second"] / resident["images_per_second"], 3)
                 results.add(row)
+            cache_rows(run, jobs, results, started)
             quantized_rows(run, jobs, denoiser, resident, results, started)
             del run
             release_host_cache()

@@ -72,6 +72,11 @@ def _parser() -> argparse.ArgumentParser:
         default="none",
         help="none | auto | COMPONENT=FORMAT,... (fp8, int8, nf4, bnb-int8, gguf:PATH): formats to plan with",
     )
+    pl.add_argument(
+        "--cache",
+        default="none",
+        help="none | first-block[:THRESHOLD] | taylorseer[:interval=N,warmup=W,order=K]: a step cache to plan with",
+    )
     pl.add_argument("--bandwidth", type=float, default=20.0, help="host→device GB/s to assume (default 20)")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     s = sub.add_parser("status", help="progress of a running or finished job, from its output location")
@@ -170,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                 true_cfg_scale=args.true_cfg_scale,
                 max_batch=args.max_batch,
                 offload=args.offload,
+                cache=args.cache,
             )
             summary, rows = plan_rows(
                 args.model,

@@ -9,6 +9,8 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields, make_dataclass, replace
 from pathlib import Path
 
+from fleetgen.caches import normalized as normalized_cache
+from fleetgen.caches import parse_cache
 from fleetgen.errors import ConfigError
 from fleetgen.units import parse_size
 from offload.formats import normalized, parse_quantize, refusal
@@ -42,6 +44,7 @@ class _Job:
     true_cfg_scale: float | None = None  # Flux: > 1 applies negative prompts with true CFG (doubles the compute)
     family: str | None = None  # pipeline family; resolved from the model's model_index.json (jobs/models.py)
     quantize: str = "none"  # storage formats per component, e.g. transformer=fp8 (offload/quantize.py)
+    cache: str = "none"  # step cache: none | first-block[:THRESHOLD] | taylorseer[:interval=N,...] (fleetgen/caches.py)
     task: str | None = None  # text-to-image | image-to-image | inpaint | edit; default: the model's pipeline class's
     strength: float | None = None  # image-to-image, inpaint: how far from the input (default: the task's)
     resize: str = "crop"  # crop | pad | fit: how input images become the job's size (workers/inputs.py)
@@ -119,6 +122,7 @@ class _Job:
             fps=self.fps,
             video_format=self.video_format,
             crf=self.crf,
+            cache=normalized_cache(self.cache),
         )
 
     def budgets(self) -> tuple[int | None, int | None]:
@@ -218,6 +222,7 @@ def validate(config: JobConfig) -> JobConfig:
         if c.offload in ("block", "leaf", "disk"):  # the combination table, before any worker starts
             why = refusal(name, "block" if c.offload == "disk" else c.offload, False, c.offload == "disk")
             _check(why is None, f"`--quantize {component}={name}` with `--offload {c.offload}`: {why}.")
+    parse_cache(c.cache)  # the family's denoiser and pipeline are checked with the model (jobs/models.py)
     local = c.model.startswith(("/", "./", "../", "~"))  # a hub id is `org/name`
     _check(
         not local or Path(c.model).expanduser().exists(),

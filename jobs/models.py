@@ -12,6 +12,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from fleetgen.caches import parse_cache
 from fleetgen.errors import ConfigError, one_line
 from jobs.config import JobConfig, parse_lora
 from offload.architectures import torch_components
@@ -242,6 +243,27 @@ def _check_video(config: JobConfig, columns: Columns, family: Family, task: Task
         raise ConfigError(f"{family.name} makes video: {err}.") from None
 
 
+def _check_cache(config: JobConfig, family: Family, task: Task, values: dict) -> None:
+    """A step cache needs a denoiser with repeated blocks and a pipeline that gives its calls cache
+    contexts (workers/caching.py), read from the installed diffusers; and steps to skip."""
+    cache = parse_cache(config.cache)
+    if cache.method == "none":
+        return
+    from workers.caching import cacheable_families, pipeline_refusal
+
+    why = pipeline_refusal(task.pipeline, family.calls_twice(values["guidance"], config.true_cfg_scale), cache.method)
+    if why:
+        raise ConfigError(
+            f"`--cache {cache.label}`: {why}. Families whose pipelines take {cache.method}: "
+            f"{', '.join(cacheable_families(cache.method))}."
+        )
+    if cache.computed_share(values["steps"]) == 1.0:
+        raise ConfigError(
+            f"`--cache {cache.label}` computes every one of the {values['steps']} steps (warm-up {cache.warmup}): "
+            "it would change nothing. Lower `warmup=` or leave `--cache` out."
+        )
+
+
 def resolve_defaults(config: JobConfig, columns: Columns) -> tuple[JobConfig, Family, dict]:
     """(the config with the family's defaults filled in, the family, {setting: where its value came from})."""
     detected, why, cls = model_family(config.model, config.revision)
@@ -288,6 +310,7 @@ def resolve_defaults(config: JobConfig, columns: Columns) -> tuple[JobConfig, Fa
             f"{family.name} ({family.pipelines[0]}) ignores the guidance ({family.note}); leave `--guidance` out."
         )
     _check_negatives(config, columns, family, values["guidance"])
+    _check_cache(config, family, task, values)
     mapping = parse_quantize(config.quantize)
     if mapping and not is_hub_id(config.model):
         models = list(torch_components(Path(config.model).expanduser()))

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import sys
 
+from fleetgen.caches import parse_cache
 from fleetgen.errors import ConfigError, OffloadError
 from fleetgen.units import format_size, parse_size
 from offload import DeviceSpec, Workload, plan, profile_modules
@@ -29,6 +30,7 @@ def plan_workload(
     task: str | None = None,
     references: int = 1,
     num_frames: int | None = None,
+    cache: str = "none",
 ) -> tuple[Workload, Family]:
     """The workload to plan for, with the model family's defaults and its own rule for whether
     guidance doubles the denoiser's batch (CFG families yes, guidance-distilled Flux no). `task`:
@@ -41,8 +43,9 @@ def plan_workload(
     if references < 1 or (chosen.images and references > chosen.images):
         raise ConfigError(f"`--references` must be 1 to {chosen.images or 1} for {family.name} {chosen.name}.")
     inputs = min(references, chosen.images)
-    if not chosen.batched:
-        max_batch = 1  # one row per call (its references)
+    spec = parse_cache(cache)
+    if not chosen.batched or spec.per_call:
+        max_batch = 1  # one row per call (its references); a first-block cache decides per call
     guidance = family.guidance if guidance is None else guidance
     frames = (num_frames or family.frames) if chosen.video else 0
     why = family.frames_rule(frames) if frames else None
@@ -62,6 +65,7 @@ def plan_workload(
         cfg=family.doubles_batch(guidance, true_cfg_scale),
         cfg_calls=family.calls_twice(guidance, true_cfg_scale),
         max_batch=max_batch,
+        cache=spec.label,
         offload=offload,
     )
     return work, family

@@ -45,6 +45,12 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         "a format per component, e.g. transformer=fp8,text_encoder=int8 (fp8, int8, nf4, bnb-int8, gguf:PATH); "
         "changes pixels",
     )
+    g.add_argument(
+        "--cache",
+        help="step cache on the denoiser: none (default), first-block[:THRESHOLD] (skip the other blocks while "
+        "the first one's output changes less than THRESHOLD, default 0.05; one image per call) or "
+        "taylorseer[:interval=N,warmup=W,order=K] (compute every N-th step, predict the rest); changes pixels",
+    )
     from workers.family_table import TASKS
     from workers.inputs import RESIZE_RULES
 

@@ -107,6 +107,7 @@ _NEW_DEFAULTS = {
         "fps": None,
         "video_format": "mp4",
         "crf": 18,
+        "cache": "none",
     }
 }  # settings newer than some jobs' job.json, as those made them
 

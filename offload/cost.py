@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from fleetgen.caches import parse_cache
 from fleetgen.latents import latent_frames
 from offload.formats import CHOOSABLE, NONE, allowed, refusal, spec
 from offload.profile import ComponentProfile, PipelineProfile
@@ -78,6 +79,7 @@ class Workload:
     # guidance runs the denoiser a second time per step, as a call of its own (Qwen-Image, Chroma,
     # Wan): twice the compute, not twice the activations (those are `cfg`'s)
     cfg_calls: bool = False
+    cache: str = "none"  # the job's step cache (fleetgen/caches.py): its state is device memory, its skips saved time
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,26 @@ def _activations(c: ComponentProfile, prof: PipelineProfile, w: Workload) -> int
     return _tokens(c, prof, w) * max(c.hidden, 1) * prof.dtype_bytes * factor * cfg
 
 
+def computed_share(c: ComponentProfile, w: Workload) -> float:
+    """Share of its forwards a component computes: a denoiser under a step cache that skips by step
+    (TaylorSeer) its computed steps' share; a data-dependent one (first-block) is predicted as none
+    skipped (what it skips is measured: the worker's stats)."""
+    if not c.per_step or w.cache == NONE:
+        return 1.0
+    share = parse_cache(w.cache).computed_share(w.steps)
+    return 1.0 if share is None else share
+
+
+def cache_state_bytes(c: ComponentProfile, prof: PipelineProfile, w: Workload, batch: int) -> int:
+    """Device bytes a step cache keeps for the denoiser `c` through a pipeline call: hidden-state-sized
+    tensors (fleetgen/caches.py) per image, per CFG half in the batch and per cache context."""
+    if not c.per_step or w.cache == NONE:
+        return 0
+    tensors = parse_cache(w.cache).state_tensors(len(c.blocks))
+    halves = (2 if w.cfg else 1) * (2 if w.cfg_calls else 1)
+    return tensors * _tokens(c, prof, w) * max(c.hidden, 1) * prof.dtype_bytes * batch * halves
+
+
 def _call_seconds(
     c: ComponentProfile, p: Placement, prof: PipelineProfile, w: Workload, d: DeviceSpec, batch: int
 ) -> float:
@@ -244,7 +266,9 @@ def _options(
         c = prof.variant(name, fmt)
         # a video VAE decodes one clip at a time (workers enable its slicing): its activations are one clip's
         acts = _activations(c, prof, w) * (1 if c.name == "vae" and w.frames else batch)
-        forwards = _forwards(c, w, prof)
+        # a step cache: its state held through the call; skipped steps neither compute nor move
+        state, share = cache_state_bytes(c, prof, w, batch), computed_share(c, w)
+        forwards = _forwards(c, w, prof) * share
         load = 0 if w.loaded else c.bytes if fmt != NONE and spec(fmt).at_load else prof.components[name].bytes
         for p in _candidates(c, device, w.offload):
             off = p.mode != "resident"
@@ -252,12 +276,12 @@ def _options(
             out.append(
                 _Option(
                     placement=p,
-                    resident=0 if off else c.bytes,
+                    resident=(0 if off else c.bytes) + state,
                     phase=_floor(c, p) + acts,
                     host=pinned or (c.bytes if off and not p.disk else 0),
                     pinned=pinned,
-                    seconds=(seconds := _call_seconds(c, p, prof, w, device, batch)),
-                    moved=c.bytes * forwards if off else 0,
+                    seconds=(seconds := _call_seconds(c, p, prof, w, device, batch) * share),
+                    moved=int(c.bytes * forwards) if off else 0,
                     load=load,
                     fmt=fmt,
                     cost=seconds + (penalty if fmt != NONE else 0.0),

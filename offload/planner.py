@@ -17,9 +17,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from fleetgen.caches import parse_cache
 from fleetgen.errors import OffloadError
 from fleetgen.units import format_size
-from offload.cost import MARGIN, DeviceSpec, Placement, Workload, _activations, _floor, _ideal, _Option, _options
+from offload.cost import (
+    MARGIN,
+    DeviceSpec,
+    Placement,
+    Workload,
+    _activations,
+    _floor,
+    _ideal,
+    _Option,
+    _options,
+    cache_state_bytes,
+    computed_share,
+)
 from offload.formats import NONE
 from offload.profile import PipelineProfile
 from offload.search import _combos
@@ -237,12 +250,37 @@ def _reason(prof, device, w, placements, batch, peak, resident_peak, host, binds
             f"; offloaded copies take {format_size(host)} of the {format_size(device.host_budget)} host RAM this worker may "
             "use (its share of the node)"
         )
-    cap = "`--max-batch`" if batch == w.max_batch else "memory"
+    cap = batch_cap(w.cache) if batch == w.max_batch else "memory"
     bound = " and ".join(binds) if binds else "neither budget (a larger one would not be faster)"
     return (
         f"{head}; batch {batch} (limited by {cap}); predicted peak {format_size(peak)} ({limit}); binds: {bound}"
         + _video_note(prof, w, placements, formats, batch)
+        + _cache_note(prof, w, batch)
     )
+
+
+def batch_cap(cache: str) -> str:
+    """What caps the batch when memory does not: `--max-batch`, or a cache deciding per call."""
+    return "the first-block cache: one image per call" if parse_cache(cache).per_call else "`--max-batch`"
+
+
+def _cache_note(prof, w, batch) -> str:
+    """A step cache: what it holds on the device and what the plan counts it to save."""
+    if w.cache == NONE:
+        return ""
+    notes = []
+    for name, c in prof.components.items():
+        if not c.per_step:
+            continue
+        held = format_size(cache_state_bytes(c, prof, w, batch))
+        share = computed_share(c, w)
+        saved = (
+            f"computes {share:.0%} of the steps (time and moves counted so)"
+            if share < 1
+            else "skips blocks by the data: predicted as none skipped, measured per image"
+        )
+        notes.append(f"{name} `--cache {w.cache}` holds {held} of state and {saved}")
+    return "; " + "; ".join(notes) if notes else ""
 
 
 def _video_note(prof, w, placements, formats, batch) -> str:

@@ -2,8 +2,10 @@
 
 Groups are found after applying, through the hook diffusers attaches to each grouped module
 (`_diffusers_hook` → hook "group_offloading" → `.group`, a `ModuleGroup`). These names are not
-exported by diffusers (0.42 pinned); tests fail loudly if they move. Counting uses plain torch
-forward hooks on each group's onload and offload leaders: no patching of diffusers.
+exported by diffusers (0.42 pinned); tests fail loudly if they move. Counting is a diffusers hook
+on each group's onload and offload leaders, registered right after group offloading's own (no
+patching of diffusers): hooks registered later wrap earlier ones, so a step cache applied after it
+(workers/caching.py) that skips a block skips its count with its onload, as it should.
 """
 
 from __future__ import annotations
@@ -36,30 +38,50 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+COUNTER_HOOK = "fleetgen_offload_counter"
+
+
+def _counter(counts: dict, onload: int | None, offload: bool):
+    """A diffusers hook counting a group's onload (`onload`: its bytes) before the module runs and
+    its offload after; it runs exactly when the group offloading hook it wraps runs."""
+    from diffusers.hooks import ModelHook
+
+    class Counter(ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            if onload is not None:
+                counts["onloads"] += 1
+                counts["bytes_onloaded"] += onload
+            return args, kwargs
+
+        def post_forward(self, module, output):
+            if offload:
+                counts["offloads"] += 1
+            return output
+
+    return Counter()
+
+
 class OffloadStats:
     """Counters per offloaded component; `snapshot()` for the worker's stats file."""
 
     def __init__(self, modules: dict[str, torch.nn.Module], device: torch.device):
+        from diffusers.hooks import HookRegistry
+
         self.device = device
         self.counts: dict[str, dict] = {}
-        self.handles = []
+        self.counted: list[torch.nn.Module] = []  # modules carrying a counter hook
         for name, module in modules.items():
             groups = find_groups(module)
             if not groups:
                 continue
             c = self.counts[name] = {"groups": len(groups), "onloads": 0, "offloads": 0, "bytes_onloaded": 0}
             for g in groups:
-                size = _group_bytes(g)
-                self.handles.append(g.onload_leader.register_forward_pre_hook(self._counter(c, "onloads", size)))
-                self.handles.append(g.offload_leader.register_forward_hook(self._counter(c, "offloads", 0)))
-
-    @staticmethod
-    def _counter(c: dict, key: str, size: int):
-        def hook(*_):
-            c[key] += 1
-            c["bytes_onloaded"] += size
-
-        return hook
+                leaders = {id(g.onload_leader): g.onload_leader, id(g.offload_leader): g.offload_leader}
+                for leader in leaders.values():
+                    onload = _group_bytes(g) if leader is g.onload_leader else None
+                    hook = _counter(c, onload, leader is g.offload_leader)
+                    HookRegistry.check_if_exists_or_initialize(leader).register_hook(hook, COUNTER_HOOK)
+                    self.counted.append(leader)
 
     def snapshot(self) -> dict:
         out = {
@@ -75,6 +97,8 @@ class OffloadStats:
         return out
 
     def close(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
+        from diffusers.hooks import HookRegistry
+
+        for module in self.counted:
+            HookRegistry.check_if_exists_or_initialize(module).remove_hook(COUNTER_HOOK, recurse=False)
+        self.counted = []

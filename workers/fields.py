@@ -191,6 +191,18 @@ FIELDS: list[Field] = [
         "`auto`, what this image's worker chose)",
         stored=True,
     ),
+    Field(
+        "cache",
+        pa.string(),
+        "the step cache its denoiser ran with: `none`, or e.g. `first-block:0.08` (`--cache`; the same on every image)",
+        stored=True,
+    ),
+    Field(
+        "cache_skipped",
+        pa.float32(),
+        "share of the denoiser's block evaluations the step cache skipped in the call that made it (null: no cache)",
+        stored=True,
+    ),
     Field("batch", pa.int32(), "images in the pipeline call that made this one"),
     Field("worker", pa.string()),
     Field("device", pa.string()),

@@ -4,12 +4,14 @@ smaller batch or a leaner plan re-applied. One `Workload` says what it must run;
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from dataclasses import dataclass
 
 import torch
 
+from fleetgen.caches import parse_cache
 from fleetgen.errors import FleetgenError, OffloadError, one_line
 from offload import OffloadPlan, OffloadStats, apply, pipeline_modules, profile_pipeline
 from offload.apply import unapply
@@ -17,6 +19,7 @@ from offload.formats import describe, is_auto, parse_quantize, pinned_gguf, runn
 from offload.profile import live_bytes
 from offload.quantize import held, load_config, quantize
 from workers.batches import Adapter, Image, Look
+from workers.caching import AppliedCache, cache_refusal, names_contexts
 from workers.families import (
     FAMILIES,
     GENERIC,
@@ -39,15 +42,7 @@ from workers.pipeline import (
     resolve_device,
     resolve_dtype,
 )
-from workers.plans import (
-    at_load_formats,
-    choose_plan,
-    components_dtypes_kept,
-    device_spec,
-    is_out_of_memory,
-    leaner_plan,
-    planner_workload,
-)
+from workers.plans import choose_plan, components_dtypes_kept, is_out_of_memory, leaner_plan, plan_before_loading
 from workers.probe import probe
 from workers.seeds import generators
 from workers.spec import Source, Workload
@@ -64,6 +59,7 @@ class Picture:
     batch: int  # images in the call that made it
     seconds: float  # its share of the call's wall time
     quantized: str = "none"  # the storage formats its components had (offload/quantize.py `describe`)
+    cache_skipped: float | None = None  # share of the denoiser's block evaluations its call's step cache skipped
 
 
 class FittedPipeline:
@@ -89,7 +85,7 @@ class FittedPipeline:
         if at_load and pipe is not None:
             raise OffloadError(f"{tag}: {describe(at_load)} applies at load; a given pipeline is loaded already.")
         if is_auto(source.quantize) and pipe is None and runnable(cuda, at_load=True) != runnable(cuda):
-            at_load = self._plan_before_loading(source, workload, cuda)
+            at_load = plan_before_loading(source, workload, self.family, self.device, self.dtype)
         gguf = {c: f for c, f in at_load.items() if spec(f).name == "gguf"}
         for value in gguf.values():  # the bytes the job was fingerprinted with, on this node too
             try:
@@ -145,63 +141,45 @@ class FittedPipeline:
             "in_sequence": w.in_sequence,
             "frames": w.num_frames,
             "cfg_calls": self.family.calls_twice(w.guidance, w.true_cfg_scale),
+            "cache": w.cache,
         }
+        self.cache_spec = parse_cache(w.cache)
+        self._denoisers = {n: m for n, m in pipeline_modules(self.pipe).items() if self.profile.components[n].per_step}
+        for module in self._denoisers.values() if self.cache_spec.method != "none" else ():
+            why = cache_refusal(type(self.pipe), type(module), self._fit["cfg_calls"], self.cache_spec.method)
+            if why:
+                raise OffloadError(f"{tag}: `--cache {self.cache_spec.label}`: {why}.")
         self.plan = choose_plan(
             self.profile,
             self.device,
             self.probe,
-            max_batch=w.max_batch,
+            max_batch=1 if self.cache_spec.per_call else w.max_batch,
             gpu_memory=w.gpu_memory,
             fixed=self.quantized,
             **self._fit,
         )
         self._quantize(self.plan.formats)
-        self.placed = None
+        self.placed = self.cache = None
         self.step_downs: list[dict] = []
         self.seconds = 0.0  # wall time in pipeline calls
         try:
             self.placed = apply(self.pipe, self.plan, self.profile, self.device, tag=tag)
             self.offload_stats = OffloadStats(pipeline_modules(self.pipe), self.device)
+            self._apply_cache()
             if self.device.type == "cuda":  # kernels, allocator and stream prefetch order settle on a first call
                 frames = (("num_frames", w.num_frames),) if w.num_frames else ()
                 self._warm_up(Look(w.width, w.height, 1, w.guidance, extra=frames))
         except BaseException:
             # A pipeline that cannot start leaves a pipeline it was given as it came (no hooks, on the CPU):
             # the next plan applied to it must not find this one's hooks.
+            if self.cache is not None:
+                self.cache.close()
             if self._given:
                 unapply(self.pipe, self.placed)
             elif self.placed is not None:
                 self.placed.close()
             raise
         self.batch_size = self.plan.batch_size if self.task.batched else 1  # one row per call: its references
-
-    def _plan_before_loading(self, source: Source, workload: Workload, cuda: bool) -> dict[str, str]:
-        """`auto` where formats can apply at load: plan from the model's configs before its weights
-        are read, so a worker never loads bf16 it cannot hold (workers/plans.py `at_load_formats`)."""
-        from pathlib import Path
-
-        from workers.model_dir import is_hub_id
-
-        if is_hub_id(source.model) or not (Path(source.model).expanduser() / "model_index.json").exists():
-            return {}  # a hub model's configs come with its snapshot: planned after loading, as before
-        ahead = probe(self.device, self.dtype)
-        w = workload
-        spec_ = device_spec(self.device, ahead, w.gpu_memory, w.host_memory, runnable(cuda, at_load=True))
-        work = planner_workload(
-            w.offload,
-            w.max_batch,
-            w.width,
-            w.height,
-            w.steps,
-            self.family.doubles_batch(w.guidance, w.true_cfg_scale),
-            "auto",
-            {},
-            w.input_images,
-            w.in_sequence,
-            w.num_frames,
-            self.family.calls_twice(w.guidance, w.true_cfg_scale),
-        )
-        return at_load_formats(str(Path(source.model).expanduser()), self.dtype, spec_, work, self.family.upcasts_vae)
 
     def _quantize(self, formats: dict[str, str]) -> None:
         """Apply the plan's after-load formats not applied yet (a step-down under `auto` may add one)."""
@@ -270,8 +248,10 @@ class FittedPipeline:
             oom = None
             try:
                 blank = [[warm_up_input(r, look.width, look.height) for r in self._roles()]]
-                with components_dtypes_kept(self.pipe):
+                with components_dtypes_kept(self.pipe), self._cache_context():
                     self.pipe(**self._kwargs(["warm up"], [None], look, generator=None, inputs=blank))
+                if self.cache is not None:
+                    self.cache.take()  # the warm-up's skips are no image's
                 torch.cuda.reset_peak_memory_stats(self.device)
                 return
             except Exception as err:  # noqa: BLE001 - only an OOM is handled; the rest is raised
@@ -313,12 +293,24 @@ class FittedPipeline:
         self.plan = leaner
         return True
 
+    def _apply_cache(self, carried: AppliedCache | None = None) -> None:
+        """The job's step cache, after offloading (workers/caching.py: so that skipped blocks stay
+        where they are); `carried`: the one it replaces, whose counts run on."""
+        if self.cache_spec.method != "none":
+            own = not names_contexts(type(self.pipe))
+            self.cache = AppliedCache(self.cache_spec, self._denoisers, self.dtype, own, carried)
+
     def _reapply(self, new_plan: OffloadPlan) -> None:
+        """Another plan: cache and offload hooks off, then offload → cache back on, in that order."""
+        carried = self.cache
+        if self.cache is not None:
+            self.cache.close()
         self.offload_stats.close()
         unapply(self.pipe, self.placed)  # every hook, the stream ones included
         self._quantize(new_plan.formats)  # a format `auto` adds to lean further
         self.placed = apply(self.pipe, new_plan, self.profile, self.device, tag=self.tag)
         self.offload_stats = OffloadStats(pipeline_modules(self.pipe), self.device)
+        self._apply_cache(carried)
 
     def _roles(self) -> list[str]:
         return (["image"] if self.task.takes_images else []) + (["mask"] if self.task.mask else [])
@@ -349,7 +341,7 @@ class FittedPipeline:
         if look.adapters != self._active:  # between batches only: a batch shares its look
             activate_adapters(self.pipe, self.adapters, look.adapters)
             self._active = look.adapters
-        with components_dtypes_kept(self.pipe):
+        with components_dtypes_kept(self.pipe), self._cache_context():
             out = self.pipe(
                 **self._kwargs(
                     [im.prompt for im in batch],
@@ -369,10 +361,14 @@ class FittedPipeline:
         seconds = time.perf_counter() - started
         self.seconds += seconds
         quantized = describe(self.quantized)
+        skipped = self.cache.take() if self.cache is not None else None
         return [
-            Picture(im, None if flagged else picture, flagged, len(batch), seconds / len(batch), quantized)
+            Picture(im, None if flagged else picture, flagged, len(batch), seconds / len(batch), quantized, skipped)
             for im, picture, flagged in zip(batch, pictures, flags, strict=True)
         ]
+
+    def _cache_context(self):
+        return self.cache.context() if self.cache is not None else contextlib.nullcontext()
 
     def _clips(self, videos, look: Look) -> list[Clip]:
         """A video pipeline's output (per prompt, its frames as PIL images) as clips at the look's
@@ -388,6 +384,8 @@ class FittedPipeline:
         return clips
 
     def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
         self.offload_stats.close()
         if self._given:
             unapply(self.pipe, self.placed)

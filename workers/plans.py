@@ -12,6 +12,7 @@ from fleetgen.errors import OffloadError
 from offload import DeviceSpec, OffloadPlan, PipelineProfile, plan, resident_plan
 from offload import Workload as PlannerWorkload
 from offload.formats import parse_quantize, spec
+from offload.planner import batch_cap
 
 HOST_SHARE = 0.8  # of available host RAM a worker may fill with offloaded copies
 # How CUDA libraries word an allocation failure they raise as a plain RuntimeError (cuBLAS and cuDNN
@@ -68,6 +69,38 @@ def at_load_formats(model_dir: str, dtype: torch.dtype, device: DeviceSpec, work
     return {c: f for c, f in chosen.formats.items() if spec(f).at_load}
 
 
+def plan_before_loading(source, workload, family, device: torch.device, dtype: torch.dtype) -> dict[str, str]:
+    """`auto` where formats can apply at load: plan from the model's configs before its weights
+    are read, so a worker never loads bf16 it cannot hold (`at_load_formats`). `source`, `workload`:
+    workers/spec.py's; `family`: the model's (workers/family_table.py)."""
+    from pathlib import Path
+
+    from offload.formats import runnable
+    from workers.model_dir import is_hub_id
+    from workers.probe import probe
+
+    if is_hub_id(source.model) or not (Path(source.model).expanduser() / "model_index.json").exists():
+        return {}  # a hub model's configs come with its snapshot: planned after loading, as before
+    w, cuda = workload, device.type == "cuda"
+    spec_ = device_spec(device, probe(device, dtype), w.gpu_memory, w.host_memory, runnable(cuda, at_load=True))
+    work = planner_workload(
+        w.offload,
+        w.max_batch,
+        w.width,
+        w.height,
+        w.steps,
+        family.doubles_batch(w.guidance, w.true_cfg_scale),
+        "auto",
+        {},
+        w.input_images,
+        w.in_sequence,
+        w.num_frames,
+        family.calls_twice(w.guidance, w.true_cfg_scale),
+        w.cache,
+    )
+    return at_load_formats(str(Path(source.model).expanduser()), dtype, spec_, work, family.upcasts_vae)
+
+
 STEP_DOWN = 0.75  # after an OOM at batch 1, re-plan for this fraction of the previous budget
 
 
@@ -84,6 +117,7 @@ def planner_workload(
     in_sequence: bool = False,
     frames: int = 0,
     cfg_calls: bool = False,
+    cache: str = "none",
 ) -> PlannerWorkload:
     # a worker plans a pipeline already loaded: its loading peak is past
     return PlannerWorkload(
@@ -100,6 +134,7 @@ def planner_workload(
         in_sequence=in_sequence,
         frames=frames,
         cfg_calls=cfg_calls,
+        cache=cache,
     )
 
 
@@ -140,6 +175,7 @@ def choose_plan(
     in_sequence: bool = False,
     frames: int = 0,
     cfg_calls: bool = False,
+    cache: str = "none",
 ) -> OffloadPlan:
     """On a CPU worker with no `--gpu-memory` and `--offload auto|none`, everything is resident at
     `--max-batch` (a `--quantize` mapping applied as given; `auto` has no budget to fit, so keeps
@@ -149,14 +185,26 @@ def choose_plan(
         resident = resident_plan(
             list(profile.components),
             max_batch,
-            f"all resident: CPU worker without `--gpu-memory`; batch {max_batch} (`--max-batch`)",
+            f"all resident: CPU worker without `--gpu-memory`; batch {max_batch} ({batch_cap(cache)})",
         )
         return replace(resident, formats={**parse_quantize(quantize), **fixed})
     return plan(
         profile,
         device_spec(device, probe, gpu_memory, host_memory, formats),
         planner_workload(
-            offload, max_batch, width, height, steps, cfg, quantize, fixed, input_images, in_sequence, frames, cfg_calls
+            offload,
+            max_batch,
+            width,
+            height,
+            steps,
+            cfg,
+            quantize,
+            fixed,
+            input_images,
+            in_sequence,
+            frames,
+            cfg_calls,
+            cache,
         ),
     )
 
@@ -180,6 +228,7 @@ def leaner_plan(
     in_sequence: bool = False,
     frames: int = 0,
     cfg_calls: bool = False,
+    cache: str = "none",
 ) -> OffloadPlan:
     """After an out-of-memory error at batch 1: plan for ever smaller budgets until the placement
     changes; `OffloadError` when even the leanest plan does not fit. A step that goes from the
@@ -187,7 +236,19 @@ def leaner_plan(
     is bisected for the budgets between, where a leaner placement may still fit."""
     high = current.budget or probe.get("free_bytes") or probe["host_available_bytes"]
     work = planner_workload(
-        offload, 1, width, height, steps, cfg, quantize, fixed or {}, input_images, in_sequence, frames, cfg_calls
+        offload,
+        1,
+        width,
+        height,
+        steps,
+        cfg,
+        quantize,
+        fixed or {},
+        input_images,
+        in_sequence,
+        frames,
+        cfg_calls,
+        cache,
     )
 
     def at(budget: int) -> OffloadPlan:

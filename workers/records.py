@@ -13,8 +13,17 @@ from workers.writer import Made
 class Records:
     """The records of one worker's images: what every one of them shares, given once."""
 
-    def __init__(self, template: str | None, worker: str, device: str, model: str, store_inputs: bool = False):
+    def __init__(
+        self,
+        template: str | None,
+        worker: str,
+        device: str,
+        model: str,
+        store_inputs: bool = False,
+        cache: str = "none",
+    ):
         self.template, self.worker, self.device, self.model = template, worker, device, model
+        self.cache = cache  # the job's step cache (`--cache`), on every image
         self.store_inputs = store_inputs  # `--store-inputs`: each image's inputs go beside it
         self.fields = [f.name for f in records()]  # the manifest's columns
         self.stored = [name for name in stored_names() if name != "sha256"]  # the writer adds the digest
@@ -33,6 +42,7 @@ class Records:
             "error": im.error,
             **im.look.record(),
             "template": self.template,
+            "cache": self.cache,
             "worker": self.worker,
             "device": self.device,
         }
@@ -49,9 +59,16 @@ class Records:
                 "seconds": p.seconds,
                 "error": "flagged by the pipeline's safety checker; not stored",
                 "quantized": p.quantized,
+                "cache_skipped": p.cache_skipped,
             }
             return Made(im.id, im.row, None, {}, flagged)
-        made = {"batch": p.batch, "nsfw": p.nsfw, "seconds": p.seconds, "quantized": p.quantized}
+        made = {
+            "batch": p.batch,
+            "nsfw": p.nsfw,
+            "seconds": p.seconds,
+            "quantized": p.quantized,
+            "cache_skipped": p.cache_skipped,
+        }
         meta = {**{name: record[name] for name in self.stored}, **made, "model": self.model}
         meta = {k: v for k, v in meta.items() if k in self.stored or k in ("nsfw", "model")}
         return Made(

@@ -37,6 +37,7 @@ class GenerationSettings:
     fps: float | None = None  # video tasks: frames per second (a row's `fps` replaces it)
     video_format: str = "mp4"  # video tasks: mp4 (H.264) | webm (AV1) (workers/video.py)
     crf: int = 18  # video tasks: the encoder's constant rate factor (lower: larger, closer to the frames made)
+    cache: str = "none"  # step cache on the denoiser, e.g. first-block:0.08 (fleetgen/caches.py): changes pixels
 
     def media_format(self) -> str:
         """What each object of the job is encoded as: the video format for video tasks, else the image format."""
@@ -131,6 +132,7 @@ class WorkerSpec:
             input_images=min(self.settings.task_spec().images, 1),
             in_sequence=self.settings.task_spec().in_sequence,
             num_frames=(s.num_frames or 0) if self.settings.task_spec().video else 0,
+            cache=s.cache,
         )
 
 
@@ -191,3 +193,4 @@ class Workload:
     input_images: int = 0  # input images per image, each encoded by the VAE (at most; references)
     in_sequence: bool = False  # their latents join the denoiser's sequence (edit models)
     num_frames: int = 0  # video tasks: frames per clip, planned for (0: images)
+    cache: str = "none"  # the job's step cache (fleetgen/caches.py), applied after offloading

@@ -99,7 +99,7 @@ class Worker:
             "versions": {"fleetgen": __version__, "torch": torch.__version__, "python": platform.python_version()},
         }
         device, store = self.info["device"]["name"], spec.settings.store_inputs
-        self._records = Records(self.recipe.template, spec.name, device, spec.model, store)
+        self._records = Records(self.recipe.template, spec.name, device, spec.model, store, spec.settings.cache)
         self.write_info()
 
     # What the fitted pipeline decided, as the worker reports it.
@@ -127,6 +127,7 @@ class Worker:
             "batch_size": self.batch_size,
             "stats": stats,
             "offload": offload,
+            "cache": fitted.cache.snapshot() if fitted.cache is not None else None,  # the step cache's skips
             "predicted_vs_measured": predicted_vs_measured(self.plan, secs, stats["images"], offload),
             "step_downs": list(self.step_downs),
         }

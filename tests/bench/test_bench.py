@@ -88,6 +88,12 @@ def test_gpu_check_dry_run_takes_every_path_on_cpu(tmp_path):
     # SDXL in float16 with the OOM raised in its upcast VAE decode: the VAE is float16 again after
     sdxl_oom = next(r for r in result["rows"] if r["model"] == "sdxl" and r["run"] == "forced OOM")
     assert sdxl_oom["vae_dtype"] == "float16"
+    # the step-cache rows: FLUX.1 takes a first-block cache (counted), SDXL's UNet says why not
+    cached = [r for r in result["rows"] if r["model"] == "flux.1-dev" and r.get("cache", "none") != "none"]
+    assert cached and all(r["batch"] == 1 and r["cache_counts"]["block_evaluations"] > 0 for r in cached), cached
+    assert any("vs_uncached" in r for r in cached)
+    sdxl_cache = next(r for r in result["rows"] if r["model"] == "sdxl" and r["run"].startswith("cache"))
+    assert "takes no step cache" in sdxl_cache["skipped"]
     assert "forced OOM" in proc.stdout and "s/image" in proc.stdout
 
 

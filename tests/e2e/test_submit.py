@@ -220,7 +220,9 @@ def test_readme_submit_then_ray_job_stop_writes_summary_and_releases_the_lock_th
     readme = (ROOT / "README.md").read_text()
     assert '--runtime-env-json \'{"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "120"}}\'' in readme
     base = _settled(out)
-    second = _submit(words, env_vars={"RAY_JOB_STOP_WAIT_TIME_S": "90"}, extra=("--stop-grace", "60"))
+    # one worker: at most one shard runs when the stop lands, so the stop leaves work for the resubmit
+    # however late it lands (with two, the last two shards could both be running and commit in grace)
+    second = _submit(words, env_vars={"RAY_JOB_STOP_WAIT_TIME_S": "90"}, extra=("--stop-grace", "60", "--workers", "1"))
     before = _wait_committed(out, base + 1, address, second)
     _ray("job", "stop", "--address", address, second, timeout=120)
     logs = _ray("job", "logs", "--address", address, second)

@@ -1,0 +1,205 @@
+"""`--cache`: diffusers' step caches on the tiny FLUX.1 pipeline, on CPU — what they skip, counted;
+that a skipped block moves no bytes when the cache wraps the offloading (and does when it does
+not); the records and stats that say so; the refusals and the fingerprint."""
+
+import io
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+
+from fleetgen.caches import CacheSpec, normalized, parse_cache
+from fleetgen.errors import ConfigError, StorageError
+from jobs.config import JobConfig, validate
+from jobs.models import resolve_defaults
+from jobs.sharding import plan_shards, read_footer, resolve_columns
+from jobs.state import _differences
+from offload import OffloadPlan, OffloadStats, apply, pipeline_modules, profile_pipeline
+from offload.cost import Placement
+from tests.conftest import make_job, write_prompts
+from workers.caching import AppliedCache
+from workers.shard import Columns
+from workers.spec import GenerationSettings, WorkerSpec
+from workers.tiny_model import build_tiny_flux, write_tiny_model
+from workers.worker import Worker
+
+STEPS = 12
+FBC = "first-block:0.3"  # skips a few of 12 steps of the tiny FLUX.1 (random weights): measured below, not assumed
+
+
+@pytest.fixture(scope="module")
+def tiny_flux(tmp_path_factory) -> str:
+    return str(write_tiny_model(tmp_path_factory.mktemp("models") / "flux", family="flux"))
+
+
+def _run(model, out, prompts, cache="none", **spec):
+    files = [read_footer(str(prompts))]
+    shard, columns = plan_shards(files, 100)[0], resolve_columns(files, Columns())
+    settings = GenerationSettings(steps=STEPS, guidance=3.5, width=64, height=64, family="flux", cache=cache)
+    worker = Worker(WorkerSpec("w0", model, str(out), settings, columns, device="cpu", **{"max_batch": 4, **spec}))
+    worker.run_shard(shard)
+    rows = {r["id"]: r for r in pq.read_table(out / "shards").to_pylist()}
+    return worker, rows
+
+
+def _pixels(out, row) -> np.ndarray:
+    return np.asarray(Image.open(out / row["image"]), dtype=np.float64)
+
+
+def test_the_setting_is_parsed_to_one_spelling_and_refused_in_one_line():
+    assert parse_cache(None) == CacheSpec() and normalized(" none ") == "none"
+    assert (
+        normalized("first-block") == "first-block:0.05"
+        and normalized("First-Block:threshold=0.08") == "first-block:0.08"
+    )
+    assert normalized("taylorseer") == "taylorseer:interval=5,warmup=3,order=1"
+    assert normalized("taylorseer:order=2,interval=4") == "taylorseer:interval=4,warmup=3,order=2"
+    for text, message in (
+        ("first-block:2", "more than 0 and at most 1"),
+        ("first-block:x", "the threshold is a number"),
+        ("taylorseer:every=3", "takes interval=, warmup= and order="),
+        ("taylorseer:interval=0", "must be 1 or more"),
+        ("magcache", "magnitude ratios calibrated"),
+        ("teacache", "must be none, first-block"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            parse_cache(text)
+    with pytest.raises(ConfigError, match="must be none, first-block"):
+        validate(JobConfig(input="x", output="y", model="org/m", cache="fast"))
+    # by the step alone, as diffusers' hook decides: 3 warm-up steps, then every 5th of the rest
+    assert parse_cache("taylorseer").computed_share(10) == pytest.approx(5 / 10)  # steps 0, 1, 2, 4 and 9
+    assert parse_cache("first-block").computed_share(10) is None  # the data decides
+
+
+def test_a_skipped_block_moves_no_bytes_only_when_the_cache_wraps_the_offloading():
+    """Block-level offload, one block per group: every block evaluation the cache skips is one
+    onload fewer — when the cache is applied after offloading. Applied before, the onload runs
+    outside the cache's hook, and every skipped block is still copied."""
+    onloads = {}
+    for order in ("none", "after", "before"):
+        pipe = build_tiny_flux(0, guidance_embeds=True)
+        pipe.set_progress_bar_config(disable=True)
+        prof = profile_pipeline(pipe)
+        modules = pipeline_modules(pipe)
+        spec, cache = parse_cache(FBC), None
+        if order == "before":
+            cache = AppliedCache(spec, {"transformer": pipe.transformer}, torch.float32, own_context=False)
+        plan = OffloadPlan({"transformer": Placement("block", 1)}, batch_size=1)
+        placed = apply(pipe, plan, prof, torch.device("cpu"))
+        stats = OffloadStats(modules, torch.device("cpu"))
+        if order == "after":
+            cache = AppliedCache(spec, {"transformer": pipe.transformer}, torch.float32, own_context=False)
+        pipe("a red fox", num_inference_steps=STEPS, guidance_scale=3.5, height=64, width=64, output_type="np")
+        onloads[order] = stats.snapshot()["components"]["transformer"]["onloads"]
+        skipped = cache.snapshot()["skipped"] if cache else 0
+        if order != "none":
+            assert skipped > 0, "the tiny model skipped nothing: raise the threshold of FBC"
+            counted = skipped
+        placed.close()
+    assert onloads["none"] - onloads["after"] == counted  # each skipped block: one onload fewer
+    assert onloads["before"] == onloads["none"]  # wrapped the other way round, every block still moves
+
+
+def test_a_worker_records_the_cache_and_what_it_skipped(tiny_flux, tmp_path):
+    prompts = write_prompts(tmp_path / "p.parquet", ["a red fox", "a blue owl", "a green frog"])
+    plain, plain_rows = _run(tiny_flux, tmp_path / "plain", prompts)
+    cached, rows = _run(tiny_flux, tmp_path / "cached", prompts, cache=FBC)
+    again, again_rows = _run(tiny_flux, tmp_path / "again", prompts, cache=FBC)
+    assert plain.batch_size == 4 and cached.batch_size == 1  # first-block decides per call: one image per call
+    assert "batch 1 (the first-block cache: one image per call)" in cached.plan.reason
+    info = json.loads((tmp_path / "cached" / "workers" / "w0.json").read_text())
+    blocks = len(cached.pipe.transformer.transformer_blocks) + len(cached.pipe.transformer.single_transformer_blocks)
+    assert info["cache"]["block_evaluations"] == 3 * STEPS * blocks
+    assert 0 < info["cache"]["skipped"] < info["cache"]["block_evaluations"]
+    assert info["cache"]["cache"] == FBC
+    skipped = [r["cache_skipped"] for r in rows.values()]
+    assert sum(s * STEPS * blocks for s in skipped) == pytest.approx(info["cache"]["skipped"])  # per image, the call's
+    assert {r["cache"] for r in rows.values()} == {FBC} and {r["cache"] for r in plain_rows.values()} == {"none"}
+    assert {r["cache_skipped"] for r in plain_rows.values()} == {None}
+    changed = [
+        k
+        for k in rows
+        if _pixels(tmp_path / "cached", rows[k]).tolist() != _pixels(tmp_path / "plain", plain_rows[k]).tolist()
+    ]
+    assert changed, "the cache skipped blocks but changed no image"
+    assert {k: r["sha256"] for k, r in again_rows.items()} == {k: r["sha256"] for k, r in rows.items()}  # deterministic
+
+
+def test_taylorseer_skips_exactly_the_steps_it_predicts(tiny_flux, tmp_path):
+    prompts = write_prompts(tmp_path / "p.parquet", ["a red fox", "a blue owl"])
+    spec = "taylorseer:interval=3,warmup=2,order=1"
+    worker, rows = _run(tiny_flux, tmp_path / "ts", prompts, cache=spec)
+    assert worker.batch_size == 4 and {r["batch"] for r in rows.values()} == {2}  # by the step: batches as ever
+    share = parse_cache(spec).computed_share(STEPS)
+    info = json.loads((tmp_path / "ts" / "workers" / "w0.json").read_text())
+    assert info["cache"]["skipped_share"] == pytest.approx(1 - share)
+    assert [r["cache_skipped"] for r in rows.values()] == pytest.approx([1 - share] * 2, rel=1e-6)
+
+
+def test_what_cannot_take_a_cache_is_refused_before_any_worker(tiny_model, tiny_flux, tmp_path):
+    prompts = write_prompts(tmp_path / "p.parquet", ["a red fox"])
+    sd = JobConfig(input=str(prompts), output=str(tmp_path / "o"), model=tiny_model, cache="first-block")
+    with pytest.raises(
+        ConfigError, match=r"UNet2DConditionModel takes no step cache.*Families whose pipelines take first-block: flux,"
+    ):
+        resolve_defaults(sd, Columns())
+    nothing = JobConfig(input=str(prompts), output="o", model=tiny_flux, cache="taylorseer:warmup=8", steps=8)
+    with pytest.raises(ConfigError, match="computes every one of the 8 steps"):
+        resolve_defaults(nothing, resolve_columns([read_footer(str(prompts))], Columns()))
+
+
+def test_the_cache_is_part_of_the_fingerprint_and_old_jobs_resume():
+    assert _differences({"generation": {"steps": 2}}, {"generation": {"steps": 2, "cache": "none"}}) == []
+    assert _differences({"generation": {"steps": 2}}, {"generation": {"steps": 2, "cache": FBC}}) == [
+        f"generation.cache differs: none vs {FBC}"
+    ]
+
+
+@pytest.mark.ray
+def test_a_resume_across_a_cache_change_is_refused(tiny_flux, tmp_path, ray_cluster):
+    from jobs.driver import run_job
+
+    prompts = write_prompts(tmp_path / "p.parquet", ["a red fox", "a blue owl"])
+    out = tmp_path / "out"
+    job = make_job(prompts, tiny_flux, out, cache=" First-Block:0.3 ", steps=STEPS)
+    assert run_job(job, progress_stream=io.StringIO()).complete
+    assert json.loads((out / "job.json").read_text())["fingerprint"]["generation"]["cache"] == FBC
+    with pytest.raises(StorageError, match=f"generation.cache differs: {FBC} vs none"):
+        run_job(make_job(prompts, tiny_flux, out, steps=STEPS), progress_stream=io.StringIO())
+
+
+@pytest.mark.parametrize("family", ["flux2", "qwen-image", "hunyuanimage", "wan"])
+def test_each_cacheable_family_runs_taylorseer_and_first_block_or_says_why(family):
+    """The tiny pipeline of each family diffusers can cache, through `AppliedCache` as a worker
+    applies it. A `FAILS` entry must still fail (when diffusers fixes it, this fails: remove it)."""
+    from workers.caching import FAILS, names_contexts
+    from workers.family_table import FAMILIES
+    from workers.tiny_model import TINY_FAMILIES
+
+    for method in ("taylorseer:interval=2,warmup=1", "first-block:0.3"):
+        pipe = TINY_FAMILIES[family](0)
+        pipe.set_progress_bar_config(disable=True)
+        spec = parse_cache(method)
+        cache = AppliedCache(spec, {"transformer": pipe.transformer}, torch.float32, not names_contexts(type(pipe)))
+        video = {"num_frames": 5} if FAMILIES[family].video else {}
+        known = FAILS.get((spec.method, type(pipe.transformer).__name__))
+        try:
+            with cache.context():
+                pipe(prompt="a red fox", num_inference_steps=4, height=64, width=64, output_type="np", **video)
+        except TypeError:
+            assert known, f"{family} {method} fails and FAILS does not say so"
+            continue
+        assert not known, f"{family} {method} runs now: remove its FAILS entry"
+        counts = cache.snapshot()
+        assert counts["block_evaluations"] > 0
+        if spec.method == "taylorseer":  # steps 0, 2 computed; 1, 3 predicted
+            assert counts["skipped_share"] == 0.5
+        cache.close()
+        assert not any(
+            "fbc" in n or "taylorseer" in n or n == "fleetgen_block_count"
+            for m in pipe.transformer.modules()
+            for n in getattr(getattr(m, "_diffusers_hook", None), "hooks", {})
+        )
