@@ -139,11 +139,12 @@ def main() -> None:
         per_block = block_seconds(model, args.steps, args.side)
         runs: dict[str, list[dict]] = {s: [] for s in SETTINGS}
         for r in range(args.rounds):
-            for s in SETTINGS:
-                runs[s].append(
-                    run(model, prompts, root / f"o{r}-{len(runs[s])}-{s[:5]}", s, args.steps, args.side, "none")
-                )
-        moved = {s: run(model, prompts, root / f"b-{s[:5]}", s, args.steps, args.side, "block") for s in SETTINGS[:3]}
+            for i, s in enumerate(SETTINGS):  # an output per run: a second run into one would resume it
+                runs[s].append(run(model, prompts, root / f"o{r}-{i}", s, args.steps, args.side, "none"))
+        moved = {
+            s: run(model, prompts, root / f"b{i}", s, args.steps, args.side, "block")
+            for i, s in enumerate(SETTINGS[:3])
+        }
     base = statistics.median(x["seconds_per_image"] for x in runs["none"])
     rows = []
     for s in SETTINGS:
