@@ -105,6 +105,9 @@ class AppliedOffload:
 OFFLOAD_HOOKS = ("lazy_prefetch_group_offloading", "layer_execution_tracker", "group_offloading")
 
 
+from offload.stats import COUNTER_HOOK  # noqa: E402 - beside its one use
+
+
 def unapply(pipe, placed: AppliedOffload | None = None) -> None:
     """Undo a plan: every offloading hook removed (its groups offloaded), every module back on the
     CPU, disk files removed; the pipeline is as it was loaded, ready for another plan."""
@@ -114,7 +117,7 @@ def unapply(pipe, placed: AppliedOffload | None = None) -> None:
         placed.close()
     for module in pipeline_modules(pipe).values():
         registry = HookRegistry.check_if_exists_or_initialize(module)
-        for name in OFFLOAD_HOOKS:
+        for name in (COUNTER_HOOK, *OFFLOAD_HOOKS):  # a counter left by stats never closed goes too
             registry.remove_hook(name, recurse=True)
         module.to("cpu")
 
