@@ -9,6 +9,7 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields, make_dataclass, replace
 from pathlib import Path
 
+from fleetgen.attention import fingerprinted, parse_attention
 from fleetgen.caches import normalized as normalized_cache
 from fleetgen.caches import parse_cache
 from fleetgen.errors import ConfigError
@@ -45,6 +46,9 @@ class _Job:
     family: str | None = None  # pipeline family; resolved from the model's model_index.json (jobs/models.py)
     quantize: str = "none"  # storage formats per component, e.g. transformer=fp8 (offload/quantize.py)
     cache: str = "none"  # step cache: none | first-block[:THRESHOLD] | taylorseer[:interval=N,...] (fleetgen/caches.py)
+    # attention kernel: native | auto | a diffusers backend; an inexact one (sage) is in the fingerprint, an
+    # exact one is each worker's (fleetgen/attention.py)
+    attention: str = "native"
     task: str | None = None  # text-to-image | image-to-image | inpaint | edit; default: the model's pipeline class's
     strength: float | None = None  # image-to-image, inpaint: how far from the input (default: the task's)
     resize: str = "crop"  # crop | pad | fit: how input images become the job's size (workers/inputs.py)
@@ -78,6 +82,7 @@ class _Job:
     gpus_per_worker: float | None = None  # Ray GPUs each worker asks for; default 1 for GPU workers,
     #                                       a fraction packs several on one GPU (each plans within its share)
     placement_timeout: float = 300.0  # seconds the job waits with no worker placed before it ends (exit 2)
+    compile: bool = False  # torch.compile each worker's denoisers (regional where they have repeated blocks)
     cpu_threads: int = 1  # torch threads per CPU worker; CPU kernels round differently per thread count,
     #                       so a fixed number keeps images independent of how many workers run
     max_batch: int = 4  # images per pipeline call
@@ -123,6 +128,7 @@ class _Job:
             video_format=self.video_format,
             crf=self.crf,
             cache=normalized_cache(self.cache),
+            attention=fingerprinted(self.attention),
         )
 
     def budgets(self) -> tuple[int | None, int | None]:
@@ -222,6 +228,7 @@ def validate(config: JobConfig) -> JobConfig:
         if c.offload in ("block", "leaf", "disk"):  # the combination table, before any worker starts
             why = refusal(name, "block" if c.offload == "disk" else c.offload, False, c.offload == "disk")
             _check(why is None, f"`--quantize {component}={name}` with `--offload {c.offload}`: {why}.")
+    parse_attention(c.attention)
     parse_cache(c.cache)  # the family's denoiser and pipeline are checked with the model (jobs/models.py)
     local = c.model.startswith(("/", "./", "../", "~"))  # a hub id is `org/name`
     _check(

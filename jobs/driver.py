@@ -17,6 +17,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import replace
 
+from fleetgen.attention import parse_attention
 from fleetgen.errors import ClusterError, InputError, StorageError
 from jobs.config import JobConfig, resolve_paths
 from jobs.dataset import describe_columns, write_card
@@ -196,6 +197,8 @@ def _dispatch(config: JobConfig, columns, run: Run, fleet: FleetRecord, adapters
                     variant=config.variant,
                     adapters=adapters,
                     plan_size=plan_size,
+                    compile=config.compile,
+                    attention=parse_attention(config.attention),
                 )
 
             progress.log(f"{sizing.describe()}; {len(todo)} shard(s) to generate")

@@ -51,6 +51,12 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         "the first one's output changes less than THRESHOLD, default 0.05; one image per call) or "
         "taylorseer[:interval=N,warmup=W,order=K] (compute every N-th step, predict the rest); changes pixels",
     )
+    g.add_argument(
+        "--attention",
+        help="attention kernel of the denoiser: native (default: torch SDPA), auto (each worker measures the exact "
+        "kernels it has and keeps the fastest), or a diffusers backend (flash, _flash_3, _native_cudnn, xformers, "
+        "...; an exact one may differ per worker, sage changes pixels and is the job's)",
+    )
     from workers.family_table import TASKS
     from workers.inputs import RESIZE_RULES
 
@@ -172,6 +178,13 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         "--stop-grace",
         type=float,
         help="seconds running shards get to commit after SIGTERM/SIGINT (default 0: abandon)",
+    )
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        default=None,
+        help="torch.compile each worker's denoisers (regional where they have repeated blocks; keeps pixels; "
+        "compile time in workers/<w>.json)",
     )
     g.add_argument(
         "--offload",

@@ -108,6 +108,7 @@ _NEW_DEFAULTS = {
         "video_format": "mp4",
         "crf": 18,
         "cache": "none",
+        "attention": "exact",
     }
 }  # settings newer than some jobs' job.json, as those made them
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fleetgen.caches import parse_cache
-from fleetgen.latents import latent_frames
 from offload.formats import CHOOSABLE, NONE, allowed, refusal, spec
 from offload.profile import ComponentProfile, PipelineProfile
 
@@ -150,11 +149,9 @@ def _forwards(c: ComponentProfile, w: Workload, prof: PipelineProfile | None = N
 
 def _tokens(c: ComponentProfile, prof: PipelineProfile, w: Workload) -> int:
     if c.per_step:
-        own = (w.width // (prof.vae_scale * prof.patch)) * (w.height // (prof.vae_scale * prof.patch))
         # a clip's tokens are every latent frame's; an edit model's input images, at the image's
         # size, add as many tokens each
-        frames = latent_frames(w.frames, prof.vae_temporal)
-        return own * frames * (1 + (w.input_images if w.in_sequence else 0))
+        return prof.image_tokens(w.width, w.height, w.frames) * (1 + (w.input_images if w.in_sequence else 0))
     if c.name == "vae":
         return w.width * w.height // 16 * max(w.frames, 1)
     return TEXT_TOKENS.get(c.cls, 77)

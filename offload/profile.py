@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from fleetgen.latents import denoiser_patch, expert_shares, vae_scale, vae_temporal
+from fleetgen.latents import denoiser_patch, expert_shares, latent_frames, vae_scale, vae_temporal
 from offload.formats import FLOAT8, LAYERS, NONE, spec
 from offload.quantize import stored_sizes
 
@@ -69,6 +69,11 @@ class PipelineProfile:
     @property
     def total_bytes(self) -> int:
         return sum(c.bytes for c in self.components.values())
+
+    def image_tokens(self, width: int, height: int, frames: int = 0) -> int:
+        """The denoiser's tokens for one image of this size (a clip of `frames`: every latent frame's)."""
+        side = self.vae_scale * self.patch
+        return (width // side) * (height // side) * latent_frames(frames, self.vae_temporal)
 
     def holding(self, formats: dict[str, str]) -> PipelineProfile:
         """This profile with components that hold a format already (applied at load: their live

@@ -237,6 +237,28 @@ def prompt_limit(pipe, family: Family) -> tuple[object | None, int | None]:
     return tokenizer, limit if limit and limit < 100_000 else None
 
 
+def prompt_note(pipe, family: Family, prompt: str, negative: str | None, strict: bool) -> dict:
+    """What an image's record says about its prompt before it is made. Prompts longer than the
+    text encoder that reads the whole prompt takes (T5 or Gemma where the family has one, else
+    CLIP) are truncated by the pipeline: a warning, or an error with `strict` (`--strict-prompts`)."""
+    warning = None
+    if negative and not takes_negative_prompt(pipe):
+        warning = f"negative prompt ignored: {type(pipe).__name__} takes none"
+    tokenizer, limit = prompt_limit(pipe, family)
+    if tokenizer is None or not limit:
+        return {"warning": warning}
+    n = len(tokenizer(prompt, truncation=False).input_ids)
+    if n > limit and strict:
+        return {
+            "status": "error",
+            "error": f"prompt is {n} tokens; the text encoder takes {limit} (`--strict-prompts`)",
+            "warning": warning,
+        }
+    if n > limit:
+        warning = "; ".join(filter(None, [warning, f"prompt truncated to {limit} of {n} tokens"]))
+    return {"warning": warning}
+
+
 def as_task(pipe, task: Task, tag: str = "worker"):
     """The loaded pipeline as the class of the job's task: itself, or a pipeline of that class over
     the same components (diffusers' `from_pipe`: no weights are copied or loaded again)."""

@@ -198,6 +198,13 @@ FIELDS: list[Field] = [
         stored=True,
     ),
     Field(
+        "attention",
+        pa.string(),
+        "the attention kernel its denoiser ran (`--attention`): an exact one (`native`, `flash`, ...) may differ "
+        "per worker, an inexact one (`sage`) is the job's",
+        stored=True,
+    ),
+    Field(
         "cache_skipped",
         pa.float32(),
         "share of the denoiser's block evaluations the step cache skipped in the call that made it (null: no cache)",

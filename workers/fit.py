@@ -18,8 +18,10 @@ from offload.apply import unapply
 from offload.formats import describe, is_auto, parse_quantize, pinned_gguf, runnable, spec, unavailable
 from offload.profile import live_bytes
 from offload.quantize import held, load_config, quantize
+from workers.attention import choose_attention, reset_attention, set_attention
 from workers.batches import Adapter, Image, Look
 from workers.caching import AppliedCache, cache_refusal, names_contexts
+from workers.compiling import AppliedCompile, is_compile_error
 from workers.families import (
     FAMILIES,
     GENERIC,
@@ -28,8 +30,6 @@ from workers.families import (
     as_task,
     call_kwargs,
     prepare_call,
-    prompt_limit,
-    takes_negative_prompt,
     task_kwargs,
     warm_up_input,
 )
@@ -46,7 +46,7 @@ from workers.plans import choose_plan, components_dtypes_kept, is_out_of_memory,
 from workers.probe import probe
 from workers.seeds import generators
 from workers.spec import Source, Workload
-from workers.video import Clip
+from workers.video import clips_of
 
 
 @dataclass
@@ -113,7 +113,6 @@ class FittedPipeline:
             self.pipe.vae.enable_slicing()  # one clip's decode at a time, on every worker (the planner counts so)
         # {component: format} as applied: at load, or already held by a pipeline given quantized
         self.quantized: dict[str, str] = {**held(pipeline_modules(self.pipe)), **at_load}
-        self.takes_negative = takes_negative_prompt(self.pipe)
         # Adapters before profiling and offloading: their bytes are planned for and offloaded with their layers.
         self.adapters = load_adapters(self.pipe, source.adapters, tag)
         self._active: tuple[Adapter, ...] | None = None
@@ -159,25 +158,24 @@ class FittedPipeline:
             **self._fit,
         )
         self._quantize(self.plan.formats)
-        self.placed = self.cache = None
+        self.placed = self.cache = self.compiled = self.attention = self.offload_stats = None
         self.step_downs: list[dict] = []
         self.seconds = 0.0  # wall time in pipeline calls
         try:
             self.placed = apply(self.pipe, self.plan, self.profile, self.device, tag=tag)
             self.offload_stats = OffloadStats(pipeline_modules(self.pipe), self.device)
             self._apply_cache()
-            if self.device.type == "cuda":  # kernels, allocator and stream prefetch order settle on a first call
+            tokens = self.profile.image_tokens(w.width, w.height, w.num_frames)  # `auto` measures kernels at them
+            self.attention = choose_attention(w.attention, self._denoisers, self.device, self.dtype, tokens)
+            set_attention(self._denoisers, self.attention.backend)
+            self._apply_compile()
+            if self.device.type == "cuda" or self.compiled:  # kernels, graphs, allocator and prefetch order settle
                 frames = (("num_frames", w.num_frames),) if w.num_frames else ()
                 self._warm_up(Look(w.width, w.height, 1, w.guidance, extra=frames))
         except BaseException:
             # A pipeline that cannot start leaves a pipeline it was given as it came (no hooks, on the CPU):
             # the next plan applied to it must not find this one's hooks.
-            if self.cache is not None:
-                self.cache.close()
-            if self._given:
-                unapply(self.pipe, self.placed)
-            elif self.placed is not None:
-                self.placed.close()
+            self._take_off()
             raise
         self.batch_size = self.plan.batch_size if self.task.batched else 1  # one row per call: its references
 
@@ -189,27 +187,6 @@ class FittedPipeline:
         # what the live modules hold, as measured (workers/<w>.json): the plan's counts were predicted
         self.weight_bytes = {n: live_bytes(m, self.profile.dtype_bytes) for n, m in modules.items()}
 
-    def prompt_note(self, prompt: str, negative: str | None, strict: bool) -> dict:
-        """What an image's record says about its prompt before it is made. Prompts longer than the
-        text encoder that reads the whole prompt takes (T5 or Gemma where the family has one, else
-        CLIP) are truncated by the pipeline: a warning, or an error with `strict` (`--strict-prompts`)."""
-        warning = None
-        if negative and not self.takes_negative:
-            warning = f"negative prompt ignored: {type(self.pipe).__name__} takes none"
-        tokenizer, limit = prompt_limit(self.pipe, self.family)
-        if tokenizer is None or not limit:
-            return {"warning": warning}
-        n = len(tokenizer(prompt, truncation=False).input_ids)
-        if n > limit and strict:
-            return {
-                "status": "error",
-                "error": f"prompt is {n} tokens; the text encoder takes {limit} (`--strict-prompts`)",
-                "warning": warning,
-            }
-        if n > limit:
-            warning = "; ".join(filter(None, [warning, f"prompt truncated to {limit} of {n} tokens"]))
-        return {"warning": warning}
-
     def generate(self, batch: list[Image], inputs: dict | None = None) -> tuple[list[Picture], dict[str, str]]:
         """Run one pipeline call; if it raises, run its images one at a time so that one bad row
         costs only itself. Returns what was made and `{image id: error message}`.
@@ -219,6 +196,7 @@ class FittedPipeline:
         `empty_cache()` frees nothing and the retry would start with the failed attempt's memory
         still allocated (PyTorch FAQ, "My out of memory exception handler can't allocate memory")."""
         oom = failure = None
+        compile_failed = False
         try:
             return self._call(batch, inputs), {}
         except Exception as err:  # noqa: BLE001 - any pipeline failure is retried row by row
@@ -226,6 +204,10 @@ class FittedPipeline:
                 oom = one_line(err)
             else:
                 failure = f"{type(err).__name__}: {err}"
+            compile_failed = self._compiling() and is_compile_error(err)
+        if compile_failed:  # said in workers/<w>.json; the batch runs again, uncompiled
+            self.compiled.disable(failure[:300])
+            return self.generate(batch, inputs)
         if oom is not None:
             if not self._step_down(len(batch), oom):
                 return [], {r.id: f"OutOfMemoryError at batch 1 with the leanest plan: {oom}" for r in batch}
@@ -252,9 +234,13 @@ class FittedPipeline:
                     self.pipe(**self._kwargs(["warm up"], [None], look, generator=None, inputs=blank))
                 if self.cache is not None:
                     self.cache.take()  # the warm-up's skips are no image's
-                torch.cuda.reset_peak_memory_stats(self.device)
+                if self.device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(self.device)
                 return
-            except Exception as err:  # noqa: BLE001 - only an OOM is handled; the rest is raised
+            except Exception as err:  # noqa: BLE001 - an OOM and a failed compile are handled; the rest is raised
+                if self._compiling() and is_compile_error(err):
+                    self.compiled.disable(f"{type(err).__name__}: {err}"[:300])  # said, then warmed up again uncompiled
+                    continue
                 if not is_out_of_memory(err):
                     raise
                 oom = one_line(err)
@@ -300,17 +286,46 @@ class FittedPipeline:
             own = not names_contexts(type(self.pipe))
             self.cache = AppliedCache(self.cache_spec, self._denoisers, self.dtype, own, carried)
 
+    def _apply_compile(self, carried: AppliedCompile | None = None) -> None:
+        """`--compile`, last (workers/compiling.py): the compiled regions call through the offload and
+        cache hooks; `carried`: the compilation it replaces after a re-apply, whose counts run on."""
+        if self.workload.compile and (carried is None or carried.disabled is None):
+            if carried is not None:
+                torch._dynamo.reset()  # the hooks under the regions changed: compile anew, not on stale guards
+            self.compiled = AppliedCompile(self._denoisers, carried)
+
+    def _compiling(self) -> bool:
+        return self.compiled is not None and self.compiled.disabled is None
+
     def _reapply(self, new_plan: OffloadPlan) -> None:
-        """Another plan: cache and offload hooks off, then offload → cache back on, in that order."""
-        carried = self.cache
-        if self.cache is not None:
-            self.cache.close()
-        self.offload_stats.close()
+        """Another plan: compilation, cache and offload hooks off, then offload → cache → compile back
+        on, in that order."""
+        cached, compiled = self.cache, self.compiled
+        self._take_off(offload=False)
         unapply(self.pipe, self.placed)  # every hook, the stream ones included
         self._quantize(new_plan.formats)  # a format `auto` adds to lean further
         self.placed = apply(self.pipe, new_plan, self.profile, self.device, tag=self.tag)
         self.offload_stats = OffloadStats(pipeline_modules(self.pipe), self.device)
-        self._apply_cache(carried)
+        self._apply_cache(cached)
+        self._apply_compile(compiled)
+
+    def _take_off(self, offload: bool = True) -> None:
+        """Compilation, the cache and the offload counters off; with `offload`, the attention kernel
+        and offloading too (a pipeline given is left as it came: no hooks, on the CPU)."""
+        if self.compiled is not None:
+            self.compiled.close()
+        if self.cache is not None:
+            self.cache.close()
+        if self.offload_stats is not None:
+            self.offload_stats.close()
+        if not offload:
+            return
+        if self.attention is not None:
+            reset_attention(self._denoisers, self.attention.backend)
+        if self._given:
+            unapply(self.pipe, self.placed)
+        elif self.placed is not None:
+            self.placed.close()
 
     def _roles(self) -> list[str]:
         return (["image"] if self.task.takes_images else []) + (["mask"] if self.task.mask else [])
@@ -351,7 +366,12 @@ class FittedPipeline:
                     [[(x.picture, x.ref.role) for x in (inputs or {}).get(im.id, ())] for im in batch],
                 )
             )
-        pictures = self._clips(out.frames, look) if self.task.video else out.images
+        extra = dict(look.extra)
+        pictures = (
+            clips_of(out.frames, extra.get("num_frames"), extra.get("fps") or self.family.fps, type(self.pipe).__name__)
+            if self.task.video
+            else out.images
+        )
         made = {getattr(p, "size", None) for p in pictures}
         if made != {(look.width, look.height)}:  # a pipeline that rescales: its records would say otherwise
             sizes = ", ".join(sorted(f"{w}x{h}" for w, h in made if w) or ["no images"])
@@ -370,25 +390,6 @@ class FittedPipeline:
     def _cache_context(self):
         return self.cache.context() if self.cache is not None else contextlib.nullcontext()
 
-    def _clips(self, videos, look: Look) -> list[Clip]:
-        """A video pipeline's output (per prompt, its frames as PIL images) as clips at the look's
-        frame rate; a clip of another length than asked is an error, never stored as if asked."""
-        extra = dict(look.extra)
-        asked = extra.get("num_frames")
-        clips = [Clip(list(frames), extra.get("fps") or self.family.fps) for frames in videos]
-        lengths = {len(c.frames) for c in clips}
-        if asked is not None and lengths != {asked}:
-            raise FleetgenError(
-                f"{type(self.pipe).__name__} made {', '.join(map(str, sorted(lengths)))} frames where {asked} were asked"
-            )
-        return clips
-
     def close(self) -> None:
-        if self.cache is not None:
-            self.cache.close()
-        self.offload_stats.close()
-        if self._given:
-            unapply(self.pipe, self.placed)
-        else:
-            self.placed.close()
+        self._take_off()
         self.pipe = None

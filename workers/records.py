@@ -21,9 +21,11 @@ class Records:
         model: str,
         store_inputs: bool = False,
         cache: str = "none",
+        attention: str = "native",
     ):
         self.template, self.worker, self.device, self.model = template, worker, device, model
         self.cache = cache  # the job's step cache (`--cache`), on every image
+        self.attention = attention  # the attention kernel this worker's denoisers run (`--attention`)
         self.store_inputs = store_inputs  # `--store-inputs`: each image's inputs go beside it
         self.fields = [f.name for f in records()]  # the manifest's columns
         self.stored = [name for name in stored_names() if name != "sha256"]  # the writer adds the digest
@@ -43,6 +45,7 @@ class Records:
             **im.look.record(),
             "template": self.template,
             "cache": self.cache,
+            "attention": self.attention,
             "worker": self.worker,
             "device": self.device,
         }

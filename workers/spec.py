@@ -38,6 +38,7 @@ class GenerationSettings:
     video_format: str = "mp4"  # video tasks: mp4 (H.264) | webm (AV1) (workers/video.py)
     crf: int = 18  # video tasks: the encoder's constant rate factor (lower: larger, closer to the frames made)
     cache: str = "none"  # step cache on the denoiser, e.g. first-block:0.08 (fleetgen/caches.py): changes pixels
+    attention: str = "exact"  # exact (each worker's kernel) | an inexact kernel such as sage (fleetgen/attention.py)
 
     def media_format(self) -> str:
         """What each object of the job is encoded as: the video format for video tasks, else the image format."""
@@ -100,6 +101,8 @@ class WorkerSpec:
     variant: str | None = None  # weights variant, e.g. fp16
     adapters: tuple[tuple[str, str], ...] = ()  # every LoRA the job uses (flags, `lora` column): (as named, location)
     plan_size: tuple[int, int] | None = None  # the largest (width, height) in the job, planned for
+    compile: bool = False  # torch.compile the denoisers (regional where they have repeated blocks)
+    attention: str = "native"  # the attention kernel: native | auto (the fastest exact one here) | a backend
 
     def source(self) -> Source:
         return Source(
@@ -133,6 +136,8 @@ class WorkerSpec:
             in_sequence=self.settings.task_spec().in_sequence,
             num_frames=(s.num_frames or 0) if self.settings.task_spec().video else 0,
             cache=s.cache,
+            compile=self.compile,
+            attention=self.attention,
         )
 
 
@@ -194,3 +199,5 @@ class Workload:
     in_sequence: bool = False  # their latents join the denoiser's sequence (edit models)
     num_frames: int = 0  # video tasks: frames per clip, planned for (0: images)
     cache: str = "none"  # the job's step cache (fleetgen/caches.py), applied after offloading
+    compile: bool = False  # torch.compile the denoisers, after the cache (workers/compiling.py)
+    attention: str = "native"  # native | auto | a diffusers attention backend (workers/attention.py)

@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass
 from fractions import Fraction
 
+from fleetgen.errors import FleetgenError
+
 # --video-format -> (container, encoders in order of preference, codec name as decoders report it)
 VIDEO_FORMATS = {"mp4": ("mp4", ("libx264",), "h264"), "webm": ("webm", ("libsvtav1", "libaom-av1"), "av1")}
 MAX_CRF = {"mp4": 51, "webm": 63}
@@ -37,6 +39,16 @@ class Clip:
     @property
     def size(self) -> tuple[int, int]:
         return self.frames[0].size
+
+
+def clips_of(videos, asked: int | None, fps: float, made_by: str) -> list[Clip]:
+    """A video pipeline's output (per prompt, its frames as PIL images) as clips at `fps`; a clip of
+    another length than `asked` is an error, never stored as if asked."""
+    clips = [Clip(list(frames), fps) for frames in videos]
+    lengths = {len(c.frames) for c in clips}
+    if asked is not None and lengths != {asked}:
+        raise FleetgenError(f"{made_by} made {', '.join(map(str, sorted(lengths)))} frames where {asked} were asked")
+    return clips
 
 
 def _av():

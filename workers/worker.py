@@ -31,6 +31,7 @@ from workers.commit import (
     promote,
     staging,
 )
+from workers.families import prompt_note
 from workers.fit import FittedPipeline
 from workers.formats import open_sink
 from workers.inputs import Prefetcher
@@ -95,11 +96,20 @@ class Worker:
             "quantized": dict(self.fitted.quantized),
             "weight_bytes": self.fitted.weight_bytes,  # per component, measured from the live modules
             "probe": self.fitted.probe,
+            "attention": self.fitted.attention.to_dict(),  # the kernel its denoisers run, and why (`--attention`)
             "load_seconds": round(time.perf_counter() - started, 3),
             "versions": {"fleetgen": __version__, "torch": torch.__version__, "python": platform.python_version()},
         }
         device, store = self.info["device"]["name"], spec.settings.store_inputs
-        self._records = Records(self.recipe.template, spec.name, device, spec.model, store, spec.settings.cache)
+        self._records = Records(
+            self.recipe.template,
+            spec.name,
+            device,
+            spec.model,
+            store,
+            spec.settings.cache,
+            self.fitted.attention.backend,
+        )
         self.write_info()
 
     # What the fitted pipeline decided, as the worker reports it.
@@ -128,6 +138,8 @@ class Worker:
             "stats": stats,
             "offload": offload,
             "cache": fitted.cache.snapshot() if fitted.cache is not None else None,  # the step cache's skips
+            # `--compile`: what was compiled, the seconds and graphs it took, why it was taken off (if it was)
+            "compile": fitted.compiled.snapshot() if fitted.compiled is not None else None,
             "predicted_vs_measured": predicted_vs_measured(self.plan, secs, stats["images"], offload),
             "step_downs": list(self.step_downs),
         }
@@ -193,7 +205,9 @@ class Worker:
         records = {im.id: self._records.new(im) for im in images}
         for im in images:
             if im.error is None:
-                records[im.id].update(self.fitted.prompt_note(im.prompt, im.negative_prompt, self.spec.strict_prompts))
+                records[im.id].update(
+                    prompt_note(self.pipe, self.fitted.family, im.prompt, im.negative_prompt, self.spec.strict_prompts)
+                )
         base, kept = keep_committed(self.output, shard.id, records) if shard.retry_errors else (None, set())
         todo = [im for im in images if records[im.id]["status"] == "ok" and im.id not in kept]
         attempt = uuid.uuid4().hex[:12]

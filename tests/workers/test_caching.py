@@ -5,26 +5,22 @@ not); the records and stats that say so; the refusals and the fingerprint."""
 import io
 import json
 
-import numpy as np
-import pyarrow.parquet as pq
 import pytest
 import torch
-from PIL import Image
 
 from fleetgen.caches import CacheSpec, normalized, parse_cache
 from fleetgen.errors import ConfigError, StorageError
 from jobs.config import JobConfig, validate
 from jobs.models import resolve_defaults
-from jobs.sharding import plan_shards, read_footer, resolve_columns
+from jobs.sharding import read_footer, resolve_columns
 from jobs.state import _differences
 from offload import OffloadPlan, OffloadStats, apply, pipeline_modules, profile_pipeline
 from offload.cost import Placement
-from tests.conftest import make_job, write_prompts
+from tests.conftest import make_job, pixels, run_one_shard, write_prompts
 from workers.caching import AppliedCache
 from workers.shard import Columns
-from workers.spec import GenerationSettings, WorkerSpec
+from workers.spec import GenerationSettings
 from workers.tiny_model import build_tiny_flux, write_tiny_model
-from workers.worker import Worker
 
 STEPS = 12
 FBC = "first-block:0.3"  # skips a few of 12 steps of the tiny FLUX.1 (random weights): measured below, not assumed
@@ -36,17 +32,8 @@ def tiny_flux(tmp_path_factory) -> str:
 
 
 def _run(model, out, prompts, cache="none", **spec):
-    files = [read_footer(str(prompts))]
-    shard, columns = plan_shards(files, 100)[0], resolve_columns(files, Columns())
     settings = GenerationSettings(steps=STEPS, guidance=3.5, width=64, height=64, family="flux", cache=cache)
-    worker = Worker(WorkerSpec("w0", model, str(out), settings, columns, device="cpu", **{"max_batch": 4, **spec}))
-    worker.run_shard(shard)
-    rows = {r["id"]: r for r in pq.read_table(out / "shards").to_pylist()}
-    return worker, rows
-
-
-def _pixels(out, row) -> np.ndarray:
-    return np.asarray(Image.open(out / row["image"]), dtype=np.float64)
+    return run_one_shard(model, out, prompts, settings, **{"max_batch": 4, **spec})
 
 
 def test_the_setting_is_parsed_to_one_spelling_and_refused_in_one_line():
@@ -122,7 +109,7 @@ def test_a_worker_records_the_cache_and_what_it_skipped(tiny_flux, tmp_path):
     changed = [
         k
         for k in rows
-        if _pixels(tmp_path / "cached", rows[k]).tolist() != _pixels(tmp_path / "plain", plain_rows[k]).tolist()
+        if pixels(tmp_path / "cached", rows[k]).tolist() != pixels(tmp_path / "plain", plain_rows[k]).tolist()
     ]
     assert changed, "the cache skipped blocks but changed no image"
     assert {k: r["sha256"] for k, r in again_rows.items()} == {k: r["sha256"] for k, r in rows.items()}  # deterministic

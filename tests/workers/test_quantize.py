@@ -9,14 +9,13 @@ from dataclasses import replace
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from PIL import Image
 
 from fleetgen.errors import ConfigError, OffloadError, StorageError
 from jobs.config import JobConfig, validate
 from jobs.models import resolve_adapters, resolve_defaults
 from jobs.sharding import plan_shards, read_footer, resolve_columns
 from offload.formats import normalized, parse_quantize
-from tests.conftest import make_job, write_prompts
+from tests.conftest import make_job, pixels, run_one_shard, write_prompts
 from workers.shard import Columns
 from workers.spec import GenerationSettings, WorkerSpec
 from workers.worker import Worker
@@ -25,17 +24,8 @@ MIN_PSNR = 30.0  # dB against the unquantized images of the same seeds (tiny SD,
 
 
 def _run(model, out, path, quantize="none", **spec):
-    files = [read_footer(str(path))]
-    shard, columns = plan_shards(files, 100)[0], resolve_columns(files, Columns())
     settings = GenerationSettings(steps=4, guidance=5.0, width=64, height=64, family="sd", quantize=quantize)
-    worker = Worker(WorkerSpec("w0", model, str(out), settings, columns, device="cpu", **{"max_batch": 1, **spec}))
-    worker.run_shard(shard)
-    rows = {r["id"]: r for r in pq.read_table(out / "shards").to_pylist()}
-    return worker, rows
-
-
-def _pixels(out, row) -> np.ndarray:
-    return np.asarray(Image.open(out / row["image"]), dtype=np.float64)
+    return run_one_shard(model, out, path, settings, **{"max_batch": 1, **spec})
 
 
 def test_the_mapping_is_parsed_and_refused_in_one_line():
@@ -86,7 +76,7 @@ def test_a_format_holds_the_bytes_predicted_and_stays_close(mapping, tiny_model,
         row = q_rows[k]
         assert row["status"] == "ok" and row["sha256"] != plain_rows[k]["sha256"]  # pixels change
         assert row["quantized"] == mapping and plain_rows[k]["quantized"] == "none"  # recorded per image
-        mse = ((_pixels(tmp_path / "plain", plain_rows[k]) - _pixels(tmp_path / "q", row)) ** 2).mean()
+        mse = ((pixels(tmp_path / "plain", plain_rows[k]) - pixels(tmp_path / "q", row)) ** 2).mean()
         assert 10 * np.log10(255**2 / mse) >= MIN_PSNR
 
 
@@ -249,7 +239,7 @@ def test_a_gguf_file_supplies_the_unet(tiny_model, tmp_path):
     assert info["weight_bytes"]["unet"] < 0.75 * plain.fitted.weight_bytes["unet"]
     for k in ("a", "b"):
         assert rows[k]["status"] == "ok" and rows[k]["quantized"] == pinned
-        mse = ((_pixels(tmp_path / "plain", plain_rows[k]) - _pixels(tmp_path / "q", rows[k])) ** 2).mean()
+        mse = ((pixels(tmp_path / "plain", plain_rows[k]) - pixels(tmp_path / "q", rows[k])) ** 2).mean()
         assert 10 * np.log10(255**2 / mse) >= MIN_PSNR
     with pytest.raises(ConfigError, match=r"no file at .*missing.gguf"):
         normalized(f"unet=gguf:{tmp_path}/missing.gguf")

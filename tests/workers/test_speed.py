@@ -1,0 +1,145 @@
+"""`--attention` and `--compile` on CPU with the tiny pipelines: the kernel each worker measures and
+keeps (exact: per worker, the same pixels within rounding; inexact: the job's, never a fallback),
+compilation under offloading and after an OOM step-down, and a compiler that fails said, not silent."""
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from fleetgen.attention import CANDIDATES, EXACT, INEXACT, fingerprinted, parse_attention
+from fleetgen.errors import ConfigError, OffloadError
+from jobs.state import _differences
+from offload.stats import find_groups
+from tests.conftest import make_job, pixels, run_one_shard, write_prompts
+from workers.attention import dispatched
+from workers.spec import GenerationSettings
+from workers.tiny_model import write_tiny_model
+
+FLUX = GenerationSettings(steps=3, guidance=3.5, width=64, height=64, family="flux")
+
+
+@pytest.fixture(scope="module")
+def tiny_flux(tmp_path_factory) -> str:
+    return str(write_tiny_model(tmp_path_factory.mktemp("models") / "flux", family="flux"))
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    return write_prompts(tmp_path / "p.parquet", ["a red fox", "a blue boat"], id=["a", "b"])
+
+
+def _worst(out_a, rows_a, out_b, rows_b) -> float:
+    return max(np.abs(pixels(out_a, rows_a[k]) - pixels(out_b, rows_b[k])).max() for k in rows_a)
+
+
+def test_the_kernel_table_is_diffusers_own_and_only_sage_is_the_jobs():
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    assert set(EXACT) | set(INEXACT) == {b.value for b in AttentionBackendName}  # fails when diffusers adds one
+    assert set(CANDIDATES) <= set(EXACT) and not any(b.endswith("_hub") for b in CANDIDATES)
+    assert parse_attention(None) == "native" and parse_attention(" AUTO ") == "auto"
+    assert [fingerprinted(b) for b in ("native", "auto", "flash", "_native_cudnn")] == ["exact"] * 4
+    assert fingerprinted("sage") == "sage" and fingerprinted("_sage_qk_int8_pv_fp8_cuda") == "_sage_qk_int8_pv_fp8_cuda"
+    with pytest.raises(ConfigError, match="`--attention` must be auto or one of .*got `flash2`"):
+        parse_attention("flash2")
+
+
+def test_auto_measures_the_kernels_here_and_keeps_the_fastest(tiny_flux, prompts, tmp_path):
+    native, rows = run_one_shard(tiny_flux, tmp_path / "native", prompts, FLUX, max_batch=2)
+    worker, auto_rows = run_one_shard(tiny_flux, tmp_path / "auto", prompts, FLUX, max_batch=2, attention="auto")
+    info = json.loads((tmp_path / "auto" / "workers" / "w0.json").read_text())["attention"]
+    ran = {k: v for k, v in info["measured_ms"].items() if isinstance(v, float)}
+    assert {"native", "_native_math"} <= set(ran)  # torch's own kernels run on any CPU
+    assert info["backend"] == min(ran, key=ran.get) and info["reason"].startswith(f"fastest of {len(ran)} exact")
+    assert "flash" in info["measured_ms"] and "not usable" in info["measured_ms"]["flash"]  # not installed: said
+    assert {r["attention"] for r in auto_rows.values()} == {info["backend"]}
+    assert {r["attention"] for r in rows.values()} == {"native"}
+    assert _worst(tmp_path / "native", rows, tmp_path / "auto", auto_rows) <= 2  # exact: rounding at most
+
+
+def test_an_exact_kernel_missing_here_falls_back_and_says_so(tiny_flux, prompts, tmp_path):
+    worker, rows = run_one_shard(tiny_flux, tmp_path / "o", prompts, FLUX, attention="flash")
+    choice = worker.fitted.attention
+    assert choice.asked == "flash" and choice.backend in CANDIDATES
+    assert choice.reason.startswith("`flash` cannot run here (Flash Attention backend 'flash' is not usable")
+    assert {r["attention"] for r in rows.values()} == {choice.backend}
+
+
+def test_an_inexact_kernel_never_falls_back(tiny_flux, prompts, tmp_path):
+    with pytest.raises(OffloadError, match="`--attention sage` cannot run on this worker .* changes pixels"):
+        run_one_shard(tiny_flux, tmp_path / "o", prompts, FLUX, attention="sage")
+
+
+def test_a_unet_takes_no_kernel_choice(tiny_model, prompts, tmp_path):
+    settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64)
+    worker, rows = run_one_shard(tiny_model, tmp_path / "o", prompts, settings, attention="auto")
+    assert not dispatched(worker.pipe.unet) and worker.fitted.attention.backend == "native"
+    assert "takes no backend in diffusers" in worker.fitted.attention.reason
+    with pytest.raises(OffloadError, match="`--attention sage`: unet .* takes no attention backend"):
+        run_one_shard(tiny_model, tmp_path / "o2", prompts, settings, attention="sage")
+
+
+def test_only_an_inexact_kernel_is_in_the_fingerprint(tiny_model, tmp_path):
+    prompts = write_prompts(tmp_path / "p.parquet", ["a"])
+
+    def settings(attention):
+        return make_job(prompts, tiny_model, tmp_path / "o", attention=attention, family="sd").settings()
+
+    assert {settings(a).attention for a in ("native", "auto", "flash")} == {"exact"}
+    old = {"generation": {"steps": 2}}  # a job.json from before `--attention`: any exact kernel
+    assert _differences(old, {"generation": {"steps": 2, "attention": "exact"}}) == []
+    assert _differences(old, {"generation": {"steps": 2, "attention": settings("sage").attention}}) == [
+        "generation.attention differs: exact vs sage"
+    ]
+
+
+@pytest.mark.slow
+def test_compiled_under_offloading_and_again_after_an_oom_step_down(tiny_flux, prompts, tmp_path):
+    """Regional compilation of the tiny FLUX.1's 6 blocks while resident; an OOM (injected while the
+    transformer is resident) leans the plan, and the worker takes compilation off, re-applies
+    offloading, compiles again: the images match the uncompiled ones within rounding."""
+    _, plain = run_one_shard(tiny_flux, tmp_path / "plain", prompts, FLUX, max_batch=1)
+
+    def fail_while_resident(module, args):
+        if not find_groups(module):
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    from jobs.sharding import plan_shards, read_footer, resolve_columns
+    from workers.shard import Columns
+    from workers.spec import WorkerSpec
+    from workers.worker import Worker
+
+    files = [read_footer(str(prompts))]
+    out = tmp_path / "compiled"
+    spec = WorkerSpec("w0", tiny_flux, str(out), FLUX, resolve_columns(files, Columns()), max_batch=1, device="cpu")
+    worker = Worker(replace(spec, compile=True, gpu_memory=1 << 30))
+    assert set(worker.plan.modes.values()) == {"resident"}
+    worker.pipe.transformer.register_forward_pre_hook(fail_while_resident)
+    try:
+        result = worker.run_shard(plan_shards(files, 100)[0])
+    finally:
+        worker.close()
+    assert result.ok == 2 and worker.plan.modes["transformer"] != "resident"
+    info = json.loads((out / "workers" / "w0.json").read_text())["compile"]
+    assert info["modes"] == {"transformer": "regional (6 blocks)"} and info["compiled"] == 2
+    assert info["compile_seconds"] > 0 and info["graphs"] > 0 and info["disabled"] is None
+    rows = {r["id"]: r for r in pq.read_table(out / "shards").to_pylist()}
+    assert _worst(tmp_path / "plain", plain, out, rows) <= 2
+
+
+def test_a_compiler_that_fails_is_taken_off_and_said(tiny_flux, prompts, tmp_path, monkeypatch):
+    """No working C++ compiler (what a slim image without one gives inductor on CPU): the worker
+    warms up, the compile fails, it runs uncompiled and its stats say why."""
+    import torch._inductor.config as inductor
+
+    monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent/c++",))
+    monkeypatch.setattr(inductor, "fx_graph_cache", False)  # a cached graph would need no compiler
+    torch._dynamo.reset()
+    worker, rows = run_one_shard(tiny_flux, tmp_path / "o", prompts, FLUX, compile=True)
+    info = json.loads((tmp_path / "o" / "workers" / "w0.json").read_text())["compile"]
+    assert "InvalidCxxCompiler" in info["disabled"] and {r["status"] for r in rows.values()} == {"ok"}
+    assert not any(getattr(m, "_compiled_call_impl", None) for m in worker.pipe.transformer.modules())
