@@ -34,6 +34,22 @@ def _parser() -> argparse.ArgumentParser:
         default="sd",
         help="the pipeline family to build (real diffusers classes, random weights)",
     )
+    c = sub.add_parser(
+        "calibrate",
+        help="the job's first rows under each speed setting against the exact reference: speed, PSNR, SSIM, "
+        "then the fastest within --min-psnr as a config snippet",
+    )
+    add_run_options(c)
+    c.add_argument("--sample", type=int, default=4, help="rows of the job to make per setting (default 4)")
+    c.add_argument("--min-psnr", type=float, default=30.0, help="quality floor, dB against the reference (default 30)")
+    c.add_argument("--min-ssim", type=float, help="a second floor: SSIM against the reference, 0..1 (default none)")
+    c.add_argument(
+        "--try",
+        dest="kinds",
+        default="attention,compile,cache,quantize",
+        help="settings to try, comma-separated (default attention,compile,cache,quantize)",
+    )
+    c.add_argument("--write", help="also write the chosen settings (TOML) here, for `fleetgen run --config`")
     pl = sub.add_parser("plan", help="dry run: the offload plan and batch each GPU size would get")
     pl.add_argument(
         "--model",
@@ -123,6 +139,33 @@ def _run(config) -> int:
     return summary.exit_code
 
 
+def _calibrate(args) -> int:
+    import tempfile
+    from pathlib import Path
+
+    from jobs.calibrate import calibrate
+    from jobs.config import make_config
+
+    extra = ("command", "config", "sample", "min_psnr", "min_ssim", "kinds", "write")
+    options = {k: v for k, v in vars(args).items() if k not in extra}
+    options["output"] = options["output"] or tempfile.gettempdir()  # nothing is written there: each setting has its own
+    cal = calibrate(
+        make_config(options, args.config),
+        sample=args.sample,
+        min_psnr=args.min_psnr,
+        min_ssim=args.min_ssim,
+        kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()),
+        say=lambda line: print(f"[fleetgen] {line}", file=sys.stderr, flush=True),
+    )
+    print(cal.table())
+    print()
+    print(cal.snippet(), end="")
+    if args.write:
+        Path(args.write).write_text(cal.snippet())
+        print(f"wrote {args.write}: fleetgen run --config {args.write} --input ... --output ... --model ...")
+    return 0
+
+
 def _status(url: str) -> int:
     from jobs.inspect import job_state, status_text
 
@@ -144,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
 
             options = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
             return _run(make_config(options, args.config))
+        if args.command == "calibrate":
+            return _calibrate(args)
         if args.command == "demo":
             from jobs.demo import prepare
 

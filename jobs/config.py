@@ -46,9 +46,7 @@ class _Job:
     family: str | None = None  # pipeline family; resolved from the model's model_index.json (jobs/models.py)
     quantize: str = "none"  # storage formats per component, e.g. transformer=fp8 (offload/quantize.py)
     cache: str = "none"  # step cache: none | first-block[:THRESHOLD] | taylorseer[:interval=N,...] (fleetgen/caches.py)
-    # attention kernel: native | auto | a diffusers backend; an inexact one (sage) is in the fingerprint, an
-    # exact one is each worker's (fleetgen/attention.py)
-    attention: str = "native"
+    attention: str = "native"  # native | auto | a backend; only an inexact one (sage) is fingerprinted
     task: str | None = None  # text-to-image | image-to-image | inpaint | edit; default: the model's pipeline class's
     strength: float | None = None  # image-to-image, inpaint: how far from the input (default: the task's)
     resize: str = "crop"  # crop | pad | fit: how input images become the job's size (workers/inputs.py)

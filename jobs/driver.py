@@ -128,6 +128,29 @@ def run_job(
         lock.release()
 
 
+def worker_spec(config: JobConfig, name: str, columns, **resolved) -> WorkerSpec:
+    """What worker `name` is given; `resolved`: what the driver decides per worker (threads,
+    budgets, adapters, plan_size)."""
+    return WorkerSpec(
+        name=name,
+        model=config.model,
+        output=config.output,
+        settings=config.settings(),
+        columns=columns,
+        max_batch=config.max_batch,
+        device=config.device,
+        dtype=config.dtype,
+        trust_remote_code=config.trust_remote_code,
+        offload=config.offload,
+        strict_prompts=config.strict_prompts,
+        revision=config.revision,
+        variant=config.variant,
+        compile=config.compile,
+        attention=parse_attention(config.attention),
+        **resolved,
+    )
+
+
 @contextmanager
 def _stop_on_signals(stop: threading.Event, progress: Progress):
     """SIGTERM (`ray job stop`) and SIGINT set `stop` instead of killing the driver mid-write."""
@@ -178,27 +201,15 @@ def _dispatch(config: JobConfig, columns, run: Run, fleet: FleetRecord, adapters
             )
 
             def spec_for(i: int) -> WorkerSpec:
-                return WorkerSpec(
-                    name=f"w{i}",
-                    model=config.model,
-                    output=config.output,
-                    settings=config.settings(),
-                    columns=columns,
-                    max_batch=config.max_batch,
-                    device=config.device,
-                    dtype=config.dtype,
+                return worker_spec(
+                    config,
+                    f"w{i}",
+                    columns,
                     threads=sizing.threads,
-                    trust_remote_code=config.trust_remote_code,
-                    offload=config.offload,
                     gpu_memory=budgets[i % len(budgets)] if budgets else gpu_memory,
                     host_memory=host_memory,
-                    strict_prompts=config.strict_prompts,
-                    revision=config.revision,
-                    variant=config.variant,
                     adapters=adapters,
                     plan_size=plan_size,
-                    compile=config.compile,
-                    attention=parse_attention(config.attention),
                 )
 
             progress.log(f"{sizing.describe()}; {len(todo)} shard(s) to generate")

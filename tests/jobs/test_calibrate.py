@@ -1,0 +1,89 @@
+"""`fleetgen calibrate`: the quality measures against scikit-image's, a run on the tiny FLUX.1 whose
+choice keeps the floor it was given, and a snippet `fleetgen run --config` takes."""
+
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jobs.calibrate import Calibration, Result, calibrate, psnr, ssim
+from jobs.config import make_config
+from jobs.models import resolve_defaults
+from jobs.sharding import read_footer, resolve_columns
+from tests.conftest import FAST, ROOT, run_args, write_prompts
+from workers.shard import Columns
+from workers.tiny_model import write_tiny_model
+
+FLUX = {**FAST, "steps": 8}  # enough steps for the caches to predict some
+
+
+@pytest.fixture(scope="module")
+def tiny_flux(tmp_path_factory) -> str:
+    return str(write_tiny_model(tmp_path_factory.mktemp("models") / "flux", family="flux"))
+
+
+def test_psnr_and_ssim_are_scikit_images():
+    from skimage.metrics import peak_signal_noise_ratio, structural_similarity
+
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 256, (48, 40, 3), dtype=np.uint8)
+    smooth = np.clip(np.cumsum(rng.normal(0, 4, (48, 40, 3)), axis=0) + 128, 0, 255).astype(np.uint8)
+    for x, y in ((a, smooth), (smooth, np.clip(smooth.astype(int) + rng.integers(-9, 10, smooth.shape), 0, 255))):
+        y = y.astype(np.uint8)
+        assert ssim(x, y) == pytest.approx(structural_similarity(x, y, channel_axis=-1, data_range=255), abs=1e-9)
+        assert psnr(x, y) == pytest.approx(peak_signal_noise_ratio(x, y, data_range=255), abs=1e-9)
+    assert psnr(a, a) == math.inf and ssim(a, a) == pytest.approx(1.0)
+
+
+def test_the_choice_is_the_fastest_within_the_floor_that_beats_the_noise():
+    def r(name, speed, p, **settings):
+        return Result(name, settings, images_per_second=speed, psnr=p, ssim=1.0, speedup=speed)
+
+    results = [r("reference", 1.0, math.inf), r("a", 3.0, 25.0), r("b", 2.0, 40.0), r("c", 1.04, 60.0)]
+    assert Calibration("m", 4, "cpu", 30.0, None, results, noise=0.05).choose().name == "b"  # a is under the floor
+    assert Calibration("m", 4, "cpu", 50.0, None, results, noise=0.05).choose().name == "reference"  # c: noise
+
+
+def test_a_run_keeps_the_floor_it_was_given(tiny_flux, tmp_path):
+    prompts = write_prompts(tmp_path / "p.parquet", [f"a photo of thing {i}" for i in range(3)])
+    args = {"input": str(prompts), "model": tiny_flux, "output": str(tmp_path / "unused"), **FLUX}
+    lines = []
+    cal = calibrate(make_config(args), sample=2, min_psnr=45.0, kinds=("cache",), say=lines.append)
+    names = [r.name for r in cal.results]
+    assert names[:2] == ["reference (exact)", "cache=first-block:0.05"] and "reference (again)" in names
+    assert all(r.psnr is not None and not r.failed for r in cal.results)
+    predicted = next(r for r in cal.results if r.name == "cache=taylorseer")
+    assert predicted.psnr < math.inf  # it changes pixels: measured, not assumed
+    assert cal.chosen.passes(45.0, None) and cal.chosen.psnr >= 45.0
+    better = [r for r in cal.results if r.passes(45.0, None) and r.speedup > 1 + cal.noise]
+    assert cal.chosen is max(better, key=lambda r: r.images_per_second, default=cal.results[0])
+    assert lines[0].startswith("calibrating ") and not (tmp_path / "unused").exists()  # nothing written there
+
+
+@pytest.mark.slow
+def test_the_cli_prints_the_table_and_a_snippet_run_takes(tiny_flux, tmp_path):
+    prompts = write_prompts(tmp_path / "p.parquet", [f"a photo of thing {i}" for i in range(2)])
+    snippet = tmp_path / "fast.toml"
+    args = run_args(prompts, tmp_path / "o", tiny_flux, steps=8)
+    done = subprocess.run(
+        [sys.executable, "-m", "jobs", "calibrate", *args, "--sample", "2", "--min-psnr", "35"]
+        + ["--try", "attention,cache,quantize", "--write", str(snippet)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    table = done.stdout.split("\n\n")[0].splitlines()
+    assert table[0].split()[:4] == ["setting", "img/s", "x", "ref"]
+    for name in ("reference (exact)", "attention=auto", "cache=taylorseer", "quantize=transformer=fp8"):
+        assert any(line.startswith(name) for line in table), name
+    text = snippet.read_text()
+    assert text in done.stdout and "PSNR >= 35 dB" in text
+    config = make_config({"input": str(prompts), "output": str(tmp_path / "job"), "model": tiny_flux}, str(snippet))
+    files = [read_footer(str(prompts))]
+    resolve_defaults(config, resolve_columns(files, Columns()))  # what `fleetgen run` checks before any worker
+    measured = text.splitlines()[1]  # "# 2.11x the reference's images/s, PSNR 46.1 dB"
+    assert float(measured.split("PSNR ")[1].split()[0]) >= 35
