@@ -205,8 +205,16 @@ class Run:
         self.build_seconds = round(time.perf_counter() - started, 1)
 
     def worker(
-        self, offload: str, budget: int | None, max_batch: int, images: int, quantize: str = "none", cache: str = "none"
+        self,
+        offload: str,
+        budget: int | None,
+        max_batch: int,
+        images: int,
+        quantize: str = "none",
+        cache: str = "none",
+        **speed,
     ) -> tuple[Worker, list]:
+        """`speed`: the worker's own speed settings (`compile`, `attention`)."""
         self.count += 1
         shards, columns = write_prompts(self.tmp / f"{self.model}-{self.count}.parquet", images)
         spec = WorkerSpec(
@@ -221,6 +229,7 @@ class Run:
             offload=offload,
             gpu_memory=budget,
             host_memory=self.args.host_bytes,
+            **speed,
         )
         return Worker(spec, pipe=self.pipe), shards
 
@@ -233,17 +242,17 @@ class Run:
             torch.cuda.set_per_process_memory_fraction(cap)
 
     def measure(
-        self, label: str, offload: str, budget: int | None, quantize: str = "none", cache: str = "none"
+        self, label: str, offload: str, budget: int | None, quantize: str = "none", cache: str = "none", **speed
     ) -> dict:
         """The planner's choice for `budget` (None: all resident) run on one shard, as a job runs it.
         `quantize` applies a format to the given pipeline in place (it stays: quantized rows run last);
-        `cache` a step cache (its hooks are removed when the worker closes)."""
-        row = {"model": self.model, "run": label, "budget_bytes": budget, "quantize": quantize, "cache": cache}
+        `cache` a step cache, `speed` compile / attention (taken off when the worker closes)."""
+        row = {"model": self.model, "run": label, "budget_bytes": budget, "quantize": quantize, "cache": cache, **speed}
         self.limit(budget)
         worker = None
         try:
             images = min(self.args.images, 2) if self.video else self.args.images  # clips take minutes
-            worker, shards = self.worker(offload, budget, self.args.max_batch, images, quantize, cache)
+            worker, shards = self.worker(offload, budget, self.args.max_batch, images, quantize, cache, **speed)
             if self.cuda:
                 torch.cuda.reset_peak_memory_stats(self.device)
             result = worker.run_shard(shards[0])
@@ -280,6 +289,8 @@ class Run:
             quantized=info["quantized"],
             weight_bytes=info["weight_bytes"],
             cache_counts=info["cache"],
+            compiled=info["compile"],  # modes, compile seconds, graphs, breaks; why taken off if it was
+            attention_kernel=info["attention"],  # the kernel and, under auto, each one measured
         )
         if predicted_peak and allocated:
             row["measured_over_predicted_peak"] = round(allocated / predicted_peak, 3)
@@ -348,43 +359,49 @@ QUANTIZED_FORMATS = ("fp8", "int8", "nf4")
 QUANTIZED_BUDGETS = ("16", "24")  # GiB
 
 
-# The step-cache rows: First Block Cache at ParaAttention's FLUX.1-dev threshold (1.4x at LPIPS ~0.08
-# published), all resident and at the 24 GiB budget (block offload under it: skipped blocks should
-# move nothing), beside an uncached row at its batch of 1 — a first-block cache makes one image per call.
-CACHES = ("first-block:0.08",)
+# The speed rows (#24), each at batch 1 beside a plain row at batch 1, all resident and at the 24 GiB
+# budget (block offload under it): First Block Cache at ParaAttention's FLUX.1-dev threshold (1.4x at
+# LPIPS ~0.08 published; a first-block cache makes one image per call, skipped blocks should move
+# nothing), regional compilation under the plan (diffusers PR #11605: Wan 14B forward with group
+# offloading 4.92 -> 4.11 s), and the attention kernel each worker measures (`auto`).
+SPEEDS = {
+    "cache": ("cache first-block:0.08", {"cache": "first-block:0.08"}),
+    "compile": ("compile", {"compile": True}),
+    "attention": ("attention auto", {"attention": "auto"}),
+}
 
 
-def cache_rows(run: Run, jobs: list, results, started: float) -> None:
+def speed_rows(run: Run, jobs: list, results, started: float) -> None:
     from workers.caching import pipeline_refusal
 
-    why = pipeline_refusal(type(run.pipe).__name__, False, "first-block")
-    targets = [jobs[0], *[j for j in jobs if j[0].split()[0] == "24"]]
-    for cache in CACHES:
-        if why:
-            results.add({"model": run.model, "run": f"cache {cache}", "cache": cache, "skipped": why})
-            continue
-        for label, offload, budget in targets:
-            plain = None
-            for this in ("none", cache):
-                name = f"cache {this}, {label}, batch 1"
-                if time.perf_counter() - started > run.args.time_limit:
-                    results.add(
-                        {"model": run.model, "run": name, "skipped": f"--time-limit {run.args.time_limit:g} s reached"}
-                    )
-                    continue
-                max_batch, run.args.max_batch = run.args.max_batch, 1
-                try:
-                    row = run.measure(name, offload, budget, cache=this)
-                except Exception as err:  # noqa: BLE001 - recorded; the next row runs
-                    row = {"model": run.model, "run": name, "budget_bytes": budget, **failure(err)}
-                    run.limit(None)
-                finally:
-                    run.args.max_batch = max_batch
-                if this == "none":
-                    plain = row
-                elif (plain or {}).get("images_per_second") and row.get("images_per_second"):
-                    row["vs_uncached"] = round(row["images_per_second"] / plain["images_per_second"], 3)
-                results.add(row)
+    kinds = [k for k in run.args.speed.split(",") if k]
+    why = {"cache": pipeline_refusal(type(run.pipe).__name__, False, "first-block")}
+    for kind in [k for k in kinds if why.get(k)]:
+        results.add({"model": run.model, "run": SPEEDS[kind][0], **SPEEDS[kind][1], "skipped": why[kind]})
+    kinds = [k for k in kinds if not why.get(k)]
+    targets = [jobs[0], *[j for j in jobs if j[0].split()[0] == "24"]] if kinds else []
+    for label, offload, budget in targets:
+        plain = None
+        for name, settings in [("plain", {}), *(SPEEDS[k] for k in kinds)]:
+            name = f"{name}, {label}, batch 1"
+            if time.perf_counter() - started > run.args.time_limit:
+                results.add(
+                    {"model": run.model, "run": name, "skipped": f"--time-limit {run.args.time_limit:g} s reached"}
+                )
+                continue
+            max_batch, run.args.max_batch = run.args.max_batch, 1
+            try:
+                row = run.measure(name, offload, budget, **settings)
+            except Exception as err:  # noqa: BLE001 - recorded; the next row runs
+                row = {"model": run.model, "run": name, "budget_bytes": budget, **failure(err)}
+                run.limit(None)
+            finally:
+                run.args.max_batch = max_batch
+            if not settings:
+                plain = row
+            elif (plain or {}).get("images_per_second") and row.get("images_per_second"):
+                row["vs_plain"] = round(row["images_per_second"] / plain["images_per_second"], 3)
+            results.add(row)
 
 
 def quantized_rows(run: Run, jobs: list, denoiser: str, resident: dict, results, started: float) -> None:
@@ -511,7 +528,7 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"{r['model']:12s} {r['run']:16s} {modes[:38]:38s} {r['batch']:5d}  {peak_text:23s} {reserved:9s} "
             f"{(sp['measured'] or 0):7.3f} {ratio if ratio is not None else '-':>9}  "
-            f"{r['average_h2d_gb_per_s']:12.1f}  {r.get('vs_resident', r.get('vs_uncached', '-'))}"
+            f"{r['average_h2d_gb_per_s']:12.1f}  {r.get('vs_resident', r.get('vs_plain', '-'))}"
             + (
                 f"  skipped {r['cache_counts']['skipped_share']:.0%}"
                 if (r.get("cache_counts") or {}).get("skipped_share") is not None
@@ -562,6 +579,9 @@ def main() -> None:
     )
     parser.add_argument("--time-limit", type=float, default=480, help="seconds; rows after it are skipped (recorded)")
     parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument(
+        "--speed", default="cache,compile,attention", help="speed rows to run beside a plain one (comma-separated)"
+    )
     parser.add_argument(
         "--json",
         default=str(Path(os.environ.get("OUT", ".")) / "gpu-check.json"),
@@ -645,7 +665,7 @@ def main() -> None:
                 elif resident.get("images_per_second") and row.get("images_per_second"):
                     row["vs_resident"] = round(row["images_per_second"] / resident["images_per_second"], 3)
                 results.add(row)
-            cache_rows(run, jobs, results, started)
+            speed_rows(run, jobs, results, started)
             quantized_rows(run, jobs, denoiser, resident, results, started)
             del run
             release_host_cache()

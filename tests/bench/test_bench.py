@@ -65,7 +65,17 @@ def test_gpu_check_dry_run_takes_every_path_on_cpu(tmp_path):
     the script a GPU session runs once cannot rot."""
     out = tmp_path / "gpu-check.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry", "--json", str(out)],
+        # compile's row is the same measure() with compile=True (tests/workers/test_speed.py compiles on CPU);
+        # left out here, where inductor would take a minute
+        [
+            sys.executable,
+            str(ROOT / "bench" / "gpu_check.py"),
+            "--dry",
+            "--speed",
+            "cache,attention",
+            "--json",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -88,10 +98,13 @@ def test_gpu_check_dry_run_takes_every_path_on_cpu(tmp_path):
     # SDXL in float16 with the OOM raised in its upcast VAE decode: the VAE is float16 again after
     sdxl_oom = next(r for r in result["rows"] if r["model"] == "sdxl" and r["run"] == "forced OOM")
     assert sdxl_oom["vae_dtype"] == "float16"
-    # the step-cache rows: FLUX.1 takes a first-block cache (counted), SDXL's UNet says why not
+    # the speed rows: FLUX.1 takes a first-block cache (counted) and measures its attention kernels;
+    # SDXL's UNet says why no cache
     cached = [r for r in result["rows"] if r["model"] == "flux.1-dev" and r.get("cache", "none") != "none"]
     assert cached and all(r["batch"] == 1 and r["cache_counts"]["block_evaluations"] > 0 for r in cached), cached
-    assert any("vs_uncached" in r for r in cached)
+    assert any("vs_plain" in r for r in cached)
+    kernels = [r for r in result["rows"] if r["model"] == "flux.1-dev" and r.get("attention") == "auto"]
+    assert kernels and all(isinstance(r["attention_kernel"]["measured_ms"]["native"], float) for r in kernels)
     sdxl_cache = next(r for r in result["rows"] if r["model"] == "sdxl" and r["run"].startswith("cache"))
     assert "takes no step cache" in sdxl_cache["skipped"]
     assert "forced OOM" in proc.stdout and "s/image" in proc.stdout
