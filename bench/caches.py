@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # Thresholds for random weights: their first block's output changes by 0.4-0.55 (relative) per step
 # (measured: a trained model's changes far less, and skips at 0.05-0.1), so these sit in that range.
+WORKER_THREADS = 1  # torch threads of the benchmark's workers, and of the per-block clock
 SETTINGS = ("none", "first-block:0.45", "first-block:0.5", "first-block:0.6", "taylorseer:interval=3,warmup=3,order=1")
 
 
@@ -68,6 +69,8 @@ def block_seconds(model: Path, steps: int, side: int) -> float:
 
     pipe = DiffusionPipeline.from_pretrained(model)
     pipe.set_progress_bar_config(disable=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(WORKER_THREADS)  # clocked as the workers run (the first version clocked at 2: half the time)
     spent, started = [0.0, 0], {}
     blocks = [*pipe.transformer.transformer_blocks, *pipe.transformer.single_transformer_blocks]
     for b in blocks:
@@ -82,6 +85,7 @@ def block_seconds(model: Path, steps: int, side: int) -> float:
         pipe("warm", num_inference_steps=2, height=side, width=side, output_type="np")
         spent[:] = [0.0, 0]
         pipe("a red fox", num_inference_steps=steps, height=side, width=side, output_type="np")
+    torch.set_num_threads(threads)
     return spent[0] / spent[1]
 
 
@@ -98,7 +102,9 @@ def run(model: Path, prompts: Path, out: Path, cache: str, steps: int, side: int
     shard, columns = plan_shards(files, 1000)[0], resolve_columns(files, Columns())
     settings = GenerationSettings(steps=steps, guidance=3.5, width=side, height=side, family="flux", cache=cache)
     extra = {"offload": "block", "gpu_memory": 400 << 20} if offload == "block" else {}  # the leanest plan
-    spec = WorkerSpec("w0", str(model), str(out), settings, columns, device="cpu", max_batch=1, threads=1, **extra)
+    spec = WorkerSpec(
+        "w0", str(model), str(out), settings, columns, device="cpu", max_batch=1, threads=WORKER_THREADS, **extra
+    )
     worker = Worker(spec)
     worker.run_shard(shard)
     info = worker.describe()

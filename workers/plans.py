@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import torch
 
-from fleetgen.errors import OffloadError
+from fleetgen.errors import OffloadError, one_line
 from offload import DeviceSpec, OffloadPlan, PipelineProfile, plan, resident_plan
 from offload import Workload as PlannerWorkload
 from offload.formats import parse_quantize, spec
@@ -73,14 +73,12 @@ def plan_before_loading(source, workload, family, device: torch.device, dtype: t
     """`auto` where formats can apply at load: plan from the model's configs before its weights
     are read, so a worker never loads bf16 it cannot hold (`at_load_formats`). `source`, `workload`:
     workers/spec.py's; `family`: the model's (workers/family_table.py)."""
-    from pathlib import Path
-
     from offload.formats import runnable
-    from workers.model_dir import is_hub_id
     from workers.probe import probe
 
-    if is_hub_id(source.model) or not (Path(source.model).expanduser() / "model_index.json").exists():
-        return {}  # a hub model's configs come with its snapshot: planned after loading, as before
+    configs = model_configs(source)
+    if configs is None:
+        return {}  # no configs to plan from: planned after loading, as before
     w, cuda = workload, device.type == "cuda"
     spec_ = device_spec(device, probe(device, dtype), w.gpu_memory, w.host_memory, runnable(cuda, at_load=True))
     work = planner_workload(
@@ -98,7 +96,27 @@ def plan_before_loading(source, workload, family, device: torch.device, dtype: t
         family.calls_twice(w.guidance, w.true_cfg_scale),
         w.cache,
     )
-    return at_load_formats(str(Path(source.model).expanduser()), dtype, spec_, work, family.upcasts_vae)
+    return at_load_formats(configs, dtype, spec_, work, family.upcasts_vae)
+
+
+def model_configs(source) -> str | None:
+    """A directory with the model's configs (model_index.json, each component's config.json): a local
+    model's own; a hub model's JSON files alone, fetched at the job's pinned revision into the node's
+    hub cache (its weights follow once the plan says in which format to load them). None: no configs."""
+    from pathlib import Path
+
+    from workers.model_dir import is_hub_id
+
+    if is_hub_id(source.model):
+        from huggingface_hub import snapshot_download
+
+        try:
+            return snapshot_download(source.model, revision=source.revision, allow_patterns=["*.json"])
+        except Exception as err:  # noqa: BLE001 - the download of the whole snapshot says what is wrong
+            print(f"[fleetgen] configs of {source.model} not fetched ({one_line(err)}): planned after loading")
+            return None
+    path = Path(source.model).expanduser()
+    return str(path) if (path / "model_index.json").exists() else None
 
 
 STEP_DOWN = 0.75  # after an OOM at batch 1, re-plan for this fraction of the previous budget

@@ -5,6 +5,7 @@ import functools
 import io
 import json
 import os
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -112,3 +113,35 @@ def test_variant_loads_the_variant_files(hub, ray_cluster, tmp_path):
     assert "unet/diffusion_pytorch_model.fp16.safetensors" in fetched
     assert "unet/diffusion_pytorch_model.safetensors" not in fetched
     assert json.loads((tmp_path / "out" / "job.json").read_text())["fingerprint"]["model"].endswith("(variant fp16)")
+
+
+@pytest.mark.slow
+def test_a_hub_model_is_planned_from_its_configs_before_its_weights_are_fetched(hub, tmp_path):
+    """`--quantize auto` on a worker that can apply formats at load (bitsandbytes on CUDA): a hub
+    model's JSON files alone are fetched first and planned from (FLUX.2 dev's published configs
+    here: on a 24 GiB card with 64 GiB of host RAM its transformer must load as nf4); a model's
+    weights are not among what that fetch reads."""
+    import shutil
+
+    import torch
+
+    from offload import DeviceSpec
+    from offload.architectures import resolve
+    from offload.formats import CHOOSABLE
+    from workers.plans import at_load_formats, model_configs, planner_workload
+    from workers.spec import Source
+
+    server, root = hub
+    flux2 = server.repos["org/flux2-configs"] = Repo()
+    commit = flux2.push(Path(shutil.copytree(resolve("flux.2-dev"), root / "flux2")))
+    configs = model_configs(Source("org/flux2-configs", "flux2", revision=commit))
+    assert (Path(configs) / "transformer" / "config.json").exists()
+    tight = DeviceSpec(budget=24 << 30, host_budget=64 << 30, formats=CHOOSABLE)
+    work = planner_workload("auto", 1, 1024, 1024, 28, False, "auto", {})
+    assert at_load_formats(configs, torch.bfloat16, tight, work, False) == {"transformer": "nf4"}
+
+    _repo(hub, root, "org/tiny-weights")
+    assert (Path(model_configs(Source("org/tiny-weights"))) / "unet" / "config.json").exists()
+    fetched = {path for (name, _, path), _ in server.downloads.items() if name == "org/tiny-weights"}
+    assert "unet/config.json" in fetched and all(p.endswith(".json") for p in fetched), fetched
+    assert model_configs(Source("org/no-such-model")) is None  # the full download says what is wrong
