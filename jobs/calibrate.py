@@ -154,7 +154,7 @@ def candidates(config: JobConfig, denoisers: list[str], kinds=KINDS) -> list[tup
         out.append(("compile", {"compile": True}))
     if "cache" in kinds:
         out += [(f"cache=first-block:{t:g}", {"cache": f"first-block:{t:g}"}) for t in FIRST_BLOCK_THRESHOLDS]
-        out.append(("cache=taylorseer", {"cache": "taylorseer"}))
+        out += [("cache=taylorseer", {"cache": "taylorseer"}), ("cache=magcache", {"cache": "magcache"})]
     if "quantize" in kinds:
         from offload.formats import runnable, spec
 

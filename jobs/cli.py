@@ -91,7 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument(
         "--cache",
         default="none",
-        help="none | first-block[:THRESHOLD] | taylorseer[:interval=N,warmup=W,order=K]: a step cache to plan with",
+        help="none | first-block[:THRESHOLD] | taylorseer[:interval=N,warmup=W,order=K] | magcache[:...]: a step "
+        "cache to plan with",
     )
     pl.add_argument("--bandwidth", type=float, default=20.0, help="host→device GB/s to assume (default 20)")
     pl.add_argument("--json", action="store_true", help="machine-readable output")

@@ -243,9 +243,10 @@ def _check_video(config: JobConfig, columns: Columns, family: Family, task: Task
         raise ConfigError(f"{family.name} makes video: {err}.") from None
 
 
-def _check_cache(config: JobConfig, family: Family, task: Task, values: dict) -> None:
+def _check_cache(config: JobConfig, family: Family, task: Task, values: dict, columns: Columns) -> None:
     """A step cache needs a denoiser with repeated blocks and a pipeline that gives its calls cache
-    contexts (workers/caching.py), read from the installed diffusers; and steps to skip."""
+    contexts (workers/caching.py), read from the installed diffusers; and steps to skip (MagCache:
+    one number of them, the job's)."""
     cache = parse_cache(config.cache)
     if cache.method == "none":
         return
@@ -261,6 +262,11 @@ def _check_cache(config: JobConfig, family: Family, task: Task, values: dict) ->
         raise ConfigError(
             f"`--cache {cache.label}` computes every one of the {values['steps']} steps (warm-up {cache.warmup}): "
             "it would change nothing. Lower `warmup=` or leave `--cache` out."
+        )
+    if cache.method == "magcache" and columns.steps:
+        raise ConfigError(
+            f"`--cache {cache.label}` interpolates the model's magnitude ratios to the job's steps; the input's "
+            f"`{columns.steps}` column gives rows steps of their own. Drop the column or use another cache."
         )
 
 
@@ -310,7 +316,7 @@ def resolve_defaults(config: JobConfig, columns: Columns) -> tuple[JobConfig, Fa
             f"{family.name} ({family.pipelines[0]}) ignores the guidance ({family.note}); leave `--guidance` out."
         )
     _check_negatives(config, columns, family, values["guidance"])
-    _check_cache(config, family, task, values)
+    _check_cache(config, family, task, values, columns)
     mapping = parse_quantize(config.quantize)
     if mapping and not is_hub_id(config.model):
         models = list(torch_components(Path(config.model).expanduser()))

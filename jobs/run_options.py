@@ -49,7 +49,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         "--cache",
         help="step cache on the denoiser: none (default), first-block[:THRESHOLD] (skip the other blocks while "
         "the first one's output changes less than THRESHOLD, default 0.05; one image per call) or "
-        "taylorseer[:interval=N,warmup=W,order=K] (compute every N-th step, predict the rest); changes pixels",
+        "taylorseer[:interval=N,warmup=W,order=K] (compute every N-th step, predict the rest) or "
+        "magcache[:threshold=T,max_skip=K,retention=R] (FLUX.1: skip whole steps by its published ratios); "
+        "changes pixels",
     )
     g.add_argument(
         "--attention",

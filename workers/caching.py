@@ -30,6 +30,12 @@ FAILS = {
 }
 
 
+# MagCache's magnitude ratios, per denoiser class, as diffusers publishes them (diffusers.hooks.mag_cache):
+# FLUX.1 [dev]'s, measured at 28 steps and interpolated to the job's. FLUX.1 [schnell] and Kontext share
+# the class; on them these ratios are [dev]'s, not their own (`fleetgen calibrate` measures the result).
+MAG_RATIOS = {"FluxTransformer2DModel": "FLUX_MAG_RATIOS"}
+
+
 def block_lists(module: torch.nn.Module) -> list[tuple[str, torch.nn.ModuleList]]:
     """The denoiser's repeated blocks, as diffusers' caches find them (its block identifiers)."""
     from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
@@ -61,6 +67,11 @@ def cache_refusal(pipeline_cls: type, denoiser_cls: type, calls_twice: bool, met
         return f"{denoiser_cls.__name__} takes no step cache in diffusers (only transformers with repeated blocks do)"
     if (method, denoiser_cls.__name__) in FAILS:
         return FAILS[method, denoiser_cls.__name__]
+    if method == "magcache" and denoiser_cls.__name__ not in MAG_RATIOS:
+        return (
+            f"diffusers publishes MagCache's magnitude ratios for FLUX.1 only, not {denoiser_cls.__name__} "
+            "(each checkpoint needs its own)"
+        )
     if calls_twice and not names_contexts(pipeline_cls):
         return (
             f"{pipeline_cls.__name__} runs guidance as a second denoiser call without naming cache contexts, "
@@ -69,11 +80,21 @@ def cache_refusal(pipeline_cls: type, denoiser_cls: type, calls_twice: bool, met
     return None
 
 
-def _config(spec: CacheSpec, module: torch.nn.Module, dtype: torch.dtype):
-    from diffusers.hooks import FirstBlockCacheConfig, TaylorSeerCacheConfig
+def _config(spec: CacheSpec, module: torch.nn.Module, dtype: torch.dtype, steps: int):
+    from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
 
     if spec.method == "first-block":
         return FirstBlockCacheConfig(threshold=spec.threshold)
+    if spec.method == "magcache":
+        from diffusers.hooks import mag_cache
+
+        return MagCacheConfig(
+            threshold=spec.threshold,
+            max_skip_steps=spec.max_skip,
+            retention_ratio=spec.retention,
+            num_inference_steps=steps,  # the ratios are interpolated to them: one steps value per job
+            mag_ratios=getattr(mag_cache, MAG_RATIOS[type(module).__name__]),
+        )
     # TaylorSeer over whole blocks (diffusers' default hooks attention only, so every block's
     # feed-forward would still run and, offloaded, still move): a predicted step skips each block
     return TaylorSeerCacheConfig(
@@ -96,9 +117,11 @@ class AppliedCache:
         dtype: torch.dtype,
         own_context: bool,
         carried: AppliedCache | None = None,
+        steps: int = 0,
     ):
         """`own_context`: the pipeline names no cache context (`context()` gives its call one);
-        `carried`: the cache this one replaces after a re-plan, whose counts run on."""
+        `carried`: the cache this one replaces after a re-plan, whose counts run on; `steps`: the
+        job's (MagCache's ratios are interpolated to them)."""
         from diffusers.hooks import HookRegistry, ModelHook
 
         self.spec, self.modules, self.own_context = spec, modules, own_context
@@ -128,7 +151,7 @@ class AppliedCache:
                     HookRegistry.check_if_exists_or_initialize(block).register_hook(Computed(), COUNT_HOOK)
                     self._counted.append(block)
                     self._handles.append(block.register_forward_pre_hook(asked))
-            module.enable_cache(_config(spec, module, dtype))
+            module.enable_cache(_config(spec, module, dtype, steps))
 
     @contextlib.contextmanager
     def context(self):

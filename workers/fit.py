@@ -171,7 +171,9 @@ class FittedPipeline:
             self._apply_compile()
             if self.device.type == "cuda" or self.compiled:  # kernels, graphs, allocator and prefetch order settle
                 frames = (("num_frames", w.num_frames),) if w.num_frames else ()
-                self._warm_up(Look(w.width, w.height, 1, w.guidance, extra=frames))
+                # compiled: batch 1 and any larger batch are a graph each (workers/compiling.py), both made here
+                for images in (1, 2) if self.compiled and self.plan.batch_size > 1 and self.task.batched else (1,):
+                    self._warm_up(Look(w.width, w.height, 1, w.guidance, extra=frames), images)
         except BaseException:
             # A pipeline that cannot start leaves a pipeline it was given as it came (no hooks, on the CPU):
             # the next plan applied to it must not find this one's hooks.
@@ -223,15 +225,15 @@ class FittedPipeline:
             failed.update(f)
         return made, failed
 
-    def _warm_up(self, look: Look) -> None:
-        """One image through the pipeline, so that kernels, the allocator and the streams' prefetch
-        order settle before anything is timed. An OOM here steps the plan down, as in a shard."""
+    def _warm_up(self, look: Look, images: int = 1) -> None:
+        """`images` through the pipeline, so that kernels, graphs, the allocator and the streams'
+        prefetch order settle before anything is timed. An OOM here steps the plan down, as in a shard."""
         while True:
             oom = None
             try:
-                blank = [[warm_up_input(r, look.width, look.height) for r in self._roles()]]
+                blank = [[warm_up_input(r, look.width, look.height) for r in self._roles()]] * images
                 with components_dtypes_kept(self.pipe), self._cache_context():
-                    self.pipe(**self._kwargs(["warm up"], [None], look, generator=None, inputs=blank))
+                    self.pipe(**self._kwargs(["warm up"] * images, [None] * images, look, generator=None, inputs=blank))
                 if self.cache is not None:
                     self.cache.take()  # the warm-up's skips are no image's
                 if self.device.type == "cuda":
@@ -245,6 +247,8 @@ class FittedPipeline:
                     raise
                 oom = one_line(err)
             # outside the `except`: the failed call's frames, and the memory they hold, are gone
+            if images > 1:
+                return  # the batch's graph is made by the shard's first batch, whose OOM steps the batch down
             if not self._step_down(1, oom):
                 raise OffloadError(f"{self.tag}: out of memory warming up with the leanest plan: {oom}")
 
@@ -284,7 +288,7 @@ class FittedPipeline:
         where they are); `carried`: the one it replaces, whose counts run on."""
         if self.cache_spec.method != "none":
             own = not names_contexts(type(self.pipe))
-            self.cache = AppliedCache(self.cache_spec, self._denoisers, self.dtype, own, carried)
+            self.cache = AppliedCache(self.cache_spec, self._denoisers, self.dtype, own, carried, self.workload.steps)
 
     def _apply_compile(self, carried: AppliedCompile | None = None) -> None:
         """`--compile`, last (workers/compiling.py): the compiled regions call through the offload and

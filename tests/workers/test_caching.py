@@ -5,6 +5,8 @@ not); the records and stats that say so; the refusals and the fingerprint."""
 import io
 import json
 
+import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 
@@ -44,12 +46,16 @@ def test_the_setting_is_parsed_to_one_spelling_and_refused_in_one_line():
     )
     assert normalized("taylorseer") == "taylorseer:interval=5,warmup=3,order=1"
     assert normalized("taylorseer:order=2,interval=4") == "taylorseer:interval=4,warmup=3,order=2"
+    assert normalized("MagCache") == "magcache:threshold=0.06,max_skip=3,retention=0.2"
+    assert normalized("magcache:max_skip=2,threshold=0.1") == "magcache:threshold=0.1,max_skip=2,retention=0.2"
     for text, message in (
         ("first-block:2", "more than 0 and at most 1"),
         ("first-block:x", "the threshold is a number"),
         ("taylorseer:every=3", "takes interval=, warmup= and order="),
         ("taylorseer:interval=0", "must be 1 or more"),
-        ("magcache", "magnitude ratios calibrated"),
+        ("magcache:threshold=0", "threshold > 0, max_skip >= 1"),
+        ("magcache:max_skip=1.5", "max_skip=, a whole number"),
+        ("magcache:every=2", "magcache takes threshold="),
         ("teacache", "must be none, first-block"),
     ):
         with pytest.raises(ConfigError, match=message):
@@ -59,6 +65,7 @@ def test_the_setting_is_parsed_to_one_spelling_and_refused_in_one_line():
     # by the step alone, as diffusers' hook decides: 3 warm-up steps, then every 5th of the rest
     assert parse_cache("taylorseer").computed_share(10) == pytest.approx(5 / 10)  # steps 0, 1, 2, 4 and 9
     assert parse_cache("first-block").computed_share(10) is None  # the data decides
+    assert parse_cache("magcache").computed_share(10) is None and not parse_cache("magcache").per_call
 
 
 def test_a_skipped_block_moves_no_bytes_only_when_the_cache_wraps_the_offloading():
@@ -190,3 +197,33 @@ def test_each_cacheable_family_runs_taylorseer_and_first_block_or_says_why(famil
             for m in pipe.transformer.modules()
             for n in getattr(getattr(m, "_diffusers_hook", None), "hooks", {})
         )
+
+
+def test_magcache_skips_whole_steps_by_the_published_ratios_whatever_the_batch(tiny_flux, tmp_path):
+    """FLUX.1 [dev]'s magnitude ratios (diffusers' FLUX_MAG_RATIOS) decide which steps skip every
+    block, by the step alone: the same share for every image, batches kept, and a batch's images the
+    one-by-one images within rounding. Other transformers and a per-row `steps` column are refused."""
+    prompts = write_prompts(tmp_path / "p.parquet", ["a red fox", "a blue owl"])
+    batched, rows = _run(tiny_flux, tmp_path / "batched", prompts, cache="magcache:threshold=0.1")
+    single, single_rows = _run(tiny_flux, tmp_path / "single", prompts, cache="magcache:threshold=0.1", max_batch=1)
+    assert batched.batch_size == 4 and {r["batch"] for r in rows.values()} == {2}  # both rows in one call
+    shares = {r["cache_skipped"] for r in rows.values()} | {r["cache_skipped"] for r in single_rows.values()}
+    assert len(shares) == 1 and 0 < shares.pop() < 1  # whole steps skipped, the same ones for every image
+    assert (
+        max(
+            np.abs(pixels(tmp_path / "batched", rows[k]) - pixels(tmp_path / "single", single_rows[k])).max()
+            for k in rows
+        )
+        <= 2
+    )
+    assert {r["cache"] for r in rows.values()} == {"magcache:threshold=0.1"}  # as the job (normalized) gave it
+    from workers.caching import pipeline_refusal
+
+    assert "MagCache's magnitude ratios for FLUX.1 only, not QwenImageTransformer2DModel" in pipeline_refusal(
+        "QwenImagePipeline", False, "magcache"
+    )
+    path = tmp_path / "steps.parquet"
+    write_prompts(path, ["a"], steps=pa.array([4], pa.int32()))
+    config = JobConfig(input=str(path), output="o", model=tiny_flux, cache="magcache")
+    with pytest.raises(ConfigError, match="the input's `steps` column gives rows steps of their own"):
+        resolve_defaults(config, resolve_columns([read_footer(str(path))], Columns(steps="steps")))
