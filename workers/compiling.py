@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 DYNAMIC = True  # one graph across batch sizes (> 1) and image sizes, instead of one per shape
+RECOMPILE_LIMIT_BASE = 8  # dynamo's default graphs per code object (batch 1, the rest, guards that move)
 
 
 def is_compile_error(err: BaseException) -> bool:
@@ -51,8 +52,13 @@ class AppliedCompile:
     """Compilation on `denoisers` ({component: module}); `carried`: the one it replaces after a
     re-apply, whose counts run on."""
 
-    def __init__(self, denoisers: dict[str, torch.nn.Module], carried: AppliedCompile | None = None):
+    def __init__(self, denoisers: dict[str, torch.nn.Module], carried: AppliedCompile | None = None, adapters: int = 0):
         self.modes: dict[str, str] = {}  # component -> regional (N blocks) | whole
+        # LoRA switches: dynamo makes a graph the first time an adapter, then a changed scale, reaches a
+        # block (measured: at most 2 per adapter, tests/workers/test_speed.py); past its recompile limit it
+        # would run those blocks uncompiled without a word, so the limit covers the job's adapters.
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT_BASE + 2 * adapters)
         self._compiled: list[torch.nn.Module] = []
         for name, module in denoisers.items():
             regions = compiled_regions(module)

@@ -296,7 +296,7 @@ class FittedPipeline:
         if self.workload.compile and (carried is None or carried.disabled is None):
             if carried is not None:
                 torch._dynamo.reset()  # the hooks under the regions changed: compile anew, not on stale guards
-            self.compiled = AppliedCompile(self._denoisers, carried)
+            self.compiled = AppliedCompile(self._denoisers, carried, adapters=len(self.adapters))
 
     def _compiling(self) -> bool:
         return self.compiled is not None and self.compiled.disabled is None

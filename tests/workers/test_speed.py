@@ -143,3 +143,45 @@ def test_a_compiler_that_fails_is_taken_off_and_said(tiny_flux, prompts, tmp_pat
     info = json.loads((tmp_path / "o" / "workers" / "w0.json").read_text())["compile"]
     assert "InvalidCxxCompiler" in info["disabled"] and {r["status"] for r in rows.values()} == {"ok"}
     assert not any(getattr(m, "_compiled_call_impl", None) for m in worker.pipe.transformer.modules())
+
+
+@pytest.mark.slow
+def test_lora_switches_recompile_per_adapter_and_scale_kind_not_per_switch(tiny_model, tmp_path):
+    """Tiny SD with two LoRA adapters, 9 looks switching between none, A and B at four scales (8
+    switches): dynamo makes a graph the first time an adapter or a changed scale reaches the compiled
+    blocks, then treats the scale as dynamic — at most 2 graphs per adapter past the warm-up's, never
+    one per switch — and each look's images are the uncompiled worker's within rounding."""
+    import pyarrow as pa
+
+    from jobs.sharding import plan_shards, read_footer, resolve_columns
+    from workers.shard import Columns
+    from workers.spec import WorkerSpec
+    from workers.tiny_model import write_tiny_lora
+    from workers.worker import Worker
+
+    a = str(write_tiny_lora(tmp_path / "a.safetensors", tiny_model, seed=1))
+    b = str(write_tiny_lora(tmp_path / "b.safetensors", tiny_model, seed=2))
+    looks = [(None, None), (a, None), (b, 0.5), (None, None), (a, 0.7), (b, None), (a, 0.3), (b, 0.9), (a, None)]
+    n = 2 * len(looks)
+    path = tmp_path / "p.parquet"
+    table = {"prompt": ["a lighthouse"] * n, "id": [f"r{i:02d}" for i in range(n)]}
+    table |= {"lora": [looks[i // 2][0] for i in range(n)], "lora_scale": [looks[i // 2][1] for i in range(n)]}
+    pq.write_table(pa.table(table), path)
+    files = [read_footer(str(path))]
+    columns = resolve_columns(files, Columns(lora="lora", lora_scale="lora_scale"))
+    settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64)
+    rows = {}
+    for compiled in (False, True):
+        out = tmp_path / f"o{compiled}"
+        spec = WorkerSpec("w0", tiny_model, str(out), settings, columns, max_batch=2, device="cpu")
+        worker = Worker(replace(spec, adapters=((a, a), (b, b)), compile=compiled))
+        warmed = worker.fitted.compiled.snapshot()["graphs"] if compiled else None
+        assert worker.run_shard(plan_shards(files, 100)[0]).ok == n
+        if compiled:
+            info = worker.describe()["compile"]
+            assert warmed > 0 and 0 < info["graphs"] - warmed <= 2 * 2 < len(looks) - 1, (warmed, info)
+            assert info["compiled"] == 1 and info["disabled"] is None
+        worker.close()
+        rows[compiled] = {r["id"]: r for r in pq.read_table(out / "shards").to_pylist()}
+    assert {r["batch"] for r in rows[True].values()} == {2}  # one call per look
+    assert _worst(tmp_path / "oFalse", rows[False], tmp_path / "oTrue", rows[True]) <= 2
