@@ -53,6 +53,9 @@ class AppliedCompile:
     re-apply, whose counts run on."""
 
     def __init__(self, denoisers: dict[str, torch.nn.Module], carried: AppliedCompile | None = None, adapters: int = 0):
+        # Dynamo's caches are the process's: graphs of another pipeline in it, or of this one under the
+        # hooks of its last plan, are not this compilation's (their guards would be checked on every call)
+        torch._dynamo.reset()
         self.modes: dict[str, str] = {}  # component -> regional (N blocks) | whole
         # LoRA switches: dynamo makes a graph the first time an adapter, then a changed scale, reaches a
         # block (measured: at most 2 per adapter, tests/workers/test_speed.py); past its recompile limit it

@@ -294,8 +294,6 @@ class FittedPipeline:
         """`--compile`, last (workers/compiling.py): the compiled regions call through the offload and
         cache hooks; `carried`: the compilation it replaces after a re-apply, whose counts run on."""
         if self.workload.compile and (carried is None or carried.disabled is None):
-            if carried is not None:
-                torch._dynamo.reset()  # the hooks under the regions changed: compile anew, not on stale guards
             self.compiled = AppliedCompile(self._denoisers, carried, adapters=len(self.adapters))
 
     def _compiling(self) -> bool:
