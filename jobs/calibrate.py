@@ -25,9 +25,9 @@ import numpy as np
 from fleetgen.caches import FIRST_BLOCK_THRESHOLD
 from fleetgen.errors import ConfigError, FleetgenError
 from jobs.config import JobConfig, resolve_paths, validate
-from jobs.driver import worker_spec
+from jobs.driver import read_input, worker_spec
 from jobs.models import MAX_ADAPTERS, resolve_adapters, resolve_defaults
-from jobs.sharding import distinct_strings, list_input_files, plan_shards, read_footers, resolve_columns
+from jobs.sharding import distinct_strings, plan_shards
 
 KINDS = ("attention", "compile", "cache", "quantize")  # what `--try` may name
 FIRST_BLOCK_THRESHOLDS = (FIRST_BLOCK_THRESHOLD, 0.1, 0.2)  # diffusers' default and two that skip more
@@ -185,14 +185,7 @@ def calibrate(
     if unknown:
         raise ConfigError(f"`--try` takes {', '.join(KINDS)}; got `{', '.join(sorted(unknown))}`.")
     config = resolve_paths(replace(config, **REFERENCE, output_format="files", image_format="png"))
-    files = read_footers(list_input_files(config.input))
-    columns = resolve_columns(
-        files,
-        config.columns(),
-        config.prompt_template,
-        config.column_list("keep_columns"),
-        config.column_list("drop_columns"),
-    )
+    files, columns = read_input(config)
     config, family, _ = resolve_defaults(config, columns)
     if config.settings().task_spec().video:
         raise ConfigError("`fleetgen calibrate` compares images; video tasks are not calibrated yet.")

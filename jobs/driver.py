@@ -48,16 +48,7 @@ def run_job(
     config = resolve_paths(config)
     output = Output(config.output)
     output.check()  # a file in the way, no permission, no credentials, no endpoint: one line, before anything
-    files = read_footers(list_input_files(config.input))
-    if sum(f.num_rows for f in files) == 0:
-        raise InputError(f"`--input` {config.input} has no rows ({len(files)} file(s), all empty).")
-    columns = resolve_columns(
-        files,
-        config.columns(),
-        config.prompt_template,
-        config.column_list("keep_columns"),
-        config.column_list("drop_columns"),
-    )
+    files, columns = read_input(config)
     config, pin_note = pin_revision(config, pinned_revision(output, config.model))
     config, family, sources = resolve_defaults(config, columns)
     adapters = resolve_adapters(config, columns, distinct_strings(files, columns.lora, MAX_ADAPTERS))
@@ -126,6 +117,21 @@ def run_job(
         return summary
     finally:
         lock.release()
+
+
+def read_input(config: JobConfig):
+    """The input's footers and the columns the job reads from them (an input with no rows is refused)."""
+    files = read_footers(list_input_files(config.input))
+    if sum(f.num_rows for f in files) == 0:
+        raise InputError(f"`--input` {config.input} has no rows ({len(files)} file(s), all empty).")
+    columns = resolve_columns(
+        files,
+        config.columns(),
+        config.prompt_template,
+        config.column_list("keep_columns"),
+        config.column_list("drop_columns"),
+    )
+    return files, columns
 
 
 def worker_spec(config: JobConfig, name: str, columns, **resolved) -> WorkerSpec:
