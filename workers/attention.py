@@ -20,6 +20,9 @@ from fleetgen.attention import AUTO, CANDIDATES, NATIVE, is_exact
 from fleetgen.errors import OffloadError, one_line
 
 REPEATS = 3  # timed calls per kernel after one untimed (its first call may build or load a kernel)
+# Tokens `auto` measures at, at most: a clip's 75,600 would put GiBs of q, k and v beside the resident
+# model just to rank kernels. Assumed: the ranking at 16,384 holds at more (unmeasured until a GPU run).
+MEASURE_TOKENS = 16_384
 
 
 @dataclass
@@ -59,7 +62,7 @@ def attention_shape(module: torch.nn.Module, tokens: int) -> tuple[int, int, int
         attn = next(m for m in module.modules() if hasattr(getattr(m, "processor", None), "_attention_backend"))
         heads = attn.heads
         dim = attn.to_q.out_features // heads
-    return 1, max(tokens, 16), heads, dim
+    return 1, min(max(tokens, 16), MEASURE_TOKENS), heads, dim
 
 
 def time_kernel(backend: str, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> float:
