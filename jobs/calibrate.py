@@ -285,7 +285,12 @@ def _run(config: JobConfig, columns, shard, adapters, result: Result) -> tuple[R
     result.compile_seconds = (info["compile"] or {}).get("compile_seconds")
     attention = info["attention"]
     result.device = info["device"]["name"]
-    result.note = f"attention {attention['backend']}" if attention["asked"] == "auto" else ""
+    skipped, notes = (info["cache"] or {}).get("skipped_share"), []
+    if attention["asked"] == "auto":
+        notes.append(f"attention {attention['backend']}")
+    if skipped is not None:
+        notes.append(f"skipped {skipped:.0%} of block evaluations")
+    result.note = "; ".join(notes)
     if info["compile"] and info["compile"]["disabled"]:
         result.note = f"compile taken off: {info['compile']['disabled'][:120]}"
     out = Path(config.output)
