@@ -156,20 +156,16 @@ def candidates(config: JobConfig, denoisers: list[str], kinds=KINDS) -> list[tup
         out += [(f"cache=first-block:{t:g}", {"cache": f"first-block:{t:g}"}) for t in FIRST_BLOCK_THRESHOLDS]
         out += [("cache=taylorseer", {"cache": "taylorseer"}), ("cache=magcache", {"cache": "magcache"})]
     if "quantize" in kinds:
+        import torch
+
         from offload.formats import runnable, spec
 
-        cuda = config.device.startswith("cuda") or (config.device == "auto" and _has_cuda())
+        cuda = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
         for name in runnable(cuda, at_load=True):
             for component in denoisers:
                 if component in spec(name).components:
                     out.append((f"quantize={component}={name}", {"quantize": f"{component}={name}"}))
     return out
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 REFERENCE = {"quantize": "none", "cache": "none", "attention": "native", "compile": False}

@@ -36,10 +36,15 @@ class AttentionChoice:
         return {"asked": self.asked, "backend": self.backend, "reason": self.reason, "measured_ms": self.measured_ms}
 
 
+def _routed(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The attention modules whose processors take a backend from diffusers' dispatcher."""
+    return [m for m in module.modules() if hasattr(getattr(m, "processor", None), "_attention_backend")]
+
+
 def dispatched(module: torch.nn.Module) -> bool:
     """Whether a denoiser's attention goes through diffusers' dispatcher (its processors take a
     backend): the transformers do; a UNet's `AttnProcessor2_0` calls torch's SDPA itself."""
-    return any(hasattr(getattr(m, "processor", None), "_attention_backend") for m in module.modules())
+    return bool(_routed(module))
 
 
 def missing(backend: str) -> str | None:
@@ -59,7 +64,7 @@ def attention_shape(module: torch.nn.Module, tokens: int) -> tuple[int, int, int
     config = getattr(module, "config", {}) or {}
     heads, dim = config.get("num_attention_heads"), config.get("attention_head_dim")
     if not (isinstance(heads, int) and isinstance(dim, int)):
-        attn = next(m for m in module.modules() if hasattr(getattr(m, "processor", None), "_attention_backend"))
+        attn = _routed(module)[0]
         heads = attn.heads
         dim = attn.to_q.out_features // heads
     return 1, min(max(tokens, 16), MEASURE_TOKENS), heads, dim
@@ -143,7 +148,7 @@ def choose_attention(
 def set_attention(denoisers: dict[str, torch.nn.Module], backend: str) -> None:
     """Route every denoiser that takes a backend to `backend` (diffusers' default needs no call).
     diffusers also makes it the process's active backend; `reset_attention` puts both back."""
-    if backend == NATIVE and _active() == NATIVE:  # DIFFUSERS_ATTN_BACKEND may have made another the default
+    if backend == NATIVE and _default() == NATIVE:  # DIFFUSERS_ATTN_BACKEND may have made another the default
         return
     for module in denoisers.values():
         if dispatched(module):
@@ -152,21 +157,18 @@ def set_attention(denoisers: dict[str, torch.nn.Module], backend: str) -> None:
 
 def reset_attention(denoisers: dict[str, torch.nn.Module], backend: str) -> None:
     """Undo `set_attention`: the denoisers' processors and the process's active backend back to the default."""
-    if backend == NATIVE and _active() == NATIVE:
+    if backend == NATIVE and _default() == NATIVE:
         return  # set_attention did nothing
-    from diffusers.models.attention_dispatch import (
-        DIFFUSERS_ATTN_BACKEND,
-        AttentionBackendName,
-        _AttentionBackendRegistry,
-    )
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
     for module in denoisers.values():
         if dispatched(module):
             module.reset_attention_backend()
-    _AttentionBackendRegistry.set_active_backend(AttentionBackendName(DIFFUSERS_ATTN_BACKEND))
+    _AttentionBackendRegistry.set_active_backend(AttentionBackendName(_default()))
 
 
-def _active() -> str:
-    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+def _default() -> str:
+    """The process's default backend: diffusers' `native`, unless DIFFUSERS_ATTN_BACKEND names another."""
+    from diffusers.models.attention_dispatch import DIFFUSERS_ATTN_BACKEND
 
-    return _AttentionBackendRegistry.get_active_backend()[0].value
+    return DIFFUSERS_ATTN_BACKEND
