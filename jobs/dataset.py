@@ -72,7 +72,8 @@ def write_card(
         "image format": None if config.num_frames else config.image_format,
         "clips": (
             f"{config.num_frames} frames at {config.fps:g} fps, {config.video_format} (crf {config.crf}), "
-            "a poster frame (JPEG) beside each"
+            + ("with the model's sound (`audio_codec`, `sample_rate`), " if family.audio else "")
+            + "a poster frame (JPEG) beside each"
             if config.num_frames
             else None
         ),

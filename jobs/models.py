@@ -252,7 +252,7 @@ def _check_cache(config: JobConfig, family: Family, task: Task, values: dict, co
         return
     from workers.caching import cacheable_families, pipeline_refusal
 
-    why = pipeline_refusal(task.pipeline, family.calls_twice(values["guidance"], config.true_cfg_scale), cache.method)
+    why = pipeline_refusal(task.pipeline, family.extra_calls(values["guidance"], config.true_cfg_scale), cache.method)
     if why:
         raise ConfigError(
             f"`--cache {cache.label}`: {why}. Families whose pipelines take {cache.method}: "

@@ -63,7 +63,7 @@ def plan_workload(
         height=height,
         steps=family.steps if steps is None else steps,
         cfg=family.doubles_batch(guidance, true_cfg_scale),
-        cfg_calls=family.calls_twice(guidance, true_cfg_scale),
+        cfg_calls=family.extra_calls(guidance, true_cfg_scale),
         max_batch=max_batch,
         cache=spec.label,
         offload=offload,

@@ -117,6 +117,10 @@ def _clip_problem(data: bytes, row: dict) -> str | None:
         return str(err)
     if clip.frames != row["num_frames"]:
         return f"{clip.frames} frames decode; the manifest says {row['num_frames']}"
+    if clip.audio_codec != row.get("audio_codec"):  # a clip made with sound keeps it, and one without has none
+        return f"its sound is {clip.audio_codec or 'absent'}; the manifest says {row.get('audio_codec') or 'none'}"
+    if clip.audio_codec and not clip.audio_samples:
+        return "its sound stream decodes to no samples"
     return None
 
 
@@ -200,7 +204,7 @@ def verify(
     if fix:  # first, complete commits whose objects were still being moved (their staging is whole)
         finish_attempts(output)
     committed = sorted(committed_shards(output))
-    columns = ["id", "status", "image", "member", "sha256", "size", "num_frames"]
+    columns = ["id", "status", "image", "member", "sha256", "size", "num_frames", "audio_codec"]
     damaged: dict[str, list[dict]] = {}  # shard -> its rows, for shards with missing or wrong images
     for n, shard in enumerate(committed, 1):
         manifest = output.read_parquet(manifest_key(shard), columns)

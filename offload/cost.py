@@ -75,9 +75,10 @@ class Workload:
     input_images: int = 0  # input images per image (image-to-image, inpaint, edit): the VAE encodes each
     in_sequence: bool = False  # their latent tokens join the denoiser's sequence (Kontext, Qwen-Image-Edit, FLUX.2)
     frames: int = 0  # video: frames per clip (0: an image); "per image" below is then per clip
-    # guidance runs the denoiser a second time per step, as a call of its own (Qwen-Image, Chroma,
-    # Wan): twice the compute, not twice the activations (those are `cfg`'s)
-    cfg_calls: bool = False
+    # denoiser calls of their own per step beyond the first: guidance as a second call (Qwen-Image,
+    # Chroma, Wan: 1), LTX-2's spatio-temporal-guidance and modality passes (2): each adds a call's
+    # compute, not activations (a batch doubled by guidance is `cfg`'s)
+    cfg_calls: int = 0
     cache: str = "none"  # the job's step cache (fleetgen/caches.py): its state is device memory, its skips saved time
 
 
@@ -187,7 +188,7 @@ def cache_state_bytes(c: ComponentProfile, prof: PipelineProfile, w: Workload, b
     if not c.per_step or w.cache == NONE:
         return 0
     tensors = parse_cache(w.cache).state_tensors(len(c.blocks))
-    halves = (2 if w.cfg else 1) * (2 if w.cfg_calls else 1)
+    halves = (2 if w.cfg else 1) + int(w.cfg_calls)  # the first call's batch, one more per call of its own
     return tensors * _tokens(c, prof, w) * max(c.hidden, 1) * prof.dtype_bytes * batch * halves
 
 
@@ -196,7 +197,7 @@ def _call_seconds(
 ) -> float:
     """Seconds `c` takes in one pipeline call of `batch` images."""
     forwards = _forwards(c, w, prof)
-    cfg = 2 if c.per_step and (w.cfg or w.cfg_calls) else 1
+    cfg = (2 if w.cfg else 1) + int(w.cfg_calls) if c.per_step else 1
     slowdown = spec(c.fmt).slowdown if c.fmt != NONE else 1.0  # dequantization (quantize.py's sources)
     tokens = _tokens(c, prof, w)
     flops = 2 * c.params * tokens

@@ -214,5 +214,5 @@ def cacheable_families(method: str) -> list[str]:
         name
         for name, f in FAMILIES.items()
         if f.tasks
-        and all(pipeline_refusal(t.pipeline, f.calls_twice(f.guidance, None), method) is None for t in f.tasks)
+        and all(pipeline_refusal(t.pipeline, f.extra_calls(f.guidance, None), method) is None for t in f.tasks)
     ]

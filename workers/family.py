@@ -72,6 +72,13 @@ class Family:
     frames: int = 0
     fps: float = 0.0
     frame_step: int = 1
+    # Denoiser calls of their own per step besides guidance's, whatever the guidance (LTX-2 at
+    # diffusers' defaults: a spatio-temporal-guidance pass and a modality-isolation pass, each on one
+    # batch): the planner counts their compute.
+    more_calls: int = 0
+    # The pipeline's output carries an audio track per clip (`audio`, from its vocoder), stored as the
+    # clip's sound (LTX-2).
+    audio: bool = False
 
     def __post_init__(self) -> None:
         if not self.tasks and self.pipelines:
@@ -111,6 +118,10 @@ class Family:
     def calls_twice(self, guidance: float, true_cfg_scale: float | None) -> bool:
         """Whether the second pass is a denoiser call of its own (twice the compute per step)."""
         return self.guided(guidance, true_cfg_scale) and not self.doubles_batch(guidance, true_cfg_scale)
+
+    def extra_calls(self, guidance: float, true_cfg_scale: float | None) -> int:
+        """Denoiser calls per step beyond the first, each a call of its own (the planner's `cfg_calls`)."""
+        return int(self.calls_twice(guidance, true_cfg_scale)) + self.more_calls
 
     def to_dict(self) -> dict:
         return asdict(self)

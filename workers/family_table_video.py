@@ -1,11 +1,11 @@
 """The video families of the family table (workers/family_table.py): Wan 2.1 / 2.2, LTX-Video,
-HunyuanVideo 1.5 — each with its tasks, the size, frames and frame rate of its card and its frame
+LTX-2 (with sound), HunyuanVideo 1.5 — each with its tasks, the size, frames and frame rate of its card and its frame
 rule. No torch here."""
 
 from __future__ import annotations
 
 from workers.family import Family
-from workers.tasks import HUNYUANVIDEO15_TASKS, LTX_TASKS, WAN_I2V_TASKS, WAN_TASKS
+from workers.tasks import HUNYUANVIDEO15_TASKS, LTX2_TASKS, LTX_TASKS, WAN_I2V_TASKS, WAN_TASKS
 
 _BF16 = {"dtype": "bfloat16"}
 # Wan: defaults of the cards (Wan 2.1 T2V 480p: 832x480, 81 frames at 16 fps, 50 steps, guidance 5;
@@ -84,6 +84,31 @@ VIDEO_TABLE = (
             "frames": 161,
             "fps": 25.0,  # the pipeline's `frame_rate` (it conditions on it) and the stored clip's
             "frame_step": 8,
+        },
+    ),
+    Family(
+        # LTX-2 (19 B): video with its sound. Defaults of diffusers' LTX2Pipeline (0.42; its example: 768x512,
+        # 121 frames at 24 fps, 30 steps, guidance 3); the audio-guidance, spatio-temporal-guidance and
+        # modality knobs keep the pipeline's defaults (LTX-2.3's), so every step runs the transformer on the
+        # cond+uncond batch and twice more on one batch.
+        "ltx-2",
+        ("LTX2Pipeline",),
+        steps=30,
+        guidance=3.0,
+        tasks=LTX2_TASKS,
+        sizes=("768x512", "512x768"),
+        note="LTX-2 (19 B) audio-video: 121 frames at 24 fps with a stereo 24 kHz track; image-to-video from the same weights",
+        **{
+            **_WAN,
+            "max_sequence_length": 1024,
+            "cfg_batched": True,
+            "size_floor": 32,
+            "text_encoder": "Gemma 3 12B, 1024 tokens",
+            "frames": 121,
+            "fps": 24.0,
+            "frame_step": 8,
+            "more_calls": 2,
+            "audio": True,
         },
     ),
     Family(

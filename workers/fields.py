@@ -177,6 +177,14 @@ FIELDS: list[Field] = [
     Field("duration", pa.float32(), "seconds of the stored clip (video tasks)", stored=True),
     Field("codec", pa.string(), "the stored clip's codec, e.g. h264 (video tasks)", stored=True),
     Field(
+        "audio_codec",
+        pa.string(),
+        "the codec of the clip's sound (aac in mp4, opus in webm) for models that make it (LTX-2); null for silent "
+        "clips and images",
+        stored=True,
+    ),
+    Field("sample_rate", pa.int32(), "Hz of the clip's stored sound (Opus: 48000); null without one", stored=True),
+    Field(
         "inputs",
         pa.list_(INPUT),
         "the input images it was made from: role (image, mask), source (the column value's path or URL, or "

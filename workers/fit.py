@@ -139,7 +139,7 @@ class FittedPipeline:
             "input_images": w.input_images,
             "in_sequence": w.in_sequence,
             "frames": w.num_frames,
-            "cfg_calls": self.family.calls_twice(w.guidance, w.true_cfg_scale),
+            "cfg_calls": self.family.extra_calls(w.guidance, w.true_cfg_scale),
             "cache": w.cache,
         }
         self.cache_spec = parse_cache(w.cache)
@@ -369,11 +369,7 @@ class FittedPipeline:
                 )
             )
         extra = dict(look.extra)
-        pictures = (
-            clips_of(out.frames, extra.get("num_frames"), extra.get("fps") or self.family.fps, type(self.pipe).__name__)
-            if self.task.video
-            else out.images
-        )
+        pictures = self._clips(out, extra) if self.task.video else out.images
         made = {getattr(p, "size", None) for p in pictures}
         if made != {(look.width, look.height)}:  # a pipeline that rescales: its records would say otherwise
             sizes = ", ".join(sorted(f"{w}x{h}" for w, h in made if w) or ["no images"])
@@ -388,6 +384,13 @@ class FittedPipeline:
             Picture(im, None if flagged else picture, flagged, len(batch), seconds / len(batch), quantized, skipped)
             for im, picture, flagged in zip(batch, pictures, flags, strict=True)
         ]
+
+    def _clips(self, out, extra: dict) -> list:
+        """A video pipeline's output as clips (LTX-2's with their sound, at its vocoder's rate)."""
+        audio = out.audio if self.family.audio else None
+        rate = self.pipe.vocoder.config.output_sampling_rate if self.family.audio else 0
+        fps = extra.get("fps") or self.family.fps
+        return clips_of(out.frames, extra.get("num_frames"), fps, type(self.pipe).__name__, audio, rate)
 
     def _cache_context(self):
         return self.cache.context() if self.cache is not None else contextlib.nullcontext()

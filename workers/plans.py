@@ -93,7 +93,7 @@ def plan_before_loading(source, workload, family, device: torch.device, dtype: t
         w.input_images,
         w.in_sequence,
         w.num_frames,
-        family.calls_twice(w.guidance, w.true_cfg_scale),
+        family.extra_calls(w.guidance, w.true_cfg_scale),
         w.cache,
     )
     return at_load_formats(configs, dtype, spec_, work, family.upcasts_vae)
@@ -134,7 +134,7 @@ def planner_workload(
     input_images: int = 0,
     in_sequence: bool = False,
     frames: int = 0,
-    cfg_calls: bool = False,
+    cfg_calls: int = 0,
     cache: str = "none",
 ) -> PlannerWorkload:
     # a worker plans a pipeline already loaded: its loading peak is past
@@ -192,7 +192,7 @@ def choose_plan(
     input_images: int = 0,
     in_sequence: bool = False,
     frames: int = 0,
-    cfg_calls: bool = False,
+    cfg_calls: int = 0,
     cache: str = "none",
 ) -> OffloadPlan:
     """On a CPU worker with no `--gpu-memory` and `--offload auto|none`, everything is resident at
@@ -245,7 +245,7 @@ def leaner_plan(
     input_images: int = 0,
     in_sequence: bool = False,
     frames: int = 0,
-    cfg_calls: bool = False,
+    cfg_calls: int = 0,
     cache: str = "none",
 ) -> OffloadPlan:
     """After an out-of-memory error at batch 1: plan for ever smaller budgets until the placement

@@ -130,3 +130,5 @@ WAN_TASKS = (text_to_video("WanPipeline"),)
 WAN_I2V_TASKS = (image_to_video("WanImageToVideoPipeline"),)
 LTX_TASKS = (text_to_video("LTXPipeline"), image_to_video("LTXImageToVideoPipeline", batched=True))
 HUNYUANVIDEO15_TASKS = (text_to_video("HunyuanVideo15Pipeline"),)
+# LTX-2's image-to-video call takes one image (re-compressed as H.264 before it conditions): one row per call
+LTX2_TASKS = (text_to_video("LTX2Pipeline"), image_to_video("LTX2ImageToVideoPipeline"))

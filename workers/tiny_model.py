@@ -22,7 +22,13 @@ from workers.tiny_families import (
 from workers.tiny_frontier import build_tiny_flux2, build_tiny_flux2_klein, build_tiny_qwen_image, build_tiny_z_image
 from workers.tiny_hunyuan_chroma_hidream import build_tiny_chroma, build_tiny_hidream, build_tiny_hunyuanimage
 from workers.tiny_parts import _evaluated, _tokenizer
-from workers.tiny_video import build_tiny_hunyuanvideo15, build_tiny_ltx, build_tiny_wan, build_tiny_wan_i2v
+from workers.tiny_video import (
+    build_tiny_hunyuanvideo15,
+    build_tiny_ltx,
+    build_tiny_ltx2,
+    build_tiny_wan,
+    build_tiny_wan_i2v,
+)
 
 __all__ = [
     "SIZES",
@@ -162,6 +168,7 @@ TINY_FAMILIES = {
     "wan2.2": lambda seed: build_tiny_wan(seed, experts=2),
     "wan-i2v": build_tiny_wan_i2v,
     "ltx-video": build_tiny_ltx,
+    "ltx-2": build_tiny_ltx2,
     "hunyuanvideo-1.5": build_tiny_hunyuanvideo15,
 }
 
@@ -205,7 +212,7 @@ def build_random_pipeline(architecture: str, device: torch.device | str, dtype: 
 
     import diffusers
 
-    from offload.architectures import _component_class, resolve
+    from offload.architectures import _component_class, is_diffusers, resolve
 
     root = resolve(architecture)
     index = json.loads((root / "model_index.json").read_text())
@@ -222,7 +229,7 @@ def build_random_pipeline(architecture: str, device: torch.device | str, dtype: 
                 continue
             config = json.loads((root / name / "config.json").read_text())
             with torch.device(device):
-                if spec[0] == "diffusers":
+                if is_diffusers(spec[0]):
                     components[name] = module_cls.from_config(config).eval()
                 else:
                     components[name] = module_cls(module_cls.config_class.from_dict(config)).eval()

@@ -1,6 +1,6 @@
 """Tiny random-weight video pipelines of the real classes (the sizes of diffusers' own tests,
 tests/pipelines/wan/, ltx/ and hunyuan_video1_5/): Wan 2.1 text-to-video, Wan 2.2's two experts,
-Wan image-to-video, LTX-Video, HunyuanVideo 1.5."""
+Wan image-to-video, LTX-Video, LTX-2 (with sound), HunyuanVideo 1.5."""
 
 from __future__ import annotations
 
@@ -187,4 +187,140 @@ def build_tiny_hunyuanvideo15(seed: int = 0):
         text_encoder_2=_byt5(seed + 3),
         tokenizer_2=ByT5Tokenizer(),
         guider=ClassifierFreeGuidance(guidance_scale=6.0),
+    )
+
+
+@_evaluated
+def build_tiny_ltx2(seed: int = 0):
+    """LTX-2, video with sound: a Gemma 3 text encoder (its vision tower unused), the text connectors,
+    the audio-video transformer, the video VAE (2x spatial and temporal here; the real one 32x and
+    8x), the audio VAE and a vocoder whose upsampling (10 x 4 x 4) matches the audio VAE's hop of
+    160 samples, so a clip's sound lasts as long as its frames (the real vocoder: 24 kHz stereo)."""
+    from diffusers import (
+        AutoencoderKLLTX2Audio,
+        AutoencoderKLLTX2Video,
+        FlowMatchEulerDiscreteScheduler,
+        LTX2Pipeline,
+        LTX2VideoTransformer3DModel,
+    )
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    tokenizer = _tokenizer(model_max_length=1024)
+    hidden, layers = 32, 2  # the connectors' width is their heads x head size: 4 x 8
+    torch.manual_seed(seed)
+    text_encoder = Gemma3ForConditionalGeneration(
+        Gemma3Config(
+            text_config={
+                "hidden_size": hidden,
+                "intermediate_size": 32,
+                "num_hidden_layers": layers,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "head_dim": 8,
+                "vocab_size": len(tokenizer),
+                "sliding_window": 16,
+                "max_position_embeddings": 2048,
+            },
+            vision_config={
+                "hidden_size": 16,
+                "intermediate_size": 32,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "image_size": 28,
+                "patch_size": 14,
+            },
+            mm_tokens_per_image=4,
+        )
+    )
+    torch.manual_seed(seed + 1)
+    transformer = LTX2VideoTransformer3DModel(
+        in_channels=4,
+        out_channels=4,
+        patch_size=1,
+        patch_size_t=1,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        cross_attention_dim=16,
+        audio_in_channels=4,
+        audio_out_channels=4,
+        audio_num_attention_heads=2,
+        audio_attention_head_dim=4,
+        audio_cross_attention_dim=8,
+        num_layers=2,
+        qk_norm="rms_norm_across_heads",
+        caption_channels=hidden,
+        rope_double_precision=False,
+        rope_type="split",
+    )
+    torch.manual_seed(seed + 2)
+    connector = {"num_attention_heads": 4, "attention_head_dim": 8, "num_layers": 1, "num_learnable_registers": None}
+    connectors = LTX2TextConnectors(
+        caption_channels=hidden,
+        text_proj_in_factor=layers + 1,
+        **{f"{side}_connector_{k}": v for side in ("video", "audio") for k, v in connector.items()},
+        connector_rope_base_seq_len=32,
+        rope_double_precision=False,
+        rope_type="split",
+    )
+    torch.manual_seed(seed + 3)
+    vae = AutoencoderKLLTX2Video(
+        latent_channels=4,
+        block_out_channels=(8,),
+        decoder_block_out_channels=(8,),
+        layers_per_block=(1,),
+        decoder_layers_per_block=(1, 1),
+        spatio_temporal_scaling=(True,),
+        decoder_spatio_temporal_scaling=(True,),
+        decoder_inject_noise=(False, False),
+        downsample_type=("spatial",),
+        upsample_residual=(False,),
+        upsample_factor=(1,),
+        timestep_conditioning=False,
+        patch_size=1,
+        patch_size_t=1,
+        encoder_causal=True,
+        decoder_causal=False,
+    )
+    torch.manual_seed(seed + 4)
+    audio_vae = AutoencoderKLLTX2Audio(
+        base_channels=4,
+        output_channels=2,
+        ch_mult=(1,),
+        num_res_blocks=1,
+        attn_resolutions=None,
+        in_channels=2,
+        resolution=32,
+        latent_channels=2,
+        norm_type="pixel",
+        causality_axis="height",
+        dropout=0.0,
+        mid_block_add_attention=False,
+        sample_rate=16000,
+        mel_hop_length=160,
+        is_causal=True,
+        mel_bins=8,
+    )
+    torch.manual_seed(seed + 5)
+    vocoder = LTX2Vocoder(
+        in_channels=2 * 8,  # the audio VAE's channels x mel bins
+        hidden_channels=32,
+        out_channels=2,
+        upsample_kernel_sizes=[20, 8, 8],
+        upsample_factors=[10, 4, 4],
+        resnet_kernel_sizes=[3],
+        resnet_dilations=[[1, 3, 5]],
+        leaky_relu_negative_slope=0.1,
+        output_sampling_rate=16000,
+    )
+    return LTX2Pipeline(
+        transformer=transformer,
+        vae=vae,
+        audio_vae=audio_vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        connectors=connectors,
+        vocoder=vocoder,
     )

@@ -33,11 +33,25 @@ def resolve(model: str) -> Path:
 
 
 def _component_class(library: str, name: str):
+    """The class model_index.json names. A library other than diffusers and transformers is a
+    diffusers pipeline module (LTX-2's connectors and vocoder: `["ltx2", "LTX2Vocoder"]`), as
+    diffusers' own loader reads it."""
     import importlib
 
-    module = importlib.import_module(library)
+    try:
+        module = importlib.import_module(library if library in LIBRARIES else f"diffusers.pipelines.{library}")
+    except ImportError:
+        return None
     cls = getattr(module, name, None)
     return cls if isinstance(cls, type) and issubclass(cls, torch.nn.Module) else None
+
+
+LIBRARIES = ("diffusers", "transformers")
+
+
+def is_diffusers(library: str) -> bool:
+    """Built from its config with `from_config` (diffusers models, pipeline modules included)."""
+    return library != "transformers"
 
 
 def torch_components(root: Path) -> dict[str, tuple[str, type]]:
@@ -46,7 +60,7 @@ def torch_components(root: Path) -> dict[str, tuple[str, type]]:
     index = json.loads((root / "model_index.json").read_text())
     out = {}
     for comp, spec in index.items():
-        if comp.startswith("_") or not isinstance(spec, list) or spec[0] not in ("diffusers", "transformers"):
+        if comp.startswith("_") or not isinstance(spec, list) or spec[0] is None:
             continue
         cls = _component_class(*spec)
         if cls is not None and (root / comp / "config.json").exists():
@@ -73,7 +87,7 @@ def build_on_meta(model: str) -> dict[str, torch.nn.Module]:
     for comp, (library, cls) in torch_components(root).items():
         config = json.loads((root / comp / "config.json").read_text())
         with torch.device("meta"):
-            if library == "diffusers":
+            if is_diffusers(library):
                 modules[comp] = cls.from_config(config)
             else:  # the model class knows its config class; a saved config.json also names its model_type
                 modules[comp] = cls(cls.config_class.from_dict(config))

@@ -6,6 +6,7 @@ the decode, under a second each."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from fleetgen.latents import expert_shares, latent_frames, vae_temporal
 from jobs.planning import plan_rows, plan_workload
 from offload import DeviceSpec, Workload, plan, profile_modules
 from offload.architectures import build_on_meta, pipeline_settings
-from offload.cost import _activations, _forwards, _tokens
+from offload.cost import FORWARD_SECONDS, Placement, _activations, _call_seconds, _forwards, _tokens
 
 BUDGETS = ["16GiB", "24GiB", "48GiB", "80GiB", "141GiB"]
 
@@ -127,3 +128,35 @@ def test_hunyuanvideo15_is_planned_from_its_published_configs():
 
 def parse_gib(text: str) -> int:
     return int(text.removesuffix("GiB")) << 30
+
+
+def test_ltx2_is_planned_from_its_published_configs_with_every_pass_counted():
+    """LTX-2 19 B: Gemma 3 12B, the connectors and vocoder of diffusers' `ltx2` pipeline module
+    (model_index.json names them so), and per step the cond+uncond batch plus two calls of their own
+    (spatio-temporal guidance, modality isolation) at the pipeline's defaults."""
+    work, family = plan_workload(
+        "ltx-2", width=None, height=None, steps=None, guidance=None, true_cfg_scale=None, max_batch=4, offload="auto"
+    )
+    assert (family.name, work.frames, work.width, work.height, work.steps, work.cfg, work.cfg_calls) == (
+        "ltx-2",
+        121,
+        768,
+        512,
+        30,
+        True,
+        2,
+    )
+    summary, rows = plan_rows("ltx-2", BUDGETS, "128GiB", "bfloat16", work)
+    params = {k: round(c["params"] / 1e9, 1) for k, c in summary["components"].items()}
+    assert (params["transformer"], params["text_encoder"]) == (18.9, 12.2)  # "19 B" and Gemma 3 12B
+    assert {"connectors", "vocoder", "audio_vae", "vae"} <= set(params)
+    # its VAE decodes all 121 frames at once (~18 GiB of feature maps): 16 GiB holds no plan, and says so
+    assert "Nothing fits 16.0 GiB" in rows[0]["error"] and "at 768x512" in rows[0]["error"]
+    assert all("error" not in r and r["peak_bytes"] <= parse_gib(r["gpu_memory"]) * 0.9 for r in rows[1:])
+    assert "121 frames at 768x512" in rows[1]["reason"]
+    # the two extra passes: a step's transformer compute is 4 batches' worth, not guidance's 2
+    model = profile_modules("ltx-2", build_on_meta("ltx-2"), torch.bfloat16)
+    device, t, resident = DeviceSpec(141 << 30, 128 << 30), model.components["transformer"], Placement("resident")
+    steps = [_call_seconds(t, resident, model, replace(work, cfg_calls=n), device, 1) for n in (2, 0)]
+    per_step = [(s / _forwards(t, work, model) - FORWARD_SECONDS) for s in steps]
+    assert per_step[0] == pytest.approx(2 * per_step[1])

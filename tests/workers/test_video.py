@@ -1,5 +1,5 @@
 """Video: tiny Wan text-to-video, Wan 2.2's two experts, Wan image-to-video, LTX-Video (text- and
-image-to-video from one checkpoint) and HunyuanVideo 1.5 (guided by its guider) through a worker (no Ray), every clip decoded with PyAV; the three output formats read back by `webdataset` and
+image-to-video from one checkpoint), LTX-2 (clips with their sound) and HunyuanVideo 1.5 (guided by its guider) through a worker (no Ray), every clip decoded with PyAV; the three output formats read back by `webdataset` and
 `datasets`; per-row `num_frames` and `fps`; frame-count rules; `verify --deep` over clips."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ FAST = {"steps": 2, "guidance": 5.0, "width": 64, "height": 48, "num_frames": 5,
 @pytest.fixture(scope="module")
 def wan(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("video")
-    families = ("wan", "wan2.2", "wan-i2v", "ltx-video", "hunyuanvideo-1.5")
+    families = ("wan", "wan2.2", "wan-i2v", "ltx-video", "ltx-2", "hunyuanvideo-1.5")
     return {f: str(write_tiny_model(root / f, family=f)) for f in families}
 
 
@@ -164,6 +164,16 @@ def test_encoding_is_deterministic_and_reads_back_fractional_rates():
         assert clip.fps == pytest.approx(23.976, abs=1e-3)
     with pytest.raises(ValueError, match="not a readable clip"):
         read_clip(b"not a clip")
+    # with sound: the same bytes again, mono or stereo, at the model's rate (Opus: 48 kHz)
+    tone = np.sin(np.arange(4410) / 22050 * 2 * np.pi * 440).astype(np.float32)[None] * 0.5
+    for fmt, rate in (("mp4", 22050), ("webm", 48000)):
+        for track in (tone, np.concatenate([tone, -tone])):
+            data, info = encode_clip(Clip(frames, 23.976, track, 22050), fmt, 30)
+            assert data == encode_clip(Clip(frames, 23.976, track, 22050), fmt, 30)[0]
+            clip = read_clip(data)
+            assert (clip.frames, clip.sample_rate, info["sample_rate"]) == (7, rate, rate)
+    with pytest.raises(ValueError, match="3 channels"):
+        encode_clip(Clip(frames, 24.0, np.zeros((3, 100), np.float32), 22050), "mp4", 30)
 
 
 @pytest.mark.parametrize("offload", ["block", "leaf"])
@@ -303,3 +313,44 @@ def test_clips_to_a_flaky_s3_store_are_whole_or_not_committed(output_format, wan
     if output_format == "files":
         keys = {k.rsplit("/", 1)[-1] for k in fs.find(f"{bucket}/out/images")}
         assert keys == {f"r{i}.{e}" for i in range(4) for e in ("mp4", "poster.jpg")}
+
+
+def test_ltx2_clips_carry_their_sound_and_verify_deep_checks_it(wan, tmp_path):
+    """LTX-2's vocoder output is the clip's audio stream (AAC in mp4, Opus in webm), as long as its
+    frames; the record says codec and rate; `verify --deep` decodes it and finds one gone."""
+    rows = {"id": ["a", "b"], "prompt": ["a cat", "a dog"], "fps": [None, 12.0]}
+    settings = {"family": "ltx-2", "num_frames": 9, "fps": 25.0, "width": 64, "height": 32}
+    manifest, out = run(wan["ltx-2"], tmp_path, rows, name="t2v", **settings)
+    for rid, fps in (("a", 25.0), ("b", 12.0)):
+        r = manifest[rid]
+        clip = read_clip((out / r["image"]).read_bytes())
+        assert (clip.frames, clip.fps, clip.width, clip.height) == (9, fps, 64, 32)
+        assert (clip.audio_codec, clip.sample_rate, r["audio_codec"], r["sample_rate"]) == ("aac", 16000, "aac", 16000)
+        # the sound lasts as long as the frames (AAC pads to its 1024-sample frames)
+        assert 9 / fps - 0.05 < clip.audio_samples / 16000 < 9 / fps + 2048 / 16000
+        assert rms(out / r["image"]) > 0  # not a silent track
+    assert verify(str(out), deep=True).clean
+    path = out / "shards" / "shard-00000.parquet"
+    table = pq.read_table(path)
+    i = table.schema.get_field_index("audio_codec")
+    pq.write_table(table.set_column(i, table.schema.field(i), pa.array([None, None], pa.string())), path)
+    report = verify(str(out), deep=True)
+    assert not report.clean and "its sound is aac; the manifest says none" in json.dumps(report.to_dict())
+    # image-to-video from the same weights, one row per call, in webm: Opus at 48 kHz
+    rows = {"id": ["a"], "prompt": ["a cat"], "input_image": [png((200, 30, 30))]}
+    manifest, out = run(
+        wan["ltx-2"], tmp_path, rows, task="image-to-video", name="i2v", video_format="webm", **settings
+    )
+    r = manifest["a"]
+    assert (r["status"], r["batch"], r["audio_codec"], r["sample_rate"]) == ("ok", 1, "opus", 48000)
+    clip = read_clip((out / r["image"]).read_bytes())
+    assert (clip.frames, clip.codec, clip.audio_codec) == (9, "av1", "opus")
+    assert verify(str(out), deep=True).clean
+
+
+def rms(path) -> float:
+    import av
+
+    with av.open(str(path)) as f:
+        samples = np.concatenate([frame.to_ndarray().ravel() for frame in f.decode(audio=0)])
+    return float(np.sqrt(np.mean(samples.astype(np.float64) ** 2)))
