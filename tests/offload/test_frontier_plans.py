@@ -32,6 +32,8 @@ PUBLISHED = {
     ("hidream-i1", "transformer"): "17B",  # HiDream-I1 card: 17B
     ("hidream-i1", "text_encoder_3"): "4.76B",  # T5-XXL encoder
     ("hidream-i1", "text_encoder_4"): "8.03B",  # Llama-3.1-8B-Instruct
+    ("ltx-2", "transformer"): "19B",  # LTX-2 card: a 19B audio-video model (14 B video + 5 B audio stream)
+    ("ltx-2", "text_encoder"): "12B",  # Gemma 3 12B (its vision tower included: the class loads it)
 }
 # What the profile must read from each architecture: (VAE scale, latent pixels per token, latent
 # channels, {component: activation width}).
@@ -43,6 +45,7 @@ DIMENSIONS = {
     "hunyuanimage-2.1": (32, 1, 64, {"transformer": 3584, "text_encoder_2": 1472}),  # a 32x VAE
     "chroma1-hd": (8, 2, 16, {"transformer": 3072}),  # packs 2x2 latents as FLUX.1 does
     "hidream-i1": (8, 2, 16, {"transformer": 2560, "text_encoder_4": 4096}),
+    "ltx-2": (32, 1, 128, {"transformer": 4096, "text_encoder": 3840}),  # a 32x VAE, patch 1
 }
 
 
