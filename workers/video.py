@@ -179,7 +179,11 @@ def read_clip(data: bytes, decode: bool = True) -> ClipInfo:
                 frames = stream.frames
             rate = stream.average_rate or stream.guessed_rate
             codec = stream.codec_context.codec.canonical_name  # av1, whichever decoder read it
-            audio = (sound.codec_context.codec.name, sound.codec_context.sample_rate) if sound else (None, 0)
+            audio = (
+                (sound.codec_context.codec.name.removeprefix("lib"), sound.codec_context.sample_rate)
+                if sound
+                else (None, 0)
+            )
             return ClipInfo(frames, float(rate), stream.width, stream.height, codec, *audio, samples)
     except av.FFmpegError as err:
         raise ValueError(f"not a readable clip: {err}") from err
