@@ -146,13 +146,19 @@ def choose_attention(
 
 
 def set_attention(denoisers: dict[str, torch.nn.Module], backend: str) -> None:
-    """Route every denoiser that takes a backend to `backend` (diffusers' default needs no call).
-    diffusers also makes it the process's active backend; `reset_attention` puts both back."""
+    """Route every denoiser that takes a backend to `backend` (diffusers' default needs no call): each
+    of its attention processors carries it. diffusers also makes it the process's active backend,
+    which every other model of the process would then run (another pipeline loaded beside it, as
+    `calibrate` and the GPU check load them: a masked one fails on a kernel that takes no mask): that
+    is put back at once. `reset_attention` undoes the rest."""
     if backend == NATIVE and _default() == NATIVE:  # DIFFUSERS_ATTN_BACKEND may have made another the default
         return
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
     for module in denoisers.values():
         if dispatched(module):
             module.set_attention_backend(backend)
+    _AttentionBackendRegistry.set_active_backend(AttentionBackendName(_default()))
 
 
 def reset_attention(denoisers: dict[str, torch.nn.Module], backend: str) -> None:

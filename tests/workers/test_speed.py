@@ -69,6 +69,27 @@ def test_an_exact_kernel_missing_here_falls_back_and_says_so(tiny_flux, prompts,
     assert {r["attention"] for r in rows.values()} == {choice.backend}
 
 
+def test_a_kernel_one_worker_runs_is_not_the_process_default(tiny_flux, prompts, tmp_path):
+    """diffusers makes a model's backend the process's active one; fleetgen puts it back at once, so a
+    pipeline loaded beside it in one process (calibrate's candidates, the GPU check's rows) runs its own:
+    a masked attention (LTX-2, HunyuanVideo) must not meet a kernel that takes no mask."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry, dispatch_attention_fn
+
+    worker, rows = run_one_shard(tiny_flux, tmp_path / "o", prompts, FLUX, attention="_native_flash")
+    try:
+        assert worker.fitted.attention.backend == "_native_flash" and {r["attention"] for r in rows.values()} == {
+            "_native_flash"
+        }
+        carried = {p._attention_backend for p in worker.pipe.transformer.attn_processors.values()}
+        assert {getattr(b, "value", b) for b in carried} == {"_native_flash"}
+        assert _AttentionBackendRegistry._active_backend.value == "native"
+        q = k = v = torch.randn(1, 8, 2, 16)
+        mask = torch.ones(1, 1, 8, 8, dtype=torch.bool)
+        assert dispatch_attention_fn(q, k, v, attn_mask=mask).shape == q.shape  # the default kernel takes masks
+    finally:
+        worker.close()
+
+
 def test_an_inexact_kernel_never_falls_back(tiny_flux, prompts, tmp_path):
     with pytest.raises(OffloadError, match="`--attention sage` cannot run on this worker .* changes pixels"):
         run_one_shard(tiny_flux, tmp_path / "o", prompts, FLUX, attention="sage")
