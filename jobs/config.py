@@ -51,6 +51,7 @@ class _Job:
     strength: float | None = None  # image-to-image, inpaint: how far from the input (default: the task's)
     resize: str = "crop"  # crop | pad | fit: how input images become the job's size (workers/inputs.py)
     store_inputs: bool = False  # webdataset/parquet outputs carry each image's input beside it
+    store_frames: bool = False  # video tasks: each clip's frames as PNGs beside it
     revision: str | None = None  # hub models: branch, tag or commit; pinned to a commit in job.json (default main)
     variant: str | None = None  # hub/local weights variant, e.g. fp16 (files named *.fp16.safetensors)
     width: int | None = None  # pixels, a multiple of 8; default 512 (video families: their card's size)
@@ -119,10 +120,7 @@ class _Job:
             loras=tuple(parse_lora(v) for v in self.lora),
             task=self.task or TEXT,
             strength=self.strength,
-            resize=self.resize,
-            store_inputs=self.store_inputs,
-            num_frames=self.num_frames,
-            fps=self.fps,
+            **{k: getattr(self, k) for k in ("resize", "store_inputs", "store_frames", "num_frames", "fps")},
             video_format=self.video_format,
             crf=self.crf,
             cache=normalized_cache(self.cache),

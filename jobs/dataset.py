@@ -74,6 +74,7 @@ def write_card(
             f"{config.num_frames} frames at {config.fps:g} fps, {config.video_format} (crf {config.crf}), "
             + ("with the model's sound (`audio_codec`, `sample_rate`), " if family.audio else "")
             + "a poster frame (JPEG) beside each"
+            + (", and every frame as a PNG (`frame-0000.png` ...; parquet: `frames`)" if config.store_frames else "")
             if config.num_frames
             else None
         ),

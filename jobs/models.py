@@ -228,6 +228,7 @@ def _check_video(config: JobConfig, columns: Columns, family: Family, task: Task
     task needs an encoder for its format on this machine (the workers have the same packages)."""
     if not task.video:
         given = [f"`--{n.replace('_', '-')}`" for n in ("num_frames", "fps") if getattr(config, n) is not None]
+        given += ["`--store-frames`"] if config.store_frames else []
         given += [f"the `{getattr(columns, n)}` column" for n in ("num_frames", "fps") if getattr(columns, n)]
         if given:
             raise ConfigError(

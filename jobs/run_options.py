@@ -87,6 +87,13 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         help="webdataset/parquet output: carry each image's input beside it (<id>.input.png; an "
         "`input_image` column), for before/after datasets",
     )
+    g.add_argument(
+        "--store-frames",
+        action="store_true",
+        default=None,
+        help="video tasks: store every frame of a clip as a PNG beside it (<id>.frame-0000.png ...; parquet: a "
+        "`frames` column), lossless, for datasets that train on frames",
+    )
     g.add_argument("--width", type=int, help="pixels, multiple of 8 (default 512; video families: their card's)")
     g.add_argument("--height", type=int, help="pixels, multiple of 8 (default 512; video families: their card's)")
     g.add_argument("--seed", type=int, help="job seed (default 0)")

@@ -103,6 +103,7 @@ _NEW_DEFAULTS = {
         "strength": None,
         "resize": "crop",
         "store_inputs": False,
+        "store_frames": False,
         "num_frames": None,
         "fps": None,
         "video_format": "mp4",

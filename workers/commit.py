@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fleetgen.errors import ShardError
-from workers.layout import MANIFEST_SCHEMA, STAGING, manifest_key, with_companions
+from workers.layout import MANIFEST_SCHEMA, STAGING, keeps, manifest_key
 from workers.storage import Output, parquet_schema, read_parquet
 
 ATTEMPT_KEY = b"fleetgen.attempt"  # manifest metadata: the attempt whose objects the manifest names
@@ -128,9 +128,9 @@ def promote(output: Output, shard_id: str, attempt: str, named: set[str]) -> int
     staged = output.find(prefix.rstrip("/"))
     for key in staged:
         output.move(key, key[len(prefix) :])
-    named = with_companions(named)  # a clip's poster stays with it
+    kept = keeps(named)  # a clip's poster and frames stay with it
     for key in output.find(f"images/{shard_id}"):
-        if key not in named:
+        if not kept(key):
             output.remove(key)
     discard(output, shard_id, attempt)
     return len(staged)

@@ -60,9 +60,28 @@ def beside(key: str, name: str) -> str:
     return f"{key.rsplit('.', 1)[0]}.{name}"
 
 
-def with_companions(keys: set[str]) -> set[str]:
-    """Image keys and the objects stored beside them: a clip's poster (files output)."""
-    return keys | {beside(k, POSTER) for k in keys if k.rsplit(".", 1)[-1] in VIDEO_EXTENSIONS.values()}
+FRAME = re.compile(r"frame-\d{4,}\.png")  # a clip's frame stored beside it (`--store-frames`)
+
+
+def frame_name(i: int) -> str:
+    """The name a clip's frame `i` (from 0) is stored under beside it: `frame-0000.png`."""
+    return f"frame-{i:04d}.png"
+
+
+def keeps(keys: set[str]):
+    """A predicate: the key is one of these image keys, or an object stored beside one of their clips
+    (files output: a clip's poster and, with `--store-frames`, its frames)."""
+    clips = {k.rsplit(".", 1)[0] for k in keys if k.rsplit(".", 1)[-1] in VIDEO_EXTENSIONS.values()}
+
+    def kept(key: str) -> bool:
+        if key in keys:
+            return True
+        base, _, name = key.rpartition(".")  # <base>.frame-0000.png splits after `frame-0000`
+        base, _, stem = base.rpartition(".")
+        companion = f"{stem}.{name}"
+        return base in clips and (companion == POSTER or bool(FRAME.fullmatch(companion)))
+
+    return kept
 
 
 def __getattr__(name: str):

@@ -33,6 +33,7 @@ class GenerationSettings:
     strength: float | None = None  # tasks that take one: the job's (a row's `strength` replaces it)
     resize: str = "crop"  # how input images become the image's size (workers/inputs.py)
     store_inputs: bool = False  # webdataset and parquet outputs carry each image's input beside it
+    store_frames: bool = False  # video tasks: every frame of a clip also stored as a PNG beside it
     num_frames: int | None = None  # video tasks: frames per clip (a row's `num_frames` replaces it)
     fps: float | None = None  # video tasks: frames per second (a row's `fps` replaces it)
     video_format: str = "mp4"  # video tasks: mp4 (H.264) | webm (AV1) (workers/video.py)
@@ -50,10 +51,12 @@ class GenerationSettings:
         return found or Task(self.task, "")
 
     def stored(self) -> tuple[str, ...]:
-        """The image columns stored beside each image: its inputs (`--store-inputs`), a clip's poster."""
+        """The image columns stored beside each image: its inputs (`--store-inputs`), a clip's poster
+        and (`--store-frames`) its frames."""
         task = self.task_spec()
         inputs = ("input_image", "mask_image") if task.mask else ("input_image",)
-        return (inputs if self.store_inputs else ()) + (("poster",) if task.video else ())
+        video = ("poster", *(("frames",) if self.store_frames else ())) if task.video else ()
+        return (inputs if self.store_inputs else ()) + video
 
     def recipe(self, size_multiple: int = 8) -> Recipe:
         task = self.task_spec()

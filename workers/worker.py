@@ -311,7 +311,7 @@ class Worker:
         carry = self.spec.columns.carry
         carried = table.select(list(carry)).take([m.row for m in made]) if carry else None
         settings = self.spec.settings
-        encode_and_store(sink, made, records, carried, settings.media_format(), settings.crf)
+        encode_and_store(sink, made, records, carried, settings.media_format(), settings.crf, settings.store_frames)
 
     def close(self) -> None:
         self._writer.close()

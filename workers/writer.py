@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from workers.layout import POSTER
+from workers.layout import POSTER, frame_name
 from workers.video import VIDEO_FORMATS, encode_clip, poster
 
 WRITE_AHEAD = 2  # batches handed to the writer thread before the pipeline waits: one being written, one queued
@@ -29,12 +29,14 @@ def encode(image, image_format: str) -> bytes:
     return buf.getvalue()
 
 
-def encode_made(picture, media_format: str, crf: int) -> tuple[bytes, dict, dict]:
+def encode_made(picture, media_format: str, crf: int, frames: bool = False) -> tuple[bytes, dict, dict]:
     """(bytes, what the record gains, extra members stored beside it) of an image, or of a clip
-    (workers/video.py: its duration and codec, and its first frame as the poster)."""
+    (workers/video.py: its duration and codec, and its first frame as the poster; `frames`: every
+    frame as a PNG, as made)."""
     if media_format in VIDEO_FORMATS:
         data, info = encode_clip(picture, media_format, crf)
-        return data, info, {POSTER: poster(picture)}
+        pngs = {frame_name(i): encode(f, "png") for i, f in enumerate(picture.frames)} if frames else {}
+        return data, info, {POSTER: poster(picture), **pngs}
     return encode(picture, media_format), {}, {}
 
 
@@ -54,14 +56,14 @@ class Made:
 
 
 def encode_and_store(
-    sink, made: list[Made], records: dict, carried: pa.Table | None, media_format: str, crf: int = 18
+    sink, made: list[Made], records: dict, carried: pa.Table | None, media_format: str, crf: int = 18, frames=False
 ) -> None:
     """On the writer thread: encode and hash each image (or clip), then store the batch; each
     manifest record gains its key, member, digest and size. `carried`: the input columns kept
     beside each image, one row per entry of `made`."""
     for m in made:
         if m.picture is not None:
-            m.data, info, extra = encode_made(m.picture, media_format, crf)
+            m.data, info, extra = encode_made(m.picture, media_format, crf, frames)
             m.picture = None  # the decoded image is not held longer than needed
             digest = hashlib.sha256(m.data).hexdigest()
             m.meta.update(sha256=digest, **info)

@@ -71,6 +71,8 @@ def test_frame_settings_for_a_job_that_makes_images_are_refused(tiny_model, tmp_
     columns = Columns("prompt", None, None, None, fps="fps")
     with pytest.raises(ConfigError, match="the `fps` column: sd text-to-image makes images"):
         resolve(tiny_model, tmp_path, columns)
+    with pytest.raises(ConfigError, match="`--store-frames`: sd text-to-image makes images, not clips"):
+        resolve(tiny_model, tmp_path, store_frames=True)
     config, _, _ = resolve(tiny_model, tmp_path)
     assert (config.width, config.height, config.num_frames) == (512, 512, None)  # images: as before
 
@@ -110,7 +112,13 @@ def test_frames_rate_and_encoding_are_in_the_fingerprint(wan, tmp_path):
     files = [read_footer(str(prompts))]
     prints = {
         k: fingerprint(resolve(wan, tmp_path, **o)[0], files, NO_COLUMNS)
-        for k, o in {"a": {"num_frames": 9}, "b": {"num_frames": 13}, "c": {"num_frames": 9, "crf": 23}}.items()
+        for k, o in {
+            "a": {"num_frames": 9},
+            "b": {"num_frames": 13},
+            "c": {"num_frames": 9, "crf": 23},
+            "d": {"num_frames": 9, "store_frames": True},
+        }.items()
     }
     assert _differences(prints["a"], prints["b"]) == ["generation.num_frames differs: 9 vs 13"]
     assert _differences(prints["a"], prints["c"]) == ["generation.crf differs: 18 vs 23"]
+    assert _differences(prints["a"], prints["d"]) == ["generation.store_frames differs: False vs True"]

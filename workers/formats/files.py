@@ -1,12 +1,12 @@
 """`files`: one object per image, `OUT/images/<shard>/<id>.<ext>`; a clip's poster frame beside
-it, `<id>.poster.jpg`."""
+it, `<id>.poster.jpg`, and with `--store-frames` its frames, `<id>.frame-0000.png` ..."""
 
 from __future__ import annotations
 
 import pyarrow as pa
 
 from workers.formats import OutputFormat, Stored, register
-from workers.layout import beside, image_key, with_companions
+from workers.layout import beside, image_key, keeps
 from workers.storage import Output
 
 
@@ -53,8 +53,8 @@ class Files(OutputFormat):
         """One listing of the shard's prefix gives every size; bytes are read by who needs them."""
         sizes = output.sizes(f"images/{shard_id}")
         found = {r["id"]: (sizes.get(r["image"]), None) for r in rows}
-        named = with_companions({r["image"] for r in rows})
-        return found, sorted(sizes.keys() - named)
+        kept = keeps({r["image"] for r in rows})
+        return found, sorted(k for k in sizes if not kept(k))
 
     def how_to_load(self, url: str, shards: list[str]) -> list[str]:
         return [

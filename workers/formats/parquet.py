@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 
 from workers.fields import table
 from workers.formats import OutputFormat, Stored, Unreadable, register
-from workers.layout import EXTENSIONS, POSTER
+from workers.layout import EXTENSIONS, FRAME, POSTER
 from workers.storage import Output
 from workers.video import VIDEO_FORMATS
 
@@ -31,8 +31,12 @@ def stored_schema(inputs: tuple[str, ...] = (), media: str = "image") -> pa.Sche
     Image feature too."""
     stored = [pa.field(f.name, f.type) for f in table() if f.stored]
     at = next(i for i, f in enumerate(stored) if f.name == "seed") + 1
-    extra = [pa.field(name, _BYTES) for name in inputs]
-    features = {media: {"_type": media.capitalize()}, **{name: {"_type": "Image"} for name in inputs}}
+    extra = [pa.field(name, pa.list_(_BYTES) if name == FRAMES else _BYTES) for name in inputs]
+    image = {"_type": "Image"}
+    features = {
+        media: {"_type": media.capitalize()},
+        **{name: {"_type": "Sequence", "feature": image} if name == FRAMES else image for name in inputs},
+    }
     return pa.schema(
         [*stored[:at], pa.field(media, _BYTES), *extra, *stored[at:]],
         metadata={"huggingface": json.dumps({"info": {"features": features}})},
@@ -41,6 +45,7 @@ def stored_schema(inputs: tuple[str, ...] = (), media: str = "image") -> pa.Sche
 
 # images stored beside each image by member name: `--store-inputs`'s, and a clip's poster frame
 INPUT_COLUMNS = {"input.png": "input_image", "mask.png": "mask_image", POSTER: "poster"}
+FRAMES = "frames"  # `--store-frames`: a clip's frames, a list of images (a `datasets` Sequence of Image)
 
 
 def data_key(shard_id: str) -> str:
@@ -73,23 +78,25 @@ class ParquetSink:
         self.writer = pq.ParquetWriter(self.stream, self.schema)
 
     def add(self, batch, carried=None):
-        rows = [
-            {
-                **{k: meta[k] for k in self.base.names if k in meta},
-                self.media: {"bytes": data, "path": f"{row_id}.{self.ext}"},
-                **{
-                    INPUT_COLUMNS[name]: {"bytes": value, "path": f"{row_id}.{name}"}
-                    for name, value in meta.pop("_extra", {}).items()
-                    if name in INPUT_COLUMNS
-                },
-            }
-            for row_id, data, meta in batch
-        ]
+        rows = [self._row(row_id, data, meta) for row_id, data, meta in batch]
         table = pa.Table.from_pylist(rows, schema=self.base)
         if carried is not None:
             table = pa.Table.from_arrays([*table.columns, *carried.columns], schema=self.schema)
         self.writer.write_table(table)
         return [(self.key, None)] * len(batch)
+
+    def _row(self, row_id: str, data: bytes, meta: dict) -> dict:
+        extra = meta.pop("_extra", {})
+        row = {k: meta[k] for k in self.base.names if k in meta}
+        row[self.media] = {"bytes": data, "path": f"{row_id}.{self.ext}"}
+        row.update(
+            (INPUT_COLUMNS[n], {"bytes": v, "path": f"{row_id}.{n}"}) for n, v in extra.items() if n in INPUT_COLUMNS
+        )
+        if FRAMES in self.base.names:  # frame-0000.png ... in order
+            row[FRAMES] = [
+                {"bytes": v, "path": f"{row_id}.{n}"} for n, v in sorted(extra.items()) if FRAME.fullmatch(n)
+            ]
+        return row
 
     def keep_existing(self) -> None:
         self.writer.write_table(self.output.read_parquet(self.key).select(self.schema.names).cast(self.schema))
