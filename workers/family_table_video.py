@@ -26,6 +26,9 @@ _WAN = {
     "frame_step": 4,
 }
 
+# LTX-Video and LTX-2: cond and uncond in one batch, a 32x VAE, 8 frames per latent frame after the first
+_LTX = {**_WAN, "cfg_batched": True, "size_floor": 32, "frame_step": 8}
+
 VIDEO_TABLE = (
     Family(
         "wan",
@@ -76,14 +79,11 @@ VIDEO_TABLE = (
         sizes=("704x480", "480x704"),
         note="LTX-Video (2 B): 161 frames at 25 fps; image-to-video from the same weights",
         **{
-            **_WAN,
+            **_LTX,
             "max_sequence_length": 128,
-            "cfg_batched": True,  # cond and uncond in one batch
-            "size_floor": 32,
             "text_encoder": "T5-XXL, 128 tokens",
             "frames": 161,
             "fps": 25.0,  # the pipeline's `frame_rate` (it conditions on it) and the stored clip's
-            "frame_step": 8,
         },
     ),
     Family(
@@ -99,14 +99,11 @@ VIDEO_TABLE = (
         sizes=("768x512", "512x768"),
         note="LTX-2 (19 B) audio-video: 121 frames at 24 fps with a stereo 24 kHz track; image-to-video from the same weights",
         **{
-            **_WAN,
+            **_LTX,
             "max_sequence_length": 1024,
-            "cfg_batched": True,
-            "size_floor": 32,
             "text_encoder": "Gemma 3 12B, 1024 tokens",
             "frames": 121,
             "fps": 24.0,
-            "frame_step": 8,
             "more_calls": 2,
             "audio": True,
         },
