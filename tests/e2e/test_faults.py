@@ -17,7 +17,8 @@ from bench.chaos import Killer, check, manifest_rows
 from fleetgen.errors import StorageError
 from jobs.driver import run_job
 from jobs.verify import verify
-from tests.conftest import make_job, run_args, start_driver, wait_for_commits, write_prompts
+from tests.conftest import FAST, make_job, run_args, run_one_shard, start_driver, wait_for_commits, write_prompts
+from workers.spec import GenerationSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,12 +28,16 @@ job = functools.partial(make_job, rows_per_shard=8, max_batch=4, workers=2)
 
 @pytest.fixture(scope="module")
 def chaos_input(tmp_path_factory, tiny_model, ray_cluster):
-    """160 prompts and their images from a clean run (the reference every fault run must match)."""
+    """160 prompts and their images from a clean run (the reference every fault run must match): made
+    in this process by one worker with one thread, as each of the job's two has, in the same batches of 4
+    (the session's Ray is asked for here for the fault runs)."""
     root = tmp_path_factory.mktemp("chaos")
     prompts = write_prompts(root / "p.parquet", [f"chaos prompt {i}" for i in range(160)])
-    clean = run_job(job(prompts, tiny_model, root / "clean"), progress_stream=io.StringIO())
-    assert clean.complete
-    return prompts, {r["id"]: r["sha256"] for r in manifest_rows(root / "clean")}, clean.seconds
+    settings = GenerationSettings(**{k: FAST[k] for k in ("steps", "guidance", "width", "height")})
+    worker, clean = run_one_shard(tiny_model, root / "clean", prompts, settings, rows=160, max_batch=4, threads=1)
+    worker.close()
+    assert len(clean) == 160 and {r["status"] for r in clean.values()} == {"ok"}
+    return prompts, {k: r["sha256"] for k, r in clean.items()}, None
 
 
 @pytest.mark.chaos
