@@ -26,8 +26,7 @@ from cluster import ClusterShape, size_fleet
 from jobs.config import JobConfig, validate
 from jobs.driver import run_job
 from jobs.inspect import job_state, status_text
-from tests.conftest import FAST, _free_port, run_one_shard, start_driver, stop_tree, write_prompts
-from workers.spec import GenerationSettings
+from tests.conftest import FAST, _free_port, start_driver, stop_tree, write_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -174,7 +173,7 @@ def _manifest_rows(out: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_autoscaler_starts_gpu_nodes_a_joining_node_gets_a_worker_a_lost_node_loses_nothing(
-    autoscaling_head, tiny_model, tmp_path
+    autoscaling_head, tiny_model, tmp_path, ray_cluster
 ):
     """No GPU node is up when the job starts: its pending workers make the autoscaler start both
     node types; a node joined by hand mid-job (a replacement spot node) gets a worker; killing that
@@ -269,12 +268,19 @@ def test_autoscaler_starts_gpu_nodes_a_joining_node_gets_a_worker_a_lost_node_lo
     status = status_text(job_state(str(out)))
     assert "fleet:" in status and "lost" in status and "released" in status
 
-    # the same images as a clean run: every row made again in this process (one worker, one thread, as
-    # each of the job's had; no Ray)
-    settings = GenerationSettings(steps=32, guidance=5.0, width=64, height=64)
-    worker, clean = run_one_shard(tiny_model, tmp_path / "clean", prompts, settings, max_batch=2, threads=1)
-    worker.close()
-    assert {r["id"]: r["sha256"] for r in rows} == {k: r["sha256"] for k, r in clean.items()}
+    clean = run_job(
+        validate(
+            JobConfig(
+                input=str(prompts),
+                output=str(tmp_path / "clean"),
+                model=tiny_model,
+                **{**FAST, "steps": 32, "rows_per_shard": 2, "max_batch": 2, "workers": 2},
+            )
+        ),
+        progress_stream=io.StringIO(),
+    )
+    assert clean.complete
+    assert {r["id"]: r["sha256"] for r in rows} == {r["id"]: r["sha256"] for r in _manifest_rows(tmp_path / "clean")}
 
 
 def test_demand_that_cannot_be_placed_ends_the_job_naming_the_resource(autoscaling_head, tiny_model, tmp_path):
