@@ -92,10 +92,8 @@ class ParquetSink:
         row.update(
             (INPUT_COLUMNS[n], {"bytes": v, "path": f"{row_id}.{n}"}) for n, v in extra.items() if n in INPUT_COLUMNS
         )
-        if FRAMES in self.base.names:  # frame-0000.png ... in order
-            row[FRAMES] = [
-                {"bytes": v, "path": f"{row_id}.{n}"} for n, v in sorted(extra.items()) if FRAME.fullmatch(n)
-            ]
+        if FRAMES in self.base.names:  # frame-0000.png ..., in the order the writer made them
+            row[FRAMES] = [{"bytes": v, "path": f"{row_id}.{n}"} for n, v in extra.items() if FRAME.fullmatch(n)]
         return row
 
     def keep_existing(self) -> None:
