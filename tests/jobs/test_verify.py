@@ -296,3 +296,33 @@ def test_the_end_of_a_run_counts_from_reports_and_looks_only_at_unreported_shard
     monkeypatch.setattr(jobs.summary, "PROBE_AT_MOST", 1)  # many unreported: one listing instead
     summary, _ = _summarise(run(shards, False, {}, {}))
     assert summary.shards_committed == 2
+
+
+def test_a_take_over_waits_for_the_dead_drivers_workers_on_this_host(tmp_path):
+    """A rerun that takes over a SIGKILLed driver's lock waits (bounded) for that run's Ray workers on
+    this host to be gone before its sweep removes staging one of them may still be committing; a pid
+    that is no Ray worker (reused) is not waited for."""
+    import subprocess
+    import sys
+
+    from jobs.lock import wait_for_previous_workers
+    from workers.storage import Output
+
+    output = Output(str(tmp_path / "out"))
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "ray::FleetWorker.iter_shard"])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for name, proc in (("w0", worker), ("w1", other)):
+            output.put(f"workers/{name}.json", json.dumps({"host": socket.gethostname(), "pid": proc.pid}).encode())
+        output.put("workers/w2.json", json.dumps({"host": "elsewhere", "pid": worker.pid}).encode())
+        started = time.monotonic()
+        assert wait_for_previous_workers(output, timeout=0.6) == [worker.pid]  # at the bound: still running
+        assert 0.6 <= time.monotonic() - started < 5
+        threading.Timer(0.5, worker.kill).start()
+        started = time.monotonic()
+        assert wait_for_previous_workers(output, timeout=20) == []
+        assert time.monotonic() - started < 10  # returned once the worker was gone, not at the bound
+    finally:
+        for proc in (worker, other):
+            proc.kill()
+            proc.wait()
