@@ -178,7 +178,7 @@ class Run:
         self.pipe, self.dtype = build(model, device, args.dry)
         self.build_seconds = round(time.perf_counter() - started, 1)
         self.family = MODELS[model][1]
-        size = 64 if args.dry else args.size
+        size = 32 if args.dry else args.size
         width = height = size
         video = {}
         if model in VIDEO:  # a clip per row: text-to-video at the check's frames and size
