@@ -117,19 +117,21 @@ def setup_job(tmp_path, model, out, output_format, prompts=None, max_batch=3, **
     return worker, plan_shards(files, 3)
 
 
-def run_one_shard(model, out, prompts, settings, rows: int = 100, **spec):
+def run_one_shard(model, out, prompts, settings, rows: int = 100, shards=(0,), **spec):
     """A worker in this process (no Ray, CPU) makes the whole of a small prompt file (up to `rows`) as
     one shard; returns the worker and {id: its manifest row}. `spec`: WorkerSpec fields (max_batch,
-    offload, ...)."""
+    offload, ...). `shards`: which of the file's shards of `rows` rows to make (a job's reference for
+    some of its shards: the same rows, the same batches)."""
     from jobs.sharding import plan_shards, read_footer, resolve_columns
     from workers.shard import Columns
     from workers.spec import WorkerSpec
     from workers.worker import Worker
 
     files = [read_footer(str(prompts))]
-    shard, columns = plan_shards(files, rows)[0], resolve_columns(files, Columns())
+    planned, columns = plan_shards(files, rows), resolve_columns(files, Columns())
     worker = Worker(WorkerSpec("w0", model, str(out), settings, columns, device="cpu", **spec))
-    worker.run_shard(shard)
+    for index in shards:
+        worker.run_shard(planned[index])
     return worker, {r["id"]: r for r in pq.read_table(Path(out) / "shards").to_pylist()}
 
 
