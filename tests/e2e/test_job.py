@@ -5,6 +5,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 
 import pyarrow.parquet as pq
 import pytest
@@ -14,9 +15,11 @@ from jobs.cli import main
 from jobs.config import JobConfig, validate
 from jobs.driver import run_job
 from jobs.state import list_manifests
-from tests.conftest import FAST, make_job, write_prompts
+from tests.conftest import FAST, make_job, run_one_shard, write_prompts
+from workers.spec import GenerationSettings
 from workers.storage import Output
 
+SETTINGS = ("steps", "guidance", "width", "height")
 N = 12
 
 
@@ -34,31 +37,45 @@ def shas(out) -> dict:
     return {r["id"]: r["sha256"] for r in rows}
 
 
-def test_two_workers_one_worker_same_images(ray_cluster, tiny_model, prompts, tmp_path):
+@pytest.fixture(scope="module")
+def finished(ray_cluster, tiny_model, prompts, tmp_path_factory):
+    """A finished two-worker job (its summary and progress log), run once for this module's tests;
+    a test that changes it works on a copy (`copy_of`)."""
+    out = tmp_path_factory.mktemp("finished") / "two"
     log = io.StringIO()
-    two = run_job(job(prompts, tiny_model, tmp_path / "two", workers=2), progress_stream=log, progress_interval=0)
+    summary = run_job(job(prompts, tiny_model, out, workers=2), progress_stream=log, progress_interval=0)
+    return out, summary, log.getvalue()
+
+
+def copy_of(finished, to):
+    """A copy of the finished job's output (files keep their times), for a test to resume or refuse."""
+    shutil.copytree(finished[0], to)
+    return to
+
+
+def test_two_workers_one_worker_same_images(finished, tiny_model, prompts, tmp_path):
+    two_out, two, log = finished
     assert two.complete and (two.images_ok, two.images_error, two.shards_total) == (N, 0, 4)
     # Both were asked for; which makes what is the pool's (one ready after the other took every shard
     # takes none: CI saw it at 12 rows). Every image is made once, and the bytes are one worker's.
     assert {w["worker"] for w in two.workers} <= {"w0", "w1"} and two.workers
     assert sum(w["images"] for w in two.workers) == N
-    assert (tmp_path / "two" / "_SUCCESS").exists()
-    assert json.loads((tmp_path / "two" / "summary.json").read_text())["complete"] is True
-    job_json = json.loads((tmp_path / "two" / "job.json").read_text())
+    assert (two_out / "_SUCCESS").exists()
+    assert json.loads((two_out / "summary.json").read_text())["complete"] is True
+    job_json = json.loads((two_out / "job.json").read_text())
     assert job_json["fingerprint"]["input"][0]["rows"] == N
-    lines = log.getvalue().splitlines()
+    lines = log.splitlines()
     assert any("shards 4/4  rows 12/12" in line for line in lines), lines  # plain lines when not a TTY
     assert all(line.startswith("[fleetgen] ") for line in lines)
 
     one = run_job(job(prompts, tiny_model, tmp_path / "one", workers=1), progress_stream=io.StringIO())
     assert one.complete
-    assert shas(tmp_path / "one") == shas(tmp_path / "two")
+    assert shas(tmp_path / "one") == shas(two_out)
     assert len(set(shas(tmp_path / "one").values())) == N  # and the images differ from each other
 
 
-def test_resume_redoes_only_missing_shards(ray_cluster, tiny_model, prompts, tmp_path):
-    out = tmp_path / "out"
-    run_job(job(prompts, tiny_model, out, workers=2), progress_stream=io.StringIO())
+def test_resume_redoes_only_missing_shards(finished, tiny_model, prompts, tmp_path):
+    out = copy_of(finished, tmp_path / "out")
     before = shas(out)
     kept = out / "images" / "shard-00000" / "00000-000000000.png"
     kept_mtime = kept.stat().st_mtime_ns
@@ -89,9 +106,8 @@ def test_resume_redoes_only_missing_shards(ray_cluster, tiny_model, prompts, tmp
     assert done.complete and done.shards_skipped == 4 and done.workers == []
 
 
-def test_other_job_refuses_unless_overwrite(ray_cluster, tiny_model, prompts, tmp_path):
-    out = tmp_path / "out"
-    run_job(job(prompts, tiny_model, out, workers=1), progress_stream=io.StringIO())
+def test_other_job_refuses_unless_overwrite(finished, tiny_model, prompts, tmp_path):
+    out = copy_of(finished, tmp_path / "out")
     with pytest.raises(StorageError) as err:
         run_job(job(prompts, tiny_model, out, workers=1, steps=3), progress_stream=io.StringIO())
     assert "already holds a different job (generation.steps differs: 2 vs 3)" in str(err.value)
@@ -190,14 +206,23 @@ def test_emulated_mixed_fleet_plans_per_worker_same_images(ray_cluster, tiny_mod
         job(prompts, tiny_model, tmp_path / "mixed", worker_memory="20MiB,1GiB", max_batch=1),
         progress_stream=io.StringIO(),
     )
-    uniform = run_job(
-        job(prompts, tiny_model, tmp_path / "uniform", workers=1, max_batch=1), progress_stream=io.StringIO()
+    # the uniform worker: one in this process, one thread as each of the job's, batches of 1 in shards of 3
+    worker, uniform = run_one_shard(
+        tiny_model,
+        tmp_path / "uniform",
+        prompts,
+        GenerationSettings(**{k: FAST[k] for k in SETTINGS}),
+        rows=3,
+        shards=range(N // 3),
+        max_batch=1,
+        threads=1,
     )
-    assert mixed.complete and uniform.complete
+    worker.close()
+    assert mixed.complete and len(uniform) == N
     by_worker = {w["worker"]: w for w in mixed.workers}
     assert by_worker["w0"]["budget"] == 20 * 2**20 and by_worker["w0"]["modes"]["unet"] != "resident"
     assert set(by_worker["w1"]["modes"].values()) == {"resident"}
     # Which worker makes which shard is the pool's (a worker ready after the others finished takes
     # none: CI saw it); every image is made once, and each worker's bytes are the uniform worker's.
     assert sum(w["images"] for w in mixed.workers) == N and sum(w["share"] for w in mixed.workers) == pytest.approx(1)
-    assert shas(tmp_path / "mixed") == shas(tmp_path / "uniform")
+    assert shas(tmp_path / "mixed") == {k: r["sha256"] for k, r in uniform.items()}
