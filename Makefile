@@ -20,7 +20,7 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 # The inner loop: no Ray, no extra clusters, no chaos, nothing slow (under 2 minutes on 2 cores).
 test-fast: $(VENV)/.installed
