@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -135,6 +136,11 @@ def autoscaling_head():
     address = f"127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
+        # the GCS port first (cheap), then `ray status` (a process importing Ray) until the cluster answers
+        while not _listening(port):
+            assert head.poll() is None, (Path(temp) / "head.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the autoscaling head did not come up"
+            time.sleep(0.2)
         while (
             subprocess.run([str(BIN / "ray"), "status", "--address", address], env=env, capture_output=True).returncode
             != 0
@@ -146,6 +152,14 @@ def autoscaling_head():
     finally:
         stop_tree(head)
         log.close()
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
 
 
 def _driver(args: list[str], address: str, env: dict, log: Path) -> subprocess.Popen:

@@ -145,13 +145,26 @@ def _committed(out: Path) -> int:
     return len(list((out / "shards").glob("*.parquet"))) if (out / "shards").exists() else 0
 
 
+STATUS_EVERY = 3.0  # seconds between `ray job status` calls while waiting: each is a process importing Ray
+# (about a second of CPU), which on 2 cores would slow the job it waits for
+
+
+def _ended(address: str, job_id: str, last: list[float]) -> str | None:
+    """The job's status if it has ended (asked at most every STATUS_EVERY seconds), else None."""
+    if time.monotonic() - last[0] < STATUS_EVERY:
+        return None
+    last[0] = time.monotonic()
+    status = _ray("job", "status", "--address", address, job_id).lower()
+    return status if any(w in status for w in ("succeeded", "failed", "stopped")) else None
+
+
 def _wait_committed(out: Path, at_least: int, address: str, job_id: str) -> int:
-    deadline = time.monotonic() + 180
+    deadline, last = time.monotonic() + 180, [time.monotonic()]
     while (n := _committed(out)) < at_least:
-        status = _ray("job", "status", "--address", address, job_id).lower()
-        assert time.monotonic() < deadline and "failed" not in status and "succeeded" not in status, (
-            status + _ray("job", "logs", "--address", address, job_id)[-3000:]
-        )
+        ended = _ended(address, job_id, last)
+        assert time.monotonic() < deadline and not ended, (ended or "") + _ray(
+            "job", "logs", "--address", address, job_id
+        )[-3000:]
         time.sleep(0.2)
     return n
 
@@ -173,10 +186,9 @@ def _wait_metrics(metrics_port: int, address: str, job_id: str) -> dict[str, str
     """The workers' metrics as Prometheus would scrape the node while the job runs."""
     seen: dict[str, str] = {}
     wanted = {"ray_fleetgen_images", "ray_fleetgen_images_per_second"}
-    deadline = time.monotonic() + 240
+    deadline, last = time.monotonic() + 240, [time.monotonic()]
     while not wanted <= {k.split("{")[0].removesuffix("_total") for k in seen}:
-        status = _ray("job", "status", "--address", address, job_id).lower()
-        if time.monotonic() > deadline or any(w in status for w in ("succeeded", "failed", "stopped")):
+        if time.monotonic() > deadline or _ended(address, job_id, last):
             logs = _ray("job", "logs", "--address", address, job_id)[-3000:]
             pytest.fail(f"fleetgen metrics not seen while the job ran (seen: {sorted(seen)}); job log:\n{logs}")
         seen.update({line.rsplit(" ", 1)[0]: line.rsplit(" ", 1)[1] for line in _metrics(metrics_port)})

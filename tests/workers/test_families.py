@@ -10,14 +10,16 @@ import pytest
 from fleetgen.errors import ConfigError
 from jobs.config import JobConfig, validate
 from jobs.driver import run_job
+from jobs.models import describe, resolve_defaults
 from jobs.sharding import plan_shards, read_footer, resolve_columns
-from tests.conftest import write_prompts
+from tests.conftest import run_one_shard, write_prompts
 from workers.families import FAMILIES
 from workers.shard import Columns
 from workers.spec import GenerationSettings, WorkerSpec
 from workers.tiny_model import write_tiny_model
 from workers.worker import Worker
 
+TINY = {"width": 64, "height": 64, "device": "cpu", "workers": 1}
 LONG = " ".join(["a red fox in the forest at night"] * 15)  # 120 words: 122 tokens here
 
 
@@ -48,40 +50,47 @@ def _worker(model, out, family, columns, **settings):
     )
 
 
+@pytest.mark.slow  # each family's own default steps (20 to 50)
 @pytest.mark.parametrize("family", ["sdxl", "sd3", "flux", "pixart-sigma", "sana"])
-def test_each_family_resolves_its_defaults_and_runs(family, models, ray_cluster, tmp_path):
+def test_each_family_resolves_its_defaults_and_runs(family, models, tmp_path):
+    """The driver's resolution (what the job's log line says), then a worker in this process making
+    the images at those defaults; the whole job on Ray, for one family, is the next test."""
+    prompts = write_prompts(tmp_path / "p.parquet", ["a red fox", "a blue owl"])
+    config = validate(JobConfig(input=str(prompts), output=str(tmp_path / "out"), model=models[family], **TINY))
+    resolved, found, sources = resolve_defaults(config, _shard(prompts)[1])
+    expected = FAMILIES[family]
+    assert (found.name, resolved.family, sources["steps"]) == (family, family, "family default")
+    assert (resolved.steps, resolved.guidance) == (expected.steps, expected.guidance)
+    line = f"model family {family} ({expected.pipelines[0]}): steps {expected.steps} (family default)"
+    assert describe(resolved, found, sources).startswith(line)
+    worker, rows = run_one_shard(models[family], tmp_path / "out", prompts, resolved.settings(), max_batch=2, threads=1)
+    worker.close()
+    assert [r["status"] for r in rows.values()] == ["ok", "ok"] and {r["steps"] for r in rows.values()} == {
+        expected.steps
+    }
+
+
+def test_a_family_job_records_its_defaults(models, ray_cluster, tmp_path):
     prompts = write_prompts(tmp_path / "p.parquet", ["a red fox", "a blue owl"])
     log = io.StringIO()
-    config = validate(
-        JobConfig(
-            input=str(prompts),
-            output=str(tmp_path / "out"),
-            model=models[family],
-            width=64,
-            height=64,
-            device="cpu",
-            workers=1,
-        )
-    )
+    config = validate(JobConfig(input=str(prompts), output=str(tmp_path / "out"), model=models["sd3"], **TINY))
     summary = run_job(config, progress_stream=log, progress_interval=0)
     assert summary.complete and summary.images_ok == 2
-    expected = FAMILIES[family]
+    expected = FAMILIES["sd3"]
     job = json.loads((tmp_path / "out" / "job.json").read_text())
-    assert job["family"]["name"] == family and job["family"]["sources"]["steps"] == "family default"
+    assert job["family"]["name"] == "sd3" and job["family"]["sources"]["steps"] == "family default"
     generation = job["fingerprint"]["generation"]
     assert (generation["steps"], generation["guidance"], generation["family"]) == (
         expected.steps,
         expected.guidance,
-        family,
+        "sd3",
     )
-    assert f"model family {family} ({expected.pipelines[0]}): steps {expected.steps} (family default)" in log.getvalue()
+    assert f"model family sd3 ({expected.pipelines[0]}): steps {expected.steps} (family default)" in log.getvalue()
     rows = pq.read_table(tmp_path / "out" / "shards").to_pylist()
     assert {r["steps"] for r in rows} == {expected.steps}
 
 
 def test_flags_win_over_family_defaults(models, tmp_path):
-    from jobs.models import resolve_defaults
-
     config = JobConfig(input="x", output="y", model=models["flux"], steps=3)
     resolved, family, sources = resolve_defaults(config, Columns("prompt", None, None, None))
     assert (family.name, resolved.steps, resolved.guidance) == ("flux", 3, 3.5)
