@@ -44,6 +44,13 @@ FAST = {"steps": 2, "guidance": 5.0, "width": 64, "height": 64, "device": "cpu"}
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def fast_settings(**over):
+    """What a `FAST` job's workers make with (its GenerationSettings), `over` on top."""
+    from workers.spec import GenerationSettings
+
+    return GenerationSettings(**{**{k: FAST[k] for k in ("steps", "guidance", "width", "height")}, **over})
+
+
 def make_job(prompts, model: str, out, **kw):
     """A validated job at the tiny sizes (`FAST`), `kw` over them."""
     from jobs.config import JobConfig, validate
@@ -92,13 +99,13 @@ def setup_job(tmp_path, model, out, output_format, prompts=None, max_batch=3, **
     verify looks for: the work of a job, shard by shard, without a cluster."""
     from jobs.sharding import plan_shards, read_footer, resolve_columns
     from workers.shard import Columns
-    from workers.spec import GenerationSettings, WorkerSpec
+    from workers.spec import WorkerSpec
     from workers.worker import Worker
 
     prompts = prompts or [f"a lighthouse number {i}" for i in range(6)]
     path = write_prompts(tmp_path / f"p-{len(prompts)}.parquet", prompts, id=[f"r{i}" for i in range(len(prompts))])
     files = [read_footer(str(path))]
-    settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64, output_format=output_format)
+    settings = fast_settings(output_format=output_format)
     worker = Worker(
         WorkerSpec(
             "w0",

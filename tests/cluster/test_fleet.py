@@ -28,7 +28,7 @@ from cluster import ClusterShape, size_fleet
 from jobs.config import JobConfig, validate
 from jobs.driver import run_job
 from jobs.inspect import job_state, status_text
-from tests.conftest import FAST, _free_port, run_one_shard, start_driver, stop_tree, write_prompts
+from tests.conftest import FAST, _free_port, fast_settings, run_one_shard, start_driver, stop_tree, write_prompts
 from workers.spec import GenerationSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -296,9 +296,8 @@ def test_autoscaler_starts_gpu_nodes_a_joining_node_gets_a_worker_a_lost_node_lo
     index = {f"shard-{i:05d}": i for i in range(N_ELASTIC // 2)}
     lost = set(re.findall(rf"{name} unreachable while running (shard-\d+)", text))
     picked = sorted({i for s, i in index.items() if s in lost or i % 4 == 0} | _shards_of(rows, name))
-    settings = GenerationSettings(steps=32, guidance=5.0, width=64, height=64)
     worker, clean = run_one_shard(
-        tiny_model, tmp_path / "clean", prompts, settings, rows=2, shards=picked, max_batch=2, threads=1
+        tiny_model, tmp_path / "clean", prompts, fast_settings(steps=32), rows=2, shards=picked, max_batch=2, threads=1
     )
     worker.close()
     made = {r["id"]: r["sha256"] for r in rows}
@@ -396,7 +395,7 @@ def test_fleet_sizing():
 def test_budgets_follow_the_workers_share_of_its_node():
     from cluster.actor import HOST_SHARE, fit_to_share
     from workers.shard import Columns
-    from workers.spec import GenerationSettings, WorkerSpec
+    from workers.spec import WorkerSpec
 
     spec = WorkerSpec("w0", "m", "out", GenerationSettings(), Columns())
     node = {"node_memory": 64 * 2**30, "node_gpus": 4, "node_cpus": 16}

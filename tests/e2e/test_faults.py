@@ -17,7 +17,15 @@ from bench.chaos import Killer, check, manifest_rows
 from fleetgen.errors import StorageError
 from jobs.driver import run_job
 from jobs.verify import verify
-from tests.conftest import FAST, make_job, run_args, run_one_shard, start_driver, wait_for_commits, write_prompts
+from tests.conftest import (
+    fast_settings,
+    make_job,
+    run_args,
+    run_one_shard,
+    start_driver,
+    wait_for_commits,
+    write_prompts,
+)
 from workers.spec import GenerationSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,8 +41,9 @@ def chaos_input(tmp_path_factory, tiny_model, ray_cluster):
     (the session's Ray is asked for here for the fault runs)."""
     root = tmp_path_factory.mktemp("chaos")
     prompts = write_prompts(root / "p.parquet", [f"chaos prompt {i}" for i in range(160)])
-    settings = GenerationSettings(**{k: FAST[k] for k in ("steps", "guidance", "width", "height")})
-    worker, clean = run_one_shard(tiny_model, root / "clean", prompts, settings, rows=160, max_batch=4, threads=1)
+    worker, clean = run_one_shard(
+        tiny_model, root / "clean", prompts, fast_settings(), rows=160, max_batch=4, threads=1
+    )
     worker.close()
     assert len(clean) == 160 and {r["status"] for r in clean.values()} == {"ok"}
     return prompts, {k: r["sha256"] for k, r in clean.items()}, None
@@ -179,7 +188,7 @@ def test_pathological_row_costs_only_itself(tiny_model, tmp_path):
     retried row by row, the bad row is an error row, the rest of the shard commits."""
     from jobs.sharding import plan_shards, read_footer, resolve_columns
     from workers.shard import Columns
-    from workers.spec import GenerationSettings, WorkerSpec
+    from workers.spec import WorkerSpec
     from workers.worker import Worker
 
     prompts = write_prompts(

@@ -15,11 +15,9 @@ from jobs.cli import main
 from jobs.config import JobConfig, validate
 from jobs.driver import run_job
 from jobs.state import list_manifests
-from tests.conftest import FAST, make_job, run_one_shard, write_prompts
-from workers.spec import GenerationSettings
+from tests.conftest import FAST, fast_settings, make_job, run_one_shard, write_prompts
 from workers.storage import Output
 
-SETTINGS = ("steps", "guidance", "width", "height")
 N = 12
 
 
@@ -208,14 +206,7 @@ def test_emulated_mixed_fleet_plans_per_worker_same_images(ray_cluster, tiny_mod
     )
     # the uniform worker: one in this process, one thread as each of the job's, batches of 1 in shards of 3
     worker, uniform = run_one_shard(
-        tiny_model,
-        tmp_path / "uniform",
-        prompts,
-        GenerationSettings(**{k: FAST[k] for k in SETTINGS}),
-        rows=3,
-        shards=range(N // 3),
-        max_batch=1,
-        threads=1,
+        tiny_model, tmp_path / "uniform", prompts, fast_settings(), rows=3, shards=range(N // 3), max_batch=1, threads=1
     )
     worker.close()
     assert mixed.complete and len(uniform) == N

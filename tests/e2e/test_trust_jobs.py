@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from bench.chaos import check, manifest_rows
+from bench.chaos import check
 from jobs.cli import main
 from jobs.driver import run_job
-from tests.conftest import FAST, make_job, run_args, write_prompts
+from tests.conftest import fast_settings, make_job, run_args, run_one_shard, write_prompts
 
 pytestmark = pytest.mark.chaos
 ROWS = 64
@@ -28,31 +28,13 @@ def reference(tmp_path_factory, tiny_model, ray_cluster):
     """The prompts and the sha256 of each image, made shard by shard on a local disk by a worker in
     this process with the jobs' own settings (one torch thread, batches of 4 in shards of 8): what
     every faulted run must match, byte for byte."""
-    from jobs.sharding import plan_shards, read_footer, resolve_columns
-    from workers.shard import Columns
-    from workers.spec import GenerationSettings, WorkerSpec
-    from workers.worker import Worker
-
     root = tmp_path_factory.mktemp("flaky")
     prompts = write_prompts(root / "p.parquet", [f"flaky store prompt {i}" for i in range(ROWS)])
-    files = [read_footer(str(prompts))]
-    settings = GenerationSettings(steps=FAST["steps"], guidance=FAST["guidance"], width=64, height=64)
-    worker = Worker(
-        WorkerSpec(
-            "ref",
-            tiny_model,
-            str(root / "clean"),
-            settings,
-            resolve_columns(files, Columns()),
-            max_batch=4,
-            device="cpu",
-            threads=1,
-        )
+    worker, clean = run_one_shard(
+        tiny_model, root / "clean", prompts, fast_settings(), rows=8, shards=range(ROWS // 8), max_batch=4, threads=1
     )
-    for shard in plan_shards(files, 8):
-        worker.run_shard(shard)
     worker.close()
-    return prompts, {r["id"]: r["sha256"] for r in manifest_rows(root / "clean")}
+    return prompts, {k: r["sha256"] for k, r in clean.items()}
 
 
 @pytest.fixture
