@@ -65,9 +65,8 @@ def test_each_family_resolves_its_defaults_and_runs(family, models, tmp_path):
     assert describe(resolved, found, sources).startswith(line)
     worker, rows = run_one_shard(models[family], tmp_path / "out", prompts, resolved.settings(), max_batch=2, threads=1)
     worker.close()
-    assert [r["status"] for r in rows.values()] == ["ok", "ok"] and {r["steps"] for r in rows.values()} == {
-        expected.steps
-    }
+    assert [r["status"] for r in rows.values()] == ["ok", "ok"]
+    assert {r["steps"] for r in rows.values()} == {expected.steps}
 
 
 def test_a_family_job_records_its_defaults(models, ray_cluster, tmp_path):
