@@ -390,6 +390,9 @@ class _Run:
         else:  # unavailable, and now answering: its attempt is over, committed or not
             shard, actor.shard, actor.state = actor.shard, None, ActorState.IDLE
             if actor.placement and answer.get("pid") != actor.placement.get("pid"):
+                # It answered from a new process: the old one died (its node lost) and Ray restarted it.
+                actor.deaths += 1
+                yield WorkerLost(actor.name, "its process ended while it was unreachable; Ray restarted it", True)
                 actor.placement = answer.get("placement")
-                yield WorkerReady(actor.name, answer)  # it answered from a new process: restarted meanwhile
+                yield WorkerReady(actor.name, answer)
             yield from self._requeue_or_fail(shard, "the worker was unreachable while it ran this shard")

@@ -23,7 +23,7 @@ from jobs.config import JobConfig, resolve_paths
 from jobs.dataset import describe_columns, write_card
 from jobs.fleet import FleetRecord, follow
 from jobs.inputs import check_unchanged
-from jobs.lock import TAKEOVER_WAIT, OutputLock, wait_for_previous_workers
+from jobs.lock import OutputLock
 from jobs.models import HUB_ENV, MAX_ADAPTERS, describe, pin_revision, resolve_adapters, resolve_defaults
 from jobs.progress import Progress
 from jobs.sharding import distinct_strings, largest, list_input_files, plan_shards, read_footers, resolve_columns
@@ -60,9 +60,6 @@ def run_job(
     stop = stop or threading.Event()
     lock = OutputLock(output)
     note = lock.acquire()
-    if note:  # a dead driver's workers may still be committing: the sweep below must not pull their staging
-        left = wait_for_previous_workers(output)
-        note += f"; {len(left)} of its workers still running after {TAKEOVER_WAIT:g} s" if left else ""
     try:
         claim_output(
             output,
@@ -71,7 +68,7 @@ def run_job(
             shards_total=len(shards),
             family={**family.to_dict(), "sources": sources},
         )
-        sweep(output)
+        sweep(output, discard=False)  # a dead driver's workers may still commit: their staging stays
         listing = list_manifests(output)  # the run's one listing of shards/: the end adds what this run committed
         todo = [s for s in shards if s.id not in listing]
         if config.task != TEXT and len(todo) < len(shards):  # inputs are part of the images made

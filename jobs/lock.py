@@ -25,7 +25,6 @@ from workers.storage import Output
 HEARTBEAT = 10.0  # seconds between heartbeats
 STALE = 60.0  # seconds without a heartbeat after which a lock is taken over
 SETTLE = 0.5  # seconds between writing the lock and reading it back
-TAKEOVER_WAIT = 30.0  # seconds a take-over waits for the dead driver's workers on this host to be gone
 
 
 def live_lock(output: Output) -> dict | None:
@@ -35,35 +34,6 @@ def live_lock(output: Output) -> dict | None:
     except (FileNotFoundError, ValueError):
         return None
     return held if time.time() - held.get("heartbeat", 0) < STALE else None
-
-
-def wait_for_previous_workers(output, timeout: float = TAKEOVER_WAIT) -> list[int]:
-    """After taking over a dead driver's lock: its Ray workers die a few seconds after it and may still
-    be committing a shard, whose staging the new run's sweep must not remove from under them. Waits,
-    at most `timeout`, until every worker process the output's records (`workers/<w>.json`) place on
-    this host is gone, or is no Ray worker (a reused pid); returns the pids still there at the bound.
-    Workers on other hosts are not seen here."""
-    import psutil
-
-    pids = []
-    for name in output.list("workers", ".json"):
-        try:
-            record = json.loads(output.get(f"workers/{name}"))
-        except (FileNotFoundError, json.JSONDecodeError):
-            continue
-        if record.get("host") == socket.gethostname() and isinstance(record.get("pid"), int):
-            pids.append(record["pid"])
-
-    def alive(pid: int) -> bool:
-        try:
-            return any("ray::" in part for part in psutil.Process(pid).cmdline())
-        except (psutil.Error, OSError):
-            return False
-
-    deadline = time.monotonic() + timeout
-    while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return left
 
 
 def _gone(held: dict) -> bool:

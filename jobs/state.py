@@ -262,9 +262,10 @@ def write_counts_index(output: Output, counts: dict[str, dict], listing: dict[st
     output.put(COUNTS_INDEX, buf.getvalue())
 
 
-def sweep(output: Output) -> None:
-    """Where no shard attempt runs (before the workers start, after they are closed): finish the
-    commit of attempts that won but died moving their objects, remove every other attempt's
-    staging (workers/commit.py), and temporary files of local writers that died."""
-    finish_attempts(output)
+def sweep(output: Output, discard: bool) -> None:
+    """Before this run's workers start and after they are closed: finish the commit of attempts
+    that won but died moving their objects, and remove temporary files of local writers that died.
+    `discard` (only when every shard is committed): remove every other attempt's staging too — a
+    dead driver's workers may still be running until then (workers/commit.py, `finish_attempts`)."""
+    finish_attempts(output, discard_others=discard)
     output.sweep_tmp("shards")  # (objects elsewhere reach their keys by a rename or a copy: never partial)

@@ -86,8 +86,10 @@ def finish(run: Run, error: str | None = None) -> tuple[JobSummary, dict[str, di
     try:
         if run.error:  # the store is known to be down: no sweep, no listing; one try at the summary
             raise StorageError(run.error)
-        sweep(run.output)  # what workers killed mid-write (by a fault, or by the pool's shutdown) left
+        sweep(run.output, discard=False)  # commits whose workers were killed moving their objects
         summary, counts = _summarise(run)
+        if summary.shards_committed == summary.shards_total:  # no attempt can win a shard now: what
+            sweep(run.output, discard=True)  # killed attempts staged goes (workers/commit.py)
     except StorageError as err:
         run.output.patience = 1  # the summary and the lock are tried once each, not the whole policy again
         summary = _summarise_offline(run)

@@ -127,7 +127,11 @@ def promote(output: Output, shard_id: str, attempt: str, named: set[str]) -> int
     prefix = staging(shard_id, attempt)
     staged = output.find(prefix.rstrip("/"))
     for key in staged:
-        output.move(key, key[len(prefix) :])
+        try:
+            output.move(key, key[len(prefix) :])
+        except FileNotFoundError:  # moved meanwhile by the other party finishing this commit (a sweep, or its worker)
+            if not output.exists(key[len(prefix) :]):
+                raise
     kept = keeps(named)  # a clip's poster and frames stay with it
     for key in output.find(f"images/{shard_id}"):
         if not kept(key):
@@ -148,9 +152,16 @@ def named_objects(manifest: bytes) -> set[str]:
     return {k for k in table.column("image").to_pylist() if k}
 
 
-def finish_attempts(output: Output) -> tuple[int, int]:
-    """Where no attempt is running: finish the move of every committed attempt whose staging is
-    still there, remove every other staging. Returns (attempts finished, attempts removed)."""
+def finish_attempts(output: Output, discard_others: bool = True) -> tuple[int, int]:
+    """Finish the move of every committed attempt whose staging is still there; with
+    `discard_others`, remove every other staging. Returns (attempts finished, attempts removed).
+
+    Staging no manifest names may belong to an attempt that is still running: a dead driver's
+    worker dies seconds after it (on another host, when Ray gets to it), and it may commit after
+    this sweep. Removing its staging then leaves a manifest naming objects that are gone. So only
+    where no attempt can still win is it removed: every shard committed (an attempt's commit is
+    create-if-absent: it loses), or `verify --fix` on a job whose lock is stale. Finishing a
+    winner's move is safe at any time: its worker, if alive, moves the same objects."""
     finished = removed = 0
     for shard_id in output.list(STAGING):
         try:
@@ -162,9 +173,10 @@ def finish_attempts(output: Output) -> tuple[int, int]:
             if attempt == winner:
                 promote(output, shard_id, attempt, named_objects(manifest))
                 finished += 1
-            else:
+            elif discard_others:
                 discard(output, shard_id, attempt)
                 removed += 1
-        output.remove(f"{STAGING}/{shard_id}")
-    output.remove(STAGING)  # local disks keep empty directories
+        if discard_others:
+            output.remove(f"{STAGING}/{shard_id}")
+        output.prune(f"{STAGING}/{shard_id}")  # local disks keep empty directories
     return finished, removed

@@ -25,6 +25,14 @@ def files_under(out):
     return sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
 
 
+def staged(out, shard, n, timeout=30.0):
+    """Wait until `n` objects are staged for `shard` (the worker's writer thread stores them)."""
+    deadline = time.monotonic() + timeout
+    while sum(p.startswith(f"_attempts/{shard}/") for p in files_under(out)) < n:
+        assert time.monotonic() < deadline, files_under(out)
+        time.sleep(0.05)
+
+
 def damage(out, fmt):
     """One missing image, one image with a flipped byte, one orphan, and leftovers."""
     if fmt == "files":
@@ -85,6 +93,39 @@ def test_verify_finds_each_problem_and_fix_plus_rerun_repairs_it(tiny_model, tmp
             worker.run_shard(shard)
     after = verify(str(out), deep=True)
     assert after.clean and after.images == 6, after.text()
+
+
+def test_a_run_that_has_not_finished_never_sweeps_the_staging_of_an_attempt_that_may_still_commit(tiny_model, tmp_path):
+    """A driver killed mid-run leaves workers that die seconds after it (elsewhere, when Ray gets to
+    them): one stages its last batch, the next run starts and sweeps, then that worker commits. The
+    sweep of a run that has not finished (its start; its end with shards left) leaves staging that no
+    manifest names alone, so what the late commit names is stored. A complete run's end removes it:
+    no attempt can win a shard that is committed."""
+    from jobs.state import sweep
+    from workers.storage import Output
+
+    out = tmp_path / "out"
+    worker, shards = setup_job(tmp_path, tiny_model, out, "files", max_batch=3)
+    late = worker.iter_shard(shards[0])
+    assert next(late).images == 3  # every image made; its commit is the next step
+    staged(out, "shard-00000", 3)
+    sweep(Output(str(out)), discard=False)  # the next run starts: shard-00000 is not committed
+    *_, result = late  # the late worker commits
+    assert result.ok == 3 and not result.committed_by_other
+    report = verify(str(out), deep=True)
+    assert report.counts["missing"] == 0 and report.images == 3, report.text()
+
+    killed = worker.iter_shard(shards[1])  # an attempt whose process dies after staging (never resumed)
+    assert next(killed).images == 3
+    staged(out, "shard-00001", 3)
+    sweep(Output(str(out)), discard=False)  # a run ends with shard-00001 left: the staging stays
+    assert any(p.startswith("_attempts/shard-00001/") for p in files_under(out))
+    other, _ = setup_job(tmp_path, tiny_model, out, "files", max_batch=3)
+    assert other.run_shard(shards[1]).ok == 3  # the next run makes it: now every shard is committed
+    sweep(Output(str(out)), discard=True)  # a complete run's end: the dead attempt's staging goes
+    assert not any(p.startswith("_attempts/") for p in files_under(out))
+    assert verify(str(out), deep=True).clean
+    del killed
 
 
 def test_a_losing_attempt_never_replaces_the_winners_bytes(tiny_model, tmp_path):
@@ -296,33 +337,3 @@ def test_the_end_of_a_run_counts_from_reports_and_looks_only_at_unreported_shard
     monkeypatch.setattr(jobs.summary, "PROBE_AT_MOST", 1)  # many unreported: one listing instead
     summary, _ = _summarise(run(shards, False, {}, {}))
     assert summary.shards_committed == 2
-
-
-def test_a_take_over_waits_for_the_dead_drivers_workers_on_this_host(tmp_path):
-    """A rerun that takes over a SIGKILLed driver's lock waits (bounded) for that run's Ray workers on
-    this host to be gone before its sweep removes staging one of them may still be committing; a pid
-    that is no Ray worker (reused) is not waited for."""
-    import subprocess
-    import sys
-
-    from jobs.lock import wait_for_previous_workers
-    from workers.storage import Output
-
-    output = Output(str(tmp_path / "out"))
-    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "ray::FleetWorker.iter_shard"])
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        for name, proc in (("w0", worker), ("w1", other)):
-            output.put(f"workers/{name}.json", json.dumps({"host": socket.gethostname(), "pid": proc.pid}).encode())
-        output.put("workers/w2.json", json.dumps({"host": "elsewhere", "pid": worker.pid}).encode())
-        started = time.monotonic()
-        assert wait_for_previous_workers(output, timeout=0.6) == [worker.pid]  # at the bound: still running
-        assert 0.6 <= time.monotonic() - started < 5
-        threading.Timer(0.5, worker.kill).start()
-        started = time.monotonic()
-        assert wait_for_previous_workers(output, timeout=20) == []
-        assert time.monotonic() - started < 10  # returned once the worker was gone, not at the bound
-    finally:
-        for proc in (worker, other):
-            proc.kill()
-            proc.wait()
