@@ -12,3 +12,32 @@ def test_a_hundred_fake_workers_wait_for_work_under_3_percent_of_the_time(ray_cl
     assert result["busy_fraction"] >= 0.97, result
     assert result["dispatch_ms"]["p99"] < 500, result
     assert result["driver_dispatch_ms"]["median"] < 50, result  # the loop itself: a result to the next shard
+
+
+def test_a_worker_that_answers_from_a_new_process_after_being_unreachable_was_lost(ray_cluster):
+    """A worker unreachable mid-shard (its node lost) that answers again from another process was
+    restarted by Ray meanwhile: the pool says it was lost, then ready again, and puts its shard back on
+    the queue (the log's "w0 lost", as for a death Ray reports)."""
+    import threading
+
+    import ray
+
+    from cluster.events import WorkerLost, WorkerReady
+    from cluster.pool import ActorState, WorkerPool, _Actor, _Run
+    from workers.shard import Shard
+
+    shard = Shard("shard-00003", "p.parquet", 0, 0, 0, 6, 2)
+    pool = WorkerPool(lambda i: None, {}, max_workers=1, max_restarts=2)
+    actor = _Actor("w0", None, ActorState.UNAVAILABLE, placement={"pid": 100, "host": "spot"}, shard=shard)
+    pool.actors["w0"] = actor
+    run = _Run(pool, [], threading.Event(), 0.0)
+    run.attempts[shard.id], run.live[shard.id] = 1, 1
+    answer = ray.put({"pid": 200, "placement": {"pid": 200, "host": "fake-a"}, "device": {"name": "cpu"}})
+    lost, ready = list(run._answer(actor, answer))
+    assert isinstance(lost, WorkerLost) and lost.worker == "w0" and lost.restarting
+    assert isinstance(ready, WorkerReady) and ready.worker == "w0"
+    assert actor.state == ActorState.IDLE and actor.deaths == 1 and list(run.queue) == [shard]
+
+    actor.state, actor.shard = ActorState.UNAVAILABLE, shard  # unreachable again, then answering from
+    run.live[shard.id] = 1  # the same process: only its shard goes back, nothing was lost
+    assert list(run._answer(actor, ray.put({"pid": 200}))) == [] and actor.deaths == 1
