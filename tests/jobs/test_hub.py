@@ -69,16 +69,6 @@ def test_the_pinned_commit_holds_across_a_resume_after_the_repo_moves_on(hub, ra
         run_job(_job(prompts, "org/tiny-pin", out, workers=1, revision=second), progress_stream=io.StringIO())
 
 
-def test_two_workers_on_one_node_download_once(hub, ray_cluster, tmp_path):
-    server, root = hub
-    repo = _repo(hub, root, "org/tiny-once")
-    prompts = write_prompts(tmp_path / "p.parquet", [f"once {i}" for i in range(4)])
-    assert run_job(_job(prompts, "org/tiny-once", tmp_path / "out", workers=2), progress_stream=io.StringIO()).complete
-    fetched = {path: n for (name, _, path), n in server.downloads.items() if name == "org/tiny-once"}
-    weights = [p for p in repo.commits[repo.refs["main"]] if p.endswith(".safetensors")]
-    assert weights and all(fetched.get(p) == 1 for p in weights), fetched
-
-
 def test_gated_and_missing_repos_fail_before_any_shard_runs(hub, tmp_path):
     _repo(hub, hub[1], "org/tiny-gated", gated=True)
     prompts = write_prompts(tmp_path / "p.parquet", ["a red fox"])
@@ -95,8 +85,9 @@ def test_gated_and_missing_repos_fail_before_any_shard_runs(hub, tmp_path):
     assert not (tmp_path / "gated").exists() and not (tmp_path / "missing").exists()
 
 
-def test_variant_loads_the_variant_files(hub, ray_cluster, tmp_path):
-    """A repo with plain and fp16 weights: `--variant fp16` downloads and uses the fp16 files only."""
+def test_two_workers_on_one_node_download_the_variant_files_once(hub, ray_cluster, tmp_path):
+    """A repo with plain and fp16 weights, two workers on one node: `--variant fp16` downloads the fp16
+    files only, each once (the workers share the node's cache), and the job's fingerprint says so."""
     server, root = hub
     both = root / "variant"
     write_tiny_model(both, seed=0)
@@ -105,11 +96,13 @@ def test_variant_loads_the_variant_files(hub, ray_cluster, tmp_path):
     build_tiny_pipeline(seed=3).save_pretrained(both, variant="fp16")
     repo = server.repos["org/tiny-variant"] = Repo()
     repo.push(both)
-    prompts = write_prompts(tmp_path / "p.parquet", ["a variant"])
+    prompts = write_prompts(tmp_path / "p.parquet", [f"a variant {i}" for i in range(4)])
     assert run_job(
-        _job(prompts, "org/tiny-variant", tmp_path / "out", workers=1, variant="fp16"), progress_stream=io.StringIO()
+        _job(prompts, "org/tiny-variant", tmp_path / "out", workers=2, variant="fp16"), progress_stream=io.StringIO()
     ).complete
-    fetched = {path for (name, _, path), _ in server.downloads.items() if name == "org/tiny-variant"}
+    fetched = {path: n for (name, _, path), n in server.downloads.items() if name == "org/tiny-variant"}
+    weights = [p for p in repo.commits[repo.refs["main"]] if p.endswith(".fp16.safetensors")]
+    assert weights and all(fetched.get(p) == 1 for p in weights), fetched
     assert "unet/diffusion_pytorch_model.fp16.safetensors" in fetched
     assert "unet/diffusion_pytorch_model.safetensors" not in fetched
     assert json.loads((tmp_path / "out" / "job.json").read_text())["fingerprint"]["model"].endswith("(variant fp16)")
