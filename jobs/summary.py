@@ -78,7 +78,7 @@ class Run:
 
 
 def finish(run: Run, error: str | None = None) -> tuple[JobSummary, dict[str, dict] | None]:
-    """Sweep, summarise, write summary.json (and _SUCCESS); returns the summary and every committed
+    """Summarise, sweep, write summary.json (and _SUCCESS); returns the summary and every committed
     shard's counts (None when the store failed). When the store fails here, the job still ends
     cleanly: the summary comes from what this run's workers reported, summary.json is written if
     the store takes it, no _SUCCESS, exit 1 with the reason in one line; a rerun resumes."""
@@ -86,10 +86,10 @@ def finish(run: Run, error: str | None = None) -> tuple[JobSummary, dict[str, di
     try:
         if run.error:  # the store is known to be down: no sweep, no listing; one try at the summary
             raise StorageError(run.error)
-        sweep(run.output, discard=False)  # commits whose workers were killed moving their objects
         summary, counts = _summarise(run)
-        if summary.shards_committed == summary.shards_total:  # no attempt can win a shard now: what
-            sweep(run.output, discard=True)  # killed attempts staged goes (workers/commit.py)
+        # Commits whose workers were killed moving their objects are finished; what other attempts
+        # staged goes only once every shard is committed: then none of them can win (workers/commit.py).
+        sweep(run.output, discard=summary.shards_committed == summary.shards_total)
     except StorageError as err:
         run.output.patience = 1  # the summary and the lock are tried once each, not the whole policy again
         summary = _summarise_offline(run)

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fleetgen.errors import ShardError
-from workers.layout import MANIFEST_SCHEMA, STAGING, keeps, manifest_key
+from workers.layout import LOCK, MANIFEST_SCHEMA, STAGING, keeps, manifest_key
 from workers.storage import Output, parquet_schema, read_parquet
 
 ATTEMPT_KEY = b"fleetgen.attempt"  # manifest metadata: the attempt whose objects the manifest names
@@ -85,6 +85,24 @@ def attempt_of(manifest: bytes) -> str | None:
     metadata = parquet_schema(manifest).metadata or {}
     value = metadata.get(ATTEMPT_KEY)
     return value.decode() if value else None
+
+
+def check_fence(output: Output, shard_id: str, token: str | None) -> None:
+    """Before a commit: the job's lock (`OUT/_LOCK`) must still name this worker's driver (`token`).
+    A stopped or killed driver's workers live on for seconds (on another host, until Ray gets to
+    them); once the lock is released or taken over, a next run may be sweeping and listing, and a
+    commit now could name objects that run removes. Such an attempt gives up instead. (A check, then
+    the commit: the next driver waits `jobs.lock.SETTLE` after writing its lock, far longer than
+    the milliseconds between the two.) No token (a worker run outside a job): no check."""
+    if token is None:
+        return
+    try:
+        held = json.loads(output.get(LOCK))
+    except (FileNotFoundError, ValueError):  # released, or a torn write
+        held = {}
+    if held.get("token") != token:
+        owner = f"is held by another driver ({held.get('owner')})" if held else "was released"
+        raise ShardError(f"Shard {shard_id}: not committed, the job's lock {owner}: this worker's driver has ended")
 
 
 def commit_manifest(output: Output, shard_id: str, manifest: bytes, base: bytes | None = None) -> bool:

@@ -106,6 +106,7 @@ class WorkerSpec:
     plan_size: tuple[int, int] | None = None  # the largest (width, height) in the job, planned for
     compile: bool = False  # torch.compile the denoisers (regional where they have repeated blocks)
     attention: str = "native"  # the attention kernel: native | auto (the fastest exact one here) | a backend
+    lock_token: str | None = None  # the driver's `OUT/_LOCK` token: no commit once the lock names another (or none)
 
     def source(self) -> Source:
         return Source(

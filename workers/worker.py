@@ -22,6 +22,7 @@ from fleetgen import __version__
 from fleetgen.errors import ShardError, StorageError
 from workers.batches import Image, group_images, shard_images
 from workers.commit import (
+    check_fence,
     commit_manifest,
     committed_since,
     counts_of,
@@ -266,6 +267,7 @@ class Worker:
         manifest = manifest_bytes(
             final, at.table, self.spec.columns.carry, [im.row for im in at.images], at.id, at.counts
         )
+        check_fence(self.output, at.shard.id, self.spec.lock_token)
         try:
             won = commit_manifest(self.output, at.shard.id, manifest, at.base)
         except StorageError as err:

@@ -128,6 +128,29 @@ def test_a_run_that_has_not_finished_never_sweeps_the_staging_of_an_attempt_that
     del killed
 
 
+def test_a_worker_whose_driver_no_longer_holds_the_lock_does_not_commit(tiny_model, tmp_path):
+    """A worker commits only while the job's lock names its driver: once the lock is taken over (the
+    driver SIGKILLed, a rerun started) or released (the driver stopped), its attempt gives up and
+    leaves nothing, so a worker that outlives its driver never commits under the next run's feet."""
+    from workers.layout import LOCK
+    from workers.storage import Output
+
+    out = tmp_path / "out"
+    worker, shards = setup_job(tmp_path, tiny_model, out, "files", max_batch=3, lock_token="mine")
+    output = Output(str(out))
+    output.put(LOCK, json.dumps({"token": "mine", "owner": "here pid 1"}).encode())
+    assert worker.run_shard(shards[0]).ok == 3  # its driver's lock: committed
+
+    output.put(LOCK, json.dumps({"token": "theirs", "owner": "there pid 2"}).encode())  # taken over
+    with pytest.raises(ShardError, match=r"not committed, the job's lock is held by another driver \(there pid 2\)"):
+        worker.run_shard(shards[1])
+    output.remove(LOCK)  # released
+    with pytest.raises(ShardError, match="not committed, the job's lock was released"):
+        worker.run_shard(shards[1])
+    assert not (out / "shards" / "shard-00001.parquet").exists()
+    assert not any(p.startswith(("_attempts/", "images/shard-00001")) for p in files_under(out))
+
+
 def test_a_losing_attempt_never_replaces_the_winners_bytes(tiny_model, tmp_path):
     """Two attempts at one shard with different batch sizes (so their bytes differ), interleaved:
     the loser writes a batch after the winner committed; only the winner's bytes are stored."""
