@@ -11,9 +11,10 @@ by an earlier commit of the shard that a redo replaced). A loser removes its sta
 that cannot tell whether its commit landed (the store stopped answering) keeps its staging: what a
 committed manifest names is never deleted.
 
-A crash between the commit and the end of the move leaves staging behind: `finish_attempts`, run
-where no attempt is running (the driver's start and end, `fleetgen verify --fix`), completes the
-move for the attempt the manifest names and removes every other staging.
+A crash between the commit and the end of the move leaves staging behind: `finish_attempts` (the
+driver's start and end, `fleetgen verify --fix`) completes the move for the attempt the manifest
+names; other staging is removed only where no attempt can still win (every shard committed, or
+`verify --fix`). A worker commits only while the job's lock names its driver (`check_fence`).
 """
 
 from __future__ import annotations
