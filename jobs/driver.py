@@ -93,12 +93,12 @@ def run_job(
             progress.log(f"resuming: {len(shards) - len(todo)} of {len(shards)} shards already committed")
         if config.retry_errors:
             progress.log(f"--retry-errors: {len(retry)} committed shard(s) have error rows; only those rows are redone")
-        run = Run(output, shards, todo + retry, listing, progress, stop, started=started)
+        run = Run(output, shards, todo + retry, listing, progress, stop, started=started, lock_token=lock.token)
         lock.on_lost = run.lost_store
         fleet = FleetRecord(output, say=progress.log)
         try:
             if run.todo:
-                _dispatch(config, columns, run, fleet, adapters, plan_size, lock.token)
+                _dispatch(config, columns, run, fleet, adapters, plan_size)
         except ClusterError as err:
             # Work done before the fleet was lost is still committed: say so in the summary. A job
             # that never placed a worker leaves nothing but job.json.
@@ -182,11 +182,9 @@ def _with_errors(output: Output, committed: list[Shard], listing: dict[str, str]
     return [replace(s, retry_errors=True) for s in committed if counts.get(s.id, {}).get("error")]
 
 
-def _dispatch(
-    config: JobConfig, columns, run: Run, fleet: FleetRecord, adapters=(), plan_size=None, lock_token=None
-) -> None:
+def _dispatch(config: JobConfig, columns, run: Run, fleet: FleetRecord, adapters=(), plan_size=None) -> None:
     """Run `run.todo` on a pool of actors that follows the cluster; the run records its failures,
-    commits and per-worker table. `lock_token`: the lock the workers' commits check (workers/commit.py)."""
+    commits and per-worker table."""
     from cluster import WorkerPool, connect, disconnect, size_fleet
 
     todo, progress, stop = run.todo, run.progress, run.stop
@@ -218,7 +216,7 @@ def _dispatch(
                     host_memory=host_memory,
                     adapters=adapters,
                     plan_size=plan_size,
-                    lock_token=lock_token,
+                    lock_token=run.lock_token,
                 )
 
             progress.log(f"{sizing.describe()}; {len(todo)} shard(s) to generate")

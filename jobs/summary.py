@@ -68,6 +68,7 @@ class Run:
     failures: list[dict] = field(default_factory=list)
     workers: list[dict] = field(default_factory=list)
     error: str | None = None  # why the run was stopped early (the store stopped answering)
+    lock_token: str | None = None  # the driver's lock: its workers commit only while `OUT/_LOCK` names it
 
     def lost_store(self, reason: str) -> None:
         """The lock's heartbeat has failed for its whole lease: stop as on SIGTERM, exit 1."""

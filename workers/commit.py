@@ -91,10 +91,10 @@ def attempt_of(manifest: bytes) -> str | None:
 def check_fence(output: Output, shard_id: str, token: str | None) -> None:
     """Before a commit: the job's lock (`OUT/_LOCK`) must still name this worker's driver (`token`).
     A stopped or killed driver's workers live on for seconds (on another host, until Ray gets to
-    them); once the lock is released or taken over, a next run may be sweeping and listing, and a
-    commit now could name objects that run removes. Such an attempt gives up instead. (A check, then
-    the commit: the next driver waits `jobs.lock.SETTLE` after writing its lock, far longer than
-    the milliseconds between the two.) No token (a worker run outside a job): no check."""
+    them); once the lock is released or taken over, the next run owns the output, and the end of
+    that run removes staging no manifest names. Such an attempt gives up instead. (A check, then
+    the commit: milliseconds apart, where the next run takes `jobs.lock.SETTLE` after writing its
+    lock before it even starts.) No token (a worker run outside a job): no check."""
     if token is None:
         return
     try:
