@@ -281,7 +281,11 @@ def test_autoscaler_starts_gpu_nodes_a_joining_node_gets_a_worker_a_lost_node_lo
     assert len(list((out / "images").rglob("*.png"))) == N_ELASTIC
     summary = json.loads((out / "summary.json").read_text())
     assert summary["complete"] and summary["exit_code"] == 0
-    assert {w["gpu_type"] for w in summary["workers"]} == {"fake-a", "fake-b", "fake-spot"}
+    # The table shows each worker where it ran last: the lost node's worker on it, or, restarted by Ray
+    # on an autoscaled node before the job ended, there with a second start.
+    table = {w["worker"]: w for w in summary["workers"]}
+    assert {"fake-a", "fake-b"} <= {w["gpu_type"] for w in table.values()} <= {"fake-a", "fake-b", "fake-spot"}
+    assert table[name]["gpu_type"] == "fake-spot" or table[name]["starts"] >= 2, table[name]
     status = status_text(job_state(str(out)))
     assert "fleet:" in status and "lost" in status and "released" in status
 
