@@ -20,12 +20,12 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15
 
 # The inner loop: no Ray, no extra clusters, no chaos, nothing slow (under 2 minutes on 2 cores).
 test-fast: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -m "not ray and not cluster and not chaos and not slow"
+	$(PY) -m pytest -q -n 2 -m "not ray and not cluster and not chaos and not slow"
 
 bench: $(VENV)/.installed
 	$(PY) bench/overhead.py

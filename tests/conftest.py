@@ -5,7 +5,8 @@ Markers say what a test starts, so `make test-fast` can leave the costly ones ou
 - `cluster`: starts Ray heads or autoscalers of its own (derived from `ray_head` and
   `autoscaling_head`, or marked where a test starts one in a subprocess);
 - `chaos`: whole jobs under injected faults; `slow`: over ~15 s for another reason (marked).
-A test that starts an in-process Ray without asking for `ray_cluster` fails (`_marked_for_ray`)."""
+A test that starts an in-process Ray without asking for `ray_cluster` fails (`_marked_for_ray`).
+`make test` runs two pytest workers; the tests marked `ray`, `cluster` or `chaos` all go to one."""
 
 from __future__ import annotations
 
@@ -277,6 +278,7 @@ RAY_FIXTURES = {"ray_cluster"}
 CLUSTER_FIXTURES = {"ray_head", "autoscaling_head"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items):
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
@@ -284,6 +286,11 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.ray)
         if names & CLUSTER_FIXTURES:
             item.add_marker(pytest.mark.cluster)
+        # `make test` runs two pytest workers (`-n 2 --dist loadgroup`): every test that runs Ray jobs
+        # goes to one of them, one at a time as in a serial run (two at once on 2 cores would only
+        # slow both), while the other takes the rest. Measured: see README.
+        if any(item.get_closest_marker(m) for m in ("ray", "cluster", "chaos")):
+            item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 def _ray_starts() -> int:
