@@ -65,7 +65,7 @@ def test_report_renders_with_every_image_loaded(ray_cluster, tiny_model, tmp_pat
             output=str(out),
             model=tiny_model,
             rows_per_shard=8,
-            workers=2,
+            workers=1,
             output_format=output_format,
             **FAST,
         )

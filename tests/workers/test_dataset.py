@@ -187,7 +187,7 @@ def test_template_job_is_a_dataset_for_real_readers(ray_cluster, tiny_model, cla
 
     out = tmp_path / "pq"
     summary = run_job(
-        synth(classes, tiny_model, out, output_format="parquet", workers=2), progress_stream=io.StringIO()
+        synth(classes, tiny_model, out, output_format="parquet", workers=1), progress_stream=io.StringIO()
     )
     assert summary.complete and summary.images_ok == 18
     manifest = pq.read_table(out / "shards").to_pylist()
@@ -212,7 +212,7 @@ def test_template_job_is_a_dataset_for_real_readers(ray_cluster, tiny_model, cla
     assert "**18 images**" in card and "`class_id` | int16 | from the input" in card and TEMPLATE in card
 
     # a rerun is the same job: nothing to do, nothing duplicated
-    again = run_job(synth(classes, tiny_model, out, output_format="parquet", workers=2), progress_stream=io.StringIO())
+    again = run_job(synth(classes, tiny_model, out, output_format="parquet", workers=1), progress_stream=io.StringIO())
     assert again.shards_skipped == 2 and len(datasets.load_dataset(str(out), split="train")) == 18
 
 
