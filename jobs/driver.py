@@ -108,6 +108,8 @@ def run_job(
             raise
         if not run.error:  # a status record; under an outage the summary is the one write worth trying
             fleet.flush()
+        else:
+            fleet.close()  # taken over, the output is another driver's
         summary, counts = finish(run)
         if counts is not None:
             try:

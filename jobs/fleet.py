@@ -134,11 +134,15 @@ class FleetRecord:
         leave it to the record's own thread."""
         if not force:
             return
+        self.close()
+        self._write()
+
+    def close(self) -> None:
+        """The record's thread ends, without another write (the output is not this run's to write)."""
         self._closed = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join()
-        self._write()
 
 
 def follow(events: Iterable, run: Run, fleet: FleetRecord) -> None:

@@ -53,11 +53,13 @@ def _gone(held: dict) -> bool:
 
 class OutputLock:
     def __init__(
-        self, output: Output, say: Callable[[str], None] | None = None, on_lost: Callable[[str], None] | None = None
+        self, output: Output, say: Callable[[str], None] | None = None, on_lost: Callable[..., None] | None = None
     ):
         self.output = output
         self.say = say or (lambda message: None)  # where the heartbeat tells of an outage (the job's log)
-        self.on_lost = on_lost  # called once when the heartbeat has failed for STALE seconds (the job stops)
+        # called once, with the reason, when the heartbeat has failed for STALE seconds or finds the lock
+        # taken over by another driver (`taken_over`): the job stops
+        self.on_lost = on_lost
         self.token = uuid.uuid4().hex
         self.owner = f"{socket.gethostname()} pid {os.getpid()}"
         self.started = time.time()
@@ -76,9 +78,9 @@ class OutputLock:
             }
         ).encode()
 
-    def _current(self) -> dict | None:
+    def _current(self, attempts: int | None = None) -> dict | None:
         try:
-            return json.loads(self.output.get(LOCK))
+            return json.loads(self.output.get(LOCK, attempts=attempts))
         except FileNotFoundError:
             return None
         except json.JSONDecodeError:
@@ -113,10 +115,21 @@ class OutputLock:
         """Every HEARTBEAT seconds. A store outage shorter than STALE costs nothing: the lock is
         only ever taken over once its heartbeat is STALE seconds old, and commits never rely on it
         (they are create-if-absent). The log says when beats fail and when they are back; after
-        STALE seconds without one, `on_lost` is told (the driver then stops the job cleanly)."""
+        STALE seconds without one, `on_lost` is told (the driver then stops the job cleanly). Each beat
+        first reads the lock: one that names another driver was taken over (this driver's heartbeat
+        was STALE to it: a partition, a paused process). It is never written back: the heartbeat
+        stops and `on_lost` is told, `taken_over=True` (its workers stop committing too: the fence in
+        workers/commit.py)."""
         failing_since, lost = None, False
         while not self._stop.wait(HEARTBEAT):
             try:
+                held = self._current(attempts=1)
+                if held and held.get("token") != self.token:
+                    reason = f"another fleetgen driver ({held.get('owner')}) took this output over"
+                    self.say(f"{reason}; this run stops and leaves the output to it")
+                    if self.on_lost is not None:
+                        self.on_lost(reason, taken_over=True)
+                    return
                 self.output.put(LOCK, self._record(), attempts=1)  # the next beat is the retry
             except StorageError as err:
                 if failing_since is None:

@@ -67,14 +67,21 @@ class Run:
     committed: dict[str, ShardResult] = field(default_factory=dict)  # what this run committed, as reported
     failures: list[dict] = field(default_factory=list)
     workers: list[dict] = field(default_factory=list)
-    error: str | None = None  # why the run was stopped early (the store stopped answering)
+    error: str | None = None  # why the run was stopped early (the store stopped answering, or a take-over)
+    taken_over: bool = False  # another driver holds the lock now: this run writes nothing more
     lock_token: str | None = None  # the driver's lock: its workers commit only while `OUT/_LOCK` names it
 
-    def lost_store(self, reason: str) -> None:
-        """The lock's heartbeat has failed for its whole lease: stop as on SIGTERM, exit 1."""
-        self.error = f"{reason}; stopped: committed shards are kept, rerun the same command to resume"
+    def lost_store(self, reason: str, taken_over: bool = False) -> None:
+        """The lock's heartbeat has failed for its whole lease, or found the lock taken over by another
+        driver: stop as on SIGTERM, exit 1. Taken over, the run writes nothing more (no sweep, no
+        summary): the output is the other driver's now."""
+        if taken_over:
+            self.taken_over = True
+            self.error = f"{reason}; stopped: committed shards are kept, that driver's run goes on from them"
+        else:
+            self.error = f"{reason}; stopped: committed shards are kept, rerun the same command to resume"
+            self.output.patience = 1  # what is left to write is tried once each: the store is known to be down
         self.progress.log(f"stopping: {self.error}")
-        self.output.patience = 1  # what is left to write is tried once each: the store is known to be down
         self.stop.set()
 
 
@@ -82,10 +89,11 @@ def finish(run: Run, error: str | None = None) -> tuple[JobSummary, dict[str, di
     """Summarise, sweep, write summary.json (and _SUCCESS); returns the summary and every committed
     shard's counts (None when the store failed). When the store fails here, the job still ends
     cleanly: the summary comes from what this run's workers reported, summary.json is written if
-    the store takes it, no _SUCCESS, exit 1 with the reason in one line; a rerun resumes."""
+    the store takes it, no _SUCCESS, exit 1 with the reason in one line; a rerun resumes. Taken over
+    by another driver, it writes nothing: the summary is returned, exit 1."""
     counts = None
     try:
-        if run.error:  # the store is known to be down: no sweep, no listing; one try at the summary
+        if run.error:  # the store is down or the output taken over: no sweep, no listing
             raise StorageError(run.error)
         summary, counts = _summarise(run)
         # Commits whose workers were killed moving their objects are finished; what other attempts
@@ -102,6 +110,8 @@ def finish(run: Run, error: str | None = None) -> tuple[JobSummary, dict[str, di
     summary.speculative_attempts = run.progress.speculated
     run.progress.errors = summary.images_error  # the last progress line says what the summary says
     run.progress.close()
+    if run.taken_over:  # the output is another driver's: its run writes the summary
+        return summary, None
     try:
         run.output.put(SUMMARY, json.dumps(summary.to_dict(), indent=2).encode())
         if summary.complete:

@@ -143,6 +143,14 @@ def run_one_shard(model, out, prompts, settings, rows: int = 100, shards=(0,), *
     return worker, {r["id"]: r for r in pq.read_table(Path(out) / "shards").to_pylist()}
 
 
+def foreign_lock(out: Path, token: str, host: str, pid: int) -> str:
+    """`out/_LOCK` as another driver (`host`, `pid`) writes it, with a fresh heartbeat; its text."""
+    record = {"token": token, "owner": f"{host} pid {pid}", "host": host, "pid": pid}
+    text = json.dumps({**record, "started": time.time(), "heartbeat": time.time()})
+    (out / "_LOCK").write_text(text)
+    return text
+
+
 def pixels(out, row):
     """An image of a files-format job, as float64 pixels."""
     import numpy as np

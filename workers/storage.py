@@ -261,9 +261,9 @@ class Output:
             if hasattr(stream, "closed") and not isinstance(stream, RenameOnClose):
                 stream.closed = True  # so that garbage collection does not flush (and complete) it
 
-    def get(self, key: str) -> bytes:
-        """The object's bytes; `FileNotFoundError` when absent."""
-        return self._retry("read", key, lambda: self.fs.cat_file(self.path(key)))
+    def get(self, key: str, attempts: int | None = None) -> bytes:
+        """The object's bytes; `FileNotFoundError` when absent. `attempts`: instead of the policy's."""
+        return self._retry("read", key, lambda: self.fs.cat_file(self.path(key)), attempts=attempts)
 
     def get_many(self, keys: list[str], threads: int = 32) -> dict[str, bytes]:
         """Several objects' bytes, fetched concurrently; `FileNotFoundError` when one is absent."""

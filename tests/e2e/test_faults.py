@@ -5,8 +5,10 @@ import functools
 import io
 import json
 import os
+import re
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from jobs.driver import run_job
 from jobs.verify import verify
 from tests.conftest import (
     fast_settings,
+    foreign_lock,
     make_job,
     run_args,
     run_one_shard,
@@ -180,6 +183,57 @@ def test_second_driver_refuses_naming_the_first(tiny_model, tmp_path, ray_cluste
     lock.write_text(json.dumps({"token": "dead", "owner": "old-host pid 1", "started": 0, "heartbeat": 0}))
     assert run_job(job(prompts, tiny_model, tmp_path / "out"), progress_stream=log).complete
     assert "took over a stale lock of old-host pid 1" in log.getvalue()
+
+
+@pytest.mark.chaos
+def test_a_driver_whose_output_is_taken_over_stops_and_its_workers_commit_nothing_more(
+    tiny_model, tmp_path, ray_cluster, monkeypatch
+):
+    """Another driver takes the output over mid-run (as after this one's heartbeat went stale to it):
+    this driver's next beat finds the other's lock and stops, writing nothing more (the lock, the
+    summary are the other's); its Ray workers, finishing their shards in `--stop-grace`, find the
+    lock names another driver and do not commit (the token the driver handed them). Once the lock
+    is free a rerun finishes: every row once, `verify --deep` clean."""
+    import jobs.lock
+
+    monkeypatch.setattr(jobs.lock, "HEARTBEAT", 0.2)  # the in-process driver's beat
+    prompts = write_prompts(tmp_path / "p.parquet", [f"taken over {i}" for i in range(24)])
+    out = tmp_path / "out"
+    taken: dict = {}
+
+    def take_over():
+        deadline = time.monotonic() + 120
+        while not list(out.glob("shards/*.parquet")):
+            assert time.monotonic() < deadline, "no shard committed"
+            time.sleep(0.02)
+        taken["lock"], taken["at"] = foreign_lock(out, "theirs", "elsewhere", 7), time.time()
+
+    thread = threading.Thread(target=take_over, daemon=True)
+    thread.start()
+    log = io.StringIO()
+    # shards of about a second each, so that both workers are mid-shard when the lock changes hands
+    settings = {"rows_per_shard": 4, "max_batch": 2, "steps": 24, "max_attempts": 1, "stop_grace": 60}
+    summary = run_job(job(prompts, tiny_model, out, **settings), progress_stream=log)
+    thread.join()
+    text = log.getvalue()
+    assert summary.exit_code == 1 and not summary.complete, text
+    assert "another fleetgen driver (elsewhere pid 7) took this output over" in summary.error
+    assert (out / "_LOCK").read_text() == taken["lock"]  # neither written back nor removed
+    assert not (out / "summary.json").exists() and not (out / "_SUCCESS").exists()
+    refused = re.findall(r"not committed, the job's lock is held by another driver \(elsewhere pid 7\)", text)
+    assert refused, text[-3000:]  # a worker that was mid-shard checked the token it was handed
+    # nothing committed after the take-over (a commit that passed the check just before lands within ms)
+    late = [p.name for p in out.glob("shards/*.parquet") if p.stat().st_mtime > taken["at"] + 0.2]
+    assert not late, (late, text[-3000:])
+    committed = len(list(out.glob("shards/*.parquet")))
+    assert committed + len(refused) <= 6
+
+    (out / "_LOCK").unlink()  # the other driver is done with it
+    again = run_job(job(prompts, tiny_model, out, **settings), progress_stream=io.StringIO())
+    assert again.complete and again.shards_skipped == committed
+    ids = [r["id"] for r in manifest_rows(out)]
+    assert len(ids) == len(set(ids)) == 24
+    assert verify(str(out), deep=True).clean
 
 
 @pytest.mark.slow  # a job of its own: seconds

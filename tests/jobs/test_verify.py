@@ -16,7 +16,7 @@ import pytest
 from fleetgen.errors import ShardError
 from jobs.cli import main
 from jobs.verify import verify
-from tests.conftest import setup_job
+from tests.conftest import foreign_lock, setup_job
 from workers.commit import ATTEMPT_KEY, attempt_of
 from workers.spec import ShardResult
 
@@ -256,35 +256,40 @@ def test_a_lock_of_a_dead_driver_on_this_host_is_taken_over_at_once(tmp_path):
         os._exit(0)
     os.waitpid(dead, 0)  # a pid that no longer exists
     output = Output(str(tmp_path))
-    (tmp_path / "_LOCK").write_text(
-        json.dumps(
-            {
-                "token": "x",
-                "owner": f"{socket.gethostname()} pid {dead}",
-                "host": socket.gethostname(),
-                "pid": dead,
-                "started": time.time(),
-                "heartbeat": time.time(),
-            }
-        )
-    )
+    foreign_lock(tmp_path, "x", socket.gethostname(), dead)
     lock = OutputLock(output)
     assert "no longer exists on this host" in lock.acquire()
     lock.release()
-    (tmp_path / "_LOCK").write_text(
-        json.dumps(
-            {
-                "token": "y",
-                "owner": "elsewhere pid 1",
-                "host": "elsewhere",
-                "pid": 1,
-                "started": time.time(),
-                "heartbeat": time.time(),
-            }
-        )
-    )
+    foreign_lock(tmp_path, "y", "elsewhere", 1)
     with pytest.raises(Exception, match="in use by another fleetgen driver"):
         OutputLock(output).acquire()
+
+
+def test_a_heartbeat_that_finds_its_lock_taken_over_stops_and_never_writes_it_back(tmp_path, monkeypatch):
+    """A driver whose heartbeat went stale to another (a partition, a paused process) is taken over:
+    its next beat reads the other driver's lock, tells the driver (which stops, writing nothing more)
+    and beats no more; its release leaves the other's lock in place."""
+    import jobs.lock
+    from jobs.lock import OutputLock
+    from workers.storage import Output
+
+    monkeypatch.setattr(jobs.lock, "HEARTBEAT", 0.05)
+    lost, said = [], []
+    lock = OutputLock(Output(str(tmp_path)), say=said.append, on_lost=lambda *a, **k: lost.append((a, k)))
+    lock.acquire()
+    theirs = foreign_lock(tmp_path, "theirs", "elsewhere", 7)
+    deadline = time.monotonic() + 10
+    while not lost:
+        assert time.monotonic() < deadline, said
+        time.sleep(0.01)
+    time.sleep(0.3)  # six beats' time: none writes
+    assert not lock._thread.is_alive() and (tmp_path / "_LOCK").read_text() == theirs
+    assert lost == [(("another fleetgen driver (elsewhere pid 7) took this output over",), {"taken_over": True})]
+    assert said == [
+        "another fleetgen driver (elsewhere pid 7) took this output over; this run stops and leaves the output to it"
+    ]
+    lock.release()
+    assert (tmp_path / "_LOCK").read_text() == theirs
 
 
 def test_counts_come_from_footers_and_the_index_never_from_manifest_rows(tiny_model, tmp_path):
