@@ -6,9 +6,6 @@ or a test can use it directly."""
 from __future__ import annotations
 
 import json
-import os
-import platform
-import socket
 import time
 import uuid
 from collections import Counter
@@ -18,7 +15,6 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import torch
 
-from fleetgen import __version__
 from fleetgen.errors import ShardError, StorageError
 from workers.batches import Image, group_images, shard_images
 from workers.commit import (
@@ -35,10 +31,9 @@ from workers.commit import (
 from workers.families import prompt_note
 from workers.fit import FittedPipeline
 from workers.formats import open_sink
+from workers.info import describe, worker_info
 from workers.inputs import Prefetcher
 from workers.layout import manifest_key, worker_key
-from workers.pipeline import describe_device
-from workers.plans import predicted_vs_measured
 from workers.records import Records
 from workers.shard import Shard, read_shard
 from workers.spec import BatchDone, ShardResult, WorkerSpec
@@ -85,22 +80,7 @@ class Worker:
         self.recipe = spec.settings.recipe(self.fitted.size_multiple)
         self._writer = Writer()
         self.stats = {"shards": 0, "images": 0, "errors": 0}
-        self.info = {
-            "worker": spec.name,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "device": describe_device(self.fitted.device),
-            "dtype": str(self.fitted.dtype).removeprefix("torch."),
-            "torch_threads": torch.get_num_threads(),
-            "plan": self.plan.to_dict(),
-            # {component: storage format}: the job's `--quantize` mapping, or what `auto` chose here
-            "quantized": dict(self.fitted.quantized),
-            "weight_bytes": self.fitted.weight_bytes,  # per component, measured from the live modules
-            "probe": self.fitted.probe,
-            "attention": self.fitted.attention.to_dict(),  # the kernel its denoisers run, and why (`--attention`)
-            "load_seconds": round(time.perf_counter() - started, 3),
-            "versions": {"fleetgen": __version__, "torch": torch.__version__, "python": platform.python_version()},
-        }
+        self.info = worker_info(spec, self.fitted, time.perf_counter() - started)
         device, store = self.info["device"]["name"], spec.settings.store_inputs
         self._records = Records(
             self.recipe.template,
@@ -121,29 +101,7 @@ class Worker:
     step_downs = property(lambda self: self.fitted.step_downs)
 
     def describe(self) -> dict:
-        fitted = self.fitted
-        stats = {**self.stats, "generate_seconds": fitted.seconds}
-        secs = stats["generate_seconds"]
-        stats["images_per_second"] = round(stats["images"] / secs, 4) if secs else None
-        offload = fitted.offload_stats.snapshot()
-        moved = sum(c["bytes_onloaded"] for c in offload["components"].values())
-        # Transfers overlap compute under streams, so time in them is estimated from the probed
-        # bandwidth rather than clocked (see bench/gpu_offload.py for achieved GB/s).
-        offload["transfer_seconds_estimated"] = round(moved / fitted.probe["bandwidth"], 4)
-        return {
-            **self.info,
-            "plan": self.plan.to_dict(),
-            "quantized": dict(fitted.quantized),  # a step-down under `auto` may have added one
-            "weight_bytes": fitted.weight_bytes,
-            "batch_size": self.batch_size,
-            "stats": stats,
-            "offload": offload,
-            "cache": fitted.cache.snapshot() if fitted.cache is not None else None,  # the step cache's skips
-            # `--compile`: what was compiled, the seconds and graphs it took, why it was taken off (if it was)
-            "compile": fitted.compiled.snapshot() if fitted.compiled is not None else None,
-            "predicted_vs_measured": predicted_vs_measured(self.plan, secs, stats["images"], offload),
-            "step_downs": list(self.step_downs),
-        }
+        return describe(self.info, self.fitted, self.stats)
 
     def write_info(self) -> None:
         """`OUT/workers/<w>.json`. A status record: when the store does not take it, the work goes
