@@ -191,13 +191,13 @@ def test_a_driver_whose_output_is_taken_over_stops_and_its_workers_commit_nothin
 ):
     """Another driver takes the output over mid-run (as after this one's heartbeat went stale to it):
     this driver's next beat finds the other's lock and stops, writing nothing more (the lock, the
-    summary are the other's); its Ray workers, finishing their shards in `--stop-grace`, find the
-    lock names another driver and do not commit (the token the driver handed them). Once the lock
+    summary are the other's); its Ray worker, finishing its shard in `--stop-grace`, finds the lock
+    names another driver and does not commit (the token the driver handed it). Once the lock
     is free a rerun finishes: every row once, `verify --deep` clean."""
     import jobs.lock
 
     monkeypatch.setattr(jobs.lock, "HEARTBEAT", 0.2)  # the in-process driver's beat
-    prompts = write_prompts(tmp_path / "p.parquet", [f"taken over {i}" for i in range(24)])
+    prompts = write_prompts(tmp_path / "p.parquet", [f"taken over {i}" for i in range(12)])
     out = tmp_path / "out"
     taken: dict = {}
 
@@ -211,8 +211,9 @@ def test_a_driver_whose_output_is_taken_over_stops_and_its_workers_commit_nothin
     thread = threading.Thread(target=take_over, daemon=True)
     thread.start()
     log = io.StringIO()
-    # shards of about a second each, so that both workers are mid-shard when the lock changes hands
-    settings = {"rows_per_shard": 4, "max_batch": 2, "steps": 24, "max_attempts": 1, "stop_grace": 60}
+    # one worker: the shard it takes after its first commit is mid-way when the lock changes hands
+    # (0.3 s alone, seconds on a busy machine; the heartbeat looks every 0.2 s)
+    settings = {"workers": 1, "rows_per_shard": 2, "max_batch": 2, "steps": 12, "max_attempts": 1, "stop_grace": 60}
     summary = run_job(job(prompts, tiny_model, out, **settings), progress_stream=log)
     thread.join()
     text = log.getvalue()
@@ -232,7 +233,7 @@ def test_a_driver_whose_output_is_taken_over_stops_and_its_workers_commit_nothin
     again = run_job(job(prompts, tiny_model, out, **settings), progress_stream=io.StringIO())
     assert again.complete and again.shards_skipped == committed
     ids = [r["id"] for r in manifest_rows(out)]
-    assert len(ids) == len(set(ids)) == 24
+    assert len(ids) == len(set(ids)) == 12
     assert verify(str(out), deep=True).clean
 
 
