@@ -94,7 +94,7 @@ def run_job(
         if config.retry_errors:
             progress.log(f"--retry-errors: {len(retry)} committed shard(s) have error rows; only those rows are redone")
         run = Run(output, shards, todo + retry, listing, progress, stop, started=started, lock_token=lock.token)
-        lock.on_lost = run.lost_store
+        lock.on_lost = run.lost_lock
         fleet = FleetRecord(output, say=progress.log)
         try:
             if run.todo:
@@ -109,7 +109,7 @@ def run_job(
         if not run.error:  # a status record; under an outage the summary is the one write worth trying
             fleet.flush()
         else:
-            fleet.close()  # taken over, the output is another driver's
+            fleet.close()  # no more writes: the store is down, or the output is another driver's now
         summary, counts = finish(run)
         if counts is not None:
             try:

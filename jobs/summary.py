@@ -71,7 +71,7 @@ class Run:
     taken_over: bool = False  # another driver holds the lock now: this run writes nothing more
     lock_token: str | None = None  # the driver's lock: its workers commit only while `OUT/_LOCK` names it
 
-    def lost_store(self, reason: str, taken_over: bool = False) -> None:
+    def lost_lock(self, reason: str, taken_over: bool = False) -> None:
         """The lock's heartbeat has failed for its whole lease, or found the lock taken over by another
         driver: stop as on SIGTERM, exit 1. Taken over, the run writes nothing more (no sweep, no
         summary): the output is the other driver's now."""
