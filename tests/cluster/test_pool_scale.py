@@ -4,13 +4,18 @@ few async actors, real Ray streams) at 1 s per batch."""
 from bench.pool_sim import simulate
 
 
-def test_a_hundred_fake_workers_wait_for_work_under_3_percent_of_the_time(ray_cluster):
-    result = simulate(workers=100, batch_seconds=1.0, batches=3, shards_per_worker=2, hosts=2)
+def test_a_hundred_fake_workers_wait_for_work_under_5_percent_of_the_time(ray_cluster):
+    """Under `make test` the other pytest worker keeps both cores busy meanwhile: measured so, 100
+    workers with shards of 5 s were busy 97.2-98.0 %, p99 gap 250-550 ms, 1.7-5.3 s over the ideal
+    wall time (alone: 97-99 %, under 200 ms, BENCHMARKS.md; with shards of 3 s, 96.8 % once in
+    `make test`). The bounds leave room for that load; the loop this guards against (one `ray.wait`
+    per event) left workers idle 17 % of the time."""
+    result = simulate(workers=100, batch_seconds=1.0, batches=5, shards_per_worker=2, hosts=2)
     assert result["workers_that_ran"] == 100
-    assert result["shards_reported"] == 200 and result["batch_events"] >= 200 * 3  # every event came through
-    assert result["wall_seconds"] < result["ideal_seconds"] + 3  # stragglers' copies stop at the first commit
-    assert result["busy_fraction"] >= 0.97, result
-    assert result["dispatch_ms"]["p99"] < 500, result
+    assert result["shards_reported"] == 200 and result["batch_events"] >= 200 * 5  # every event came through
+    assert result["wall_seconds"] < result["ideal_seconds"] + 6  # stragglers' copies stop at the first commit
+    assert result["busy_fraction"] >= 0.95, result
+    assert result["dispatch_ms"]["p99"] < 1000, result
     assert result["driver_dispatch_ms"]["median"] < 50, result  # the loop itself: a result to the next shard
 
 
