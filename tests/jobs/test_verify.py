@@ -138,10 +138,10 @@ def test_a_worker_whose_driver_no_longer_holds_the_lock_does_not_commit(tiny_mod
     out = tmp_path / "out"
     worker, shards = setup_job(tmp_path, tiny_model, out, "files", max_batch=3, lock_token="mine")
     output = Output(str(out))
-    output.put(LOCK, json.dumps({"token": "mine", "owner": "here pid 1"}).encode())
+    foreign_lock(out, "mine", "here", 1)
     assert worker.run_shard(shards[0]).ok == 3  # its driver's lock: committed
 
-    output.put(LOCK, json.dumps({"token": "theirs", "owner": "there pid 2"}).encode())  # taken over
+    foreign_lock(out, "theirs", "there", 2)  # taken over
     with pytest.raises(ShardError, match=r"not committed, the job's lock is held by another driver \(there pid 2\)"):
         worker.run_shard(shards[1])
     output.remove(LOCK)  # released
