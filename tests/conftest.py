@@ -6,7 +6,8 @@ Markers say what a test starts, so `make test-fast` can leave the costly ones ou
   `autoscaling_head`, or marked where a test starts one in a subprocess);
 - `chaos`: whole jobs under injected faults; `slow`: over ~15 s for another reason (marked).
 A test that starts an in-process Ray without asking for `ray_cluster` fails (`_marked_for_ray`).
-`make test` runs two pytest workers; the tests marked `ray`, `cluster` or `chaos` all go to one."""
+`make test` runs two pytest workers: the tests on the session's Ray go to one, those with Ray heads of
+their own to the other."""
 
 from __future__ import annotations
 
@@ -294,10 +295,14 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.ray)
         if names & CLUSTER_FIXTURES:
             item.add_marker(pytest.mark.cluster)
-        # `make test` runs two pytest workers (`-n 2 --dist loadgroup`): every test that runs Ray jobs
-        # goes to one of them, one at a time as in a serial run (two at once on 2 cores would only
-        # slow both), while the other takes the rest. Measured: see README.
-        if any(item.get_closest_marker(m) for m in ("ray", "cluster", "chaos")):
+        # `make test` runs two pytest workers (`-n 2 --dist loadgroup`). The tests on the session's
+        # Ray go to one of them, one at a time as in a serial run (it has one Ray of 2 CPUs); the
+        # tests that start Ray heads of their own (on ports and temp dirs of their own) go, one at a
+        # time, to the other, which also takes the rest. The groups start first (most tests first).
+        # Measured: see README.
+        if item.get_closest_marker("cluster"):
+            item.add_marker(pytest.mark.xdist_group("cluster"))
+        elif any(item.get_closest_marker(m) for m in ("ray", "chaos")):
             item.add_marker(pytest.mark.xdist_group("ray"))
 
 
