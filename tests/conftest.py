@@ -6,8 +6,8 @@ Markers say what a test starts, so `make test-fast` can leave the costly ones ou
   `autoscaling_head`, or marked where a test starts one in a subprocess);
 - `chaos`: whole jobs under injected faults; `slow`: over ~15 s for another reason (marked).
 A test that starts an in-process Ray without asking for `ray_cluster` fails (`_marked_for_ray`).
-`make test` runs two pytest workers: the tests on the session's Ray go to one, those with Ray heads of
-their own to the other."""
+`make test` runs two pytest workers, each with its own session Ray; the tests with Ray heads of their
+own all go to one of them, one at a time (`pytest_collection_modifyitems`)."""
 
 from __future__ import annotations
 
@@ -278,13 +278,15 @@ def ray_cluster(s3_server):
     """One local Ray for the whole run (after the S3 server, so its workers inherit its env)."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # "local": a Ray of this pytest worker's own, never another worker's (`make test` runs two)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 
 
 RAY_FIXTURES = {"ray_cluster"}
 CLUSTER_FIXTURES = {"ray_head", "autoscaling_head"}
+CLUSTER_GROUP = "cluster"  # the xdist_group of the tests marked `cluster`
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
@@ -295,15 +297,13 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.ray)
         if names & CLUSTER_FIXTURES:
             item.add_marker(pytest.mark.cluster)
-        # `make test` runs two pytest workers (`-n 2 --dist loadgroup`). The tests on the session's
-        # Ray go to one of them, one at a time as in a serial run (it has one Ray of 2 CPUs); the
-        # tests that start Ray heads of their own (on ports and temp dirs of their own) go, one at a
-        # time, to the other, which also takes the rest. The groups start first (most tests first).
-        # Measured: see README.
+        # `make test` runs two pytest workers (`-n 2 --dist loadgroup`), each with a session Ray of
+        # its own (`ray_cluster`) when it runs a `ray` test. The tests that start Ray heads of their
+        # own (1.5-1.7 cores each, minutes long) go to one worker, one after the other, first (the
+        # largest group starts first); every other test goes to whichever worker is free. Measured:
+        # see README.
         if item.get_closest_marker("cluster"):
-            item.add_marker(pytest.mark.xdist_group("cluster"))
-        elif any(item.get_closest_marker(m) for m in ("ray", "chaos")):
-            item.add_marker(pytest.mark.xdist_group("ray"))
+            item.add_marker(pytest.mark.xdist_group(CLUSTER_GROUP))
 
 
 def _ray_starts() -> int:
