@@ -42,7 +42,7 @@ def small_flux(path: Path) -> Path:
     import torch
     from diffusers import FluxTransformer2DModel
 
-    from workers.tiny_model import build_tiny_flux
+    from fleetgen.workers.tiny.model import build_tiny_flux
 
     pipe = build_tiny_flux(0, guidance_embeds=True)
     torch.manual_seed(7)
@@ -93,10 +93,10 @@ def run(model: Path, prompts: Path, out: Path, cache: str, steps: int, side: int
     import pyarrow.parquet as pq
     from PIL import Image
 
-    from jobs.sharding import plan_shards, read_footer, resolve_columns
-    from workers.shard import Columns
-    from workers.spec import GenerationSettings, WorkerSpec
-    from workers.worker import Worker
+    from fleetgen.jobs.sharding import plan_shards, read_footer, resolve_columns
+    from fleetgen.workers.rows.shard import Columns
+    from fleetgen.workers.spec import GenerationSettings, WorkerSpec
+    from fleetgen.workers.worker import Worker
 
     files = [read_footer(str(prompts))]
     shard, columns = plan_shards(files, 1000)[0], resolve_columns(files, Columns())

@@ -60,8 +60,8 @@ class Killer(threading.Thread):
 
 def manifest_rows(out: Path | str) -> list[dict]:
     """Every committed manifest's rows, local or on an object store."""
-    from jobs.state import list_manifests, read_manifests
-    from workers.storage import Output
+    from fleetgen.jobs.state import list_manifests, read_manifests
+    from fleetgen.workers.output.storage import Output
 
     output = Output(str(out))
     manifests = read_manifests(output, sorted(list_manifests(output)), ["id", "status", "sha256", "image"])
@@ -85,8 +85,8 @@ def check(out: Path | str, clean: dict[str, str]) -> dict:
     """The manifests against a clean run's, and every stored object against the manifests
     (`fleetgen verify --deep`): every row exactly once, no object that no manifest names (staging
     included), no half-written temporary file. Local paths and object stores alike."""
-    from jobs.verify import verify
-    from workers.storage import TMP_MARK, Output
+    from fleetgen.jobs.verify import verify
+    from fleetgen.workers.output.storage import TMP_MARK, Output
 
     rows = manifest_rows(out)
     verified = verify(str(out), deep=True)
@@ -119,10 +119,10 @@ def main() -> None:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
-    from jobs.config import JobConfig, validate
-    from jobs.driver import run_job
+    from fleetgen.jobs.config import JobConfig, validate
+    from fleetgen.jobs.driver import run_job
+    from fleetgen.workers.tiny.model import write_tiny_model
     from tests.conftest import FAST, write_prompts
-    from workers.tiny_model import write_tiny_model
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:

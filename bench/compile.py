@@ -33,8 +33,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from bench.caches import small_flux
-    from jobs.calibrate import calibrate
-    from jobs.config import make_config
+    from fleetgen.jobs.calibrate import calibrate
+    from fleetgen.jobs.config import make_config
     from tests.conftest import write_prompts
 
     with tempfile.TemporaryDirectory() as tmp:

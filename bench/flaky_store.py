@@ -74,13 +74,13 @@ def main() -> None:
     import ray
     import s3fs
 
-    import jobs.lock
+    import fleetgen.jobs.lock
     from bench.chaos import check, manifest_rows
-    from jobs.cli import main as cli
-    from jobs.config import JobConfig, validate
-    from jobs.driver import run_job
+    from fleetgen.jobs.cli import main as cli
+    from fleetgen.jobs.config import JobConfig, validate
+    from fleetgen.jobs.driver import run_job
+    from fleetgen.workers.tiny.model import write_tiny_model
     from tests.conftest import FAST, write_prompts
-    from workers.tiny_model import write_tiny_model
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     results = []
@@ -197,7 +197,10 @@ def main() -> None:
                     )
                 )
             if "outage" in wanted:
-                jobs.lock.HEARTBEAT, jobs.lock.STALE = 0.5, 10.0  # the lock's lease, shortened from 60 s
+                fleetgen.jobs.lock.HEARTBEAT, fleetgen.jobs.lock.STALE = (
+                    0.5,
+                    10.0,
+                )  # the lock's lease, shortened from 60 s
                 fs.mkdir("bench-outage")
                 cli_args = [
                     "run",
@@ -236,7 +239,9 @@ def main() -> None:
                 thread.join()
                 down_seconds = time.monotonic() - started
                 store.down = False
-                time.sleep(jobs.lock.STALE)  # this process's lock, left behind by the outage: its lease runs out
+                time.sleep(
+                    fleetgen.jobs.lock.STALE
+                )  # this process's lock, left behind by the outage: its lease runs out
                 rerun_started = time.monotonic()
                 rerun = cli(cli_args)
                 versus(

@@ -52,13 +52,13 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DIFFUSERS_VERBOSITY", "warning")
 
 from fleetgen.errors import FleetgenError  # noqa: E402
+from fleetgen.jobs.sharding import plan_shards, read_footer, resolve_columns  # noqa: E402
+from fleetgen.offload.apply import offload_hooks  # noqa: E402
 from fleetgen.units import format_size, parse_size  # noqa: E402
-from jobs.sharding import plan_shards, read_footer, resolve_columns  # noqa: E402
-from offload.apply import offload_hooks  # noqa: E402
-from workers.families import FAMILIES  # noqa: E402
-from workers.shard import Columns  # noqa: E402
-from workers.spec import GenerationSettings, WorkerSpec  # noqa: E402
-from workers.worker import Worker  # noqa: E402
+from fleetgen.workers.families.detect import FAMILIES  # noqa: E402
+from fleetgen.workers.rows.shard import Columns  # noqa: E402
+from fleetgen.workers.spec import GenerationSettings, WorkerSpec  # noqa: E402
+from fleetgen.workers.worker import Worker  # noqa: E402
 
 GiB = 2**30
 GPU_TESTS = [
@@ -118,7 +118,7 @@ def release_host_cache() -> None:
 
 
 def build(model: str, device: torch.device, dry: bool):
-    import workers.tiny_model as tiny
+    import fleetgen.workers.tiny.model as tiny
 
     architecture, family, dtype, tiny_builder, tiny_dtype = MODELS[model]
     if dry:
@@ -133,8 +133,8 @@ def build(model: str, device: torch.device, dry: bool):
 def frontier(device: torch.device, args, mem: dict, results) -> str | None:
     """The largest FRONTIER model whose weights fit both the device (they are built there) and the
     host budget (then moved there); recorded with the sizes that decided it."""
-    from offload import profile_modules
-    from offload.architectures import build_on_meta
+    from fleetgen.offload import profile_modules
+    from fleetgen.offload.architectures import build_on_meta
 
     if args.dry:
         return FRONTIER[0]
@@ -372,7 +372,7 @@ SPEEDS = {
 
 
 def speed_rows(run: Run, jobs: list, results, started: float) -> None:
-    from workers.caching import pipeline_refusal
+    from fleetgen.workers.pipeline.caching import pipeline_refusal
 
     kinds = [k for k in run.args.speed.split(",") if k]
     why = {"cache": pipeline_refusal(type(run.pipe).__name__, False, "first-block")}
@@ -405,7 +405,7 @@ def speed_rows(run: Run, jobs: list, results, started: float) -> None:
 
 
 def quantized_rows(run: Run, jobs: list, denoiser: str, resident: dict, results, started: float) -> None:
-    from offload.formats import spec, unavailable
+    from fleetgen.offload.weight_formats import spec, unavailable
 
     targets = [j for j in jobs if j[0].split()[0] in QUANTIZED_BUDGETS] or jobs[-1:]
     applied = False
@@ -440,7 +440,7 @@ def quantized_rows(run: Run, jobs: list, denoiser: str, resident: dict, results,
 
 def manifest_errors(worker: Worker, shard, limit: int = 3) -> list[str]:
     """The first error messages of a shard's committed manifest."""
-    from workers.layout import manifest_key
+    from fleetgen.workers.output.layout import manifest_key
 
     table = worker.output.read_parquet(manifest_key(shard.id), ["error"])
     return [e for e in table.column("error").to_pylist() if e][:limit]
@@ -478,7 +478,7 @@ def budgets_for(run: Run, gib: list[float]) -> list[tuple[str, int]]:
     batch 1 (at 48 GiB): the small ones must offload, as on a GPU."""
     if not run.args.dry:
         return [(f"{g:g} GiB", int(g * GiB)) for g in gib]
-    from offload import DeviceSpec, Workload, plan, profile_pipeline
+    from fleetgen.offload import DeviceSpec, Workload, plan, profile_pipeline
 
     s = run.settings
     profile = profile_pipeline(run.pipe, vae_upcast=run.family == "sdxl")

@@ -24,10 +24,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fleetgen.offload import DeviceSpec, OffloadPlan, OffloadStats, Placement, Workload, apply, plan, profile_modules  # noqa: E402
+from fleetgen.offload.architectures import HERE  # noqa: E402
 from fleetgen.units import format_size  # noqa: E402
-from offload import DeviceSpec, OffloadPlan, OffloadStats, Placement, Workload, apply, plan, profile_modules  # noqa: E402
-from offload.architectures import HERE  # noqa: E402
-from workers.probe import probe  # noqa: E402
+from fleetgen.workers.pipeline.probe import probe  # noqa: E402
 
 GiB = 2**30
 TINY = {
@@ -80,7 +80,7 @@ def inputs(model, device, size: int, text_tokens: int):
 
 
 def place(model, placement: Placement, profile, device):
-    from offload.apply import unapply
+    from fleetgen.offload.apply import unapply
 
     unapply(_Holder(model))  # every offloading hook (a streamed mode's prefetch and tracker hooks too), on the CPU
     if device.type == "cuda":

@@ -23,6 +23,8 @@ import threading
 import time
 from pathlib import Path
 
+import fleetgen.workers.worker
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
@@ -83,12 +85,11 @@ def main() -> None:
     import s3fs
     from PIL import Image
 
-    import workers.worker
-    from jobs.sharding import plan_shards, read_footer, resolve_columns
-    from workers.inputs import FETCH_THREADS, PREFETCH_IMAGES, Prefetcher
-    from workers.shard import Columns
-    from workers.spec import GenerationSettings, WorkerSpec
-    from workers.tiny_model import write_tiny_model
+    from fleetgen.jobs.sharding import plan_shards, read_footer, resolve_columns
+    from fleetgen.workers.rows.inputs import FETCH_THREADS, PREFETCH_IMAGES, Prefetcher
+    from fleetgen.workers.rows.shard import Columns
+    from fleetgen.workers.spec import GenerationSettings, WorkerSpec
+    from fleetgen.workers.tiny.model import write_tiny_model
 
     results = []
     try:
@@ -116,7 +117,9 @@ def main() -> None:
                 files = [read_footer(str(path))]
                 columns = resolve_columns(files, Columns(image="input_image"))
                 for prefetch in (True, False):
-                    workers.worker.Prefetcher = Prefetcher if prefetch else functools.partial(Prefetcher, window=0)
+                    fleetgen.workers.worker.Prefetcher = (
+                        Prefetcher if prefetch else functools.partial(Prefetcher, window=0)
+                    )
                     spec = WorkerSpec(
                         "w0",
                         model,
@@ -127,7 +130,7 @@ def main() -> None:
                         device="cpu",
                         threads=1,
                     )
-                    worker = workers.worker.Worker(spec)
+                    worker = fleetgen.workers.worker.Worker(spec)
                     with PeakRSS() as rss:
                         result = worker.run_shard(plan_shards(files, 10**6)[0])
                     calls = worker.fitted.seconds

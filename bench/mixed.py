@@ -54,8 +54,8 @@ def _write(path: Path, rows: list[dict]) -> str:
 
 
 def _worker(model: str, out: str, adapters: list[str], batch: int, columns):
-    from workers.spec import GenerationSettings, WorkerSpec
-    from workers.worker import Worker
+    from fleetgen.workers.spec import GenerationSettings, WorkerSpec
+    from fleetgen.workers.worker import Worker
 
     settings = GenerationSettings(steps=STEPS, guidance=5.0, width=64, height=64, output_format="parquet")
     return Worker(
@@ -76,8 +76,8 @@ def _worker(model: str, out: str, adapters: list[str], batch: int, columns):
 
 def _seconds(worker, paths: list[str], out: str) -> float:
     """Wall time to generate and commit every shard of `paths`, into a fresh output."""
-    from jobs.sharding import plan_shards, read_footer
-    from workers.storage import Output
+    from fleetgen.jobs.sharding import plan_shards, read_footer
+    from fleetgen.workers.output.storage import Output
 
     worker.output = Output(out)
     started = time.perf_counter()
@@ -92,9 +92,9 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
 
-    from jobs.sharding import read_footer, resolve_columns
-    from workers.shard import Columns
-    from workers.tiny_model import write_tiny_lora, write_tiny_model
+    from fleetgen.jobs.sharding import read_footer, resolve_columns
+    from fleetgen.workers.rows.shard import Columns
+    from fleetgen.workers.tiny.model import write_tiny_lora, write_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="fleetgen-bench-mixed-"))
     model = str(write_tiny_model(tmp / "tiny"))

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from offload import (  # noqa: E402
+from fleetgen.offload import (  # noqa: E402
     DeviceSpec,
     OffloadPlan,
     OffloadStats,
@@ -33,8 +33,8 @@ from offload import (  # noqa: E402
     profile_modules,
     profile_pipeline,
 )
-from offload.architectures import NAMES, build_on_meta  # noqa: E402
-from workers.tiny_model import write_tiny_model  # noqa: E402
+from fleetgen.offload.architectures import NAMES, build_on_meta  # noqa: E402
+from fleetgen.workers.tiny.model import write_tiny_model  # noqa: E402
 
 CASES = {  # model size -> (level, images, batch, steps)
     "tiny": ("leaf", 8, 4, 8),  # leaf level: the most groups, so the most hook calls per forward

@@ -71,8 +71,8 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from jobs.demo import write_prompts
-    from workers.tiny_model import write_tiny_model
+    from fleetgen.jobs.demo import write_prompts
+    from fleetgen.workers.tiny.model import write_tiny_model
 
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     results = {}

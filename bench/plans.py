@@ -31,12 +31,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fleetgen.errors import OffloadError  # noqa: E402
+from fleetgen.offload import DeviceSpec, Workload, plan, profile_modules  # noqa: E402
+from fleetgen.offload.architectures import HERE, NAMES, build_on_meta  # noqa: E402
+from fleetgen.offload.cost import MARGIN, _options  # noqa: E402
 from fleetgen.units import format_size, parse_size  # noqa: E402
-from offload import DeviceSpec, Workload, plan, profile_modules  # noqa: E402
-from offload.architectures import HERE, NAMES, build_on_meta  # noqa: E402
-from offload.cost import MARGIN, _options  # noqa: E402
-from workers.families import read_family  # noqa: E402
-from workers.pipeline import DTYPES  # noqa: E402
+from fleetgen.workers.families.detect import read_family  # noqa: E402
+from fleetgen.workers.pipeline.load import DTYPES  # noqa: E402
 
 
 def exhaustive_seconds(prof, device: DeviceSpec, w: Workload) -> float:
@@ -51,7 +51,7 @@ def exhaustive_seconds(prof, device: DeviceSpec, w: Workload) -> float:
 
 
 def quantize_table(args) -> None:
-    from offload.formats import CHOOSABLE
+    from fleetgen.offload.weight_formats import CHOOSABLE
 
     print("| model | host RAM | GPU | quantize | formats | offloaded | batch | peak | rel img/s | plan s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -90,8 +90,8 @@ def quantize_table(args) -> None:
 
 
 def video_table(args) -> None:
-    from jobs.planning import plan_workload
-    from offload.architectures import pipeline_settings
+    from fleetgen.jobs.planning import plan_workload
+    from fleetgen.offload.architectures import pipeline_settings
 
     host = parse_size(args.host_memory, "--host-memory")
     print("| architecture | clip | GPU | offloaded | batch | peak | clips/h | plan s |")

@@ -37,11 +37,11 @@ import ray
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cluster.actor import RayActors  # noqa: E402
-from cluster.events import ShardSpeculated  # noqa: E402
-from cluster.pool import WorkerPool  # noqa: E402
-from workers.shard import Shard  # noqa: E402
-from workers.spec import BatchDone, ShardResult  # noqa: E402
+from fleetgen.cluster.actor import RayActors  # noqa: E402
+from fleetgen.cluster.events import ShardSpeculated  # noqa: E402
+from fleetgen.cluster.pool import WorkerPool  # noqa: E402
+from fleetgen.workers.rows.shard import Shard  # noqa: E402
+from fleetgen.workers.spec import BatchDone, ShardResult  # noqa: E402
 
 
 @ray.remote

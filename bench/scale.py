@@ -71,11 +71,11 @@ def write_input(root: Path, rows: int) -> Path:
 def write_manifests(out: Path, folder: Path) -> tuple[int, str]:
     """A committed manifest per shard but the last (footer counts, like a worker's), and the counts
     index an earlier run would have left. Returns (shards, the last shard's id)."""
-    from jobs.sharding import list_input_files, plan_shards, read_footers
-    from jobs.state import list_manifests, write_counts_index
-    from workers.commit import ATTEMPT_KEY, COUNTS_KEY
-    from workers.layout import MANIFEST_SCHEMA
-    from workers.storage import Output
+    from fleetgen.jobs.sharding import list_input_files, plan_shards, read_footers
+    from fleetgen.jobs.state import list_manifests, write_counts_index
+    from fleetgen.workers.output.commit import ATTEMPT_KEY, COUNTS_KEY
+    from fleetgen.workers.output.layout import MANIFEST_SCHEMA
+    from fleetgen.workers.output.storage import Output
 
     shards = plan_shards(read_footers(list_input_files(str(folder))), ROWS_PER_SHARD)
     (out / "shards").mkdir(parents=True)
@@ -163,7 +163,7 @@ def main() -> None:
     parser.add_argument("--before", help="a checkout of an earlier fleetgen: its `status` is timed on the same output")
     parser.add_argument("--json")
     args = parser.parse_args()
-    from workers.tiny_model import write_tiny_model
+    from fleetgen.workers.tiny.model import write_tiny_model
 
     fleetgen = [sys.executable, "-m", "jobs"]
     results = []
@@ -195,7 +195,7 @@ def main() -> None:
             if rows <= args.footers_up_to:
                 (out / "counts.parquet").unlink()
                 result["status_without_index"] = timed([*fleetgen, "status", str(out)])
-            if args.before:  # python -m jobs run from that checkout imports its modules
+            if args.before:  # python -m fleetgen run from that checkout imports its modules
                 result["status_before"] = timed([*fleetgen, "status", str(out)], cwd=args.before)
             results.append(result)
             print(json.dumps(result), flush=True)

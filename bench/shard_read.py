@@ -26,9 +26,9 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import workers.shard as shard_module  # noqa: E402
-from jobs.sharding import plan_shards, read_footer  # noqa: E402
-from workers.shard import Columns  # noqa: E402
+import fleetgen.workers.rows.shard as shard_module  # noqa: E402
+from fleetgen.jobs.sharding import plan_shards, read_footer  # noqa: E402
+from fleetgen.workers.rows.shard import Columns  # noqa: E402
 
 
 class Counting:

@@ -29,7 +29,7 @@ SHARDS = 100
 
 
 def build(root: Path, images: int, size: int, fmt: str) -> None:
-    from workers.layout import MANIFEST_SCHEMA
+    from fleetgen.workers.output.layout import MANIFEST_SCHEMA
 
     (root / "shards").mkdir(parents=True)
     (root / "job.json").write_text("{}")
@@ -73,7 +73,7 @@ def main() -> None:
     parser.add_argument("--kib", type=int, default=48, help="bytes per image, in KiB (a 512x512 PNG is ~400)")
     parser.add_argument("--json")
     args = parser.parse_args()
-    from jobs.verify import verify
+    from fleetgen.jobs.verify import verify
 
     results = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -31,7 +31,7 @@ class RayDataGenerator:
     def __init__(self, model: str, out: str):
         import torch
 
-        from workers.pipeline import load_pipeline
+        from fleetgen.workers.pipeline.load import load_pipeline
 
         torch.set_num_threads(1)
         self.pipe = load_pipeline(model, torch.float32)
@@ -42,8 +42,8 @@ class RayDataGenerator:
         self.calls = 0
 
     def __call__(self, batch: dict) -> dict:
-        from workers.seeds import derive_seed, generators
-        from workers.writer import encode
+        from fleetgen.workers.output.writer import encode
+        from fleetgen.workers.rows.seeds import derive_seed, generators
 
         ids = [str(i) for i in batch["id"]]
         images = self.pipe(
@@ -86,8 +86,8 @@ def ray_data_run(prompts: str, model: str, out: Path) -> dict:
 
 
 def fleetgen_run(prompts: str, model: str, out: Path) -> dict:
-    from jobs.config import JobConfig, validate
-    from jobs.driver import run_job
+    from fleetgen.jobs.config import JobConfig, validate
+    from fleetgen.jobs.driver import run_job
 
     started = time.time()
     s = run_job(
@@ -129,8 +129,8 @@ def main() -> None:
     import ray
 
     from bench.chaos import Killer
-    from jobs.demo import write_prompts
-    from workers.tiny_model import write_tiny_model
+    from fleetgen.jobs.demo import write_prompts
+    from fleetgen.workers.tiny.model import write_tiny_model
 
     # one CPU more than the workers: Ray Data's read tasks need one while its actors hold theirs
     ray.init(num_cpus=WORKERS + 1, include_dashboard=False, log_to_driver=False)

@@ -81,11 +81,11 @@ class StandIn:
 
 
 def run(model: str, prompts: str, out: str, call: float, depth: int, video: bool = False) -> dict:
-    from jobs.sharding import plan_shards, read_footer, resolve_columns
-    from workers.shard import Columns
-    from workers.spec import GenerationSettings, WorkerSpec
-    from workers.worker import Worker
-    from workers.writer import Writer
+    from fleetgen.jobs.sharding import plan_shards, read_footer, resolve_columns
+    from fleetgen.workers.output.writer import Writer
+    from fleetgen.workers.rows.shard import Columns
+    from fleetgen.workers.spec import GenerationSettings, WorkerSpec
+    from fleetgen.workers.worker import Worker
 
     files = [read_footer(prompts)]
     settings = GenerationSettings(steps=1, guidance=0.0, width=SIDE, height=SIDE)
@@ -130,9 +130,9 @@ def main() -> None:
     parser.add_argument("--video", action="store_true", help="clips of 81 frames at 832x480, one per call")
     parser.add_argument("--json")
     args = parser.parse_args()
+    from fleetgen.workers.output.writer import WRITE_AHEAD
+    from fleetgen.workers.tiny.model import write_tiny_model
     from tests.conftest import write_prompts
-    from workers.tiny_model import write_tiny_model
-    from workers.writer import WRITE_AHEAD
 
     tmp = Path(tempfile.mkdtemp(prefix="fleetgen-bench-overlap-"))
     model = str(write_tiny_model(tmp / "tiny", family="wan" if args.video else "sd"))

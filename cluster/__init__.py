@@ -1,8 +1,8 @@
 """Ray at the edge: connecting, sizing the fleet, and an elastic pull-based pool of actors wrapping
 `workers.Worker`; what the pool reports is in `cluster.events` (no Ray there)."""
 
-from cluster.connect import ClusterShape, connect, disconnect
-from cluster.events import (
+from fleetgen.cluster.connect import ClusterShape, connect, disconnect
+from fleetgen.cluster.events import (
     PoolEvent,
     ShardFailed,
     ShardSpeculated,
@@ -15,8 +15,8 @@ from cluster.events import (
     WorkerReleased,
     WorkerUnreachable,
 )
-from cluster.pool import WorkerPool
-from cluster.sizing import Sizing, size_fleet
+from fleetgen.cluster.pool import WorkerPool
+from fleetgen.cluster.sizing import Sizing, size_fleet
 
 __all__ = [
     "ClusterShape",

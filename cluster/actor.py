@@ -16,10 +16,10 @@ from dataclasses import replace
 import ray
 import torch
 
-from cluster.metrics import MeteredWorker
+from fleetgen.cluster.metrics import MeteredWorker
 from fleetgen.errors import ClusterError
-from workers.shard import Shard
-from workers.spec import BatchDone, ShardResult, WorkerSpec
+from fleetgen.workers.rows.shard import Shard
+from fleetgen.workers.spec import BatchDone, ShardResult, WorkerSpec
 
 GPU_TYPE_PREFIX = "fleetgen-gpu:"  # node types declare e.g. `fleetgen-gpu:A10G-24GB: 1` (cluster/*.yaml)
 HOST_SHARE = 0.8  # of a node's Ray memory that the workers on it may fill with offloaded copies

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workers.spec import BatchDone, ShardResult
+from fleetgen.workers.spec import BatchDone, ShardResult
 
 __all__ = [
     "BatchDone",

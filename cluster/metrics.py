@@ -8,9 +8,9 @@ from collections.abc import Iterator
 
 from ray.util.metrics import Counter, Gauge
 
-from workers.shard import Shard
-from workers.spec import BatchDone, ShardResult, WorkerSpec
-from workers.worker import Worker
+from fleetgen.workers.rows.shard import Shard
+from fleetgen.workers.spec import BatchDone, ShardResult, WorkerSpec
+from fleetgen.workers.worker import Worker
 
 TAGS = ("worker", "device")
 _failed: Counter | None = None

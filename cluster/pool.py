@@ -31,8 +31,8 @@ from enum import Enum
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTaskError
 
-from cluster.actor import RayActors
-from cluster.events import (
+from fleetgen.cluster.actor import RayActors
+from fleetgen.cluster.events import (
     PoolEvent,
     ShardFailed,
     ShardSpeculated,
@@ -45,11 +45,11 @@ from cluster.events import (
     WorkerReleased,
     WorkerUnreachable,
 )
-from cluster.metrics import failed_counter
-from cluster.sizing import format_asks, gpu_hint, unplaceable
+from fleetgen.cluster.metrics import failed_counter
+from fleetgen.cluster.sizing import format_asks, gpu_hint, unplaceable
 from fleetgen.errors import ClusterError, one_line
-from workers.shard import Shard
-from workers.spec import ShardResult, WorkerSpec
+from fleetgen.workers.rows.shard import Shard
+from fleetgen.workers.spec import ShardResult, WorkerSpec
 
 POLL = 0.5  # seconds between looks at actors that are restarting or unavailable
 CLOSE_TIMEOUT = 10.0  # seconds a released worker gets to close before it is killed

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cluster.connect import ClusterShape
+from fleetgen.cluster.connect import ClusterShape
 from fleetgen.units import format_size
 
 # Default cap on workers on a cluster when neither `--max-workers` nor `--workers` is given: one per

@@ -1,12 +1,28 @@
-"""fleetgen's shared leaf: the version and the exception tree, importable from every room.
+"""fleetgen: bulk image generation with diffusers on mixed-GPU Ray clusters.
 
-The rooms themselves are top-level packages (`offload`, `workers`, `cluster`, `jobs`); this package
-holds only what all of them need and imports none of them.
+One installed name. Its rooms are `fleetgen.jobs` (what a job is, the driver, the CLI),
+`fleetgen.workers` (one device's work), `fleetgen.offload` (fitting a pipeline to a device) and
+`fleetgen.cluster` (Ray at the edge); this package itself holds the version, the exception tree
+and the few plain-data modules every room shares (`errors`, `units`, `caches`, `attention`,
+`latents`). Nothing here imports torch or Ray.
 """
+
+import os as _os
 
 from fleetgen.errors import ClusterError, ConfigError, FleetgenError, InputError, OffloadError, ShardError, StorageError
 
 __version__ = "0.1.0"
+
+# In a source tree the rooms are folders beside this package (DESIGN.md: the repository's top level);
+# installed from a wheel, setuptools' `package-dir` puts them inside it. A tree used as it is — a
+# `ray job submit --working-dir .` upload, a GPU machine running bench/gpu_check.py from a copy —
+# imports its own rooms, never those of another copy installed on the machine.
+_HERE = _os.path.dirname(_os.path.abspath(__file__))
+_TREE = _os.path.dirname(_HERE)
+if not _os.path.isdir(_os.path.join(_HERE, "jobs")) and all(
+    _os.path.isfile(_os.path.join(_TREE, room, "__init__.py")) for room in ("jobs", "workers", "offload", "cluster")
+):
+    __path__.append(_TREE)
 
 __all__ = [
     "ClusterError",

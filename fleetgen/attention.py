@@ -1,6 +1,6 @@
 """Attention kernels (`--attention`): which ones there are, which keep pixels, and what the job's
 fingerprint holds — plain data, no torch, shared by the job's config (jobs/) and the worker that
-measures and sets them (workers/attention.py).
+measures and sets them (workers/pipeline/attention.py).
 
 diffusers (0.42) dispatches a transformer's attention to one of its backends
 (`ModelMixin.set_attention_backend`). Every backend but SageAttention computes softmax(QK^T)V

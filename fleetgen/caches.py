@@ -1,6 +1,6 @@
 """Step caches (`--cache`): which ones, their settings, and what they cost and save — plain data,
 no torch, shared by the job's config (jobs/), the planner (offload/) and the worker that applies
-them (workers/caching.py).
+them (workers/pipeline/caching.py).
 
 A step cache reuses a denoiser's block outputs from earlier steps instead of computing them: it
 changes pixels, so it is job-level (in the fingerprint, recorded per image). Two of diffusers'

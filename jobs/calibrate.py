@@ -24,10 +24,10 @@ import numpy as np
 
 from fleetgen.caches import FIRST_BLOCK_THRESHOLD
 from fleetgen.errors import ConfigError, FleetgenError
-from jobs.config import JobConfig, resolve_paths, validate
-from jobs.driver import read_input, worker_spec
-from jobs.models import MAX_ADAPTERS, resolve_adapters, resolve_defaults
-from jobs.sharding import distinct_strings, plan_shards
+from fleetgen.jobs.config import JobConfig, resolve_paths, validate
+from fleetgen.jobs.driver import read_input, worker_spec
+from fleetgen.jobs.models import MAX_ADAPTERS, resolve_adapters, resolve_defaults
+from fleetgen.jobs.sharding import distinct_strings, plan_shards
 
 KINDS = ("attention", "compile", "cache", "quantize")  # what `--try` may name
 FIRST_BLOCK_THRESHOLDS = (FIRST_BLOCK_THRESHOLD, 0.1, 0.2)  # diffusers' default and two that skip more
@@ -158,7 +158,7 @@ def candidates(config: JobConfig, denoisers: list[str], kinds=KINDS) -> list[tup
     if "quantize" in kinds:
         import torch
 
-        from offload.formats import runnable, spec
+        from fleetgen.offload.weight_formats import runnable, spec
 
         cuda = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
         for name in runnable(cuda, at_load=True):
@@ -264,7 +264,7 @@ def _run(config: JobConfig, columns, shard, adapters, result: Result) -> tuple[R
     import torch
     from PIL import Image
 
-    from workers.worker import Worker
+    from fleetgen.workers.worker import Worker
 
     worker = Worker(worker_spec(config, "calibrate", columns, threads=config.cpu_threads, adapters=adapters))
     try:

@@ -1,4 +1,4 @@
-"""`fleetgen` (also `python -m jobs`): run, demo, tiny-model, status."""
+"""`fleetgen` (also `python -m fleetgen`): run, demo, tiny-model, status."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import sys
 
 from fleetgen import __version__
 from fleetgen.errors import FleetgenError
-from jobs.run_options import add_run_options
-from workers.family_table import NO_TINY, TABLE
+from fleetgen.jobs.run_options import add_run_options
+from fleetgen.workers.families.table import NO_TINY, TABLE
 
 EXIT_INCOMPLETE = 1  # the job ran but not every shard committed
 EXIT_ERROR = 2  # bad input, config or environment: nothing (more) was generated
@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--guidance", type=float, help="default: the model family's")
     pl.add_argument("--true-cfg-scale", type=float, help="Flux: true CFG scale (> 1 doubles the denoiser's batch)")
     pl.add_argument("--max-batch", type=int, default=8, help="largest batch the plan may choose (default 8)")
-    from workers.family_table import TASKS
+    from fleetgen.workers.families.table import TASKS
 
     pl.add_argument(
         "--task",
@@ -119,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(config) -> int:
-    from jobs.driver import run_job
+    from fleetgen.jobs.driver import run_job
 
     summary = run_job(config)
     filtered = f", {summary.images_filtered} filtered by the safety checker" if summary.images_filtered else ""
@@ -144,8 +144,8 @@ def _calibrate(args) -> int:
     import tempfile
     from pathlib import Path
 
-    from jobs.calibrate import calibrate
-    from jobs.config import make_config
+    from fleetgen.jobs.calibrate import calibrate
+    from fleetgen.jobs.config import make_config
 
     extra = ("command", "config", "sample", "min_psnr", "min_ssim", "kinds", "write")
     options = {k: v for k, v in vars(args).items() if k not in extra}
@@ -168,7 +168,7 @@ def _calibrate(args) -> int:
 
 
 def _status(url: str) -> int:
-    from jobs.inspect import job_state, status_text
+    from fleetgen.jobs.status import job_state, status_text
 
     state = job_state(url)
     print(status_text(state))
@@ -184,22 +184,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "run":
-            from jobs.config import make_config
+            from fleetgen.jobs.config import make_config
 
             options = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
             return _run(make_config(options, args.config))
         if args.command == "calibrate":
             return _calibrate(args)
         if args.command == "demo":
-            from jobs.demo import prepare
+            from fleetgen.jobs.demo import prepare
 
             config = prepare(args.output)
             code = _run(config)
             print(f"demo images: {config.output}/images/  (manifests: {config.output}/shards/)")
             return code
         if args.command == "tiny-model":
-            from workers.families import identify_dir
-            from workers.tiny_model import write_tiny_model
+            from fleetgen.workers.families.detect import identify_dir
+            from fleetgen.workers.tiny.model import write_tiny_model
 
             path = write_tiny_model(args.dir, seed=args.seed, size=args.size, family=args.family)
             detected, why = identify_dir(path)
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {path} ({args.family}; detected as {detected.name}: {why}{hint})")
             return 0
         if args.command == "plan":
-            from jobs.planning import plan_rows, plan_workload, print_plans
+            from fleetgen.jobs.planning import plan_rows, plan_workload, print_plans
 
             work, family = plan_workload(
                 args.model,
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "status":
             return _status(args.output)
         if args.command == "verify":
-            from jobs.verify import verify
+            from fleetgen.jobs.verify import verify
 
             report = verify(
                 args.output,
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                 Path(args.json).write_text(json.dumps(report.to_dict(), indent=2))
             return 0 if report.clean else EXIT_INCOMPLETE
         if args.command == "report":
-            from jobs.report import write_report
+            from fleetgen.jobs.report import write_report
 
             print(f"wrote {write_report(args.output)}")
             return 0

@@ -13,21 +13,21 @@ from fleetgen.attention import fingerprinted, parse_attention
 from fleetgen.caches import normalized as normalized_cache
 from fleetgen.caches import parse_cache
 from fleetgen.errors import ConfigError
+from fleetgen.offload.planner import OFFLOAD_CHOICES
+from fleetgen.offload.weight_formats import normalized, parse_quantize, refusal
 from fleetgen.units import parse_size
-from offload.formats import normalized, parse_quantize, refusal
-from offload.planner import OFFLOAD_CHOICES
-from workers.batches import Adapter, template_fields
-from workers.family_table import TASKS, TEXT
-from workers.fields import MAX_FPS, MAX_FRAMES, MAX_IMAGES_PER_ROW, default_column
-from workers.formats import format_names
-from workers.inputs import RESIZE_RULES
-from workers.layout import IMAGE_FORMATS
-from workers.model_dir import is_hub_id, size_multiple
-from workers.pipeline import DTYPES as PIPELINE_DTYPES
-from workers.shard import SETTING_ROLES, Columns
-from workers.spec import GenerationSettings
-from workers.storage import resolve_url
-from workers.video import MAX_CRF, VIDEO_FORMATS
+from fleetgen.workers.families.model_dir import is_hub_id, size_multiple
+from fleetgen.workers.families.table import TASKS, TEXT
+from fleetgen.workers.output.fields import MAX_FPS, MAX_FRAMES, MAX_IMAGES_PER_ROW, default_column
+from fleetgen.workers.output.formats import format_names
+from fleetgen.workers.output.layout import IMAGE_FORMATS
+from fleetgen.workers.output.storage import resolve_url
+from fleetgen.workers.output.video import MAX_CRF, VIDEO_FORMATS
+from fleetgen.workers.pipeline.load import DTYPES as PIPELINE_DTYPES
+from fleetgen.workers.rows.batches import Adapter, template_fields
+from fleetgen.workers.rows.inputs import RESIZE_RULES
+from fleetgen.workers.rows.shard import SETTING_ROLES, Columns
+from fleetgen.workers.spec import GenerationSettings
 
 DEVICES = re.compile(r"auto|cpu|cuda(:\d+)?")
 DTYPES = ("auto", *PIPELINE_DTYPES)
@@ -40,7 +40,7 @@ class _Job:
     output: str  # output location; any fsspec URL
     model: str  # local pipeline directory or hub id
     # generation: part of the job's fingerprint
-    steps: int | None = None  # denoising steps per image; default: the model family's (workers/families.py)
+    steps: int | None = None  # denoising steps per image; default: the model family's (workers/families/detect.py)
     guidance: float | None = None  # guidance scale; default: the model family's
     true_cfg_scale: float | None = None  # Flux: > 1 applies negative prompts with true CFG (doubles the compute)
     family: str | None = None  # pipeline family; resolved from the model's model_index.json (jobs/models.py)
@@ -49,7 +49,7 @@ class _Job:
     attention: str = "native"  # native | auto | a backend; only an inexact one (sage) is fingerprinted
     task: str | None = None  # text-to-image | image-to-image | inpaint | edit; default: the model's pipeline class's
     strength: float | None = None  # image-to-image, inpaint: how far from the input (default: the task's)
-    resize: str = "crop"  # crop | pad | fit: how input images become the job's size (workers/inputs.py)
+    resize: str = "crop"  # crop | pad | fit: how input images become the job's size (workers/rows/inputs.py)
     store_inputs: bool = False  # webdataset/parquet outputs carry each image's input beside it
     store_frames: bool = False  # video tasks: each clip's frames as PNGs beside it
     revision: str | None = None  # hub models: branch, tag or commit; pinned to a commit in job.json (default main)
@@ -160,7 +160,7 @@ class _Job:
 
 
 # Per-row settings: each `<role>_column`, when the input has that column, overrides the job's setting
-# for its row (`steps_column = "steps"`, ...; workers/fields.py has one entry per role).
+# for its row (`steps_column = "steps"`, ...; workers/output/fields.py has one entry per role).
 JobConfig = make_dataclass(
     "JobConfig",
     [(f"{role}_column", "str", field(default=default_column(role))) for role in SETTING_ROLES],

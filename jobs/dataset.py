@@ -1,5 +1,5 @@
 """The output as a dataset: its card (`OUT/README.md`), and what its output format writes after a
-run (workers/formats/: for webdataset, a `wids` index).
+run (workers/output/formats/: for webdataset, a `wids` index).
 
 Both are rewritten at the end of every run from the committed manifests, so they describe what is
 committed, whatever earlier runs did. The card's YAML header lets `datasets.load_dataset(OUT)` find
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from jobs.config import JobConfig
-from jobs.state import shard_counts
-from workers.families import Family
-from workers.formats import get_format
-from workers.layout import CARD, MANIFEST_SCHEMA
-from workers.shard import SETTING_ROLES, Columns
-from workers.storage import Output
+from fleetgen.jobs.config import JobConfig
+from fleetgen.jobs.state import shard_counts
+from fleetgen.workers.families.detect import Family
+from fleetgen.workers.output.formats import get_format
+from fleetgen.workers.output.layout import CARD, MANIFEST_SCHEMA
+from fleetgen.workers.output.storage import Output
+from fleetgen.workers.rows.shard import SETTING_ROLES, Columns
 
 
 def describe_columns(config: JobConfig, columns: Columns, adapters) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs.config import JobConfig, validate
+from fleetgen.jobs.config import JobConfig, validate
 
 STYLES = ("a photo", "a watercolor painting", "a pixel art drawing", "a cinematic portrait")
 SUBJECTS = ("red fox", "white owl", "old robot", "small cat", "gold ship", "green dragon tree")
@@ -30,7 +30,7 @@ def write_prompts(path: Path, n: int = 48, row_group_size: int = 16) -> Path:
 
 def prepare(directory: str) -> JobConfig:
     """Build the tiny model and the prompt file under `directory` (once), and the job over them."""
-    from workers.tiny_model import write_tiny_model
+    from fleetgen.workers.tiny.model import write_tiny_model
 
     root = Path(directory).resolve()
     root.mkdir(parents=True, exist_ok=True)

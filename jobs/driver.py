@@ -19,21 +19,28 @@ from dataclasses import replace
 
 from fleetgen.attention import parse_attention
 from fleetgen.errors import ClusterError, InputError, StorageError
-from jobs.config import JobConfig, resolve_paths
-from jobs.dataset import describe_columns, write_card
-from jobs.fleet import FleetRecord, follow
-from jobs.inputs import check_unchanged
-from jobs.lock import OutputLock
-from jobs.models import HUB_ENV, MAX_ADAPTERS, describe, pin_revision, resolve_adapters, resolve_defaults
-from jobs.progress import Progress
-from jobs.sharding import distinct_strings, largest, list_input_files, plan_shards, read_footers, resolve_columns
-from jobs.state import claim_output, fingerprint, list_manifests, pinned_revision, shard_counts, sweep
-from jobs.summary import JobSummary, Run, finish
-from workers.family_table import TEXT
-from workers.formats import PLUGINS_ENV
-from workers.shard import Shard
-from workers.spec import WorkerSpec
-from workers.storage import STORAGE_ENV, Output
+from fleetgen.jobs.config import JobConfig, resolve_paths
+from fleetgen.jobs.dataset import describe_columns, write_card
+from fleetgen.jobs.fleet import FleetRecord, follow
+from fleetgen.jobs.inputs import check_unchanged
+from fleetgen.jobs.lock import OutputLock
+from fleetgen.jobs.models import HUB_ENV, MAX_ADAPTERS, describe, pin_revision, resolve_adapters, resolve_defaults
+from fleetgen.jobs.progress import Progress
+from fleetgen.jobs.sharding import (
+    distinct_strings,
+    largest,
+    list_input_files,
+    plan_shards,
+    read_footers,
+    resolve_columns,
+)
+from fleetgen.jobs.state import claim_output, fingerprint, list_manifests, pinned_revision, shard_counts, sweep
+from fleetgen.jobs.summary import JobSummary, Run, finish
+from fleetgen.workers.families.table import TEXT
+from fleetgen.workers.output.formats import PLUGINS_ENV
+from fleetgen.workers.output.storage import STORAGE_ENV, Output
+from fleetgen.workers.rows.shard import Shard
+from fleetgen.workers.spec import WorkerSpec
 
 CLOSE_TIMEOUT = 10.0  # seconds workers get to close (remove offload directories) at the end
 STOPPING_CLOSE = 0.5  # the same under SIGTERM: `ray job stop` SIGKILLs the driver 3 s after it by default
@@ -187,7 +194,7 @@ def _with_errors(output: Output, committed: list[Shard], listing: dict[str, str]
 def _dispatch(config: JobConfig, columns, run: Run, fleet: FleetRecord, adapters=(), plan_size=None) -> None:
     """Run `run.todo` on a pool of actors that follows the cluster; the run records its failures,
     commits and per-worker table."""
-    from cluster import WorkerPool, connect, disconnect, size_fleet
+    from fleetgen.cluster import WorkerPool, connect, disconnect, size_fleet
 
     todo, progress, stop = run.todo, run.progress, run.stop
     shape = connect(config.ray_address)

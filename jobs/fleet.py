@@ -15,11 +15,11 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from fleetgen.errors import StorageError
-from workers.layout import FLEET
-from workers.storage import Output
+from fleetgen.workers.output.layout import FLEET
+from fleetgen.workers.output.storage import Output
 
 if TYPE_CHECKING:
-    from jobs.summary import Run
+    from fleetgen.jobs.summary import Run
 
 SUMMARY_FIELDS = (
     "worker",
@@ -147,7 +147,7 @@ class FleetRecord:
 
 def follow(events: Iterable, run: Run, fleet: FleetRecord) -> None:
     """Turn the pool's events into progress, the fleet record, the run's failures and commits."""
-    from cluster.events import (
+    from fleetgen.cluster.events import (
         BatchDone,
         ShardFailed,
         ShardResult,

@@ -10,8 +10,8 @@ import hashlib
 from concurrent.futures import ThreadPoolExecutor
 
 from fleetgen.errors import ConfigError
-from jobs.state import read_manifests
-from workers.storage import Output, guarded, url_to_fs, version_of
+from fleetgen.jobs.state import read_manifests
+from fleetgen.workers.output.storage import Output, guarded, url_to_fs, version_of
 
 THREADS = 32
 

@@ -19,8 +19,8 @@ import uuid
 from collections.abc import Callable
 
 from fleetgen.errors import StorageError
-from workers.layout import LOCK
-from workers.storage import Output
+from fleetgen.workers.output.layout import LOCK
+from fleetgen.workers.output.storage import Output
 
 HEARTBEAT = 10.0  # seconds between heartbeats
 STALE = 60.0  # seconds without a heartbeat after which a lock is taken over
@@ -119,7 +119,7 @@ class OutputLock:
         first reads the lock: one that names another driver was taken over (this driver's heartbeat
         was STALE to it: a partition, a paused process). It is never written back: the heartbeat
         stops and `on_lost` is told, `taken_over=True` (its workers stop committing too: the fence in
-        workers/commit.py)."""
+        workers/output/commit.py)."""
         failing_since, lost = None, False
         while not self._stop.wait(HEARTBEAT):
             try:

@@ -14,12 +14,11 @@ from pathlib import Path
 
 from fleetgen.caches import parse_cache
 from fleetgen.errors import ConfigError, one_line
-from jobs.config import JobConfig, parse_lora
-from offload.architectures import torch_components
-from offload.formats import check_components as check_quantized
-from offload.formats import is_auto, parse_quantize
-from workers.batches import no_steps
-from workers.families import (
+from fleetgen.jobs.config import JobConfig, parse_lora
+from fleetgen.offload.architectures import torch_components
+from fleetgen.offload.weight_formats import check_components as check_quantized
+from fleetgen.offload.weight_formats import is_auto, parse_quantize
+from fleetgen.workers.families.detect import (
     GENERIC,
     READS_SCHEDULER,
     READS_TRANSFORMER,
@@ -30,8 +29,9 @@ from workers.families import (
     identify,
     identify_dir,
 )
-from workers.model_dir import is_hub_id
-from workers.shard import Columns
+from fleetgen.workers.families.model_dir import is_hub_id
+from fleetgen.workers.rows.batches import no_steps
+from fleetgen.workers.rows.shard import Columns
 
 # Hub settings that travel from the driver to every worker (as their runtime env), so a worker on
 # any node reaches the same hub, with the user's token for gated models.
@@ -236,7 +236,7 @@ def _check_video(config: JobConfig, columns: Columns, family: Family, task: Task
                 f"{'them' if len(given) > 1 else 'it'} out (or pass `--num-frames-column none` / `--fps-column none`)."
             )
         return
-    from workers.video import VideoUnavailable, encoder
+    from fleetgen.workers.output.video import VideoUnavailable, encoder
 
     try:
         encoder(config.video_format)
@@ -246,12 +246,12 @@ def _check_video(config: JobConfig, columns: Columns, family: Family, task: Task
 
 def _check_cache(config: JobConfig, family: Family, task: Task, values: dict, columns: Columns) -> None:
     """A step cache needs a denoiser with repeated blocks and a pipeline that gives its calls cache
-    contexts (workers/caching.py), read from the installed diffusers; and steps to skip (MagCache:
+    contexts (workers/pipeline/caching.py), read from the installed diffusers; and steps to skip (MagCache:
     one number of them, the job's)."""
     cache = parse_cache(config.cache)
     if cache.method == "none":
         return
-    from workers.caching import cacheable_families, pipeline_refusal
+    from fleetgen.workers.pipeline.caching import cacheable_families, pipeline_refusal
 
     why = pipeline_refusal(task.pipeline, family.extra_calls(values["guidance"], config.true_cfg_scale), cache.method)
     if why:

@@ -8,13 +8,13 @@ import sys
 
 from fleetgen.caches import parse_cache
 from fleetgen.errors import ConfigError, OffloadError
+from fleetgen.offload import DeviceSpec, Workload, plan, profile_modules
+from fleetgen.offload.architectures import build_on_meta, pipeline_settings, resolve
+from fleetgen.offload.weight_formats import CHOOSABLE, check_components, is_auto, normalized, parse_quantize
 from fleetgen.units import format_size, parse_size
-from offload import DeviceSpec, Workload, plan, profile_modules
-from offload.architectures import build_on_meta, pipeline_settings, resolve
-from offload.formats import CHOOSABLE, check_components, is_auto, normalized, parse_quantize
-from workers.families import Family, choose_task, identify_dir
-from workers.pipeline import DTYPES
-from workers.probe import ASSUMED_BANDWIDTH, ASSUMED_FLOPS, host_available_bytes
+from fleetgen.workers.families.detect import Family, choose_task, identify_dir
+from fleetgen.workers.pipeline.load import DTYPES
+from fleetgen.workers.pipeline.probe import ASSUMED_BANDWIDTH, ASSUMED_FLOPS, host_available_bytes
 
 
 def plan_workload(

@@ -7,13 +7,13 @@ from __future__ import annotations
 import base64
 import html
 
+from fleetgen.jobs.state import read_manifests
+from fleetgen.jobs.status import job_state
 from fleetgen.units import format_size
-from jobs.inspect import job_state
-from jobs.state import read_manifests
-from workers.formats import get_format
-from workers.layout import IMAGE_FORMATS, POSTER, beside
-from workers.spec import makes_clips
-from workers.storage import Output
+from fleetgen.workers.output.formats import get_format
+from fleetgen.workers.output.layout import IMAGE_FORMATS, POSTER, beside
+from fleetgen.workers.output.storage import Output
+from fleetgen.workers.spec import makes_clips
 
 SAMPLE = 24  # images on the contact sheet
 ERRORS = 50  # rows that are not ok, listed
@@ -59,7 +59,7 @@ def _first_frame_url(data: bytes) -> str:
     """A clip's first frame as an embedded JPEG ("" for a clip that does not decode)."""
     import io
 
-    from workers.video import first_frame
+    from fleetgen.workers.output.video import first_frame
 
     try:
         frame = first_frame(data)
@@ -80,7 +80,7 @@ def _input_thumbs(rows: list[dict]) -> dict[str, str]:
 
     from PIL import Image
 
-    from workers.inputs import InputRef, read_bytes
+    from fleetgen.workers.rows.inputs import InputRef, read_bytes
 
     thumbs = {}
     for r in rows:

@@ -59,8 +59,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         "kernels it has and keeps the fastest), or a diffusers backend (flash, _flash_3, _native_cudnn, xformers, "
         "...; an exact one may differ per worker, sage changes pixels and is the job's)",
     )
-    from workers.family_table import TASKS
-    from workers.inputs import RESIZE_RULES
+    from fleetgen.workers.families.table import TASKS
+    from fleetgen.workers.rows.inputs import RESIZE_RULES
 
     g.add_argument(
         "--task",
@@ -98,7 +98,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--height", type=int, help="pixels, multiple of 8 (default 512; video families: their card's)")
     g.add_argument("--seed", type=int, help="job seed (default 0)")
     g.add_argument("--image-format", choices=["png", "jpeg", "webp"], help="default png")
-    from workers.video import VIDEO_FORMATS
+    from fleetgen.workers.output.video import VIDEO_FORMATS
 
     g.add_argument(
         "--num-frames",
@@ -116,7 +116,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         "--video-format", choices=list(VIDEO_FORMATS), help="video tasks: mp4 (H.264, yuv420p; default) or webm (AV1)"
     )
     g.add_argument("--crf", type=int, help="video tasks: the encoder's quality, 0 (lossless) to 51; default 18")
-    from workers.formats import FORMATS, format_names
+    from fleetgen.workers.output.formats import FORMATS, format_names
 
     g.add_argument(
         "--output-format",
@@ -151,9 +151,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         help="carry only these input columns into the outputs, e.g. label,style (default: every column)",
     )
     g.add_argument("--drop-columns", help="carry every input column but these")
-    from workers.fields import roles
+    from fleetgen.workers.output.fields import roles
 
-    for f in (f for f in roles() if f.setting):  # one per per-row role of the field table (workers/fields.py)
+    for f in (f for f in roles() if f.setting):  # one per per-row role of the field table (workers/output/fields.py)
         g.add_argument(
             f"--{f.role.replace('_', '-')}-column",
             help=f"per-row {f.role.replace('_', ' ')} (default `{f.default_column}`, used when present; "

@@ -17,11 +17,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from fleetgen.errors import InputError
-from workers.batches import template_fields
-from workers.fields import roles
-from workers.layout import RESERVED_COLUMNS
-from workers.shard import ROLES, Columns, Shard
-from workers.storage import guarded, resolve_url, url_to_fs
+from fleetgen.workers.output.fields import roles
+from fleetgen.workers.output.layout import RESERVED_COLUMNS
+from fleetgen.workers.output.storage import guarded, resolve_url, url_to_fs
+from fleetgen.workers.rows.batches import template_fields
+from fleetgen.workers.rows.shard import ROLES, Columns, Shard
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def read_footer(url: str) -> InputFile:
 _STRING = (pa.types.is_string, pa.types.is_large_string, pa.types.is_string_view, pa.types.is_null)
 _INT = (pa.types.is_integer, pa.types.is_null)
 _NUMBER = (pa.types.is_integer, pa.types.is_floating, pa.types.is_null)
-_KIND_CHECKS = {  # a field's kind (workers/fields.py): (type checks, what the type must be)
+_KIND_CHECKS = {  # a field's kind (workers/output/fields.py): (type checks, what the type must be)
     "text": (_STRING[:3], "a string"),
     "string": (_STRING, "a string"),
     "int": (_INT, "an integer"),

@@ -22,8 +22,9 @@ import pyarrow.parquet as pq
 
 from fleetgen import __version__
 from fleetgen.errors import StorageError
-from workers.commit import COUNTS_KEY, finish_attempts
-from workers.layout import (
+from fleetgen.workers.families.model_dir import is_hub_id, weights_digest
+from fleetgen.workers.output.commit import COUNTS_KEY, finish_attempts
+from fleetgen.workers.output.layout import (
     CARD,
     COUNTS_INDEX,
     FLEET,
@@ -36,13 +37,12 @@ from workers.layout import (
     WORKERS,
     manifest_key,
 )
-from workers.model_dir import is_hub_id, weights_digest
-from workers.shard import Columns
-from workers.storage import Output, parquet_schema, read_parquet
+from fleetgen.workers.output.storage import Output, parquet_schema, read_parquet
+from fleetgen.workers.rows.shard import Columns
 
 if TYPE_CHECKING:  # the commands that read a job's output (status, verify) import no torch
-    from jobs.config import JobConfig
-    from jobs.sharding import InputFile
+    from fleetgen.jobs.config import JobConfig
+    from fleetgen.jobs.sharding import InputFile
 
 # What --overwrite removes: everything fleetgen writes, nothing else under OUT.
 _JOB_OBJECTS = (
@@ -266,6 +266,6 @@ def sweep(output: Output, discard: bool) -> None:
     """Before this run's workers start and after they are closed: finish the commit of attempts
     that won but died moving their objects, and remove temporary files of local writers that died.
     `discard` (only when every shard is committed): remove every other attempt's staging too — a
-    dead driver's workers may still be running until then (workers/commit.py, `finish_attempts`)."""
+    dead driver's workers may still be running until then (workers/output/commit.py, `finish_attempts`)."""
     finish_attempts(output, discard_others=discard)
     output.sweep_tmp("shards")  # (objects elsewhere reach their keys by a rename or a copy: never partial)

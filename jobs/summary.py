@@ -11,12 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fleetgen.errors import StorageError
-from jobs.progress import Progress
-from jobs.state import list_manifests, shard_counts, sweep, write_counts_index
-from workers.layout import SUCCESS, SUMMARY, manifest_key
-from workers.shard import Shard
-from workers.spec import ShardResult
-from workers.storage import Output
+from fleetgen.jobs.progress import Progress
+from fleetgen.jobs.state import list_manifests, shard_counts, sweep, write_counts_index
+from fleetgen.workers.output.layout import SUCCESS, SUMMARY, manifest_key
+from fleetgen.workers.output.storage import Output
+from fleetgen.workers.rows.shard import Shard
+from fleetgen.workers.spec import ShardResult
 
 PROBE_AT_MOST = 1000  # shards attempted without a report that the end of a run looks at one by one
 
@@ -97,7 +97,7 @@ def finish(run: Run, error: str | None = None) -> tuple[JobSummary, dict[str, di
             raise StorageError(run.error)
         summary, counts = _summarise(run)
         # Commits whose workers were killed moving their objects are finished; what other attempts
-        # staged goes only once every shard is committed: then none of them can win (workers/commit.py).
+        # staged goes only once every shard is committed: then none of them can win (workers/output/commit.py).
         sweep(run.output, discard=summary.shards_committed == summary.shards_total)
     except StorageError as err:
         run.output.patience = 1  # the summary and the lock are tried once each, not the whole policy again

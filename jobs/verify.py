@@ -22,12 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fleetgen.errors import StorageError
-from jobs.lock import live_lock
-from jobs.state import committed_shards
-from workers.commit import finish_attempts
-from workers.formats import OutputFormat, Unreadable, get_format
-from workers.layout import JOB, LOCK, SHARDS, STAGING, SUCCESS, manifest_key
-from workers.storage import TMP_MARK, Output
+from fleetgen.jobs.lock import live_lock
+from fleetgen.jobs.state import committed_shards
+from fleetgen.workers.output.commit import finish_attempts
+from fleetgen.workers.output.formats import OutputFormat, Unreadable, get_format
+from fleetgen.workers.output.layout import JOB, LOCK, SHARDS, STAGING, SUCCESS, manifest_key
+from fleetgen.workers.output.storage import TMP_MARK, Output
 
 KINDS = ("missing", "mismatch", "orphan", "leftover")
 SAMPLE_EVERY = 16  # without --deep, every 16th image of a shard (and its first) is hashed
@@ -109,7 +109,7 @@ def _sha(data: bytes) -> str:
 
 def _clip_problem(data: bytes, row: dict) -> str | None:
     """Why a stored clip is not the one its manifest row describes (decoded frame by frame), or None."""
-    from workers.video import read_clip
+    from fleetgen.workers.output.video import read_clip
 
     try:
         clip = read_clip(data)

@@ -6,11 +6,11 @@ apply(pipe, plan, profile, device)   the only caller of diffusers' group offload
 OffloadStats                         what actually moved
 """
 
-from offload.apply import AppliedOffload, apply, pipeline_modules
-from offload.cost import DeviceSpec, Placement, Workload
-from offload.planner import OffloadPlan, plan, resident_plan
-from offload.profile import PipelineProfile, profile_modules, profile_pipeline
-from offload.stats import OffloadStats
+from fleetgen.offload.apply import AppliedOffload, apply, pipeline_modules
+from fleetgen.offload.cost import DeviceSpec, Placement, Workload
+from fleetgen.offload.planner import OffloadPlan, plan, resident_plan
+from fleetgen.offload.profile import PipelineProfile, profile_modules, profile_pipeline
+from fleetgen.offload.stats import OffloadStats
 
 __all__ = [
     "AppliedOffload",

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from fleetgen.errors import OffloadError
-from offload.cost import Placement
-from offload.formats import refusal
-from offload.planner import OffloadPlan
-from offload.profile import PipelineProfile
+from fleetgen.offload.cost import Placement
+from fleetgen.offload.planner import OffloadPlan
+from fleetgen.offload.profile import PipelineProfile
+from fleetgen.offload.weight_formats import refusal
 
 
 def pipeline_modules(pipe) -> dict[str, torch.nn.Module]:
@@ -105,7 +105,7 @@ class AppliedOffload:
 OFFLOAD_HOOKS = ("lazy_prefetch_group_offloading", "layer_execution_tracker", "group_offloading")
 
 
-from offload.stats import COUNTER_HOOK  # noqa: E402 - beside its one use
+from fleetgen.offload.stats import COUNTER_HOOK  # noqa: E402 - beside its one use
 
 
 def unapply(pipe, placed: AppliedOffload | None = None) -> None:

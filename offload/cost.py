@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fleetgen.caches import parse_cache
-from offload.formats import CHOOSABLE, NONE, allowed, refusal, spec
-from offload.profile import ComponentProfile, PipelineProfile
+from fleetgen.offload.profile import ComponentProfile, PipelineProfile
+from fleetgen.offload.weight_formats import CHOOSABLE, NONE, allowed, refusal, spec
 
 MARGIN = 0.10  # of the budget: allocator fragmentation, CUDA context, workspace
 SYNC_SECONDS = 30e-6  # a blocking transfer's fixed cost (launch + synchronise), per group

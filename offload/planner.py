@@ -19,8 +19,7 @@ from dataclasses import dataclass, field, replace
 
 from fleetgen.caches import parse_cache
 from fleetgen.errors import OffloadError
-from fleetgen.units import format_size
-from offload.cost import (
+from fleetgen.offload.cost import (
     MARGIN,
     DeviceSpec,
     Placement,
@@ -33,9 +32,10 @@ from offload.cost import (
     cache_state_bytes,
     computed_share,
 )
-from offload.formats import NONE
-from offload.profile import PipelineProfile
-from offload.search import _combos
+from fleetgen.offload.profile import PipelineProfile
+from fleetgen.offload.search import _combos
+from fleetgen.offload.weight_formats import NONE
+from fleetgen.units import format_size
 
 OFFLOAD_CHOICES = ("auto", "none", "block", "leaf", "disk")
 BUDGETS = {"device": "device memory", "host": "host RAM"}  # what a plan says binds it

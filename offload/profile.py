@@ -14,8 +14,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from fleetgen.latents import denoiser_patch, expert_shares, latent_frames, vae_scale, vae_temporal
-from offload.formats import FLOAT8, LAYERS, NONE, spec
-from offload.quantize import stored_sizes
+from fleetgen.offload.quantize import stored_sizes
+from fleetgen.offload.weight_formats import FLOAT8, LAYERS, NONE, spec
 
 # The denoiser runs once per step; everything else once per pipeline call.
 PER_STEP = ("unet", "transformer", "transformer_2", "prior", "decoder")

@@ -1,4 +1,4 @@
-"""Counting and applying storage formats (the table is offload/formats.py).
+"""Counting and applying storage formats (the table is offload/weight_formats.py).
 
 The profile counts each component in every format it could have, from the live or `meta` modules
 (`stored_sizes`); `quantize` applies after-load formats in place; `load_config` and `load_gguf` give
@@ -16,7 +16,7 @@ import re
 import torch
 
 from fleetgen.errors import ConfigError, OffloadError
-from offload.formats import FLOAT8, check_components, gguf_path, spec
+from fleetgen.offload.weight_formats import FLOAT8, check_components, gguf_path, spec
 
 
 def skip_patterns(module: torch.nn.Module) -> tuple[str, ...]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from offload.cost import _Option
+    from fleetgen.offload.cost import _Option
 
 
 def _combos(

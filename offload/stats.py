@@ -5,7 +5,7 @@ Groups are found after applying, through the hook diffusers attaches to each gro
 exported by diffusers (0.42 pinned); tests fail loudly if they move. Counting is a diffusers hook
 on each group's onload and offload leaders, registered right after group offloading's own (no
 patching of diffusers): hooks registered later wrap earlier ones, so a step cache applied after it
-(workers/caching.py) that skips a block skips its count with its onload, as it should.
+(workers/pipeline/caching.py) that skips a block skips its count with its onload, as it should.
 """
 
 from __future__ import annotations

@@ -48,14 +48,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def fast_settings(**over):
     """What a `FAST` job's workers make with (its GenerationSettings), `over` on top."""
-    from workers.spec import GenerationSettings
+    from fleetgen.workers.spec import GenerationSettings
 
     return GenerationSettings(**{**{k: FAST[k] for k in ("steps", "guidance", "width", "height")}, **over})
 
 
 def make_job(prompts, model: str, out, **kw):
     """A validated job at the tiny sizes (`FAST`), `kw` over them."""
-    from jobs.config import JobConfig, validate
+    from fleetgen.jobs.config import JobConfig, validate
 
     return validate(JobConfig(input=str(prompts), output=str(out), model=model, **{**FAST, **kw}))
 
@@ -71,14 +71,16 @@ def run_args(prompts, out, model: str, **options) -> list[str]:
 
 
 def start_driver(args: list[str], env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
-    """`python -m jobs run ARGS` as a user starts it, from the repository root; its output to `log`
+    """`python -m fleetgen run ARGS` as a user starts it, from the repository root; its output to `log`
     (else pipes, text)."""
     out = (
         {"stdout": open(log, "w"), "stderr": subprocess.STDOUT}
         if log
         else {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     )
-    return subprocess.Popen([sys.executable, "-m", "jobs", "run", *args], cwd=ROOT, env=env or dict(os.environ), **out)
+    return subprocess.Popen(
+        [sys.executable, "-m", "fleetgen", "run", *args], cwd=ROOT, env=env or dict(os.environ), **out
+    )
 
 
 def wait_for_commits(out: Path, more_than: int, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -99,10 +101,10 @@ def write_prompts(path: Path, prompts: list, row_group_size: int | None = None, 
 def setup_job(tmp_path, model, out, output_format, prompts=None, max_batch=3, **kw):
     """A worker (in this process, no Ray) and the two shards of a 6-row input, with the job record
     verify looks for: the work of a job, shard by shard, without a cluster."""
-    from jobs.sharding import plan_shards, read_footer, resolve_columns
-    from workers.shard import Columns
-    from workers.spec import WorkerSpec
-    from workers.worker import Worker
+    from fleetgen.jobs.sharding import plan_shards, read_footer, resolve_columns
+    from fleetgen.workers.rows.shard import Columns
+    from fleetgen.workers.spec import WorkerSpec
+    from fleetgen.workers.worker import Worker
 
     prompts = prompts or [f"a lighthouse number {i}" for i in range(6)]
     path = write_prompts(tmp_path / f"p-{len(prompts)}.parquet", prompts, id=[f"r{i}" for i in range(len(prompts))])
@@ -131,10 +133,10 @@ def run_one_shard(model, out, prompts, settings, rows: int = 100, shards=(0,), *
     one shard; returns the worker and {id: its manifest row}. `spec`: WorkerSpec fields (max_batch,
     offload, ...). `shards`: which of the file's shards of `rows` rows to make (a job's reference for
     some of its shards: the same rows, the same batches)."""
-    from jobs.sharding import plan_shards, read_footer, resolve_columns
-    from workers.shard import Columns
-    from workers.spec import WorkerSpec
-    from workers.worker import Worker
+    from fleetgen.jobs.sharding import plan_shards, read_footer, resolve_columns
+    from fleetgen.workers.rows.shard import Columns
+    from fleetgen.workers.spec import WorkerSpec
+    from fleetgen.workers.worker import Worker
 
     files = [read_footer(str(prompts))]
     planned, columns = plan_shards(files, rows), resolve_columns(files, Columns())
@@ -162,7 +164,7 @@ def pixels(out, row):
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    from workers.tiny_model import write_tiny_model
+    from fleetgen.workers.tiny.model import write_tiny_model
 
     return str(write_tiny_model(tmp_path_factory.mktemp("models") / "tiny"))
 
@@ -198,7 +200,7 @@ def _free_port() -> int:
 
 # botocore does not retry in tests (its default is 4 more tries, over seconds; s3fs still retries a
 # connection closed mid-request), so that the faults of tests/faulty_store.py reach fleetgen's own
-# policy (workers/storage.py) and an outage is seen in a second, not in tens. Set before any Ray
+# policy (workers/output/storage.py) and an outage is seen in a second, not in tens. Set before any Ray
 # worker starts: they read it at import.
 S3_CLIENT = {
     "config_kwargs": {"retries": {"max_attempts": 1, "mode": "standard"}, "connect_timeout": 5, "read_timeout": 30}
@@ -308,7 +310,7 @@ def pytest_collection_modifyitems(items):
 
 def _ray_starts() -> int:
     """In-process Ray connections so far: ours (cluster.connect) and any other `ray.init`."""
-    ray, connect = sys.modules.get("ray"), sys.modules.get("cluster.connect")
+    ray, connect = sys.modules.get("ray"), sys.modules.get("fleetgen.cluster.connect")
     return getattr(connect, "inits", 0) + (1 if ray is not None and ray.is_initialized() else 0)
 
 

@@ -10,10 +10,10 @@ import socket
 import torch
 
 from fleetgen import __version__
-from workers.fit import FittedPipeline
-from workers.pipeline import describe_device
-from workers.plans import predicted_vs_measured
-from workers.spec import WorkerSpec
+from fleetgen.workers.pipeline.fitted import FittedPipeline
+from fleetgen.workers.pipeline.load import describe_device
+from fleetgen.workers.pipeline.plans import predicted_vs_measured
+from fleetgen.workers.spec import WorkerSpec
 
 
 def worker_info(spec: WorkerSpec, fitted: FittedPipeline, load_seconds: float) -> dict:

@@ -1,13 +1,13 @@
-"""An image's records, as the field table (workers/fields.py) says: its manifest row, and what is
+"""An image's records, as the field table (workers/output/fields.py) says: its manifest row, and what is
 stored beside the image (parquet rows, webdataset JSON)."""
 
 from __future__ import annotations
 
-from workers.batches import Image
-from workers.fields import records, stored_names
-from workers.fit import Picture
-from workers.inputs import stored_inputs
-from workers.writer import Made
+from fleetgen.workers.output.fields import records, stored_names
+from fleetgen.workers.output.writer import Made
+from fleetgen.workers.pipeline.fitted import Picture
+from fleetgen.workers.rows.batches import Image
+from fleetgen.workers.rows.inputs import stored_inputs
 
 
 class Records:
@@ -52,7 +52,7 @@ class Records:
 
     def made(self, p: Picture, record: dict, inputs: list | None = None) -> Made:
         """A picture with what its manifest row (`record`, from `new`) gains, and the record stored
-        beside it (and its `inputs`, workers/inputs.py, where they are stored too)."""
+        beside it (and its `inputs`, workers/rows/inputs.py, where they are stored too)."""
         im = p.image
         if p.picture is None:  # the safety checker blacked it out: `filtered`, not stored
             flagged = {

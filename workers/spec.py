@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workers.batches import Adapter, Look, Recipe
-from workers.family_table import FAMILIES, TEXT, Task
-from workers.formats import get_format
-from workers.shard import Columns
+from fleetgen.workers.families.table import FAMILIES, TEXT, Task
+from fleetgen.workers.output.formats import get_format
+from fleetgen.workers.rows.batches import Adapter, Look, Recipe
+from fleetgen.workers.rows.shard import Columns
 
 
 @dataclass(frozen=True)
@@ -23,20 +23,20 @@ class GenerationSettings:
     seed: int = 0  # job seed: rows without a `seed` column derive theirs from it
     image_format: str = "png"  # png | jpeg | webp
     output_format: str = "files"  # files | webdataset | parquet
-    family: str = "sd"  # pipeline family (workers/families.py): how the pipeline is called
+    family: str = "sd"  # pipeline family (workers/families/detect.py): how the pipeline is called
     true_cfg_scale: float | None = None  # Flux: > 1 applies negative prompts (true CFG)
     quantize: str = "none"  # storage format per component, e.g. transformer=fp8 (offload/quantize.py)
     images_per_prompt: int = 1  # images per row (a row's `num_images` column overrides it)
     prompt_template: str | None = None  # builds each prompt from columns, e.g. "a {style} photo of a {label}"
     loras: tuple[Adapter, ...] = ()  # adapters on every image (a row's `lora` column replaces them)
-    task: str = TEXT  # text-to-image | image-to-image | inpaint | edit (workers/family_table.py)
+    task: str = TEXT  # text-to-image | image-to-image | inpaint | edit (workers/families/table.py)
     strength: float | None = None  # tasks that take one: the job's (a row's `strength` replaces it)
-    resize: str = "crop"  # how input images become the image's size (workers/inputs.py)
+    resize: str = "crop"  # how input images become the image's size (workers/rows/inputs.py)
     store_inputs: bool = False  # webdataset and parquet outputs carry each image's input beside it
     store_frames: bool = False  # video tasks: every frame of a clip also stored as a PNG beside it
     num_frames: int | None = None  # video tasks: frames per clip (a row's `num_frames` replaces it)
     fps: float | None = None  # video tasks: frames per second (a row's `fps` replaces it)
-    video_format: str = "mp4"  # video tasks: mp4 (H.264) | webm (AV1) (workers/video.py)
+    video_format: str = "mp4"  # video tasks: mp4 (H.264) | webm (AV1) (workers/output/video.py)
     crf: int = 18  # video tasks: the encoder's constant rate factor (lower: larger, closer to the frames made)
     cache: str = "none"  # step cache on the denoiser, e.g. first-block:0.08 (fleetgen/caches.py): changes pixels
     attention: str = "exact"  # exact (each worker's kernel) | an inexact kernel such as sage (fleetgen/attention.py)
@@ -174,7 +174,7 @@ class Source:
     """Which pipeline to load, and how: the weights (with the job's adapters) and their number format."""
 
     model: str  # local directory or hub id, loaded with DiffusionPipeline.from_pretrained
-    family: str = "sd"  # workers/families.py: how the pipeline is called and its defaults
+    family: str = "sd"  # workers/families/detect.py: how the pipeline is called and its defaults
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (the family's on CUDA, float32 on CPU) | float32 | float16 | bfloat16
     trust_remote_code: bool = False
@@ -203,5 +203,5 @@ class Workload:
     in_sequence: bool = False  # their latents join the denoiser's sequence (edit models)
     num_frames: int = 0  # video tasks: frames per clip, planned for (0: images)
     cache: str = "none"  # the job's step cache (fleetgen/caches.py), applied after offloading
-    compile: bool = False  # torch.compile the denoisers, after the cache (workers/compiling.py)
-    attention: str = "native"  # native | auto | a diffusers attention backend (workers/attention.py)
+    compile: bool = False  # torch.compile the denoisers, after the cache (workers/pipeline/compiling.py)
+    attention: str = "native"  # native | auto | a diffusers attention backend (workers/pipeline/attention.py)

@@ -1,6 +1,6 @@
-"""One device's work: a fitted pipeline (workers/fit.py) making the images of one shard after
-another, stored by the writer thread (workers/writer.py), each shard committed by its manifest
-(workers/commit.py). No Ray here: `cluster/` wraps this plain class in an actor, and a benchmark
+"""One device's work: a fitted pipeline (workers/pipeline/fitted.py) making the images of one shard after
+another, stored by the writer thread (workers/output/writer.py), each shard committed by its manifest
+(workers/output/commit.py). No Ray here: `cluster/` wraps this plain class in an actor, and a benchmark
 or a test can use it directly."""
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import pyarrow as pa
 import torch
 
 from fleetgen.errors import ShardError, StorageError
-from workers.batches import Image, group_images, shard_images
-from workers.commit import (
+from fleetgen.workers.families.detect import prompt_note
+from fleetgen.workers.info import describe, worker_info
+from fleetgen.workers.output.commit import (
     check_fence,
     commit_manifest,
     committed_since,
@@ -28,18 +29,17 @@ from workers.commit import (
     promote,
     staging,
 )
-from workers.families import prompt_note
-from workers.fit import FittedPipeline
-from workers.formats import open_sink
-from workers.info import describe, worker_info
-from workers.inputs import Prefetcher
-from workers.layout import manifest_key, worker_key
-from workers.records import Records
-from workers.shard import Shard, read_shard
-from workers.spec import BatchDone, ShardResult, WorkerSpec
-from workers.storage import Output
-from workers.video import Clip
-from workers.writer import Made, Writer, encode_and_store
+from fleetgen.workers.output.formats import open_sink
+from fleetgen.workers.output.layout import manifest_key, worker_key
+from fleetgen.workers.output.storage import Output
+from fleetgen.workers.output.video import Clip
+from fleetgen.workers.output.writer import Made, Writer, encode_and_store
+from fleetgen.workers.pipeline.fitted import FittedPipeline
+from fleetgen.workers.records import Records
+from fleetgen.workers.rows.batches import Image, group_images, shard_images
+from fleetgen.workers.rows.inputs import Prefetcher
+from fleetgen.workers.rows.shard import Shard, read_shard
+from fleetgen.workers.spec import BatchDone, ShardResult, WorkerSpec
 
 
 @dataclass
@@ -120,7 +120,7 @@ class Worker:
         """Generate `shard`, yielding a `BatchDone` per pipeline call, then the `ShardResult`.
 
         Images are written as they are made, under this attempt's own staging prefix; the
-        manifest is written last and is the commit (workers/commit.py): the first attempt to
+        manifest is written last and is the commit (workers/output/commit.py): the first attempt to
         commit wins, moves its objects to their final keys, and a losing attempt never touches
         them. An attempt stops at its next batch once another has committed. A shard with
         `retry_errors` is committed already: only its error images are made again, the rest of its
@@ -267,7 +267,7 @@ class Worker:
         return sink
 
     def _encode_and_store(self, sink, made: list[Made], records: dict, table: pa.Table) -> None:
-        """On the writer thread: encode, hash and store a batch (workers/writer.py)."""
+        """On the writer thread: encode, hash and store a batch (workers/output/writer.py)."""
         carry = self.spec.columns.carry
         carried = table.select(list(carry)).take([m.row for m in made]) if carry else None
         settings = self.spec.settings

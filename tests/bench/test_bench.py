@@ -35,8 +35,8 @@ def test_streams_on_cuda_give_the_same_latents():
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from offload import OffloadPlan, Placement, apply, profile_pipeline
-    from workers.tiny_model import build_tiny_flux
+    from fleetgen.offload import OffloadPlan, Placement, apply, profile_pipeline
+    from fleetgen.workers.tiny.model import build_tiny_flux
 
     def run(placements):
         pipe = build_tiny_flux()

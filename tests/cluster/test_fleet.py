@@ -24,12 +24,12 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 
-from cluster import ClusterShape, size_fleet
-from jobs.config import JobConfig, validate
-from jobs.driver import run_job
-from jobs.inspect import job_state, status_text
+from fleetgen.cluster import ClusterShape, size_fleet
+from fleetgen.jobs.config import JobConfig, validate
+from fleetgen.jobs.driver import run_job
+from fleetgen.jobs.status import job_state, status_text
+from fleetgen.workers.spec import GenerationSettings
 from tests.conftest import FAST, _free_port, fast_settings, run_one_shard, start_driver, stop_tree, write_prompts
-from workers.spec import GenerationSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -101,7 +101,7 @@ def autoscaling_head():
     it started when the module ends."""
     port = _free_port()
     temp = tempfile.mkdtemp(prefix="rayf", dir="/tmp")  # short: Ray's socket paths are length-limited
-    config = Path(temp) / "cluster.json"
+    config = Path(temp) / "fleetgen.cluster.json"
     config.write_text(json.dumps(_cluster_config(port)))
     cmd = [
         str(BIN / "ray"),
@@ -392,9 +392,9 @@ def test_fleet_sizing():
 
 
 def test_budgets_follow_the_workers_share_of_its_node():
-    from cluster.actor import HOST_SHARE, fit_to_share
-    from workers.shard import Columns
-    from workers.spec import WorkerSpec
+    from fleetgen.cluster.actor import HOST_SHARE, fit_to_share
+    from fleetgen.workers.rows.shard import Columns
+    from fleetgen.workers.spec import WorkerSpec
 
     spec = WorkerSpec("w0", "m", "out", GenerationSettings(), Columns())
     node = {"node_memory": 64 * 2**30, "node_gpus": 4, "node_cpus": 16}

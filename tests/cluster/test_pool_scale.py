@@ -27,9 +27,9 @@ def test_a_worker_that_answers_from_a_new_process_after_being_unreachable_was_lo
 
     import ray
 
-    from cluster.events import WorkerLost, WorkerReady
-    from cluster.pool import ActorState, WorkerPool, _Actor, _Run
-    from workers.shard import Shard
+    from fleetgen.cluster.events import WorkerLost, WorkerReady
+    from fleetgen.cluster.pool import ActorState, WorkerPool, _Actor, _Run
+    from fleetgen.workers.rows.shard import Shard
 
     shard = Shard("shard-00003", "p.parquet", 0, 0, 0, 6, 2)
     pool = WorkerPool(lambda i: None, {}, max_workers=1, max_restarts=2)

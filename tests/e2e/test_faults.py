@@ -17,8 +17,9 @@ import pytest
 
 from bench.chaos import Killer, check, manifest_rows
 from fleetgen.errors import StorageError
-from jobs.driver import run_job
-from jobs.verify import verify
+from fleetgen.jobs.driver import run_job
+from fleetgen.jobs.verify import verify
+from fleetgen.workers.spec import GenerationSettings
 from tests.conftest import (
     fast_settings,
     foreign_lock,
@@ -29,7 +30,6 @@ from tests.conftest import (
     wait_for_commits,
     write_prompts,
 )
-from workers.spec import GenerationSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,7 +89,7 @@ def _corrupt_first_row_group(path: Path) -> None:
 
 
 def test_failing_shard_is_retried_bounded_then_reported(tiny_model, tmp_path, ray_cluster, capsys):
-    from jobs.cli import main
+    from fleetgen.jobs.cli import main
 
     prompts = write_prompts(tmp_path / "p.parquet", [f"p{i}" for i in range(16)], row_group_size=8)
     _corrupt_first_row_group(prompts)
@@ -166,8 +166,8 @@ def test_driver_stopped_then_killed_then_rerun_resumes(chaos_input, tiny_model, 
 
 
 def test_second_driver_refuses_naming_the_first(tiny_model, tmp_path, ray_cluster):
-    from jobs.lock import OutputLock
-    from workers.storage import Output
+    from fleetgen.jobs.lock import OutputLock
+    from fleetgen.workers.output.storage import Output
 
     prompts = write_prompts(tmp_path / "p.parquet", ["a", "b"])
     first = OutputLock(Output(str(tmp_path / "out")))
@@ -194,9 +194,10 @@ def test_a_driver_whose_output_is_taken_over_stops_and_its_workers_commit_nothin
     summary are the other's); its Ray worker, finishing its shard in `--stop-grace`, finds the lock
     names another driver and does not commit (the token the driver handed it). Once the lock
     is free a rerun finishes: every row once, `verify --deep` clean."""
-    import jobs.lock
 
-    monkeypatch.setattr(jobs.lock, "HEARTBEAT", 0.2)  # the in-process driver's beat
+    import fleetgen.jobs.lock
+
+    monkeypatch.setattr(fleetgen.jobs.lock, "HEARTBEAT", 0.2)  # the in-process driver's beat
     prompts = write_prompts(tmp_path / "p.parquet", [f"taken over {i}" for i in range(12)])
     out = tmp_path / "out"
     taken: dict = {}
@@ -241,10 +242,10 @@ def test_a_driver_whose_output_is_taken_over_stops_and_its_workers_commit_nothin
 def test_pathological_row_costs_only_itself(tiny_model, tmp_path):
     """A real pipeline failure injected for one prompt (a hook on the text encoder): the batch is
     retried row by row, the bad row is an error row, the rest of the shard commits."""
-    from jobs.sharding import plan_shards, read_footer, resolve_columns
-    from workers.shard import Columns
-    from workers.spec import WorkerSpec
-    from workers.worker import Worker
+    from fleetgen.jobs.sharding import plan_shards, read_footer, resolve_columns
+    from fleetgen.workers.rows.shard import Columns
+    from fleetgen.workers.spec import WorkerSpec
+    from fleetgen.workers.worker import Worker
 
     prompts = write_prompts(
         tmp_path / "p.parquet", ["a red fox", "a robot", "a blue owl", "a cat"], id=["fox", "robot", "owl", "cat"]

@@ -11,12 +11,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from fleetgen.errors import StorageError
-from jobs.cli import main
-from jobs.config import JobConfig, validate
-from jobs.driver import run_job
-from jobs.state import list_manifests
+from fleetgen.jobs.cli import main
+from fleetgen.jobs.config import JobConfig, validate
+from fleetgen.jobs.driver import run_job
+from fleetgen.jobs.state import list_manifests
+from fleetgen.workers.output.storage import Output
 from tests.conftest import FAST, fast_settings, make_job, run_one_shard, write_prompts
-from workers.storage import Output
 
 N = 12
 
@@ -159,12 +159,12 @@ def test_s3_input_and_output(ray_cluster, s3_server, tiny_model, tmp_path, monke
     reports its counts and its manifest's version, which is the version a listing shows."""
     import s3fs
 
-    import jobs.state
+    import fleetgen.jobs.state
 
     def never(output, shard):
         raise AssertionError(f"the driver opened the manifest of {shard}")
 
-    monkeypatch.setattr(jobs.state, "_footer_counts", never)
+    monkeypatch.setattr(fleetgen.jobs.state, "_footer_counts", never)
 
     fs = s3fs.S3FileSystem()
     fs.mkdir("fleetgen-test")

@@ -118,7 +118,7 @@ def test_the_plan_example_runs_as_written(tmp_path):
 def test_every_fleetgen_command_in_the_readme_parses():
     """Each `fleetgen ...` line of a code block is a command the CLI takes (options that exist,
     values of the right type), so a renamed flag fails here, not in a user's shell."""
-    from jobs.cli import _parser
+    from fleetgen.jobs.cli import _parser
 
     text = (ROOT / "README.md").read_text()
     code = "\n".join(c for _, c in re.findall(r"```(\w+)\n(.*?)```", text, flags=re.S))
@@ -144,7 +144,7 @@ def test_making_video_runs_as_written(user_env, tmp_path):
     assert {f.size for f in namespace["frames"]} == {(64, 48)}  # the last sample's frames, as the README decodes them
     import webdataset as wds
 
-    from workers.video import read_clip
+    from fleetgen.workers.output.video import read_clip
 
     tar = str(tmp_path / "out" / "clips" / "data" / "shard-00000.tar")
     clips = {s["__key__"]: read_clip(s["mp4"]) for s in wds.WebDataset(tar, shardshuffle=False)}

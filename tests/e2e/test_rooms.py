@@ -26,7 +26,7 @@ def _fleetgen(*args: str, ray_address: str | None = None) -> subprocess.Complete
         **({"RAY_ADDRESS": ray_address} if ray_address else {}),
     }
     return subprocess.run(
-        [sys.executable, "-m", "jobs", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "fleetgen", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
 
 

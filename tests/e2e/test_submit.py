@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from cluster.actor import GPU_TYPE_PREFIX
+from fleetgen.cluster.actor import GPU_TYPE_PREFIX
 from tests.conftest import _free_port, run_args, stop_tree, write_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -219,7 +219,7 @@ def test_readme_submit_then_ray_job_stop_writes_summary_and_releases_the_lock_th
     readme = (ROOT / "README.md").read_text()
     assert '--runtime-env-json \'{"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "120"}}\'' in readme
     # the stopped job's workers die seconds later, but commit nothing more: the driver released the lock
-    # (checked above) and a worker commits only while the lock names its driver (workers/commit.py)
+    # (checked above) and a worker commits only while the lock names its driver (workers/output/commit.py)
     base = _committed(out)
     # one worker: at most one shard runs when the stop lands, so the stop leaves work for the resubmit
     # however late it lands (with two, the last two shards could both be running and commit in grace)
@@ -252,7 +252,7 @@ def _entrypoint_runs(command: str) -> None:
     if "-m" in words:
         assert (ROOT / words[words.index("-m") + 1] / "__main__.py").exists()
     if "fleetgen" in words:
-        assert 'fleetgen = "jobs.cli:main"' in (ROOT / "pyproject.toml").read_text()
+        assert 'fleetgen = "fleetgen.jobs.cli:main"' in (ROOT / "pyproject.toml").read_text()
     assert "run" in words
 
 

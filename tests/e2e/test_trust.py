@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 
 from fleetgen.errors import StorageError
-from jobs.cli import main
-from jobs.lock import OutputLock
-from jobs.verify import verify
+from fleetgen.jobs.cli import main
+from fleetgen.jobs.lock import OutputLock
+from fleetgen.jobs.verify import verify
+from fleetgen.workers.output import policy
+from fleetgen.workers.output.storage import Output
 from tests.conftest import setup_job
 from tests.faulty_store import Rule
-from workers import policy
-from workers.storage import Output
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,7 +84,7 @@ def test_a_commit_that_cannot_be_confirmed_keeps_its_staging_for_the_driver(
     """The store applies the commit and then stops answering: the attempt cannot tell whether it
     won, so it deletes nothing; the driver's sweep (`finish_attempts`) then finishes the move."""
     from fleetgen.errors import ShardError
-    from workers.commit import finish_attempts
+    from fleetgen.workers.output.commit import finish_attempts
 
     out = bucket("unconfirmed-commit")
     worker, shards = setup_job(tmp_path, tiny_model, out, "files")
@@ -145,9 +145,10 @@ def test_no_credentials_is_one_line_with_what_to_set(s3_server, monkeypatch):
 
 
 def test_the_lock_heartbeat_rides_out_an_outage_and_says_so(faulty_store, quick_retries, monkeypatch):
-    import jobs.lock
 
-    monkeypatch.setattr(jobs.lock, "HEARTBEAT", 0.2)
+    import fleetgen.jobs.lock
+
+    monkeypatch.setattr(fleetgen.jobs.lock, "HEARTBEAT", 0.2)
     said: list[str] = []
     output = Output(bucket("heartbeat"))
     lock = OutputLock(output, say=said.append)
@@ -240,7 +241,7 @@ def test_verify_fix_changes_nothing_when_most_images_look_missing(tiny_model, tm
 
 def _exits(args: list[str], env: dict | None = None) -> tuple[int, str]:
     done = subprocess.run(
-        [sys.executable, "-m", "jobs", *args],
+        [sys.executable, "-m", "fleetgen", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -275,8 +276,8 @@ def test_parquet_reads_never_abort_the_process_at_exit(tmp_path):
 
 _EXIT_LOOP = """
 import json, os, sys
-import jobs.inspect, jobs.verify  # imported once (no Parquet read yet: pyarrow starts no thread here)
-from jobs.cli import main
+import fleetgen.jobs.status, fleetgen.jobs.verify  # imported once (no Parquet read yet: pyarrow starts no thread here)
+from fleetgen.jobs.cli import main
 runs = json.loads(sys.argv[1])
 codes, running = {}, {}
 for i, args in enumerate(runs):  # each a process of its own, forked after the imports, two at a time,
@@ -406,7 +407,7 @@ def test_every_cli_option_has_help_and_every_run_option_is_in_the_readme():
     import argparse
     import re
 
-    from jobs.cli import _parser
+    from fleetgen.jobs.cli import _parser
 
     # the README's table of `fleetgen run` options: its rows start with an option in backticks
     table = "\n".join(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `--"))

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from bench.chaos import check
-from jobs.cli import main
-from jobs.driver import run_job
+from fleetgen.jobs.cli import main
+from fleetgen.jobs.driver import run_job
 from tests.conftest import fast_settings, make_job, run_args, run_one_shard, write_prompts
 
 pytestmark = pytest.mark.chaos
@@ -40,7 +40,7 @@ def reference(tmp_path_factory, tiny_model, ray_cluster):
 @pytest.fixture
 def quick_retries(monkeypatch):
     """The storage policy's backoff at 50 ms, here and in the workers (the driver hands them its env)."""
-    from workers import policy
+    from fleetgen.workers.output import policy
 
     monkeypatch.setattr(policy, "BACKOFF", 0.05)
     monkeypatch.setenv("FLEETGEN_STORAGE_BACKOFF", "0.05")
@@ -105,13 +105,14 @@ def test_the_store_down_mid_run_ends_in_one_line_and_a_rerun_finishes(
     reference, tiny_model, faulty_store, quick_retries, capsys, monkeypatch
 ):
     """The store goes away after the first commit and stays away: the driver rides it out for the
-    lock's lease (here 4 s, as `jobs.lock.STALE`; 60 s in a job), then stops as on SIGTERM —
+    lock's lease (here 4 s, as `fleetgen.jobs.lock.STALE`; 60 s in a job), then stops as on SIGTERM —
     workers closed, no traceback, exit 1 with the reason in one line. The store back, a rerun of the
     same command finishes the job, every row once."""
-    import jobs.lock
 
-    monkeypatch.setattr(jobs.lock, "HEARTBEAT", 0.5)
-    monkeypatch.setattr(jobs.lock, "STALE", 4.0)
+    import fleetgen.jobs.lock
+
+    monkeypatch.setattr(fleetgen.jobs.lock, "HEARTBEAT", 0.5)
+    monkeypatch.setattr(fleetgen.jobs.lock, "STALE", 4.0)
     monkeypatch.setenv("FLEETGEN_STORAGE_ATTEMPTS", "2")
     prompts, clean = reference
     out = s3_bucket("flaky-outage")
@@ -169,7 +170,7 @@ def test_a_job_run_as_dotdot_lands_where_every_command_looks(reference, tiny_mod
 def test_a_rebuilt_model_refuses_to_resume_and_progress_counts_as_the_summary(
     tiny_model, tmp_path, ray_cluster, capsys
 ):
-    from workers.tiny_model import write_tiny_model
+    from fleetgen.workers.tiny.model import write_tiny_model
 
     model = str(write_tiny_model(tmp_path / "model", seed=0))
     prompts = write_prompts(tmp_path / "p.parquet", ["a cat", None, "a dog", "", "an owl", "a fox"])

@@ -12,11 +12,11 @@ import tarfile
 
 import pytest
 
-from jobs.cli import main
-from jobs.driver import run_job
+from fleetgen.jobs.cli import main
+from fleetgen.jobs.driver import run_job
+from fleetgen.workers.output.video import read_clip
+from fleetgen.workers.tiny.model import write_tiny_model
 from tests.conftest import make_job, run_args, start_driver, wait_for_commits, write_prompts
-from workers.tiny_model import write_tiny_model
-from workers.video import read_clip
 
 ROWS = 12
 

@@ -8,13 +8,13 @@ import sys
 import numpy as np
 import pytest
 
-from jobs.calibrate import Calibration, Result, calibrate, psnr, ssim
-from jobs.config import make_config
-from jobs.models import resolve_defaults
-from jobs.sharding import read_footer, resolve_columns
+from fleetgen.jobs.calibrate import Calibration, Result, calibrate, psnr, ssim
+from fleetgen.jobs.config import make_config
+from fleetgen.jobs.models import resolve_defaults
+from fleetgen.jobs.sharding import read_footer, resolve_columns
+from fleetgen.workers.rows.shard import Columns
+from fleetgen.workers.tiny.model import write_tiny_model
 from tests.conftest import FAST, ROOT, run_args, write_prompts
-from workers.shard import Columns
-from workers.tiny_model import write_tiny_model
 
 FLUX = {**FAST, "steps": 8}  # enough steps for the caches to predict some
 
@@ -68,7 +68,7 @@ def test_the_cli_prints_the_table_and_a_snippet_run_takes(tiny_flux, tmp_path):
     snippet = tmp_path / "fast.toml"
     args = run_args(prompts, tmp_path / "o", tiny_flux, steps=8)
     done = subprocess.run(
-        [sys.executable, "-m", "jobs", "calibrate", *args, "--sample", "2", "--min-psnr", "35"]
+        [sys.executable, "-m", "fleetgen", "calibrate", *args, "--sample", "2", "--min-psnr", "35"]
         + ["--try", "attention,cache,quantize", "--write", str(snippet)],
         cwd=ROOT,
         capture_output=True,

@@ -1,7 +1,7 @@
 import pytest
 
 from fleetgen.errors import ConfigError
-from jobs.config import make_config
+from fleetgen.jobs.config import make_config
 
 BASE = {"input": "in.parquet", "output": "out", "model": "m"}
 
@@ -76,7 +76,7 @@ def test_config_file_errors(tmp_path):
 
 
 def test_sizes_the_model_cannot_take_are_refused(tiny_model, tmp_path):
-    from offload.architectures import HERE
+    from fleetgen.offload.architectures import HERE
 
     with pytest.raises(
         ConfigError,

@@ -11,10 +11,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from fleetgen.errors import ConfigError
-from jobs.driver import run_job
+from fleetgen.jobs.driver import run_job
+from fleetgen.workers.tiny.model import write_tiny_model
 from tests.conftest import HUB_PORT, make_job, write_prompts
 from tests.hub_server import HubServer, Repo
-from workers.tiny_model import write_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_two_workers_on_one_node_download_the_variant_files_once(hub, ray_cluste
     server, root = hub
     both = root / "variant"
     write_tiny_model(both, seed=0)
-    from workers.tiny_model import build_tiny_pipeline
+    from fleetgen.workers.tiny.model import build_tiny_pipeline
 
     build_tiny_pipeline(seed=3).save_pretrained(both, variant="fp16")
     repo = server.repos["org/tiny-variant"] = Repo()
@@ -118,11 +118,11 @@ def test_a_hub_model_is_planned_from_its_configs_before_its_weights_are_fetched(
 
     import torch
 
-    from offload import DeviceSpec
-    from offload.architectures import resolve
-    from offload.formats import CHOOSABLE
-    from workers.plans import at_load_formats, model_configs, planner_workload
-    from workers.spec import Source
+    from fleetgen.offload import DeviceSpec
+    from fleetgen.offload.architectures import resolve
+    from fleetgen.offload.weight_formats import CHOOSABLE
+    from fleetgen.workers.pipeline.plans import at_load_formats, model_configs, planner_workload
+    from fleetgen.workers.spec import Source
 
     server, root = hub
     flux2 = server.repos["org/flux2-configs"] = Repo()

@@ -1,7 +1,7 @@
 import io
 import time
 
-from jobs.progress import Progress
+from fleetgen.jobs.progress import Progress
 
 
 def test_plain_lines_when_not_a_tty():

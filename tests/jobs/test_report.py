@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from jobs.cli import main
-from jobs.config import JobConfig, validate
-from jobs.driver import run_job
+import fleetgen.jobs.report
+from fleetgen.jobs.cli import main
+from fleetgen.jobs.config import JobConfig, validate
+from fleetgen.jobs.driver import run_job
 from tests.conftest import FAST, write_prompts
 
 ARTIFACTS = Path(os.environ.get("FLEETGEN_ARTIFACTS", Path(__file__).resolve().parents[2] / "test-artifacts"))
@@ -120,11 +121,10 @@ def test_report_reads_a_sample_of_manifests_not_all(tmp_path, monkeypatch):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    import jobs.report
-    from jobs.report import not_ok_rows, sample_images
-    from workers.commit import COUNTS_KEY
-    from workers.layout import MANIFEST_SCHEMA
-    from workers.storage import Output
+    from fleetgen.jobs.report import not_ok_rows, sample_images
+    from fleetgen.workers.output.commit import COUNTS_KEY
+    from fleetgen.workers.output.layout import MANIFEST_SCHEMA
+    from fleetgen.workers.output.storage import Output
 
     (tmp_path / "shards").mkdir()
     counts = {}
@@ -147,8 +147,10 @@ def test_report_reads_a_sample_of_manifests_not_all(tmp_path, monkeypatch):
         )
         pq.write_table(table, tmp_path / "shards" / f"shard-{i:05d}.parquet")
     read = []
-    real = jobs.report.read_manifests
-    monkeypatch.setattr(jobs.report, "read_manifests", lambda out, ids, cols: read.extend(ids) or real(out, ids, cols))
+    real = fleetgen.jobs.report.read_manifests
+    monkeypatch.setattr(
+        fleetgen.jobs.report, "read_manifests", lambda out, ids, cols: read.extend(ids) or real(out, ids, cols)
+    )
     out = Output(str(tmp_path))
     sample = sample_images(out, counts)
     assert len(sample) == 24 and len(read) == 24 and all(r["status"] == "ok" for r in sample)

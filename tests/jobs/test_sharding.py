@@ -4,10 +4,10 @@ import pytest
 
 from bench.shard_read import counting
 from fleetgen.errors import InputError
-from jobs.sharding import InputFile, list_input_files, plan_shards, read_footer, resolve_columns
+from fleetgen.jobs.sharding import InputFile, list_input_files, plan_shards, read_footer, resolve_columns
+from fleetgen.workers.rows.batches import Look, Recipe, shard_images
+from fleetgen.workers.rows.shard import SETTING_ROLES, Columns, read_shard
 from tests.conftest import write_prompts
-from workers.batches import Look, Recipe, shard_images
-from workers.shard import SETTING_ROLES, Columns, read_shard
 
 NO_SETTINGS = dict.fromkeys(SETTING_ROLES)  # an input with no per-row setting columns
 
@@ -47,7 +47,7 @@ def test_big_row_group_splits_into_row_ranges(tmp_path):
 
 def test_a_shard_reads_its_row_group_only_as_far_as_its_last_row(tmp_path, monkeypatch):
     """Rows are exact across decoded batches, and the pages after a shard's end are never fetched."""
-    import workers.shard as shard_module
+    import fleetgen.workers.rows.shard as shard_module
 
     prompts = [f"a prompt that takes some bytes, number {i}" for i in range(40_000)]
     table = pa.table({"prompt": prompts, "id": [f"i{i}" for i in range(40_000)]})
@@ -158,8 +158,8 @@ def test_out_of_range_seeds_are_error_rows(tmp_path):
 
 
 def test_all_files_empty_is_refused(tmp_path, tiny_model):
-    from jobs.config import JobConfig
-    from jobs.driver import run_job
+    from fleetgen.jobs.config import JobConfig
+    from fleetgen.jobs.driver import run_job
 
     write_prompts(tmp_path / "a.parquet", [])
     with pytest.raises(InputError, match=r"has no rows \(1 file\(s\), all empty\)"):
@@ -176,7 +176,7 @@ def test_shard_ids_have_one_width_for_the_job():
 
 
 def test_footers_are_read_concurrently_in_order(tmp_path):
-    from jobs.sharding import read_footers
+    from fleetgen.jobs.sharding import read_footers
 
     for i in range(5):
         write_prompts(tmp_path / f"f{i}.parquet", [f"p{j}" for j in range(i + 1)])

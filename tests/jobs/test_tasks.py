@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 
 from fleetgen.errors import ConfigError
-from jobs.config import JobConfig, validate
-from jobs.models import describe, resolve_defaults
+from fleetgen.jobs.config import JobConfig, validate
+from fleetgen.jobs.models import describe, resolve_defaults
+from fleetgen.workers.families.detect import FAMILIES, choose_task, identify
+from fleetgen.workers.rows.shard import Columns
 from tests.conftest import write_prompts
-from workers.families import FAMILIES, choose_task, identify
-from workers.shard import Columns
 
 
 def resolve(model, tmp_path, columns: Columns | None = None, **options):
@@ -86,9 +86,9 @@ def test_bad_image_options_are_refused(options, message, tiny_model, tmp_path):
 def test_the_planner_counts_encodes_and_reference_tokens():
     import torch
 
-    from offload.architectures import build_on_meta
-    from offload.cost import Workload, _activations, _forwards, _tokens
-    from offload.profile import profile_modules
+    from fleetgen.offload.architectures import build_on_meta
+    from fleetgen.offload.cost import Workload, _activations, _forwards, _tokens
+    from fleetgen.offload.profile import profile_modules
 
     prof = profile_modules("flux.1-dev", build_on_meta("flux.1-dev"), torch.bfloat16)
     transformer, vae = prof.components["transformer"], prof.components["vae"]
@@ -101,15 +101,15 @@ def test_the_planner_counts_encodes_and_reference_tokens():
 
 
 def _flux2_workload(**kw):
-    from jobs.planning import plan_workload
+    from fleetgen.jobs.planning import plan_workload
 
     base = {"width": 1024, "height": 1024, "steps": None, "guidance": None, "true_cfg_scale": None}
     return plan_workload("flux.2-dev", **{**base, "max_batch": 1, "offload": "auto", **kw})
 
 
 def test_fleetgen_plan_plans_an_edit_with_its_references(capsys):
-    from jobs.cli import main
-    from jobs.planning import plan_rows
+    from fleetgen.jobs.cli import main
+    from fleetgen.jobs.planning import plan_rows
 
     edit, family = _flux2_workload(max_batch=8, task="edit", references=3)
     assert (edit.input_images, edit.in_sequence, edit.max_batch) == (3, True, 1)

@@ -13,12 +13,15 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
+import fleetgen.jobs.lock
+import fleetgen.jobs.state
+import fleetgen.jobs.summary
 from fleetgen.errors import ShardError
-from jobs.cli import main
-from jobs.verify import verify
+from fleetgen.jobs.cli import main
+from fleetgen.jobs.verify import verify
+from fleetgen.workers.output.commit import ATTEMPT_KEY, attempt_of
+from fleetgen.workers.spec import ShardResult
 from tests.conftest import foreign_lock, setup_job
-from workers.commit import ATTEMPT_KEY, attempt_of
-from workers.spec import ShardResult
 
 
 def files_under(out):
@@ -101,8 +104,8 @@ def test_a_run_that_has_not_finished_never_sweeps_the_staging_of_an_attempt_that
     sweep of a run that has not finished (its start; its end with shards left) leaves staging that no
     manifest names alone, so what the late commit names is stored. A complete run's end removes it:
     no attempt can win a shard that is committed."""
-    from jobs.state import sweep
-    from workers.storage import Output
+    from fleetgen.jobs.state import sweep
+    from fleetgen.workers.output.storage import Output
 
     out = tmp_path / "out"
     worker, shards = setup_job(tmp_path, tiny_model, out, "files", max_batch=3)
@@ -132,8 +135,8 @@ def test_a_worker_whose_driver_no_longer_holds_the_lock_does_not_commit(tiny_mod
     """A worker commits only while the job's lock names its driver: once the lock is taken over (the
     driver SIGKILLed, a rerun started) or released (the driver stopped), its attempt gives up and
     leaves nothing, so a worker that outlives its driver never commits under the next run's feet."""
-    from workers.layout import LOCK
-    from workers.storage import Output
+    from fleetgen.workers.output.layout import LOCK
+    from fleetgen.workers.output.storage import Output
 
     out = tmp_path / "out"
     worker, shards = setup_job(tmp_path, tiny_model, out, "files", max_batch=3, lock_token="mine")
@@ -248,8 +251,8 @@ def test_a_winner_that_died_moving_its_objects_is_finished_by_fix(tiny_model, tm
 
 
 def test_a_lock_of_a_dead_driver_on_this_host_is_taken_over_at_once(tmp_path):
-    from jobs.lock import OutputLock
-    from workers.storage import Output
+    from fleetgen.jobs.lock import OutputLock
+    from fleetgen.workers.output.storage import Output
 
     dead = os.fork()
     if dead == 0:
@@ -269,11 +272,10 @@ def test_a_heartbeat_that_finds_its_lock_taken_over_stops_and_never_writes_it_ba
     """A driver whose heartbeat went stale to another (a partition, a paused process) is taken over:
     its next beat reads the other driver's lock, tells the driver (which stops, writing nothing more)
     and beats no more; its release leaves the other's lock in place."""
-    import jobs.lock
-    from jobs.lock import OutputLock
-    from workers.storage import Output
+    from fleetgen.jobs.lock import OutputLock
+    from fleetgen.workers.output.storage import Output
 
-    monkeypatch.setattr(jobs.lock, "HEARTBEAT", 0.05)
+    monkeypatch.setattr(fleetgen.jobs.lock, "HEARTBEAT", 0.05)
     lost, said = [], []
     lock = OutputLock(Output(str(tmp_path)), say=said.append, on_lost=lambda *a, **k: lost.append((a, k)))
     lock.acquire()
@@ -295,8 +297,8 @@ def test_a_heartbeat_that_finds_its_lock_taken_over_stops_and_never_writes_it_ba
 def test_counts_come_from_footers_and_the_index_never_from_manifest_rows(tiny_model, tmp_path):
     """The driver, `status` and the card count from each manifest's footer, and from
     `OUT/counts.parquet` for manifests whose version (size, mtime/ETag) it recorded."""
-    from jobs.state import shard_counts, write_counts_index
-    from workers.storage import Output
+    from fleetgen.jobs.state import shard_counts, write_counts_index
+    from fleetgen.workers.output.storage import Output
 
     out = tmp_path / "out"
     long = " ".join(["a very long prompt about a red fox"] * 20)
@@ -326,11 +328,9 @@ def test_the_end_of_a_run_counts_from_reports_and_looks_only_at_unreported_shard
     """The driver's summary adds what workers reported to its start listing; a shard attempted
     without a report (its worker lost after the commit) is looked at (its manifest's version, then
     its footer); shards not attempted come from the start listing."""
-    import jobs.state
-    import jobs.summary
-    from jobs.state import list_manifests
-    from jobs.summary import _summarise
-    from workers.storage import Output
+    from fleetgen.jobs.state import list_manifests
+    from fleetgen.jobs.summary import _summarise
+    from fleetgen.workers.output.storage import Output
 
     out = tmp_path / "out"
     worker, shards = setup_job(tmp_path, tiny_model, out, "files", prompts=["a", "b", "c", "d", "e", "f"])
@@ -340,12 +340,12 @@ def test_the_end_of_a_run_counts_from_reports_and_looks_only_at_unreported_shard
     reported = worker.run_shard(shards[1])
     assert reported.version == list_manifests(output)["shard-00001"] and reported.counts["ok"] == 3
     opened = []
-    real = jobs.state._footer_counts
-    monkeypatch.setattr(jobs.state, "_footer_counts", lambda o, s: opened.append(s) or real(o, s))
+    real = fleetgen.jobs.state._footer_counts
+    monkeypatch.setattr(fleetgen.jobs.state, "_footer_counts", lambda o, s: opened.append(s) or real(o, s))
 
     def run(todo, stopped, listing, committed):
-        from jobs.progress import Progress
-        from jobs.summary import Run
+        from fleetgen.jobs.progress import Progress
+        from fleetgen.jobs.summary import Run
 
         stop = threading.Event()
         if stopped:
@@ -362,6 +362,6 @@ def test_the_end_of_a_run_counts_from_reports_and_looks_only_at_unreported_shard
     assert counts["shard-00001"] == reported.counts
     summary, _ = _summarise(run(shards, True, {}, {}))  # stopping: no looking around
     assert summary.shards_committed == 0
-    monkeypatch.setattr(jobs.summary, "PROBE_AT_MOST", 1)  # many unreported: one listing instead
+    monkeypatch.setattr(fleetgen.jobs.summary, "PROBE_AT_MOST", 1)  # many unreported: one listing instead
     summary, _ = _summarise(run(shards, False, {}, {}))
     assert summary.shards_committed == 2

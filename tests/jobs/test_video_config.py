@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 
 from fleetgen.errors import ConfigError
-from jobs.cli import main
-from jobs.config import JobConfig, validate
-from jobs.models import describe, resolve_defaults
+from fleetgen.jobs.cli import main
+from fleetgen.jobs.config import JobConfig, validate
+from fleetgen.jobs.models import describe, resolve_defaults
+from fleetgen.workers.families.detect import identify, identify_dir
+from fleetgen.workers.rows.shard import Columns
+from fleetgen.workers.tiny.model import write_tiny_model
 from tests.conftest import write_prompts
-from workers.families import identify, identify_dir
-from workers.shard import Columns
-from workers.tiny_model import write_tiny_model
 
 NO_COLUMNS = Columns("prompt", None, None, None)
 
@@ -105,8 +105,8 @@ def test_the_cli_refuses_before_starting_anything(wan, tmp_path, capsys):
 
 
 def test_frames_rate_and_encoding_are_in_the_fingerprint(wan, tmp_path):
-    from jobs.sharding import read_footer
-    from jobs.state import _differences, fingerprint
+    from fleetgen.jobs.sharding import read_footer
+    from fleetgen.jobs.state import _differences, fingerprint
 
     prompts = write_prompts(tmp_path / "p.parquet", ["a red fox"])
     files = [read_footer(str(prompts))]

@@ -2,7 +2,7 @@
 
 import itertools
 
-from offload.cost import MARGIN, _options
+from fleetgen.offload.cost import MARGIN, _options
 
 
 def exhaustive_key(prof, device, w):

@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 
-from jobs.cli import main
-from jobs.planning import plan_rows, plan_workload
-from offload import profile_modules
-from offload.architectures import build_on_meta
+from fleetgen.jobs.cli import main
+from fleetgen.jobs.planning import plan_rows, plan_workload
+from fleetgen.offload import profile_modules
+from fleetgen.offload.architectures import build_on_meta
 from tests.offload.exhaustive import exhaustive_key, plan_key
 
 # Parameter counts as their publishers state them (model cards, the encoders' hub pages), with the
@@ -108,7 +108,7 @@ def test_flux2_dev_on_four_devices_and_three_hosts_names_the_binding_budget():
 
 
 def test_each_plan_takes_under_a_second(profiles):
-    from offload import DeviceSpec, Workload, plan
+    from fleetgen.offload import DeviceSpec, Workload, plan
 
     for arch, prof in profiles.items():
         for budget in (24, 48, 80, 141):
@@ -135,7 +135,7 @@ def test_the_search_finds_what_the_exhaustive_one_finds(arch):
     returns a plan exactly as fast, moving as many bytes, offloading as many components — over a
     grid of device and host budgets, refusals included."""
     from fleetgen.errors import OffloadError
-    from offload import DeviceSpec, Workload, plan
+    from fleetgen.offload import DeviceSpec, Workload, plan
 
     prof = profile_modules(arch, build_on_meta(arch), torch.bfloat16)
     w = Workload(width=1024, height=1024, steps=20, max_batch=4)
@@ -154,7 +154,7 @@ def test_the_search_finds_what_the_exhaustive_one_finds(arch):
 @pytest.mark.parametrize("arch", sorted(DIMENSIONS))
 def test_more_device_memory_never_predicts_slower(arch, profiles):
     from fleetgen.errors import OffloadError
-    from offload import DeviceSpec, Workload, plan
+    from fleetgen.offload import DeviceSpec, Workload, plan
 
     last = None
     for gib in (8, 16, 24, 32, 48, 64, 80, 96, 141):

@@ -5,9 +5,9 @@ once left in place) runs in `make gpu-check`."""
 import pytest
 import torch
 
-from offload import OffloadPlan, Placement, apply, profile_pipeline
-from offload.apply import offload_hooks, unapply
-from workers.tiny_model import build_tiny_flux
+from fleetgen.offload import OffloadPlan, Placement, apply, profile_pipeline
+from fleetgen.offload.apply import offload_hooks, unapply
+from fleetgen.workers.tiny.model import build_tiny_flux
 
 
 def latents(pipe):

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from fleetgen.errors import ConfigError, OffloadError
-from fleetgen.units import parse_size
-from offload import (
+from fleetgen.offload import (
     DeviceSpec,
     OffloadPlan,
     OffloadStats,
@@ -21,9 +20,10 @@ from offload import (
     profile_modules,
     profile_pipeline,
 )
-from offload.architectures import NAMES, build_on_meta
-from offload.cost import MARGIN
-from workers.tiny_model import build_tiny_flux
+from fleetgen.offload.architectures import NAMES, build_on_meta
+from fleetgen.offload.cost import MARGIN
+from fleetgen.units import parse_size
+from fleetgen.workers.tiny.model import build_tiny_flux
 
 GiB = 2**30
 
@@ -232,7 +232,7 @@ def test_sizes():
 
 
 def test_plan_command_json(capsys):
-    from jobs.cli import main
+    from fleetgen.jobs.cli import main
 
     code = main(
         [
@@ -264,7 +264,7 @@ def test_plan_command_json(capsys):
 def test_plans_count_the_denoiser_twice_only_where_guidance_runs_it_twice(capsys):
     """FLUX.1-dev is guidance-distilled: its guidance is an input, one pass per step; with
     `--true-cfg-scale` > 1 (negative prompts) it runs twice, as CFG families always do."""
-    from jobs.cli import main
+    from fleetgen.jobs.cli import main
 
     def plan(*args) -> dict:
         assert (
@@ -285,7 +285,7 @@ def test_stale_disk_dirs_of_dead_workers_are_swept(tmp_path, monkeypatch):
     import subprocess
     import tempfile
 
-    from offload.apply import DISK_PREFIX, sweep_stale_disk_dirs
+    from fleetgen.offload.apply import DISK_PREFIX, sweep_stale_disk_dirs
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     dead = subprocess.Popen(["true"])
@@ -301,7 +301,7 @@ def test_stale_disk_dirs_of_dead_workers_are_swept(tmp_path, monkeypatch):
 def test_plan_command_on_a_pipeline_directory(tiny_model, capsys):
     """Any pipeline directory plans, e.g. the one `fleetgen tiny-model` writes (its saved
     text-encoder config names its own model_type)."""
-    from jobs.cli import main
+    from fleetgen.jobs.cli import main
 
     assert (
         main(
@@ -342,7 +342,7 @@ def test_components_with_lora_adapters_are_never_planned_to_disk(profiles):
 def test_after_an_oom_a_leaner_placement_is_found_even_where_a_step_down_overshoots():
     """Activation-heavy plans: from the smallest budget that holds everything resident, a 25 % step
     lands where nothing fits; the budgets between still hold a leaner placement, which is chosen."""
-    from workers.plans import STEP_DOWN, choose_plan, leaner_plan
+    from fleetgen.workers.pipeline.plans import STEP_DOWN, choose_plan, leaner_plan
 
     profile = profile_pipeline(build_tiny_flux())
     probe = {"host_available_bytes": 2**34, "free_bytes": None, "bandwidth": 2e10, "flops": 1e12}

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from fleetgen.errors import OffloadError
-from offload import DeviceSpec, Workload, plan, profile_modules
-from offload.architectures import NAMES, build_on_meta
-from offload.cost import MARGIN
-from offload.formats import CHOOSABLE, FORMATS, refusal
+from fleetgen.offload import DeviceSpec, Workload, plan, profile_modules
+from fleetgen.offload.architectures import NAMES, build_on_meta
+from fleetgen.offload.cost import MARGIN
+from fleetgen.offload.weight_formats import CHOOSABLE, FORMATS, refusal
 from tests.offload.exhaustive import exhaustive_key, plan_key
 
 GIB = 1 << 30
@@ -97,7 +97,7 @@ def test_every_plan_of_auto_takes_under_a_second(profiles):
 def test_flux2_dev_on_a_24_gib_card_with_64_gib_of_host_ram(capsys):
     """The issue's case: bf16 does not even load (105 GiB of weights); `auto` fits both budgets and
     says why; a mapping is the same on every worker and fixed."""
-    from jobs.cli import main
+    from fleetgen.jobs.cli import main
 
     base = ["plan", "--model", "flux.2-dev", "--gpu-memory", "24GiB", "--host-memory", "64GiB", "--json"]
     assert main([*base, "--quantize", "none"]) == 1  # nothing fits: scripts see it
@@ -156,8 +156,8 @@ def test_a_worker_under_auto_plans_at_load_formats_before_reading_weights():
     """A CUDA worker with bitsandbytes, FLUX.2 dev on a 24 GiB card and 64 GiB of host RAM: planned
     from the configs on `meta` before loading, the transformer loads as nf4 (bf16 would not load);
     with 256 GiB of host RAM and an 80 GiB card it loads unquantized; without at-load formats, none."""
-    from offload.architectures import resolve
-    from workers.plans import at_load_formats, planner_workload
+    from fleetgen.offload.architectures import resolve
+    from fleetgen.workers.pipeline.plans import at_load_formats, planner_workload
 
     work = planner_workload("auto", 1, 1024, 1024, 28, False, "auto", {})
     root = str(resolve("flux.2-dev"))

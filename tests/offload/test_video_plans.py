@@ -11,11 +11,11 @@ from dataclasses import replace
 import pytest
 import torch
 
+from fleetgen.jobs.planning import plan_rows, plan_workload
 from fleetgen.latents import expert_shares, latent_frames, vae_temporal
-from jobs.planning import plan_rows, plan_workload
-from offload import DeviceSpec, Workload, plan, profile_modules
-from offload.architectures import build_on_meta, pipeline_settings
-from offload.cost import FORWARD_SECONDS, Placement, _activations, _call_seconds, _forwards, _tokens
+from fleetgen.offload import DeviceSpec, Workload, plan, profile_modules
+from fleetgen.offload.architectures import build_on_meta, pipeline_settings
+from fleetgen.offload.cost import FORWARD_SECONDS, Placement, _activations, _call_seconds, _forwards, _tokens
 
 BUDGETS = ["16GiB", "24GiB", "48GiB", "80GiB", "141GiB"]
 
@@ -82,7 +82,7 @@ def test_wan22_a14b_is_planned_at_every_budget_and_more_memory_never_predicts_sl
 
 
 def test_fleetgen_plan_says_clips_per_hour(capsys):
-    from jobs.cli import main
+    from fleetgen.jobs.cli import main
 
     assert main(["plan", "--model", "wan2.2-ti2v-5b", "--gpu-memory", "24GiB", "--host-memory", "64GiB"]) == 0
     out = capsys.readouterr().out

@@ -14,9 +14,9 @@ import json
 
 import pyarrow as pa
 
-from workers.fields import Field, add_field
-from workers.formats import OutputFormat, Unreadable, register
-from workers.storage import Output
+from fleetgen.workers.output.fields import Field, add_field
+from fleetgen.workers.output.formats import OutputFormat, Unreadable, register
+from fleetgen.workers.output.storage import Output
 
 add_field(
     Field(

@@ -12,17 +12,17 @@ import torch
 
 from fleetgen.caches import CacheSpec, normalized, parse_cache
 from fleetgen.errors import ConfigError, StorageError
-from jobs.config import JobConfig, validate
-from jobs.models import resolve_defaults
-from jobs.sharding import read_footer, resolve_columns
-from jobs.state import _differences
-from offload import OffloadPlan, OffloadStats, apply, pipeline_modules, profile_pipeline
-from offload.cost import Placement
+from fleetgen.jobs.config import JobConfig, validate
+from fleetgen.jobs.models import resolve_defaults
+from fleetgen.jobs.sharding import read_footer, resolve_columns
+from fleetgen.jobs.state import _differences
+from fleetgen.offload import OffloadPlan, OffloadStats, apply, pipeline_modules, profile_pipeline
+from fleetgen.offload.cost import Placement
+from fleetgen.workers.pipeline.caching import AppliedCache
+from fleetgen.workers.rows.shard import Columns
+from fleetgen.workers.spec import GenerationSettings
+from fleetgen.workers.tiny.model import build_tiny_flux, write_tiny_model
 from tests.conftest import make_job, pixels, run_one_shard, write_prompts
-from workers.caching import AppliedCache
-from workers.shard import Columns
-from workers.spec import GenerationSettings
-from workers.tiny_model import build_tiny_flux, write_tiny_model
 
 STEPS = 12
 FBC = "first-block:0.3"  # skips a few of 12 steps of the tiny FLUX.1 (random weights): measured below, not assumed
@@ -154,7 +154,7 @@ def test_the_cache_is_part_of_the_fingerprint_and_old_jobs_resume():
 
 @pytest.mark.ray
 def test_a_resume_across_a_cache_change_is_refused(tiny_flux, tmp_path, ray_cluster):
-    from jobs.driver import run_job
+    from fleetgen.jobs.driver import run_job
 
     prompts = write_prompts(tmp_path / "p.parquet", ["a red fox", "a blue owl"])
     out = tmp_path / "out"
@@ -169,9 +169,9 @@ def test_a_resume_across_a_cache_change_is_refused(tiny_flux, tmp_path, ray_clus
 def test_each_cacheable_family_runs_taylorseer_and_first_block_or_says_why(family):
     """The tiny pipeline of each family diffusers can cache, through `AppliedCache` as a worker
     applies it. A `FAILS` entry must still fail (when diffusers fixes it, this fails: remove it)."""
-    from workers.caching import FAILS, names_contexts
-    from workers.family_table import FAMILIES
-    from workers.tiny_model import TINY_FAMILIES
+    from fleetgen.workers.families.table import FAMILIES
+    from fleetgen.workers.pipeline.caching import FAILS, names_contexts
+    from fleetgen.workers.tiny.model import TINY_FAMILIES
 
     for method in ("taylorseer:interval=2,warmup=1", "first-block:0.3"):
         pipe = TINY_FAMILIES[family](0)
@@ -217,7 +217,7 @@ def test_magcache_skips_whole_steps_by_the_published_ratios_whatever_the_batch(t
         <= 2
     )
     assert {r["cache"] for r in rows.values()} == {"magcache:threshold=0.1"}  # as the job (normalized) gave it
-    from workers.caching import pipeline_refusal
+    from fleetgen.workers.pipeline.caching import pipeline_refusal
 
     assert "MagCache's magnitude ratios for FLUX.1 only, not QwenImageTransformer2DModel" in pipeline_refusal(
         "QwenImagePipeline", False, "magcache"

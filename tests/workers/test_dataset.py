@@ -14,13 +14,13 @@ import pytest
 from PIL import Image
 
 from fleetgen.errors import ConfigError, InputError
-from jobs.config import JobConfig, make_config, validate
-from jobs.sharding import plan_shards, read_footer, resolve_columns
+from fleetgen.jobs.config import JobConfig, make_config, validate
+from fleetgen.jobs.sharding import plan_shards, read_footer, resolve_columns
+from fleetgen.workers.rows.batches import Adapter, Look, Recipe, group_images, shard_images
+from fleetgen.workers.rows.shard import Columns, read_shard
+from fleetgen.workers.spec import GenerationSettings, WorkerSpec
+from fleetgen.workers.worker import Worker
 from tests.conftest import FAST
-from workers.batches import Adapter, Look, Recipe, group_images, shard_images
-from workers.shard import Columns, read_shard
-from workers.spec import GenerationSettings, WorkerSpec
-from workers.worker import Worker
 
 LABELS = ["cat", "dog", "owl"]
 STYLES = ["photo", "sketch"]
@@ -83,7 +83,7 @@ def make_batches(images, batch_size: int):
 def test_batches_share_a_look_and_keep_order(tmp_path):
     a, b = Adapter("a"), Adapter("b", 0.5)
     looks = [Look(64, 64, 2, 5.0), Look(128, 64, 2, 5.0), Look(64, 64, 2, 5.0, (a,)), Look(64, 64, 2, 5.0, (b,))]
-    from workers.batches import Image as Img
+    from fleetgen.workers.rows.batches import Image as Img
 
     images = [Img(f"i{n}", f"i{n}", 0, n, "p", None, n, looks[n % 4], None) for n in range(14)]
     images.append(Img("bad", "bad", 0, 14, "p", None, None, looks[0], "prompt is null or empty"))
@@ -135,7 +135,7 @@ def test_synthesis_options_are_validated(tmp_path):
         }
     )
     assert config.lora == (f"{lora}:0.7", "org/style-lora")
-    from jobs.config import parse_lora
+    from fleetgen.jobs.config import parse_lora
 
     assert parse_lora(f"{lora}:0.7") == Adapter(str(lora), 0.7)
     assert parse_lora("org/style-lora") == Adapter("org/style-lora", 1.0)
@@ -183,7 +183,7 @@ def synth(classes, model, out, **kw) -> JobConfig:
 def test_template_job_is_a_dataset_for_real_readers(ray_cluster, tiny_model, classes, tmp_path):
     import datasets
 
-    from jobs.driver import run_job
+    from fleetgen.jobs.driver import run_job
 
     out = tmp_path / "pq"
     summary = run_job(
@@ -220,7 +220,7 @@ def test_webdataset_output_reads_with_webdataset_and_wids(ray_cluster, tiny_mode
     import webdataset as wds
     import wids
 
-    from jobs.driver import run_job
+    from fleetgen.jobs.driver import run_job
 
     out = tmp_path / "wds"
     run_job(
@@ -249,7 +249,7 @@ def test_webdataset_output_reads_with_webdataset_and_wids(ray_cluster, tiny_mode
 def test_mixed_sizes_and_adapters_batch_by_look(tiny_model, tmp_path):
     """Rows of 2 sizes x (no adapter, adapter A, adapter B): each pipeline call holds one look, each
     image records its own settings, an adapter changes the image and its bytes are planned for."""
-    from workers.tiny_model import write_tiny_lora
+    from fleetgen.workers.tiny.model import write_tiny_lora
 
     a = str(write_tiny_lora(tmp_path / "loras" / "a.safetensors", tiny_model, seed=1))
     b = str(write_tiny_lora(tmp_path / "loras" / "b.safetensors", tiny_model, seed=2))
@@ -301,7 +301,7 @@ def test_mixed_sizes_and_adapters_batch_by_look(tiny_model, tmp_path):
 def test_retry_errors_redoes_exactly_the_error_rows(ray_cluster, tiny_model, tmp_path):
     """Run 1 with --strict-prompts: the over-long prompts are error rows. Run 2 with --retry-errors:
     only those rows are generated, the ok images' bytes are kept, every shard commits again."""
-    from jobs.driver import run_job
+    from fleetgen.jobs.driver import run_job
 
     long = " ".join(["a very long prompt about a red fox"] * 20)  # > 77 CLIP tokens
     prompts = ["a cat", long, "a dog", "an owl", long, "a cow"]
@@ -357,8 +357,8 @@ def test_retry_errors_redoes_exactly_the_error_rows(ray_cluster, tiny_model, tmp
 def test_driver_reads_sizes_from_footers_and_adapters_from_the_column(tmp_path, tiny_model):
     """What the driver learns before any worker starts: the largest size (planned for, from row
     group statistics) and every adapter a row names (refused when it is neither a path nor a hub id)."""
-    from jobs.models import resolve_adapters
-    from jobs.sharding import distinct_strings, largest
+    from fleetgen.jobs.models import resolve_adapters
+    from fleetgen.jobs.sharding import distinct_strings, largest
 
     lora = tmp_path / "a.safetensors"
     lora.write_bytes(b"")

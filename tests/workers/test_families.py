@@ -8,16 +8,16 @@ import pyarrow.parquet as pq
 import pytest
 
 from fleetgen.errors import ConfigError
-from jobs.config import JobConfig, validate
-from jobs.driver import run_job
-from jobs.models import describe, resolve_defaults
-from jobs.sharding import plan_shards, read_footer, resolve_columns
+from fleetgen.jobs.config import JobConfig, validate
+from fleetgen.jobs.driver import run_job
+from fleetgen.jobs.models import describe, resolve_defaults
+from fleetgen.jobs.sharding import plan_shards, read_footer, resolve_columns
+from fleetgen.workers.families.detect import FAMILIES
+from fleetgen.workers.rows.shard import Columns
+from fleetgen.workers.spec import GenerationSettings, WorkerSpec
+from fleetgen.workers.tiny.model import write_tiny_model
+from fleetgen.workers.worker import Worker
 from tests.conftest import run_one_shard, write_prompts
-from workers.families import FAMILIES
-from workers.shard import Columns
-from workers.spec import GenerationSettings, WorkerSpec
-from workers.tiny_model import write_tiny_model
-from workers.worker import Worker
 
 TINY = {"width": 64, "height": 64, "device": "cpu", "workers": 1}
 LONG = " ".join(["a red fox in the forest at night"] * 15)  # 120 words: 122 tokens here
@@ -149,7 +149,7 @@ def test_safety_checker_flags_are_filtered_rows(tmp_path, ray_cluster):
     from diffusers.pipelines.stable_diffusion.safety_checker import StableDiffusionSafetyChecker
     from transformers import CLIPConfig, CLIPImageProcessor
 
-    from workers.tiny_model import build_tiny_pipeline
+    from fleetgen.workers.tiny.model import build_tiny_pipeline
 
     pipe = build_tiny_pipeline()
     torch.manual_seed(0)
@@ -204,7 +204,7 @@ def test_safety_checker_flags_are_filtered_rows(tmp_path, ray_cluster):
         progress_stream=io.StringIO(),
     )
     assert (summary.images_ok, summary.images_filtered, summary.images_error) == (0, 2, 0)
-    from jobs.inspect import job_state, status_text
+    from fleetgen.jobs.status import job_state, status_text
 
     assert "2 filtered by the safety checker" in status_text(job_state(str(tmp_path / "job")))
 
@@ -214,8 +214,8 @@ def test_any_other_pipeline_is_called_with_only_what_it_takes(tmp_path):
     prompt; a negative-prompt column is noted per row instead of breaking the call."""
     from diffusers import LatentConsistencyModelPipeline, LCMScheduler, UNet2DConditionModel
 
-    from workers.families import GENERIC, read_family
-    from workers.tiny_model import build_tiny_pipeline
+    from fleetgen.workers.families.detect import GENERIC, read_family
+    from fleetgen.workers.tiny.model import build_tiny_pipeline
 
     sd = build_tiny_pipeline()
     unet = UNet2DConditionModel(**{**sd.unet.config, "time_cond_proj_dim": 32})
@@ -244,7 +244,7 @@ def test_any_other_pipeline_is_called_with_only_what_it_takes(tmp_path):
 
 @pytest.mark.parametrize("family", ["sdxl", "sd3", "flux", "pixart-sigma", "sana"])
 def test_plan_works_on_every_family_directory(family, models, capsys):
-    from jobs.cli import main
+    from fleetgen.jobs.cli import main
 
     assert (
         main(

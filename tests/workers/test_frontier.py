@@ -15,17 +15,17 @@ import pytest
 from PIL import Image as PILImage
 
 from fleetgen.errors import ConfigError, ShardError
-from jobs.config import JobConfig, validate
-from jobs.models import check_generic, describe, resolve_defaults
-from jobs.sharding import plan_shards, read_footer, resolve_columns
+from fleetgen.jobs.config import JobConfig, validate
+from fleetgen.jobs.models import check_generic, describe, resolve_defaults
+from fleetgen.jobs.sharding import plan_shards, read_footer, resolve_columns
+from fleetgen.workers.families.detect import FAMILIES, call_kwargs, identify_dir
+from fleetgen.workers.families.model_dir import size_multiple
+from fleetgen.workers.pipeline.load import pipe_size_multiple
+from fleetgen.workers.rows.shard import Columns
+from fleetgen.workers.spec import GenerationSettings, WorkerSpec
+from fleetgen.workers.tiny.model import TINY_FAMILIES, write_tiny_model
+from fleetgen.workers.worker import Worker
 from tests.conftest import write_prompts
-from workers.families import FAMILIES, call_kwargs, identify_dir
-from workers.model_dir import size_multiple
-from workers.pipeline import pipe_size_multiple
-from workers.shard import Columns
-from workers.spec import GenerationSettings, WorkerSpec
-from workers.tiny_model import TINY_FAMILIES, write_tiny_model
-from workers.worker import Worker
 
 # What each model's card (its published example call) and the pipeline's `__call__` say, written
 # here independently of the table: (steps, guidance, dtype, how a negative prompt is taken).
@@ -72,8 +72,8 @@ def _run(model, out, family, path, **settings) -> dict:
 
 
 def test_every_entry_has_a_tiny_model_and_a_cli_choice():
-    from jobs.cli import _parser
-    from workers.family_table import NO_TINY
+    from fleetgen.jobs.cli import _parser
+    from fleetgen.workers.families.table import NO_TINY
 
     # none added without a reason (family_table.py)
     assert NO_TINY == {"qwen-image-edit", "qwen-image-edit-plus", "wan-ti2v"}
@@ -286,8 +286,8 @@ def test_a_pipelines_own_warning_reaches_the_log_once_per_worker(models, tmp_pat
 
 @pytest.mark.parametrize("family", ["qwen-image"])
 def test_a_frontier_job_end_to_end_verifies_deep(family, models, tmp_path, ray_cluster):
-    from jobs.driver import run_job
-    from jobs.verify import verify
+    from fleetgen.jobs.driver import run_job
+    from fleetgen.jobs.verify import verify
 
     prompts = write_prompts(tmp_path / "p.parquet", ["a red fox", "a blue owl", "a green tree"])
     log = io.StringIO()

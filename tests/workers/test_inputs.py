@@ -13,12 +13,13 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from jobs.sharding import plan_shards, read_footer, resolve_columns
-from workers.inputs import InputRef, Prefetcher, fitted, load, refs_of
-from workers.shard import Columns
-from workers.spec import GenerationSettings, WorkerSpec
-from workers.tiny_model import write_tiny_model
-from workers.worker import Worker
+import fleetgen.workers.rows.inputs
+from fleetgen.jobs.sharding import plan_shards, read_footer, resolve_columns
+from fleetgen.workers.rows.inputs import InputRef, Prefetcher, fitted, load, refs_of
+from fleetgen.workers.rows.shard import Columns
+from fleetgen.workers.spec import GenerationSettings, WorkerSpec
+from fleetgen.workers.tiny.model import write_tiny_model
+from fleetgen.workers.worker import Worker
 
 STRUCT = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
 
@@ -111,7 +112,7 @@ def test_oversized_corrupt_and_truncated_inputs_say_why(tmp_path):
 def test_prefetch_reads_ahead_within_its_window():
     from dataclasses import dataclass
 
-    from workers.batches import Look
+    from fleetgen.workers.rows.batches import Look
 
     @dataclass(frozen=True)
     class Im:
@@ -122,10 +123,9 @@ def test_prefetch_reads_ahead_within_its_window():
     refs = [(InputRef("image", "bytes", png("red", (8, 8 + i))),) for i in range(10)]
     images = [Im(str(i), refs[i]) for i in range(10)] + [Im("9-again", refs[9])]  # a row's second image
     reads = []
-    import workers.inputs
 
-    real = workers.inputs.load_all
-    workers.inputs.load_all = lambda *a: (reads.append(a[0]), real(*a))[1]
+    real = fleetgen.workers.rows.inputs.load_all
+    fleetgen.workers.rows.inputs.load_all = lambda *a: (reads.append(a[0]), real(*a))[1]
     prefetch = Prefetcher(images, "crop", window=3, threads=2)
     try:
         assert prefetch.take(images[0])[1] is None
@@ -137,7 +137,7 @@ def test_prefetch_reads_ahead_within_its_window():
         assert not prefetch.futures and sorted(reads, key=refs.index) == refs  # each read once, the repeat too
     finally:
         prefetch.close()
-        workers.inputs.load_all = real
+        fleetgen.workers.rows.inputs.load_all = real
 
 
 # --- tasks on the tiny pipelines ------------------------------------------------------------
@@ -309,8 +309,8 @@ def test_resume_refuses_inputs_replaced_under_the_same_path(tiny_model, tmp_path
     import os
 
     from fleetgen.errors import ConfigError
-    from jobs.inputs import check_unchanged
-    from workers.storage import Output
+    from fleetgen.jobs.inputs import check_unchanged
+    from fleetgen.workers.output.storage import Output
 
     (tmp_path / "a.png").write_bytes(png("red"))
     (tmp_path / "b.png").write_bytes(png("blue"))

@@ -11,14 +11,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from fleetgen.errors import ConfigError, OffloadError, StorageError
-from jobs.config import JobConfig, validate
-from jobs.models import resolve_adapters, resolve_defaults
-from jobs.sharding import plan_shards, read_footer, resolve_columns
-from offload.formats import normalized, parse_quantize
+from fleetgen.jobs.config import JobConfig, validate
+from fleetgen.jobs.models import resolve_adapters, resolve_defaults
+from fleetgen.jobs.sharding import plan_shards, read_footer, resolve_columns
+from fleetgen.offload.weight_formats import normalized, parse_quantize
+from fleetgen.workers.rows.shard import Columns
+from fleetgen.workers.spec import GenerationSettings, WorkerSpec
+from fleetgen.workers.worker import Worker
 from tests.conftest import make_job, pixels, run_one_shard, write_prompts
-from workers.shard import Columns
-from workers.spec import GenerationSettings, WorkerSpec
-from workers.worker import Worker
 
 MIN_PSNR = 30.0  # dB against the unquantized images of the same seeds (tiny SD, 4 steps: ~45 measured)
 
@@ -113,7 +113,7 @@ def test_what_cannot_be_quantized_is_refused_before_any_worker(tiny_model, tmp_p
 
 
 def test_the_mapping_is_part_of_the_jobs_fingerprint(tiny_model, tmp_path, ray_cluster):
-    from jobs.driver import run_job
+    from fleetgen.jobs.driver import run_job
 
     prompts = write_prompts(tmp_path / "p.parquet", ["a red fox", "a blue owl"])
     out = tmp_path / "out"
@@ -126,7 +126,7 @@ def test_the_mapping_is_part_of_the_jobs_fingerprint(tiny_model, tmp_path, ray_c
 
 
 def test_plan_counts_float8_bytes_and_loads_at_the_run_dtype(capsys):
-    from jobs.cli import main
+    from fleetgen.jobs.cli import main
 
     args = ["plan", "--model", "flux.2-dev", "--gpu-memory", "24GiB", "--host-memory", "128GiB", "--json"]
     assert main(args) == 0
@@ -142,7 +142,7 @@ def test_plan_counts_float8_bytes_and_loads_at_the_run_dtype(capsys):
 
 
 def test_a_job_started_before_quantize_existed_still_resumes():
-    from jobs.state import _differences
+    from fleetgen.jobs.state import _differences
 
     new = {"generation": {"steps": 2, "quantize": "none"}}
     assert _differences({"generation": {"steps": 2}}, new) == []

@@ -1,7 +1,7 @@
 import torch
 
-from workers.layout import image_key, manifest_key, unsafe_id_reason
-from workers.seeds import MAX_SEED, derive_seed, generators
+from fleetgen.workers.output.layout import image_key, manifest_key, unsafe_id_reason
+from fleetgen.workers.rows.seeds import MAX_SEED, derive_seed, generators
 
 
 def test_derived_seed_is_stable_and_spread():

@@ -12,12 +12,12 @@ import torch
 
 from fleetgen.attention import CANDIDATES, EXACT, INEXACT, fingerprinted, parse_attention
 from fleetgen.errors import ConfigError, OffloadError
-from jobs.state import _differences
-from offload.stats import find_groups
+from fleetgen.jobs.state import _differences
+from fleetgen.offload.stats import find_groups
+from fleetgen.workers.pipeline.attention import dispatched
+from fleetgen.workers.spec import GenerationSettings
+from fleetgen.workers.tiny.model import write_tiny_model
 from tests.conftest import make_job, pixels, run_one_shard, write_prompts
-from workers.attention import dispatched
-from workers.spec import GenerationSettings
-from workers.tiny_model import write_tiny_model
 
 FLUX = GenerationSettings(steps=3, guidance=3.5, width=64, height=64, family="flux")
 
@@ -123,10 +123,10 @@ def test_compiled_under_offloading_and_again_after_an_oom_step_down(tiny_model, 
     """Regional compilation of the tiny SD UNet's transformer blocks while resident; an OOM (injected
     while the UNet is resident) leans the plan, and the worker takes compilation off, re-applies
     offloading, compiles again: the images match the uncompiled ones within rounding."""
-    from jobs.sharding import plan_shards, read_footer, resolve_columns
-    from workers.shard import Columns
-    from workers.spec import WorkerSpec
-    from workers.worker import Worker
+    from fleetgen.jobs.sharding import plan_shards, read_footer, resolve_columns
+    from fleetgen.workers.rows.shard import Columns
+    from fleetgen.workers.spec import WorkerSpec
+    from fleetgen.workers.worker import Worker
 
     settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64)
     _, plain = run_one_shard(tiny_model, tmp_path / "plain", prompts, settings, max_batch=1)
@@ -178,11 +178,11 @@ def test_lora_switches_recompile_per_adapter_and_scale_kind_not_per_switch(tiny_
     one per switch — and each look's images are the uncompiled worker's within rounding."""
     import pyarrow as pa
 
-    from jobs.sharding import plan_shards, read_footer, resolve_columns
-    from workers.shard import Columns
-    from workers.spec import WorkerSpec
-    from workers.tiny_model import write_tiny_lora
-    from workers.worker import Worker
+    from fleetgen.jobs.sharding import plan_shards, read_footer, resolve_columns
+    from fleetgen.workers.rows.shard import Columns
+    from fleetgen.workers.spec import WorkerSpec
+    from fleetgen.workers.tiny.model import write_tiny_lora
+    from fleetgen.workers.worker import Worker
 
     a = str(write_tiny_lora(tmp_path / "a.safetensors", tiny_model, seed=1))
     b = str(write_tiny_lora(tmp_path / "b.safetensors", tiny_model, seed=2))

@@ -3,8 +3,8 @@ import threading
 import pytest
 
 from fleetgen.errors import StorageError
-from workers import policy, storage
-from workers.storage import Output
+from fleetgen.workers.output import policy, storage
+from fleetgen.workers.output.storage import Output
 
 
 def test_storage_retries_a_transient_fault_and_names_the_url_of_a_persistent_one(tmp_path, monkeypatch):

@@ -15,13 +15,13 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from jobs.sharding import plan_shards, read_footer, resolve_columns
-from jobs.verify import verify
-from workers.shard import Columns
-from workers.spec import GenerationSettings, WorkerSpec
-from workers.tiny_model import write_tiny_model
-from workers.video import Clip, encode_clip, first_frame, read_clip
-from workers.worker import Worker
+from fleetgen.jobs.sharding import plan_shards, read_footer, resolve_columns
+from fleetgen.jobs.verify import verify
+from fleetgen.workers.output.video import Clip, encode_clip, first_frame, read_clip
+from fleetgen.workers.rows.shard import Columns
+from fleetgen.workers.spec import GenerationSettings, WorkerSpec
+from fleetgen.workers.tiny.model import write_tiny_model
+from fleetgen.workers.worker import Worker
 
 FAST = {"steps": 2, "guidance": 5.0, "width": 64, "height": 48, "num_frames": 5, "fps": 16.0}
 
@@ -214,9 +214,9 @@ def test_ltx_makes_clips_from_text_and_from_images_with_its_frame_rate(wan, tmp_
     assert manifest["a"]["status"] == "ok" and manifest["a"]["inputs"][0]["role"] == "image"
     assert "not 8k+1" in manifest["b"]["error"]  # LTX makes 8k+1 frames: 12 would be rounded
     # the clip's rate is the pipeline's `frame_rate` (LTX conditions on it), from the row's fps
-    from workers.batches import Look
-    from workers.fit import FittedPipeline
-    from workers.spec import Source, Workload
+    from fleetgen.workers.pipeline.fitted import FittedPipeline
+    from fleetgen.workers.rows.batches import Look
+    from fleetgen.workers.spec import Source, Workload
 
     fitted = FittedPipeline(Source(wan["ltx-video"], "ltx-video", "cpu", task="text-to-video"), Workload())
     look = Look(64, 64, 2, 3.0, extra=(("num_frames", 9), ("fps", 12.0)))
@@ -230,7 +230,7 @@ def test_a_clip_that_runs_out_of_memory_steps_down_never_to_fewer_frames(wan, tm
     batch, then leans the plan; every clip still has the frames asked."""
     import torch
 
-    from offload.stats import find_groups
+    from fleetgen.offload.stats import find_groups
 
     path = tmp_path / "p.parquet"
     pq.write_table(pa.table({"id": ["a", "b"], "prompt": ["a cat", "a dog"], "num_frames": [9, 9]}), path)
@@ -263,9 +263,9 @@ def test_hunyuanvideo15_is_guided_through_its_guider(wan, tmp_path):
     manifest, out = run(wan["hunyuanvideo-1.5"], tmp_path, rows, **settings)
     assert {k: read_clip((out / r["image"]).read_bytes()).frames for k, r in manifest.items()} == {"a": 9, "b": 9}
     assert {r["guidance"] for r in manifest.values()} == {3.0}
-    from workers.batches import Look
-    from workers.fit import FittedPipeline
-    from workers.spec import Source, Workload
+    from fleetgen.workers.pipeline.fitted import FittedPipeline
+    from fleetgen.workers.rows.batches import Look
+    from fleetgen.workers.spec import Source, Workload
 
     fitted = FittedPipeline(
         Source(wan["hunyuanvideo-1.5"], "hunyuanvideo-1.5", "cpu", task="text-to-video"), Workload()

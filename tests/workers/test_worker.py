@@ -11,12 +11,13 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from jobs.sharding import plan_shards, read_footer, resolve_columns
+import fleetgen.workers.pipeline.fitted
+from fleetgen.jobs.sharding import plan_shards, read_footer, resolve_columns
+from fleetgen.workers.output.layout import MANIFEST_SCHEMA
+from fleetgen.workers.rows.shard import Columns
+from fleetgen.workers.spec import GenerationSettings, ShardResult, WorkerSpec
+from fleetgen.workers.worker import Worker
 from tests.conftest import FAST, write_prompts
-from workers.layout import MANIFEST_SCHEMA
-from workers.shard import Columns
-from workers.spec import GenerationSettings, ShardResult, WorkerSpec
-from workers.worker import Worker
 
 PROMPTS = ["a red fox", None, "a blue owl in the forest", "sunset over the sea", "a small robot"]
 IDS = ["fox", "null", "owl", "sea", "../escape"]
@@ -86,7 +87,7 @@ def test_files_output_and_manifest(tiny_model, shard_input, tmp_path):
 def test_progress_counts_every_image_whether_stored_inline_or_behind(tiny_model, shard_input, tmp_path, depth):
     """The writer drops each picture once encoded: a batch's images are counted before it takes
     them (inline, depth 0, it always has by then; behind, it may have: a race CI once lost)."""
-    from workers.writer import Writer
+    from fleetgen.workers.output.writer import Writer
 
     shard, _ = shard_input
     worker = make_worker(tiny_model, tmp_path)
@@ -225,7 +226,7 @@ def test_out_of_memory_steps_down_batch_then_plan(tiny_model, shard_input, tmp_p
     )
     assert worker.batch_size == 2 and set(worker.plan.modes.values()) == {"resident"}
 
-    from offload.stats import find_groups
+    from fleetgen.offload.stats import find_groups
 
     def fail_while_resident(module, args):
         if not find_groups(module):
@@ -249,7 +250,7 @@ def test_an_oom_in_the_sdxl_decode_leaves_the_vae_as_it_was(shard_input, tmp_pat
     and bias type (float)"), the whole shard with it. Now the step-down's smaller batch succeeds."""
     import torch
 
-    from workers.tiny_model import build_tiny_sdxl
+    from fleetgen.workers.tiny.model import build_tiny_sdxl
 
     shard, _ = shard_input
     pipe = build_tiny_sdxl(0).to(torch.float16)
@@ -329,8 +330,8 @@ def test_a_worker_that_cannot_start_leaves_a_given_pipeline_without_hooks(tmp_pa
     """bench/gpu_check.py hands one pipeline to many workers: one that fails after applying its plan
     must not leave its hooks (the next plan would keep them) or its parts on the device."""
     from fleetgen.errors import OffloadError
-    from offload.apply import offload_hooks
-    from workers.tiny_model import build_tiny_flux
+    from fleetgen.offload.apply import offload_hooks
+    from fleetgen.workers.tiny.model import build_tiny_flux
 
     pipe = build_tiny_flux()
     settings = GenerationSettings(steps=2, guidance=3.5, width=64, height=64, family="flux")
@@ -344,19 +345,18 @@ def test_a_worker_that_cannot_start_leaves_a_given_pipeline_without_hooks(tmp_pa
         offload="block",
         gpu_memory=2**30,
     )
-    import workers.fit
 
-    real = workers.fit.OffloadStats
+    real = fleetgen.workers.pipeline.fitted.OffloadStats
 
     def failing(*args, **kwargs):  # fails after the plan was applied, as a warm-up OOM would
         raise OffloadError("injected: could not start")
 
-    workers.fit.OffloadStats = failing
+    fleetgen.workers.pipeline.fitted.OffloadStats = failing
     try:
         with pytest.raises(OffloadError, match="injected"):
             Worker(spec, pipe=pipe)
     finally:
-        workers.fit.OffloadStats = real
+        fleetgen.workers.pipeline.fitted.OffloadStats = real
     assert offload_hooks(pipe) == 0
     Worker(spec, pipe=pipe).close()  # the same pipeline takes a plan again
     assert offload_hooks(pipe) == 0
@@ -392,7 +392,7 @@ def test_encoding_and_storing_overlap_the_next_pipeline_call(tiny_model, tmp_pat
     import threading
     import time as clock
 
-    from workers.writer import WRITE_AHEAD
+    from fleetgen.workers.output.writer import WRITE_AHEAD
 
     path = write_prompts(tmp_path / "p.parquet", [f"prompt {i}" for i in range(8)], id=[f"i{i}" for i in range(8)])
     files = [read_footer(str(path))]

@@ -1,0 +1,7 @@
+"""`python -m fleetgen ...` is `fleetgen ...`."""
+
+import sys
+
+from fleetgen.jobs.cli import main
+
+sys.exit(main())

@@ -1,0 +1,100 @@
+"""Reading a job from its output location alone: `fleetgen status` and `fleetgen report`."""
+
+from __future__ import annotations
+
+import json
+
+from fleetgen.errors import FleetgenError
+from fleetgen.jobs.fleet import fleet_lines
+from fleetgen.jobs.lock import live_lock
+from fleetgen.jobs.state import shard_counts
+from fleetgen.workers.output.layout import FLEET, JOB, SUCCESS, SUMMARY, WORKERS
+from fleetgen.workers.output.storage import Output
+from fleetgen.workers.spec import makes_clips
+
+
+def _json(out: Output, key: str) -> dict | None:
+    try:
+        return json.loads(out.get(key))
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def job_state(url: str) -> dict:
+    """What OUT says about its job: counts from the manifests' footers (or the counts index), the
+    running driver (if its heartbeat is fresh), per-worker figures, failures, and an ETA from the
+    workers' rates. No manifest rows are read (`report` reads a sample)."""
+    out = Output(url)
+    job = _json(out, JOB)
+    if job is None:
+        raise FleetgenError(f"{out.url} holds no fleetgen job (no {JOB}).")
+    if "fingerprint" not in job:
+        raise FleetgenError(f"{out.key_url(JOB)} is not a fleetgen job record (no fingerprint).")
+    counts = shard_counts(out)
+    committed = sorted(counts)
+    total_rows = sum(f["rows"] for f in job["fingerprint"]["input"])
+    workers = [w for w in (_json(out, f"{WORKERS}/{name}") for name in out.list(WORKERS, ".json")) if w]
+    lock = live_lock(out) or {}
+    running = bool(lock)
+    rate = sum((w.get("stats") or {}).get("images_per_second") or 0 for w in workers) if running else 0
+    rows_done = sum(c["rows"] for c in counts.values())  # a row may make several images
+    images = sum(c["images"] for c in counts.values())
+    left = (total_rows - rows_done) * (images / rows_done if rows_done else 1)  # images still to make
+    summary = _json(out, SUMMARY)
+    return {
+        "url": out.url,
+        "job": job,
+        "complete": out.exists(SUCCESS),
+        "running": running,
+        "driver": lock.get("owner") if running else None,
+        "shards_total": job.get("shards_total") or -(-total_rows // job["fingerprint"]["generation"]["rows_per_shard"]),
+        "shards_committed": len(committed),
+        "rows_total": total_rows,
+        "rows_done": rows_done,
+        "images_ok": sum(c["ok"] for c in counts.values()),
+        "images_filtered": sum(c["filtered"] for c in counts.values()),
+        "images_error": sum(c["images"] - c["ok"] - c["filtered"] for c in counts.values()),
+        "failures": (summary or {}).get("failures", []),
+        "workers": workers,
+        "fleet": _json(out, FLEET),
+        "workers_failed": (summary or {}).get("workers_failed", []),
+        "eta_seconds": left / rate if rate and left else None,
+        "counts": counts,
+    }
+
+
+def status_text(state: dict) -> str:
+    fp = state["job"]["fingerprint"]
+    clips = makes_clips(fp["generation"])  # a video task: counts are clips
+    unit = "clips" if clips else "images"
+    lines = [
+        f"job at {state['url']}: model {fp['model']}",
+        "state: "
+        + (
+            "complete"
+            if state["complete"]
+            else f"running ({state['driver']})"
+            if state["running"]
+            else "stopped or failed (no driver running; rerun the same command to resume)"
+        ),
+        f"shards {state['shards_committed']}/{state['shards_total']} committed, rows {state['rows_done']}/"
+        f"{state['rows_total']}: {state['images_ok']} {unit}, {state['images_error']} row errors"
+        + (f", {state['images_filtered']} filtered by the safety checker" if state["images_filtered"] else ""),
+    ]
+    if state["eta_seconds"]:
+        lines.append(f"ETA {state['eta_seconds'] / 60:.1f} min at the workers' current rates")
+    for f in state["failures"]:
+        lines.append(f"failed: {f['shard']} after {f['attempts']} attempt(s): {f['error']}")
+    lines += fleet_lines(state["fleet"])
+    for w in state["workers_failed"]:
+        lines.append(f"worker {w['worker']} could not run: {w['error']}")
+    for w in state["workers"]:
+        st = w.get("stats") or {}
+        rate = st.get("images_per_second") or 0
+        speed = f"{1 / rate:.1f} s/clip" if clips and rate else f"{rate:.2f} {'clips' if clips else 'img'}/s"
+        lines.append(
+            f"  {w['worker']}: {w['device']['name']}, batch {w.get('batch_size')}, "
+            f"{st.get('images', 0)} {unit}, {speed}, "
+            f"plan: {', '.join(f'{k} {v}' for k, v in w['plan']['modes'].items())}"
+        )
+    return "\n".join(lines)

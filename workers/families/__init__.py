@@ -1,0 +1,1 @@
+"""The family table: entries, tasks, detection of a model's family, model directories. No torch."""

@@ -1,0 +1,1 @@
+"""The fitted pipeline: load → plan → apply (quantization, offload, caches, attention, compile) → call."""

@@ -1,0 +1,1 @@
+"""A row's way to the device: shards, rows → work items → batches, input images, seeds."""
