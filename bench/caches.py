@@ -42,7 +42,7 @@ def small_flux(path: Path) -> Path:
     import torch
     from diffusers import FluxTransformer2DModel
 
-    from fleetgen.workers.tiny.model import build_tiny_flux
+    from fleetgen.workers.tiny.flux import build_tiny_flux
 
     pipe = build_tiny_flux(0, guidance_embeds=True)
     torch.manual_seed(7)

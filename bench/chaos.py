@@ -121,7 +121,7 @@ def main() -> None:
 
     from fleetgen.jobs.config import JobConfig, validate
     from fleetgen.jobs.driver import run_job
-    from fleetgen.workers.tiny.model import write_tiny_model
+    from fleetgen.workers.tiny import write_tiny_model
     from tests.conftest import FAST, write_prompts
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

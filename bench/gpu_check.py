@@ -118,7 +118,7 @@ def release_host_cache() -> None:
 
 
 def build(model: str, device: torch.device, dry: bool):
-    import fleetgen.workers.tiny.model as tiny
+    import fleetgen.workers.tiny as tiny
 
     architecture, family, dtype, tiny_builder, tiny_dtype = MODELS[model]
     if dry:

@@ -89,7 +89,7 @@ def main() -> None:
     from fleetgen.workers.rows.inputs import FETCH_THREADS, PREFETCH_IMAGES, Prefetcher
     from fleetgen.workers.rows.shard import Columns
     from fleetgen.workers.spec import GenerationSettings, WorkerSpec
-    from fleetgen.workers.tiny.model import write_tiny_model
+    from fleetgen.workers.tiny import write_tiny_model
 
     results = []
     try:

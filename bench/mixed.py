@@ -94,7 +94,7 @@ def main() -> None:
 
     from fleetgen.jobs.sharding import read_footer, resolve_columns
     from fleetgen.workers.rows.shard import Columns
-    from fleetgen.workers.tiny.model import write_tiny_lora, write_tiny_model
+    from fleetgen.workers.tiny import write_tiny_lora, write_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="fleetgen-bench-mixed-"))
     model = str(write_tiny_model(tmp / "tiny"))

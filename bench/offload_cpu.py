@@ -34,7 +34,7 @@ from fleetgen.offload import (  # noqa: E402
     profile_pipeline,
 )
 from fleetgen.offload.architectures import NAMES, build_on_meta  # noqa: E402
-from fleetgen.workers.tiny.model import write_tiny_model  # noqa: E402
+from fleetgen.workers.tiny import write_tiny_model  # noqa: E402
 
 CASES = {  # model size -> (level, images, batch, steps)
     "tiny": ("leaf", 8, 4, 8),  # leaf level: the most groups, so the most hook calls per forward

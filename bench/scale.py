@@ -163,7 +163,7 @@ def main() -> None:
     parser.add_argument("--before", help="a checkout of an earlier fleetgen: its `status` is timed on the same output")
     parser.add_argument("--json")
     args = parser.parse_args()
-    from fleetgen.workers.tiny.model import write_tiny_model
+    from fleetgen.workers.tiny import write_tiny_model
 
     fleetgen = [sys.executable, "-m", "jobs"]
     results = []

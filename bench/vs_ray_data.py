@@ -130,7 +130,7 @@ def main() -> None:
 
     from bench.chaos import Killer
     from fleetgen.jobs.demo import write_prompts
-    from fleetgen.workers.tiny.model import write_tiny_model
+    from fleetgen.workers.tiny import write_tiny_model
 
     # one CPU more than the workers: Ray Data's read tasks need one while its actors hold theirs
     ray.init(num_cpus=WORKERS + 1, include_dashboard=False, log_to_driver=False)

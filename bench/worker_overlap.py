@@ -131,7 +131,7 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     from fleetgen.workers.output.writer import WRITE_AHEAD
-    from fleetgen.workers.tiny.model import write_tiny_model
+    from fleetgen.workers.tiny import write_tiny_model
     from tests.conftest import write_prompts
 
     tmp = Path(tempfile.mkdtemp(prefix="fleetgen-bench-overlap-"))

@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             return code
         if args.command == "tiny-model":
             from fleetgen.workers.families.detect import identify_dir
-            from fleetgen.workers.tiny.model import write_tiny_model
+            from fleetgen.workers.tiny import write_tiny_model
 
             path = write_tiny_model(args.dir, seed=args.seed, size=args.size, family=args.family)
             detected, why = identify_dir(path)

@@ -30,7 +30,7 @@ def write_prompts(path: Path, n: int = 48, row_group_size: int = 16) -> Path:
 
 def prepare(directory: str) -> JobConfig:
     """Build the tiny model and the prompt file under `directory` (once), and the job over them."""
-    from fleetgen.workers.tiny.model import write_tiny_model
+    from fleetgen.workers.tiny import write_tiny_model
 
     root = Path(directory).resolve()
     root.mkdir(parents=True, exist_ok=True)

@@ -164,7 +164,7 @@ def pixels(out, row):
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    from fleetgen.workers.tiny.model import write_tiny_model
+    from fleetgen.workers.tiny import write_tiny_model
 
     return str(write_tiny_model(tmp_path_factory.mktemp("models") / "tiny"))
 

@@ -16,7 +16,6 @@ import pyarrow as pa
 import torch
 
 from fleetgen.errors import ShardError, StorageError
-from fleetgen.workers.families.detect import prompt_note
 from fleetgen.workers.info import describe, worker_info
 from fleetgen.workers.output.commit import (
     check_fence,
@@ -34,6 +33,7 @@ from fleetgen.workers.output.layout import manifest_key, worker_key
 from fleetgen.workers.output.storage import Output
 from fleetgen.workers.output.video import Clip
 from fleetgen.workers.output.writer import Made, Writer, encode_and_store
+from fleetgen.workers.pipeline.calls import prompt_note
 from fleetgen.workers.pipeline.fitted import FittedPipeline
 from fleetgen.workers.records import Records
 from fleetgen.workers.rows.batches import Image, group_images, shard_images

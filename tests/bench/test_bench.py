@@ -36,7 +36,7 @@ def test_streams_on_cuda_give_the_same_latents():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     from fleetgen.offload import OffloadPlan, Placement, apply, profile_pipeline
-    from fleetgen.workers.tiny.model import build_tiny_flux
+    from fleetgen.workers.tiny.flux import build_tiny_flux
 
     def run(placements):
         pipe = build_tiny_flux()

@@ -170,7 +170,7 @@ def test_a_job_run_as_dotdot_lands_where_every_command_looks(reference, tiny_mod
 def test_a_rebuilt_model_refuses_to_resume_and_progress_counts_as_the_summary(
     tiny_model, tmp_path, ray_cluster, capsys
 ):
-    from fleetgen.workers.tiny.model import write_tiny_model
+    from fleetgen.workers.tiny import write_tiny_model
 
     model = str(write_tiny_model(tmp_path / "model", seed=0))
     prompts = write_prompts(tmp_path / "p.parquet", ["a cat", None, "a dog", "", "an owl", "a fox"])

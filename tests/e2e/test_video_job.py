@@ -15,7 +15,7 @@ import pytest
 from fleetgen.jobs.cli import main
 from fleetgen.jobs.driver import run_job
 from fleetgen.workers.output.video import read_clip
-from fleetgen.workers.tiny.model import write_tiny_model
+from fleetgen.workers.tiny import write_tiny_model
 from tests.conftest import make_job, run_args, start_driver, wait_for_commits, write_prompts
 
 ROWS = 12

@@ -13,7 +13,7 @@ from fleetgen.jobs.config import make_config
 from fleetgen.jobs.models import resolve_defaults
 from fleetgen.jobs.sharding import read_footer, resolve_columns
 from fleetgen.workers.rows.shard import Columns
-from fleetgen.workers.tiny.model import write_tiny_model
+from fleetgen.workers.tiny import write_tiny_model
 from tests.conftest import FAST, ROOT, run_args, write_prompts
 
 FLUX = {**FAST, "steps": 8}  # enough steps for the caches to predict some

@@ -12,7 +12,7 @@ import pytest
 
 from fleetgen.errors import ConfigError
 from fleetgen.jobs.driver import run_job
-from fleetgen.workers.tiny.model import write_tiny_model
+from fleetgen.workers.tiny import write_tiny_model
 from tests.conftest import HUB_PORT, make_job, write_prompts
 from tests.hub_server import HubServer, Repo
 
@@ -91,7 +91,7 @@ def test_two_workers_on_one_node_download_the_variant_files_once(hub, ray_cluste
     server, root = hub
     both = root / "variant"
     write_tiny_model(both, seed=0)
-    from fleetgen.workers.tiny.model import build_tiny_pipeline
+    from fleetgen.workers.tiny import build_tiny_pipeline
 
     build_tiny_pipeline(seed=3).save_pretrained(both, variant="fp16")
     repo = server.repos["org/tiny-variant"] = Repo()

@@ -12,7 +12,7 @@ from fleetgen.jobs.config import JobConfig, validate
 from fleetgen.jobs.models import describe, resolve_defaults
 from fleetgen.workers.families.detect import identify, identify_dir
 from fleetgen.workers.rows.shard import Columns
-from fleetgen.workers.tiny.model import write_tiny_model
+from fleetgen.workers.tiny import write_tiny_model
 from tests.conftest import write_prompts
 
 NO_COLUMNS = Columns("prompt", None, None, None)

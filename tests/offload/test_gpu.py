@@ -7,7 +7,7 @@ import torch
 
 from fleetgen.offload import OffloadPlan, Placement, apply, profile_pipeline
 from fleetgen.offload.apply import offload_hooks, unapply
-from fleetgen.workers.tiny.model import build_tiny_flux
+from fleetgen.workers.tiny.flux import build_tiny_flux
 
 
 def latents(pipe):

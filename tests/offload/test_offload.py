@@ -23,7 +23,7 @@ from fleetgen.offload import (
 from fleetgen.offload.architectures import NAMES, build_on_meta
 from fleetgen.offload.cost import MARGIN
 from fleetgen.units import parse_size
-from fleetgen.workers.tiny.model import build_tiny_flux
+from fleetgen.workers.tiny.flux import build_tiny_flux
 
 GiB = 2**30
 

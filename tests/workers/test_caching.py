@@ -21,7 +21,8 @@ from fleetgen.offload.cost import Placement
 from fleetgen.workers.pipeline.caching import AppliedCache
 from fleetgen.workers.rows.shard import Columns
 from fleetgen.workers.spec import GenerationSettings
-from fleetgen.workers.tiny.model import build_tiny_flux, write_tiny_model
+from fleetgen.workers.tiny import write_tiny_model
+from fleetgen.workers.tiny.flux import build_tiny_flux
 from tests.conftest import make_job, pixels, run_one_shard, write_prompts
 
 STEPS = 12
@@ -171,7 +172,7 @@ def test_each_cacheable_family_runs_taylorseer_and_first_block_or_says_why(famil
     applies it. A `FAILS` entry must still fail (when diffusers fixes it, this fails: remove it)."""
     from fleetgen.workers.families.table import FAMILIES
     from fleetgen.workers.pipeline.caching import FAILS, names_contexts
-    from fleetgen.workers.tiny.model import TINY_FAMILIES
+    from fleetgen.workers.tiny import TINY_FAMILIES
 
     for method in ("taylorseer:interval=2,warmup=1", "first-block:0.3"):
         pipe = TINY_FAMILIES[family](0)

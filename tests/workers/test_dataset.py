@@ -249,7 +249,7 @@ def test_webdataset_output_reads_with_webdataset_and_wids(ray_cluster, tiny_mode
 def test_mixed_sizes_and_adapters_batch_by_look(tiny_model, tmp_path):
     """Rows of 2 sizes x (no adapter, adapter A, adapter B): each pipeline call holds one look, each
     image records its own settings, an adapter changes the image and its bytes are planned for."""
-    from fleetgen.workers.tiny.model import write_tiny_lora
+    from fleetgen.workers.tiny import write_tiny_lora
 
     a = str(write_tiny_lora(tmp_path / "loras" / "a.safetensors", tiny_model, seed=1))
     b = str(write_tiny_lora(tmp_path / "loras" / "b.safetensors", tiny_model, seed=2))

@@ -15,7 +15,7 @@ from fleetgen.jobs.sharding import plan_shards, read_footer, resolve_columns
 from fleetgen.workers.families.detect import FAMILIES
 from fleetgen.workers.rows.shard import Columns
 from fleetgen.workers.spec import GenerationSettings, WorkerSpec
-from fleetgen.workers.tiny.model import write_tiny_model
+from fleetgen.workers.tiny import write_tiny_model
 from fleetgen.workers.worker import Worker
 from tests.conftest import run_one_shard, write_prompts
 
@@ -149,7 +149,7 @@ def test_safety_checker_flags_are_filtered_rows(tmp_path, ray_cluster):
     from diffusers.pipelines.stable_diffusion.safety_checker import StableDiffusionSafetyChecker
     from transformers import CLIPConfig, CLIPImageProcessor
 
-    from fleetgen.workers.tiny.model import build_tiny_pipeline
+    from fleetgen.workers.tiny import build_tiny_pipeline
 
     pipe = build_tiny_pipeline()
     torch.manual_seed(0)
@@ -215,7 +215,7 @@ def test_any_other_pipeline_is_called_with_only_what_it_takes(tmp_path):
     from diffusers import LatentConsistencyModelPipeline, LCMScheduler, UNet2DConditionModel
 
     from fleetgen.workers.families.detect import GENERIC, read_family
-    from fleetgen.workers.tiny.model import build_tiny_pipeline
+    from fleetgen.workers.tiny import build_tiny_pipeline
 
     sd = build_tiny_pipeline()
     unet = UNet2DConditionModel(**{**sd.unet.config, "time_cond_proj_dim": 32})

@@ -18,12 +18,13 @@ from fleetgen.errors import ConfigError, ShardError
 from fleetgen.jobs.config import JobConfig, validate
 from fleetgen.jobs.models import check_generic, describe, resolve_defaults
 from fleetgen.jobs.sharding import plan_shards, read_footer, resolve_columns
-from fleetgen.workers.families.detect import FAMILIES, call_kwargs, identify_dir
+from fleetgen.workers.families.detect import FAMILIES, identify_dir
 from fleetgen.workers.families.model_dir import size_multiple
+from fleetgen.workers.pipeline.calls import call_kwargs
 from fleetgen.workers.pipeline.load import pipe_size_multiple
 from fleetgen.workers.rows.shard import Columns
 from fleetgen.workers.spec import GenerationSettings, WorkerSpec
-from fleetgen.workers.tiny.model import TINY_FAMILIES, write_tiny_model
+from fleetgen.workers.tiny import TINY_FAMILIES, write_tiny_model
 from fleetgen.workers.worker import Worker
 from tests.conftest import write_prompts
 

@@ -18,7 +18,7 @@ from fleetgen.jobs.sharding import plan_shards, read_footer, resolve_columns
 from fleetgen.workers.rows.inputs import InputRef, Prefetcher, fitted, load, refs_of
 from fleetgen.workers.rows.shard import Columns
 from fleetgen.workers.spec import GenerationSettings, WorkerSpec
-from fleetgen.workers.tiny.model import write_tiny_model
+from fleetgen.workers.tiny import write_tiny_model
 from fleetgen.workers.worker import Worker
 
 STRUCT = pa.struct([("bytes", pa.binary()), ("path", pa.string())])

@@ -16,7 +16,7 @@ from fleetgen.jobs.state import _differences
 from fleetgen.offload.stats import find_groups
 from fleetgen.workers.pipeline.attention import dispatched
 from fleetgen.workers.spec import GenerationSettings
-from fleetgen.workers.tiny.model import write_tiny_model
+from fleetgen.workers.tiny import write_tiny_model
 from tests.conftest import make_job, pixels, run_one_shard, write_prompts
 
 FLUX = GenerationSettings(steps=3, guidance=3.5, width=64, height=64, family="flux")
@@ -181,7 +181,7 @@ def test_lora_switches_recompile_per_adapter_and_scale_kind_not_per_switch(tiny_
     from fleetgen.jobs.sharding import plan_shards, read_footer, resolve_columns
     from fleetgen.workers.rows.shard import Columns
     from fleetgen.workers.spec import WorkerSpec
-    from fleetgen.workers.tiny.model import write_tiny_lora
+    from fleetgen.workers.tiny import write_tiny_lora
     from fleetgen.workers.worker import Worker
 
     a = str(write_tiny_lora(tmp_path / "a.safetensors", tiny_model, seed=1))

@@ -20,7 +20,7 @@ from fleetgen.jobs.verify import verify
 from fleetgen.workers.output.video import Clip, encode_clip, first_frame, read_clip
 from fleetgen.workers.rows.shard import Columns
 from fleetgen.workers.spec import GenerationSettings, WorkerSpec
-from fleetgen.workers.tiny.model import write_tiny_model
+from fleetgen.workers.tiny import write_tiny_model
 from fleetgen.workers.worker import Worker
 
 FAST = {"steps": 2, "guidance": 5.0, "width": 64, "height": 48, "num_frames": 5, "fps": 16.0}

@@ -250,7 +250,7 @@ def test_an_oom_in_the_sdxl_decode_leaves_the_vae_as_it_was(shard_input, tmp_pat
     and bias type (float)"), the whole shard with it. Now the step-down's smaller batch succeeds."""
     import torch
 
-    from fleetgen.workers.tiny.model import build_tiny_sdxl
+    from fleetgen.workers.tiny.sd import build_tiny_sdxl
 
     shard, _ = shard_input
     pipe = build_tiny_sdxl(0).to(torch.float16)
@@ -331,7 +331,7 @@ def test_a_worker_that_cannot_start_leaves_a_given_pipeline_without_hooks(tmp_pa
     must not leave its hooks (the next plan would keep them) or its parts on the device."""
     from fleetgen.errors import OffloadError
     from fleetgen.offload.apply import offload_hooks
-    from fleetgen.workers.tiny.model import build_tiny_flux
+    from fleetgen.workers.tiny.flux import build_tiny_flux
 
     pipe = build_tiny_flux()
     settings = GenerationSettings(steps=2, guidance=3.5, width=64, height=64, family="flux")

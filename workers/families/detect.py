@@ -1,35 +1,20 @@
-"""Pipeline families: which entry of the family table (workers/families/table.py) a model is, and
-how that entry calls its pipeline.
+"""Which entry of the family table (workers/families/table.py) a model is, and which task a job
+does with it. How an entry calls its pipeline is workers/pipeline/calls.py.
 
-The worker asks how to call its pipeline (which arguments, how a negative prompt is applied, which
-tokenizer bounds a prompt); the driver asks for the defaults a job resolves (steps, guidance,
-dtype); the planner gets plain numbers (whether guidance doubles the denoiser's batch). Any other
-text-to-image `DiffusionPipeline` is called through the generic entry, with only the arguments its
-`__call__` accepts.
+The driver asks for the defaults a job resolves (steps, guidance, dtype); the planner gets plain
+numbers (whether guidance doubles the denoiser's batch). Any other text-to-image
+`DiffusionPipeline` is the generic entry, called with only the arguments its `__call__` accepts.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
-import math
 from pathlib import Path
 
-from fleetgen.errors import ConfigError, FleetgenError, one_line
+from fleetgen.errors import ConfigError
 from fleetgen.workers.families.table import FAMILIES, GENERIC, TASKS, TEXT, Family, Task
 
-__all__ = [
-    "FAMILIES",
-    "GENERIC",
-    "Family",
-    "Task",
-    "call_kwargs",
-    "choose_task",
-    "detect",
-    "identify",
-    "prepare_call",
-    "read_family",
-]
+__all__ = ["FAMILIES", "GENERIC", "Family", "Task", "choose_task", "detect", "identify", "read_family"]
 
 
 ZIMAGE_SHIFTS = {3.0: "z-image-turbo", 6.0: "z-image"}  # FlowMatchEulerDiscreteScheduler `shift` as published
@@ -167,133 +152,3 @@ def choose_task(family: Family, given: str | None, detected_class: str) -> tuple
         served = ", ".join(t.name for t in family.tasks) or "text-to-image only, as its pipeline is called"
         raise ConfigError(f"`--task {given}`: {family.name} ({detected_class}) does {served}; not {given}.")
     return task, f"`--task {given}` ({task.pipeline}, from {detected_class} with from_pipe)"
-
-
-def call_kwargs(
-    pipe,
-    family: Family,
-    prompts: list[str],
-    negatives: list[str | None],
-    *,
-    steps: int,
-    guidance: float,
-    width: int,
-    height: int,
-    true_cfg_scale: float | None,
-    generator,
-    extra: dict | None = None,
-) -> dict:
-    """The arguments of one pipeline call for this family, keeping only those `pipe.__call__` takes.
-    `extra`: per-row settings of the field table, by the keyword each is passed as."""
-    kwargs = {
-        "prompt": prompts,
-        "num_inference_steps": steps,
-        "width": width,
-        "height": height,
-        "generator": generator,
-        "output_type": "pil",
-        **family.extra,
-        **(extra or {}),
-    }
-    if family.guidance_arg != "guider":  # the guider's scale is set on it (prepare_call)
-        kwargs[family.guidance_arg] = guidance
-    if family.max_sequence_length:
-        kwargs["max_sequence_length"] = family.max_sequence_length
-    if family.negative != "none" and (any(negatives) or family.negative_default is not None):
-        kwargs["negative_prompt"] = [n or family.negative_default or "" for n in negatives]
-    if family.negative == "true_cfg" and true_cfg_scale:
-        kwargs["true_cfg_scale"] = true_cfg_scale
-    accepted = inspect.signature(pipe.__call__).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
-        return kwargs
-    return {k: v for k, v in kwargs.items() if k in accepted}
-
-
-def prepare_call(pipe, family: Family, *, guidance: float, width: int, height: int) -> None:
-    """What a call of this family needs set on the pipeline rather than passed to it: the scale of
-    its guider objects (HunyuanImage 2.1), and the area it rescales every size to (HiDream)."""
-    if family.guidance_arg == "guider":
-        for name in ("guider", "ocr_guider"):
-            guider = getattr(pipe, name, None)
-            if guider is not None and guider.guidance_scale != guidance:
-                setattr(pipe, name, guider.new(guidance_scale=guidance))  # its other settings as loaded
-    if family.pins_area:
-        # The pipeline scales width and height by sqrt(default area / asked area), then floors each to
-        # its multiple: a default area a hair above the asked one makes the scale 1 (+1e-9, which the
-        # floor drops), so the asked size, a multiple already, is the size made.
-        pipe.default_sample_size = math.sqrt(width * height) / pipe.vae_scale_factor * (1 + 1e-9)
-
-
-def takes_negative_prompt(pipe) -> bool:
-    return "negative_prompt" in inspect.signature(pipe.__call__).parameters
-
-
-def prompt_limit(pipe, family: Family) -> tuple[object | None, int | None]:
-    """(the tokenizer that reads the whole prompt, how many tokens it takes), or (None, None)."""
-    tokenizer = getattr(pipe, family.tokenizer, None) or getattr(pipe, "tokenizer", None)
-    if tokenizer is None:
-        return None, None
-    limit = family.max_sequence_length or getattr(tokenizer, "model_max_length", None)
-    return tokenizer, limit if limit and limit < 100_000 else None
-
-
-def prompt_note(pipe, family: Family, prompt: str, negative: str | None, strict: bool) -> dict:
-    """What an image's record says about its prompt before it is made. Prompts longer than the
-    text encoder that reads the whole prompt takes (T5 or Gemma where the family has one, else
-    CLIP) are truncated by the pipeline: a warning, or an error with `strict` (`--strict-prompts`)."""
-    warning = None
-    if negative and not takes_negative_prompt(pipe):
-        warning = f"negative prompt ignored: {type(pipe).__name__} takes none"
-    tokenizer, limit = prompt_limit(pipe, family)
-    if tokenizer is None or not limit:
-        return {"warning": warning}
-    n = len(tokenizer(prompt, truncation=False).input_ids)
-    if n > limit and strict:
-        return {
-            "status": "error",
-            "error": f"prompt is {n} tokens; the text encoder takes {limit} (`--strict-prompts`)",
-            "warning": warning,
-        }
-    if n > limit:
-        warning = "; ".join(filter(None, [warning, f"prompt truncated to {limit} of {n} tokens"]))
-    return {"warning": warning}
-
-
-def as_task(pipe, task: Task, tag: str = "worker"):
-    """The loaded pipeline as the class of the job's task: itself, or a pipeline of that class over
-    the same components (diffusers' `from_pipe`: no weights are copied or loaded again)."""
-    if not task.pipeline or type(pipe).__name__ == task.pipeline:
-        return pipe
-    import diffusers
-
-    try:
-        return getattr(diffusers, task.pipeline).from_pipe(pipe)
-    except Exception as err:  # noqa: BLE001 - a component the task's class cannot take: say which task
-        raise FleetgenError(
-            f"{tag}: could not make a {task.pipeline} ({task.name}) from {type(pipe).__name__}: {one_line(err)}"
-        ) from err
-
-
-def warm_up_input(role: str, width: int, height: int):
-    """A blank input of the image's size for the warm-up call."""
-    from PIL import Image as PILImage
-
-    return PILImage.new("L" if role == "mask" else "RGB", (width, height)), role
-
-
-def task_kwargs(task: Task, width: int, height: int, inputs: list | None) -> dict:
-    """The call arguments of a task beyond text-to-image: its fixed ones, the area it is pinned to,
-    and the inputs (per image, (picture, role) pairs, the mask last): a list of images, one per
-    prompt; for a task taking references, the one row's list."""
-    extra = dict(task.extra)
-    if task.pins_area:
-        extra[task.pins_area] = width * height
-    if task.takes_images:
-        images = [[p for p, role in one if role == "image"] for one in inputs]
-        if task.video:  # image-to-video: one row per call, its image the first frame
-            extra["image"] = images[0][0]
-        else:
-            extra["image"] = [one[0] for one in images] if task.images == 1 else images[0]
-        if task.mask:
-            extra["mask_image"] = [next(p for p, role in one if role == "mask") for one in inputs]
-    return extra

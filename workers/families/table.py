@@ -341,7 +341,7 @@ GENERIC = Family(
     note="not a known family: called with the arguments its __call__ accepts",
 )
 FAMILIES = {f.name: f for f in (*TABLE, GENERIC)}
-# Entries without a tiny pipeline (workers/tiny/model.py): Qwen-Image-Edit's `Qwen2VLProcessor`
+# Entries without a tiny pipeline (workers/tiny/registry.py): Qwen-Image-Edit's `Qwen2VLProcessor`
 # cannot be built without torchvision in transformers 5.24 (its video processor needs it, even
 # given none), and torchvision does not load beside the CPU torch build CI uses. Wan 2.2 TI2V-5B's
 # 48-channel VAE (patchified, residual) has no test-sized config in diffusers to build it from.

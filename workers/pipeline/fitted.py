@@ -18,21 +18,12 @@ from fleetgen.offload.apply import unapply
 from fleetgen.offload.profile import live_bytes
 from fleetgen.offload.quantize import held, load_config, quantize
 from fleetgen.offload.weight_formats import describe, is_auto, parse_quantize, pinned_gguf, runnable, spec, unavailable
-from fleetgen.workers.families.detect import (
-    FAMILIES,
-    GENERIC,
-    Family,
-    Task,
-    as_task,
-    call_kwargs,
-    prepare_call,
-    task_kwargs,
-    warm_up_input,
-)
+from fleetgen.workers.families.detect import FAMILIES, GENERIC, Family, Task
 from fleetgen.workers.output.fields import extra_settings
 from fleetgen.workers.output.video import clips_of
 from fleetgen.workers.pipeline.attention import choose_attention, reset_attention, set_attention
 from fleetgen.workers.pipeline.caching import AppliedCache, cache_refusal, names_contexts
+from fleetgen.workers.pipeline.calls import as_task, call_kwargs, prepare_call, task_kwargs, warm_up_input
 from fleetgen.workers.pipeline.compiling import AppliedCompile, is_compile_error
 from fleetgen.workers.pipeline.load import (
     activate_adapters,

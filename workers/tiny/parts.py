@@ -1,5 +1,5 @@
-"""What the tiny random-weight pipelines are built from (workers/tiny/model.py,
-workers/tiny/classic.py): an in-memory tokenizer, CLIP and T5 text encoders, a VAE."""
+"""What the tiny random-weight pipelines are built from: in-memory tokenizers (word-level and a chat
+template one for the language-model encoders), CLIP, T5, ByT5 and Qwen2.5-VL text encoders, a VAE."""
 
 from __future__ import annotations
 
@@ -137,3 +137,54 @@ def _byt5(seed: int):
             tie_word_embeddings=False,
         )
     )
+
+
+# A chat template for the in-memory tokenizer: the text of every message, role first, as the
+# Mistral, Qwen and Llama templates render it for text-only prompts (image parts are dropped).
+_CHAT = (
+    "{%- for m in messages -%}{{ m['role'] }} "
+    "{%- if m['content'] is string %} {{ m['content'] }}"
+    "{%- else %}{%- for c in m['content'] %}{%- if c['type'] == 'text' %} {{ c['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %} {% endfor -%}"
+    "{%- if add_generation_prompt %}assistant{%- endif %}"
+)
+
+
+def _chat_tokenizer(model_max_length: int = 512):
+    tokenizer = _tokenizer(model_max_length=model_max_length)
+    tokenizer.chat_template = _CHAT
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def _qwen25_vl(tokenizer, seed: int, hidden: int = 16):
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    vocab = len(tokenizer) + 3  # the vision tokens after the text vocabulary
+    q = hidden // 16  # the rotary sections of half a head (2 heads): a quarter, a quarter, a half
+    torch.manual_seed(seed)
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "hidden_size": hidden,
+            "intermediate_size": hidden,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "rope_scaling": {"mrope_section": [q, q, 2 * q], "rope_type": "default", "type": "default"},
+            "rope_theta": 1000000.0,
+            "vocab_size": vocab,
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": 16,
+            "intermediate_size": 16,
+            "num_heads": 2,
+            "out_hidden_size": hidden,
+        },
+        hidden_size=hidden,
+        vocab_size=vocab,
+        vision_start_token_id=vocab - 3,
+        vision_end_token_id=vocab - 2,
+        vision_token_id=vocab - 1,
+    )
+    return Qwen2_5_VLForConditionalGeneration(config)

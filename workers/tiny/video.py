@@ -131,7 +131,7 @@ def build_tiny_hunyuanvideo15(seed: int = 0):
     from diffusers.guiders import ClassifierFreeGuidance
     from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
 
-    from fleetgen.workers.tiny.frontier import _chat_tokenizer
+    from fleetgen.workers.tiny.parts import _chat_tokenizer
 
     tokenizer = _chat_tokenizer()
     torch.manual_seed(seed)

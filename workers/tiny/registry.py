@@ -1,32 +1,18 @@
-"""A small random-weight Stable Diffusion pipeline built from real diffusers/transformers classes.
-
-No hub access is needed: the tokenizer is built in memory with the `tokenizers` library. The demo,
-the tests and the benchmarks load it back through `DiffusionPipeline.from_pretrained(dir)`, the same
-path a real checkpoint takes.
-"""
+"""Every tiny pipeline by family (`fleetgen tiny-model DIR --family NAME`), written as a model directory
+(loaded back through `DiffusionPipeline.from_pretrained(dir)`, the path a real checkpoint takes), a
+random LoRA for it, and the shipped architectures at their real size with random weights."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from fleetgen.workers.tiny.classic import (
-    build_tiny_flux,
-    build_tiny_pixart_sigma,
-    build_tiny_sana,
-    build_tiny_sd3,
-    build_tiny_sdxl,
-)
-from fleetgen.workers.tiny.frontier import (
-    build_tiny_flux2,
-    build_tiny_flux2_klein,
-    build_tiny_qwen_image,
-    build_tiny_z_image,
-)
-from fleetgen.workers.tiny.frontier_more import build_tiny_chroma, build_tiny_hidream, build_tiny_hunyuanimage
-from fleetgen.workers.tiny.parts import _evaluated, _tokenizer
+from fleetgen.workers.tiny.dit import build_tiny_hidream, build_tiny_pixart_sigma, build_tiny_sana
+from fleetgen.workers.tiny.flux import build_tiny_chroma, build_tiny_flux, build_tiny_flux2, build_tiny_flux2_klein
+from fleetgen.workers.tiny.parts import _tokenizer
+from fleetgen.workers.tiny.qwen import build_tiny_hunyuanimage, build_tiny_qwen_image, build_tiny_z_image
+from fleetgen.workers.tiny.sd import build_tiny_pipeline, build_tiny_sd3, build_tiny_sdxl
 from fleetgen.workers.tiny.video import (
     build_tiny_hunyuanvideo15,
     build_tiny_ltx,
@@ -34,119 +20,6 @@ from fleetgen.workers.tiny.video import (
     build_tiny_wan,
     build_tiny_wan_i2v,
 )
-
-__all__ = [
-    "SIZES",
-    "TINY_FAMILIES",
-    "build_random_pipeline",
-    "build_tiny_flux",
-    "build_tiny_pipeline",
-    "build_tiny_pixart_sigma",
-    "build_tiny_sana",
-    "build_tiny_sd3",
-    "build_tiny_sdxl",
-    "write_tiny_lora",
-    "write_tiny_model",
-]
-
-
-@dataclass(frozen=True)
-class TinySize:
-    """Widths of the tiny architectures. `tiny` ≈ 1.7 M params; `small` ≈ 85 M params."""
-
-    unet_channels: tuple[int, ...]
-    layers_per_block: int
-    cross_attention_dim: int
-    text_layers: int
-    vae_channels: tuple[int, ...]
-    attention_head_dim: int
-
-
-SIZES = {"tiny": TinySize((32, 64), 1, 32, 2, (32, 64), 8), "small": TinySize((128, 256, 448), 2, 256, 4, (64, 128), 8)}
-
-
-@_evaluated
-def build_tiny_pipeline(seed: int = 0, size: str = "tiny"):
-    """Return a `StableDiffusionPipeline` with random weights, identical for the same `seed`/`size`."""
-    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel
-
-    if size not in SIZES:
-        raise ValueError(f"`size` must be one of {sorted(SIZES)}, got `{size}`.")
-    s = SIZES[size]
-    tokenizer = _tokenizer()
-    n = len(s.unet_channels)
-    torch.manual_seed(seed)
-    unet = UNet2DConditionModel(
-        block_out_channels=s.unet_channels,
-        layers_per_block=s.layers_per_block,
-        sample_size=32,
-        in_channels=4,
-        out_channels=4,
-        down_block_types=("DownBlock2D",) + ("CrossAttnDownBlock2D",) * (n - 1),
-        up_block_types=("CrossAttnUpBlock2D",) * (n - 1) + ("UpBlock2D",),
-        cross_attention_dim=s.cross_attention_dim,
-        attention_head_dim=s.attention_head_dim,
-        norm_num_groups=32,
-    )
-    torch.manual_seed(seed + 1)
-    vae = AutoencoderKL(
-        block_out_channels=s.vae_channels,
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * len(s.vae_channels),
-        up_block_types=("UpDecoderBlock2D",) * len(s.vae_channels),
-        latent_channels=4,
-        norm_num_groups=32,
-        sample_size=64,
-    )
-    torch.manual_seed(seed + 2)
-    text_encoder = CLIPTextModel(
-        CLIPTextConfig(
-            bos_token_id=0,
-            eos_token_id=1,
-            pad_token_id=1,
-            hidden_size=s.cross_attention_dim,
-            intermediate_size=s.cross_attention_dim * 4,
-            num_attention_heads=4,
-            num_hidden_layers=s.text_layers,
-            vocab_size=len(tokenizer),
-            max_position_embeddings=77,
-            layer_norm_eps=1e-5,
-        )
-    )
-    scheduler = DDIMScheduler(
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        clip_sample=False,
-        set_alpha_to_one=False,
-        steps_offset=1,
-    )
-    from diffusers import StableDiffusionPipeline as _P  # noqa: F401  (keeps import local)
-
-    return StableDiffusionPipeline(
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        unet=unet,
-        scheduler=scheduler,
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
-
-
-def write_tiny_model(directory: str | Path, seed: int = 0, size: str = "tiny", family: str = "sd") -> Path:
-    """Write a tiny pipeline of `family` to `directory` (loadable with `DiffusionPipeline.from_pretrained`).
-    `size` applies to the `sd` family."""
-    if family not in TINY_FAMILIES:
-        raise ValueError(f"`family` must be one of {', '.join(TINY_FAMILIES)}, got `{family}`.")
-    path = Path(directory)
-    pipe = build_tiny_pipeline(seed=seed, size=size) if family == "sd" else TINY_FAMILIES[family](seed)
-    pipe.save_pretrained(path)
-    return path
-
 
 TINY_FAMILIES = {
     "sd": build_tiny_pipeline,
@@ -176,6 +49,17 @@ TINY_FAMILIES = {
     "ltx-2": build_tiny_ltx2,
     "hunyuanvideo-1.5": build_tiny_hunyuanvideo15,
 }
+
+
+def write_tiny_model(directory: str | Path, seed: int = 0, size: str = "tiny", family: str = "sd") -> Path:
+    """Write a tiny pipeline of `family` to `directory` (loadable with `DiffusionPipeline.from_pretrained`).
+    `size` applies to the `sd` family."""
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"`family` must be one of {', '.join(TINY_FAMILIES)}, got `{family}`.")
+    path = Path(directory)
+    pipe = build_tiny_pipeline(seed=seed, size=size) if family == "sd" else TINY_FAMILIES[family](seed)
+    pipe.save_pretrained(path)
+    return path
 
 
 def _as_class(pipe, cls: str):
@@ -240,7 +124,7 @@ def build_random_pipeline(architecture: str, device: torch.device | str, dtype: 
                     components[name] = module_cls(module_cls.config_class.from_dict(config)).eval()
     finally:
         torch.set_default_dtype(previous)
-    from fleetgen.workers.tiny.frontier import _chat_tokenizer
+    from fleetgen.workers.tiny.parts import _chat_tokenizer
 
     for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4"):
         if name in components:
