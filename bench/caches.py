@@ -93,6 +93,7 @@ def run(model: Path, prompts: Path, out: Path, cache: str, steps: int, side: int
     import pyarrow.parquet as pq
     from PIL import Image
 
+    from fleetgen.caches import parse_cache
     from fleetgen.jobs.sharding import plan_shards, read_footer, resolve_columns
     from fleetgen.workers.rows.shard import Columns
     from fleetgen.workers.spec import GenerationSettings, WorkerSpec
@@ -100,7 +101,9 @@ def run(model: Path, prompts: Path, out: Path, cache: str, steps: int, side: int
 
     files = [read_footer(str(prompts))]
     shard, columns = plan_shards(files, 1000)[0], resolve_columns(files, Columns())
-    settings = GenerationSettings(steps=steps, guidance=3.5, width=side, height=side, family="flux", cache=cache)
+    settings = GenerationSettings(
+        steps=steps, guidance=3.5, width=side, height=side, family="flux", cache=parse_cache(cache)
+    )
     extra = {"offload": "block", "gpu_memory": 400 << 20} if offload == "block" else {}  # the leanest plan
     spec = WorkerSpec(
         "w0", str(model), str(out), settings, columns, device="cpu", max_batch=1, threads=WORKER_THREADS, **extra

@@ -51,9 +51,12 @@ sys.path.insert(0, str(ROOT))
 # The pipelines' own warnings ("some layers were not executed" from lazy prefetch) matter here.
 os.environ.setdefault("DIFFUSERS_VERBOSITY", "warning")
 
+from fleetgen.attention import parse_attention  # noqa: E402
+from fleetgen.caches import parse_cache  # noqa: E402
 from fleetgen.errors import FleetgenError  # noqa: E402
 from fleetgen.jobs.sharding import plan_shards, read_footer, resolve_columns  # noqa: E402
 from fleetgen.offload.apply import offload_hooks  # noqa: E402
+from fleetgen.offload.weight_formats import parse_quantize  # noqa: E402
 from fleetgen.units import format_size, parse_size  # noqa: E402
 from fleetgen.workers.families.detect import FAMILIES  # noqa: E402
 from fleetgen.workers.rows.shard import Columns  # noqa: E402
@@ -221,7 +224,7 @@ class Run:
             name=f"w{self.count}",
             model=self.model,
             output=str(self.tmp / f"out-{self.model}-{self.count}"),
-            settings=dataclasses.replace(self.settings, quantize=quantize, cache=cache),
+            settings=dataclasses.replace(self.settings, quantize=parse_quantize(quantize), cache=parse_cache(cache)),
             columns=columns,
             max_batch=max_batch,
             device=str(self.device),
@@ -229,7 +232,7 @@ class Run:
             offload=offload,
             gpu_memory=budget,
             host_memory=self.args.host_bytes,
-            **speed,
+            **{k: parse_attention(v) if k == "attention" else v for k, v in speed.items()},
         )
         return Worker(spec, pipe=self.pipe), shards
 

@@ -51,7 +51,7 @@ def exhaustive_seconds(prof, device: DeviceSpec, w: Workload) -> float:
 
 
 def quantize_table(args) -> None:
-    from fleetgen.offload.weight_formats import CHOOSABLE
+    from fleetgen.offload.weight_formats import CHOOSABLE, parse_quantize
 
     print("| model | host RAM | GPU | quantize | formats | offloaded | batch | peak | rel img/s | plan s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -67,7 +67,7 @@ def quantize_table(args) -> None:
                         steps=family.steps,
                         cfg=family.doubles_batch(family.guidance, None),
                         max_batch=args.max_batch,
-                        quantize=quantize,
+                        quantize=parse_quantize(quantize),
                     )
                     started = time.perf_counter()
                     try:

@@ -1,5 +1,5 @@
 """Attention kernels (`--attention`): which ones there are, which keep pixels, and what the job's
-fingerprint holds — plain data, no torch, shared by the job's config (jobs/) and the worker that
+fingerprint holds, as one record parsed once (`AttentionSpec`) — plain data, no torch, shared by the job's config (jobs/) and the worker that
 measures and sets them (workers/pipeline/attention.py).
 
 diffusers (0.42) dispatches a transformer's attention to one of its backends
@@ -11,6 +11,8 @@ every worker, and a worker that lacks it fails rather than falling back.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from fleetgen.errors import ConfigError
 
@@ -64,11 +66,30 @@ CANDIDATES = (
 )
 
 
-def parse_attention(value: str | None) -> str:
-    """`auto`, or a backend name (lower case, as diffusers spells it)."""
+@dataclass(frozen=True)
+class AttentionSpec:
+    """`--attention` parsed: the kernel every worker's denoisers are asked to run."""
+
+    backend: str = NATIVE  # native | auto | one of diffusers' backends (lower case, as diffusers spells them)
+
+    @property
+    def exact(self) -> bool:
+        return self.backend == AUTO or self.backend in EXACT
+
+    @property
+    def label(self) -> str:
+        """What the job's fingerprint (and every image) holds: an inexact kernel by name, else `exact`
+        (an exact kernel keeps pixels: each worker's own choice)."""
+        return EXACT_SETTING if self.exact else self.backend
+
+
+def parse_attention(value: str | AttentionSpec | None) -> AttentionSpec:
+    """`auto`, or a backend name (any case, as diffusers spells it)."""
+    if isinstance(value, AttentionSpec):
+        return value
     text = (value or NATIVE).strip().lower()
     if text == AUTO or text in EXACT or text in INEXACT:
-        return text
+        return AttentionSpec(text)
     raise ConfigError(
         f"`--attention` must be auto or one of diffusers' attention backends ({', '.join(EXACT + INEXACT)}); "
         f"got `{value}`."
@@ -76,10 +97,4 @@ def parse_attention(value: str | None) -> str:
 
 
 def is_exact(backend: str) -> bool:
-    return backend == AUTO or backend in EXACT
-
-
-def fingerprinted(value: str | None) -> str:
-    """What the job's fingerprint (and every image) holds: an inexact kernel by name, else `exact`."""
-    backend = parse_attention(value)
-    return EXACT_SETTING if is_exact(backend) else backend
+    return AttentionSpec(backend).exact

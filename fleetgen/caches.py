@@ -91,9 +91,11 @@ class CacheSpec:
         return 0
 
 
-def parse_cache(value: str | None) -> CacheSpec:
+def parse_cache(value: str | CacheSpec | None) -> CacheSpec:
     """`none`, `first-block[:THRESHOLD]`, `taylorseer[:interval=N,warmup=W,order=K]` or
-    `magcache[:threshold=T,max_skip=K,retention=R]`."""
+    `magcache[:threshold=T,max_skip=K,retention=R]`; a record is returned as it is."""
+    if isinstance(value, CacheSpec):
+        return value
     text = (value or NONE).strip().lower()
     method, _, args = text.partition(":")
     usage = (
@@ -145,7 +147,3 @@ def parse_cache(value: str | None) -> CacheSpec:
             "magcache", threshold=given["threshold"], max_skip=int(given["max_skip"]), retention=given["retention"]
         )
     raise ConfigError(f"{usage}; got `{value}`.")
-
-
-def normalized(value: str | None) -> str:
-    return parse_cache(value).label

@@ -187,12 +187,24 @@ def calibrate(
         raise ConfigError("`fleetgen calibrate` compares images; video tasks are not calibrated yet.")
     shard = plan_shards(files, sample)[0]  # the job's first rows: its own prompts, seeds and settings
     say(f"calibrating {config.model} ({family.name}) on {shard.length} rows of {config.input}")
-    with tempfile.TemporaryDirectory(prefix="fleetgen-calibrate-") as work:
-        return _calibrate(config, columns, files, shard, Path(work), min_psnr, min_ssim, kinds, say)
-
-
-def _calibrate(config, columns, files, shard, work: Path, min_psnr, min_ssim, kinds, say) -> Calibration:
     adapters = resolve_adapters(config, columns, distinct_strings(files, columns.lora, MAX_ADAPTERS))
+    with tempfile.TemporaryDirectory(prefix="fleetgen-calibrate-") as work:
+        return _calibrate(_Sample(config, columns, shard, adapters, Path(work)), min_psnr, min_ssim, kinds, say)
+
+
+@dataclass(frozen=True)
+class _Sample:
+    """What every candidate makes: the job's first rows, with the job's columns and adapters."""
+
+    config: JobConfig  # the reference's settings
+    columns: object
+    shard: object
+    adapters: tuple
+    work: Path  # each candidate writes its output below
+
+
+def _calibrate(sample: _Sample, min_psnr, min_ssim, kinds, say) -> Calibration:
+    config, columns, shard, work = sample.config, sample.columns, sample.shard, sample.work
     done: list[Result] = []
 
     def measure(name: str, settings: dict) -> tuple[Result, dict, object]:
@@ -201,7 +213,7 @@ def _calibrate(config, columns, files, shard, work: Path, min_psnr, min_ssim, ki
         try:
             cfg = validate(replace(config, **settings, output=str(work / f"c{len(done)}")))
             cfg, _, _ = resolve_defaults(cfg, columns)  # the family's refusals (a cache it cannot take)
-            return _run(cfg, columns, shard, adapters, result)
+            return _run(cfg, columns, shard, sample.adapters, result)
         except (FleetgenError, RuntimeError, TypeError, ValueError) as err:
             result.failed, result.note = True, str(err).splitlines()[0][:200]
             return result, {}, None

@@ -207,22 +207,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {path} ({args.family}; detected as {detected.name}: {why}{hint})")
             return 0
         if args.command == "plan":
-            from fleetgen.jobs.planning import plan_rows, plan_workload, print_plans
+            from fleetgen.jobs.planning import PlanRequest, plan_rows, plan_workload, print_plans
 
-            work, family = plan_workload(
+            request = PlanRequest(
                 args.model,
-                task=args.task,
-                references=args.references,
-                num_frames=args.num_frames,
-                width=args.width,
-                height=args.height,
-                steps=args.steps,
-                guidance=args.guidance,
-                true_cfg_scale=args.true_cfg_scale,
-                max_batch=args.max_batch,
-                offload=args.offload,
+                **{k: getattr(args, k) for k in ("width", "height", "steps", "guidance", "true_cfg_scale")},
+                **{k: getattr(args, k) for k in ("max_batch", "offload", "task", "references", "num_frames")},
                 cache=args.cache,
+                quantize=args.quantize,
             )
+            work, family = plan_workload(request)
             summary, rows = plan_rows(
                 args.model,
                 args.gpu_memory,
@@ -231,7 +225,6 @@ def main(argv: list[str] | None = None) -> int:
                 work,
                 bandwidth=args.bandwidth * 1e9,
                 vae_upcast=family.upcasts_vae,
-                quantize=args.quantize,
             )
             summary["family"] = family.name
             print_plans(summary, rows, args.json)

@@ -9,12 +9,11 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields, make_dataclass, replace
 from pathlib import Path
 
-from fleetgen.attention import fingerprinted, parse_attention
-from fleetgen.caches import normalized as normalized_cache
-from fleetgen.caches import parse_cache
+from fleetgen.attention import AttentionSpec, parse_attention
+from fleetgen.caches import CacheSpec, parse_cache
 from fleetgen.errors import ConfigError
 from fleetgen.offload.planner import OFFLOAD_CHOICES
-from fleetgen.offload.weight_formats import normalized, parse_quantize, refusal
+from fleetgen.offload.weight_formats import QuantizeSpec, parse_quantize, refusal
 from fleetgen.units import parse_size
 from fleetgen.workers.families.model_dir import is_hub_id, size_multiple
 from fleetgen.workers.families.table import TASKS, TEXT
@@ -44,9 +43,13 @@ class _Job:
     guidance: float | None = None  # guidance scale; default: the model family's
     true_cfg_scale: float | None = None  # Flux: > 1 applies negative prompts with true CFG (doubles the compute)
     family: str | None = None  # pipeline family; resolved from the model's model_index.json (jobs/models.py)
-    quantize: str = "none"  # storage formats per component, e.g. transformer=fp8 (offload/quantize.py)
-    cache: str = "none"  # step cache: none | first-block[:THRESHOLD] | taylorseer[:interval=N,...] (fleetgen/caches.py)
-    attention: str = "native"  # native | auto | a backend; only an inexact one (sage) is fingerprinted
+    # The settings that change pixels are parsed once, here (`__post_init__`: a string as typed, or the record),
+    # and carried as their records from then on.
+    quantize: QuantizeSpec = QuantizeSpec()  # none | auto | COMPONENT=FORMAT,... (offload/weight_formats.py)
+    cache: CacheSpec = (
+        CacheSpec()
+    )  # none | first-block[:THRESHOLD] | taylorseer[:...] | magcache[:...] (fleetgen/caches.py)
+    attention: AttentionSpec = AttentionSpec()  # native | auto | a backend; only an inexact one (sage) is fingerprinted
     task: str | None = None  # text-to-image | image-to-image | inpaint | edit; default: the model's pipeline class's
     strength: float | None = None  # image-to-image, inpaint: how far from the input (default: the task's)
     resize: str = "crop"  # crop | pad | fit: how input images become the job's size (workers/rows/inputs.py)
@@ -100,6 +103,10 @@ class _Job:
     strict_prompts: bool = False  # over-long prompts are error rows instead of being truncated
     retry_errors: bool = False  # also redo the error rows of committed shards (ok images stay as they are)
 
+    def __post_init__(self) -> None:
+        for name, parse in (("quantize", parse_quantize), ("cache", parse_cache), ("attention", parse_attention)):
+            object.__setattr__(self, name, parse(getattr(self, name)))
+
     def settings(self) -> GenerationSettings:
         """What every image shares, once the family's defaults are resolved (jobs/models.py)."""
         if self.family is None or self.steps is None or self.guidance is None or self.width is None:
@@ -114,7 +121,7 @@ class _Job:
             output_format=self.output_format,
             family=self.family,
             true_cfg_scale=self.true_cfg_scale,
-            quantize=normalized(self.quantize),
+            quantize=self.quantize.pinned(),
             images_per_prompt=self.images_per_prompt,
             prompt_template=self.prompt_template,
             loras=tuple(parse_lora(v) for v in self.lora),
@@ -123,8 +130,8 @@ class _Job:
             **{k: getattr(self, k) for k in ("resize", "store_inputs", "store_frames", "num_frames", "fps")},
             video_format=self.video_format,
             crf=self.crf,
-            cache=normalized_cache(self.cache),
-            attention=fingerprinted(self.attention),
+            cache=self.cache,
+            attention=self.attention,
         )
 
     def budgets(self) -> tuple[int | None, int | None]:
@@ -156,7 +163,13 @@ class _Job:
         return None if value is None else [c.strip() for c in value.split(",") if c.strip()]
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """As job.json's `config` holds it: every option, the parsed settings by their one spelling."""
+        return {
+            **asdict(self),
+            "quantize": self.quantize.label,
+            "cache": self.cache.label,
+            "attention": self.attention.backend,
+        }
 
 
 # Per-row settings: each `<role>_column`, when the input has that column, overrides the job's setting
@@ -220,12 +233,10 @@ def validate(config: JobConfig) -> JobConfig:
         c.true_cfg_scale is None or c.true_cfg_scale > 0,
         f"`--true-cfg-scale` must be more than 0, got `{c.true_cfg_scale}`.",
     )
-    for component, name in parse_quantize(c.quantize).items():  # a malformed mapping, an unknown format
-        if c.offload in ("block", "leaf", "disk"):  # the combination table, before any worker starts
+    for component, name in c.quantize.mapping.items():  # the combination table, before any worker starts
+        if c.offload in ("block", "leaf", "disk"):
             why = refusal(name, "block" if c.offload == "disk" else c.offload, False, c.offload == "disk")
             _check(why is None, f"`--quantize {component}={name}` with `--offload {c.offload}`: {why}.")
-    parse_attention(c.attention)
-    parse_cache(c.cache)  # the family's denoiser and pipeline are checked with the model (jobs/models.py)
     local = c.model.startswith(("/", "./", "../", "~"))  # a hub id is `org/name`
     _check(
         not local or Path(c.model).expanduser().exists(),
@@ -346,6 +357,9 @@ def _coerce(name: str, value: object, source: str) -> object:
         "str | None": str,
         "float | None": (int, float),
         "tuple[str, ...]": list,
+        "QuantizeSpec": str,  # parsed by JobConfig itself
+        "CacheSpec": str,
+        "AttentionSpec": str,
     }[kind]
     if (
         isinstance(value, bool)

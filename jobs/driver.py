@@ -17,7 +17,6 @@ import time
 from contextlib import contextmanager
 from dataclasses import replace
 
-from fleetgen.attention import parse_attention
 from fleetgen.errors import ClusterError, InputError, StorageError
 from fleetgen.jobs.config import JobConfig, resolve_paths
 from fleetgen.jobs.dataset import describe_columns, write_card
@@ -161,7 +160,7 @@ def worker_spec(config: JobConfig, name: str, columns, **resolved) -> WorkerSpec
         revision=config.revision,
         variant=config.variant,
         compile=config.compile,
-        attention=parse_attention(config.attention),
+        attention=config.attention,
         **resolved,
     )
 

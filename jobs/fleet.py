@@ -146,116 +146,136 @@ class FleetRecord:
 
 
 def follow(events: Iterable, run: Run, fleet: FleetRecord) -> None:
-    """Turn the pool's events into progress, the fleet record, the run's failures and commits."""
-    from fleetgen.cluster.events import (
-        BatchDone,
-        ShardFailed,
-        ShardResult,
-        ShardSpeculated,
-        Tick,
-        Waiting,
-        WorkerFailed,
-        WorkerLost,
-        WorkerPlaced,
-        WorkerReady,
-        WorkerReleased,
-        WorkerUnreachable,
-    )
-
-    progress = run.progress
-    lengths = {s.id: s.length for s in run.todo}
-    counted = dict.fromkeys(lengths, 0)  # rows shown per shard, so that retries do not count twice
+    """Turn the pool's events into progress, the fleet record, the run's failures and commits: each
+    event type has its handler (`_Follower`)."""
+    follower = _Follower(run, fleet)
+    handlers = follower.handlers()
     for event in events:
-        if isinstance(event, Tick):
-            progress.update()  # redrawn every interval even while no batch finishes
-        elif isinstance(event, WorkerPlaced):
-            p = event.placement
-            where = f"{p['host']} ({p['node_ip']})" + (f", GPU {','.join(p['gpu_ids'])}" if p["gpu_ids"] else "")
-            where += f" [{p['gpu_type']}]" if p.get("gpu_type") else ""
-            fleet.note(
-                event.worker,
-                "placed",
-                "loading",
-                where,
-                host=p["host"],
-                node_ip=p["node_ip"],
-                gpu_type=p.get("gpu_type"),
-            )
-            progress.log(f"{event.worker} placed on {where}; loading the model")
-        elif isinstance(event, WorkerReady):
-            progress.start_clock()
-            plan, info = event.info["plan"], event.info
-            placement = info.get("placement") or {}
-            fleet.note(
-                event.worker,
-                "ready",
-                "ready",
-                info["device"]["name"],
-                device=info["device"]["name"],
-                gpu_type=placement.get("gpu_type"),
-                host=placement.get("host"),
-                device_memory=info["probe"]["total_bytes"],
-                budget=plan["budget_bytes"] or None,
-                modes=plan["modes"],
-                quantized=info.get("quantized") or {},
-                batch=plan["batch_size"],
-                reason=plan["reason"],
-                warnings=info.get("warnings") or [],
-            )
-            again = " again (restarted)" if fleet.workers[event.worker]["starts"] > 1 else ""
-            progress.log(
-                f"{event.worker} ready{again} on {info['device']['name']} "
-                f"(loaded in {info['load_seconds']:.1f} s): {plan['reason']}"
-            )
-            for warning in info.get("warnings") or []:
-                progress.log(f"WARNING {event.worker}: {warning}")
-        elif isinstance(event, WorkerFailed):
-            where = f" on {event.placement['host']}" if event.placement else ""
-            fleet.note(event.worker, "failed", "failed", event.error, failed=event.error)
-            progress.log(f"{event.worker}{where} cannot run, the job goes on without it: {event.error}")
-        elif isinstance(event, WorkerLost):
-            then = "Ray restarts it when capacity allows" if event.restarting else "dropped (died too often)"
-            fleet.note(event.worker, "lost", "restarting" if event.restarting else "lost", event.error)
-            progress.log(f"{event.worker} lost ({event.error}); its shard goes back on the queue; {then}")
-        elif isinstance(event, WorkerUnreachable):
-            fleet.note(event.worker, "unreachable", "unreachable", event.error)
-            progress.log(
-                f"{event.worker} unreachable while running {event.shard_id} ({event.error}); the shard "
-                "waits until the worker answers or is known dead, so that it never runs twice at once"
-            )
-        elif isinstance(event, WorkerReleased):
-            fleet.note(event.worker, "released", "released", event.reason)
-            progress.log(f"{event.worker} released: {event.reason}")
-        elif isinstance(event, Waiting):
-            progress.log(
-                f"waiting {event.seconds:.0f} s for {event.pending} worker(s) to be placed "
-                f"(each asks {event.asks}); an autoscaler may be starting nodes"
-                + (f". {event.hint}" if event.hint else "")
-            )
-        elif isinstance(event, BatchDone):
-            rows = min(event.rows, lengths[event.shard_id] - counted[event.shard_id])
-            counted[event.shard_id] += rows
-            progress.update(
-                images=event.images, rows=rows, frames=event.frames
-            )  # row errors: counted when their shard commits
-        elif isinstance(event, ShardSpeculated):
-            progress.speculated += 1
-            progress.log(
-                f"straggler: {event.shard_id} has run {event.running_seconds:.0f} s; also given to "
-                f"idle {event.worker} (first commit wins)"
-            )
-        elif isinstance(event, ShardResult):
-            if event.version is not None:
-                run.committed[event.shard_id] = event
-            fleet.made(event.worker, event.ok, event.seconds)
-            # as the summary counts them: error rows of committed manifests (filtered images are not errors)
-            errors = event.counts["error"] if event.counts else 0
-            progress.update(shards=1, rows=lengths[event.shard_id] - counted[event.shard_id], errors=errors)
-            counted[event.shard_id] = lengths[event.shard_id]
-        elif isinstance(event, ShardFailed):
-            run.failures.append({"shard": event.shard_id, "error": event.error, "attempts": event.attempts})
-            progress.update(failed=1)
-            progress.log(f"shard {event.shard_id} failed after {event.attempts} attempt(s): {event.error}")
+        handlers.get(type(event), follower.ignore)(event)
+
+
+class _Follower:
+    """What each event of the pool (cluster/events.py) does to a run."""
+
+    def __init__(self, run: Run, fleet: FleetRecord):
+        self.run, self.fleet, self.progress = run, fleet, run.progress
+        self.lengths = {s.id: s.length for s in run.todo}
+        self.counted = dict.fromkeys(self.lengths, 0)  # rows shown per shard, so that retries do not count twice
+
+    def handlers(self) -> dict[type, Callable]:
+        from fleetgen.cluster import events as e  # plain data, no Ray
+
+        return {
+            e.Tick: self.tick,
+            e.WorkerPlaced: self.placed,
+            e.WorkerReady: self.ready,
+            e.WorkerFailed: self.failed,
+            e.WorkerLost: self.lost,
+            e.WorkerUnreachable: self.unreachable,
+            e.WorkerReleased: self.released,
+            e.Waiting: self.waiting,
+            e.BatchDone: self.batch_done,
+            e.ShardSpeculated: self.speculated,
+            e.ShardResult: self.shard_done,
+            e.ShardFailed: self.shard_failed,
+        }
+
+    def ignore(self, event) -> None:
+        pass
+
+    def tick(self, event) -> None:
+        self.progress.update()  # redrawn every interval even while no batch finishes
+
+    def placed(self, event) -> None:
+        p = event.placement
+        where = f"{p['host']} ({p['node_ip']})" + (f", GPU {','.join(p['gpu_ids'])}" if p["gpu_ids"] else "")
+        where += f" [{p['gpu_type']}]" if p.get("gpu_type") else ""
+        self.fleet.note(
+            event.worker, "placed", "loading", where, host=p["host"], node_ip=p["node_ip"], gpu_type=p.get("gpu_type")
+        )
+        self.progress.log(f"{event.worker} placed on {where}; loading the model")
+
+    def ready(self, event) -> None:
+        self.progress.start_clock()
+        plan, info = event.info["plan"], event.info
+        placement = info.get("placement") or {}
+        self.fleet.note(
+            event.worker,
+            "ready",
+            "ready",
+            info["device"]["name"],
+            device=info["device"]["name"],
+            gpu_type=placement.get("gpu_type"),
+            host=placement.get("host"),
+            device_memory=info["probe"]["total_bytes"],
+            budget=plan["budget_bytes"] or None,
+            modes=plan["modes"],
+            quantized=info.get("quantized") or {},
+            batch=plan["batch_size"],
+            reason=plan["reason"],
+            warnings=info.get("warnings") or [],
+        )
+        again = " again (restarted)" if self.fleet.workers[event.worker]["starts"] > 1 else ""
+        self.progress.log(
+            f"{event.worker} ready{again} on {info['device']['name']} "
+            f"(loaded in {info['load_seconds']:.1f} s): {plan['reason']}"
+        )
+        for warning in info.get("warnings") or []:
+            self.progress.log(f"WARNING {event.worker}: {warning}")
+
+    def failed(self, event) -> None:
+        where = f" on {event.placement['host']}" if event.placement else ""
+        self.fleet.note(event.worker, "failed", "failed", event.error, failed=event.error)
+        self.progress.log(f"{event.worker}{where} cannot run, the job goes on without it: {event.error}")
+
+    def lost(self, event) -> None:
+        then = "Ray restarts it when capacity allows" if event.restarting else "dropped (died too often)"
+        self.fleet.note(event.worker, "lost", "restarting" if event.restarting else "lost", event.error)
+        self.progress.log(f"{event.worker} lost ({event.error}); its shard goes back on the queue; {then}")
+
+    def unreachable(self, event) -> None:
+        self.fleet.note(event.worker, "unreachable", "unreachable", event.error)
+        self.progress.log(
+            f"{event.worker} unreachable while running {event.shard_id} ({event.error}); the shard "
+            "waits until the worker answers or is known dead, so that it never runs twice at once"
+        )
+
+    def released(self, event) -> None:
+        self.fleet.note(event.worker, "released", "released", event.reason)
+        self.progress.log(f"{event.worker} released: {event.reason}")
+
+    def waiting(self, event) -> None:
+        self.progress.log(
+            f"waiting {event.seconds:.0f} s for {event.pending} worker(s) to be placed "
+            f"(each asks {event.asks}); an autoscaler may be starting nodes" + (f". {event.hint}" if event.hint else "")
+        )
+
+    def batch_done(self, event) -> None:
+        rows = min(event.rows, self.lengths[event.shard_id] - self.counted[event.shard_id])
+        self.counted[event.shard_id] += rows
+        self.progress.update(images=event.images, rows=rows, frames=event.frames)  # row errors: at the commit
+
+    def speculated(self, event) -> None:
+        self.progress.speculated += 1
+        self.progress.log(
+            f"straggler: {event.shard_id} has run {event.running_seconds:.0f} s; also given to "
+            f"idle {event.worker} (first commit wins)"
+        )
+
+    def shard_done(self, event) -> None:
+        if event.version is not None:
+            self.run.committed[event.shard_id] = event
+        self.fleet.made(event.worker, event.ok, event.seconds)
+        # as the summary counts them: error rows of committed manifests (filtered images are not errors)
+        errors = event.counts["error"] if event.counts else 0
+        rest = self.lengths[event.shard_id] - self.counted[event.shard_id]
+        self.progress.update(shards=1, rows=rest, errors=errors)
+        self.counted[event.shard_id] = self.lengths[event.shard_id]
+
+    def shard_failed(self, event) -> None:
+        self.run.failures.append({"shard": event.shard_id, "error": event.error, "attempts": event.attempts})
+        self.progress.update(failed=1)
+        self.progress.log(f"shard {event.shard_id} failed after {event.attempts} attempt(s): {event.error}")
 
 
 def fleet_lines(fleet: dict | None, events: int = 5) -> list[str]:

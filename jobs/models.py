@@ -12,12 +12,10 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from fleetgen.caches import parse_cache
 from fleetgen.errors import ConfigError, one_line
 from fleetgen.jobs.config import JobConfig, parse_lora
 from fleetgen.offload.architectures import torch_components
 from fleetgen.offload.weight_formats import check_components as check_quantized
-from fleetgen.offload.weight_formats import is_auto, parse_quantize
 from fleetgen.workers.families.detect import (
     GENERIC,
     READS_SCHEDULER,
@@ -248,7 +246,7 @@ def _check_cache(config: JobConfig, family: Family, task: Task, values: dict, co
     """A step cache needs a denoiser with repeated blocks and a pipeline that gives its calls cache
     contexts (workers/pipeline/caching.py), read from the installed diffusers; and steps to skip (MagCache:
     one number of them, the job's)."""
-    cache = parse_cache(config.cache)
+    cache = config.cache
     if cache.method == "none":
         return
     from fleetgen.workers.pipeline.caching import cacheable_families, pipeline_refusal
@@ -318,7 +316,7 @@ def resolve_defaults(config: JobConfig, columns: Columns) -> tuple[JobConfig, Fa
         )
     _check_negatives(config, columns, family, values["guidance"])
     _check_cache(config, family, task, values, columns)
-    mapping = parse_quantize(config.quantize)
+    mapping = config.quantize.mapping
     if mapping and not is_hub_id(config.model):
         models = list(torch_components(Path(config.model).expanduser()))
         check_quantized(mapping, models, config.model)
@@ -367,7 +365,7 @@ def resolve_adapters(config: JobConfig, columns: Columns, column_values: list[st
             f"The job names more than {MAX_ADAPTERS} LoRA adapters (flags and column `{columns.lora}`); "
             "every worker loads all of them. Split the job by adapter."
         )
-    if found and (parse_quantize(config.quantize) or is_auto(config.quantize)):
+    if found and config.quantize.label != "none":
         raise ConfigError(
             "`--quantize` with LoRA adapters is not supported yet (the adapters would load into quantized "
             "layers); run the LoRA job unquantized."

@@ -5,70 +5,76 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from dataclasses import dataclass
 
-from fleetgen.caches import parse_cache
+from fleetgen.caches import CacheSpec, parse_cache
 from fleetgen.errors import ConfigError, OffloadError
 from fleetgen.offload import DeviceSpec, Workload, plan, profile_modules
 from fleetgen.offload.architectures import build_on_meta, pipeline_settings, resolve
-from fleetgen.offload.weight_formats import CHOOSABLE, check_components, is_auto, normalized, parse_quantize
+from fleetgen.offload.weight_formats import CHOOSABLE, QuantizeSpec, check_components, parse_quantize
 from fleetgen.units import format_size, parse_size
 from fleetgen.workers.families.detect import Family, choose_task, identify_dir
 from fleetgen.workers.pipeline.load import DTYPES
 from fleetgen.workers.pipeline.probe import ASSUMED_BANDWIDTH, ASSUMED_FLOPS, host_available_bytes
+from fleetgen.workers.spec import GenerationSettings
 
 
-def plan_workload(
-    model: str,
-    *,
-    width: int,
-    height: int,
-    steps: int | None,
-    guidance: float | None,
-    true_cfg_scale: float | None,
-    max_batch: int,
-    offload: str,
-    task: str | None = None,
-    references: int = 1,
-    num_frames: int | None = None,
-    cache: str = "none",
-) -> tuple[Workload, Family]:
-    """The workload to plan for, with the model family's defaults and its own rule for whether
-    guidance doubles the denoiser's batch (CFG families yes, guidance-distilled Flux no). `task`:
-    one the family's weights serve (`--task`), whose input images the VAE encodes and, for edit
-    models, whose `references` join the denoiser's sequence."""
-    root = resolve(model)
+@dataclass(frozen=True)
+class PlanRequest:
+    """What `fleetgen plan` (and `fleetgen.plan`) is asked: a model and the settings to plan it for;
+    unset ones are the model family's defaults, as in a job."""
+
+    model: str  # a shipped architecture or a pipeline directory
+    width: int | None = None  # default 1024 (video families: their card's)
+    height: int | None = None
+    steps: int | None = None
+    guidance: float | None = None
+    true_cfg_scale: float | None = None
+    max_batch: int = 8
+    offload: str = "auto"
+    task: str | None = None  # one the family's weights serve; default the pipeline class's
+    references: int = 1  # edit models: input images per image
+    num_frames: int | None = None  # video families: frames per clip
+    cache: CacheSpec = CacheSpec()
+    quantize: QuantizeSpec = QuantizeSpec()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cache", parse_cache(self.cache))
+        object.__setattr__(self, "quantize", parse_quantize(self.quantize))
+
+
+def plan_workload(request: PlanRequest | str, **options) -> tuple[Workload, Family]:
+    """The workload to plan for — the job's own derivation (`GenerationSettings.workload`) over the
+    settings a job with these options would resolve: the family's defaults, its task (whose input
+    images the VAE encodes and, for edit models, whose `references` join the denoiser's sequence).
+    `request`: a `PlanRequest`, or the model with the request's `options`."""
+    r = request if isinstance(request, PlanRequest) else PlanRequest(request, **options)
+    root = resolve(r.model)
     family, _ = identify_dir(root)
     cls = json.loads((root / "model_index.json").read_text()).get("_class_name", "")
-    chosen, _ = choose_task(family, task, cls)
-    if references < 1 or (chosen.images and references > chosen.images):
+    chosen, _ = choose_task(family, r.task, cls)
+    if r.references < 1 or (chosen.images and r.references > chosen.images):
         raise ConfigError(f"`--references` must be 1 to {chosen.images or 1} for {family.name} {chosen.name}.")
-    inputs = min(references, chosen.images)
-    spec = parse_cache(cache)
-    if not chosen.batched or spec.per_call:
-        max_batch = 1  # one row per call (its references); a first-block cache decides per call
-    guidance = family.guidance if guidance is None else guidance
-    frames = (num_frames or family.frames) if chosen.video else 0
+    frames = (r.num_frames or family.frames) if chosen.video else 0
     why = family.frames_rule(frames) if frames else None
-    if num_frames and not chosen.video:
+    if r.num_frames and not chosen.video:
         why = f"{family.name} {chosen.name} makes images, not clips"
     if why:
         raise ConfigError(f"`--num-frames`: {why}.")
     size = family.sizes[0] if chosen.video and family.sizes else "1024x1024"
-    width, height = width or int(size.split("x")[0]), height or int(size.split("x")[1])
-    work = Workload(
-        frames=frames,
-        input_images=inputs,
-        in_sequence=chosen.in_sequence,
-        width=width,
-        height=height,
-        steps=family.steps if steps is None else steps,
-        cfg=family.doubles_batch(guidance, true_cfg_scale),
-        cfg_calls=family.extra_calls(guidance, true_cfg_scale),
-        max_batch=max_batch,
-        cache=spec.label,
-        offload=offload,
+    settings = GenerationSettings(
+        steps=family.steps if r.steps is None else r.steps,
+        guidance=family.guidance if r.guidance is None else r.guidance,
+        width=r.width or int(size.split("x")[0]),
+        height=r.height or int(size.split("x")[1]),
+        family=family.name,
+        true_cfg_scale=r.true_cfg_scale,
+        task=chosen.name,
+        num_frames=frames or None,
+        cache=r.cache,
+        quantize=r.quantize,
     )
-    return work, family
+    return settings.workload(r.max_batch, r.offload, references=r.references), family
 
 
 def plan_rows(
@@ -80,20 +86,19 @@ def plan_rows(
     bandwidth: float = ASSUMED_BANDWIDTH,
     flops: float = ASSUMED_FLOPS,
     vae_upcast: bool = False,
-    quantize: str = "none",
 ) -> tuple[dict, list[dict]]:
     """(the profile summary, one row per budget: the plan or the reason nothing fits). `vae_upcast`:
     the family's pipeline decodes in float32 (SDXL): its VAE is counted so."""
     modules = build_on_meta(model)
-    mapping = parse_quantize(quantize)
+    mapping = work.quantize.mapping
     check_components(mapping, list(modules), model)
-    formats = CHOOSABLE if is_auto(quantize) else tuple(sorted(set(mapping.values())))
+    formats = CHOOSABLE if work.quantize.auto else tuple(sorted(set(mapping.values())))
     settings = pipeline_settings(model)
     profile = profile_modules(model, modules, DTYPES[dtype], vae_upcast, formats, settings)
     # from_pretrained loads every component to host RAM, at the run dtype unless its format applies at load
     loading = profile.total_bytes
     host = parse_size(host_memory, "--host-memory") if host_memory else int(host_available_bytes() * 0.8)
-    work = dataclasses.replace(work, quantize=normalized(quantize))
+    work = dataclasses.replace(work, quantize=work.quantize.pinned())
     rows = []
     for text in budgets:
         budget = parse_size(text, "--gpu-memory")
@@ -116,7 +121,7 @@ def plan_rows(
         "dtype": dtype,
         "host_memory_bytes": host,
         "load_host_bytes": loading,
-        "quantize": normalized(quantize),
+        "quantize": work.quantize.label,
         "bandwidth_bytes_per_s": bandwidth,
         "flops": flops,
         "components": {

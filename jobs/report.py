@@ -46,7 +46,7 @@ def _sources(out: Output, fmt, rows: list[dict], ext: str, video: bool = False) 
         by_shard.setdefault(r["shard"], []).append(r)
     sources = {}
     for shard, shard_rows in by_shard.items():
-        stored, _ = fmt.stored(out, shard, shard_rows, {r["id"] for r in shard_rows})
+        stored, _ = fmt.read_back(out, shard, shard_rows, {r["id"] for r in shard_rows})
         for image_id, (_size, data) in stored.items():
             if data is not None and video:
                 sources[image_id] = _first_frame_url(data)

@@ -83,7 +83,7 @@ def pinned_revision(output: Output, model: str) -> str | None:
 def fingerprint(config: JobConfig, files: list[InputFile], columns: Columns) -> dict:
     """Everything that changes which images a job makes. Execution settings (workers, batch,
     device) are left out: a job may resume on other hardware."""
-    settings = asdict(config.settings())
+    settings = config.settings().record()
     record = {
         "input": [{"url": f.url, "bytes": f.size, "rows": f.num_rows} for f in files],
         "model": model_identity(config.model, config.revision, config.variant),

@@ -159,7 +159,7 @@ class _Checker:
         --deep)."""
         wanted = None if self.deep else {r["id"] for i, r in enumerate(rows) if i % SAMPLE_EVERY == 0}
         try:
-            stored, extra = self.fmt.stored(self.output, shard, rows, wanted)
+            stored, extra = self.fmt.read_back(self.output, shard, rows, wanted)
         except Unreadable as err:
             self.report.add("mismatch", self.fmt.shard_objects(shard)[0], str(err))
             return False

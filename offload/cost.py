@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from fleetgen.caches import parse_cache
+from fleetgen.caches import CacheSpec
 from fleetgen.offload.profile import ComponentProfile, PipelineProfile
-from fleetgen.offload.weight_formats import CHOOSABLE, NONE, allowed, refusal, spec
+from fleetgen.offload.weight_formats import CHOOSABLE, NONE, QuantizeSpec, allowed, refusal, spec
 
 MARGIN = 0.10  # of the budget: allocator fragmentation, CUDA context, workspace
 SYNC_SECONDS = 30e-6  # a blocking transfer's fixed cost (launch + synchronise), per group
@@ -69,7 +69,7 @@ class Workload:
     cfg: bool = True  # the denoiser runs on a doubled batch (classifier-free guidance; not guidance-distilled Flux)
     max_batch: int = 8
     offload: str = "auto"  # auto | none | block | leaf | disk: which placements may be used
-    quantize: str = "none"  # none | auto | COMPONENT=FORMAT,...: which storage formats may be used
+    quantize: QuantizeSpec = QuantizeSpec()  # which storage formats may be used (`--quantize`)
     fixed: tuple[tuple[str, str], ...] = ()  # (component, format) already applied to live modules
     loaded: bool = False  # planned after loading (a worker): the loading peak is past, not planned
     input_images: int = 0  # input images per image (image-to-image, inpaint, edit): the VAE encodes each
@@ -79,7 +79,9 @@ class Workload:
     # Chroma, Wan: 1), LTX-2's spatio-temporal-guidance and modality passes (2): each adds a call's
     # compute, not activations (a batch doubled by guidance is `cfg`'s)
     cfg_calls: int = 0
-    cache: str = "none"  # the job's step cache (fleetgen/caches.py): its state is device memory, its skips saved time
+    cache: CacheSpec = (
+        CacheSpec()
+    )  # the job's step cache (fleetgen/caches.py): its state is device memory, its skips saved time
 
 
 @dataclass(frozen=True)
@@ -176,18 +178,18 @@ def computed_share(c: ComponentProfile, w: Workload) -> float:
     """Share of its forwards a component computes: a denoiser under a step cache that skips by step
     (TaylorSeer) its computed steps' share; a data-dependent one (first-block) is predicted as none
     skipped (what it skips is measured: the worker's stats)."""
-    if not c.per_step or w.cache == NONE:
+    if not c.per_step or w.cache.method == NONE:
         return 1.0
-    share = parse_cache(w.cache).computed_share(w.steps)
+    share = w.cache.computed_share(w.steps)
     return 1.0 if share is None else share
 
 
 def cache_state_bytes(c: ComponentProfile, prof: PipelineProfile, w: Workload, batch: int) -> int:
     """Device bytes a step cache keeps for the denoiser `c` through a pipeline call: hidden-state-sized
     tensors (fleetgen/caches.py) per image, per CFG half in the batch and per cache context."""
-    if not c.per_step or w.cache == NONE:
+    if not c.per_step or w.cache.method == NONE:
         return 0
-    tensors = parse_cache(w.cache).state_tensors(len(c.blocks))
+    tensors = w.cache.state_tensors(len(c.blocks))
     halves = (2 if w.cfg else 1) + int(w.cfg_calls)  # the first call's batch, one more per call of its own
     return tensors * _tokens(c, prof, w) * max(c.hidden, 1) * prof.dtype_bytes * batch * halves
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from fleetgen.caches import parse_cache
+from fleetgen.caches import CacheSpec
 from fleetgen.errors import OffloadError
 from fleetgen.offload.cost import (
     MARGIN,
@@ -34,7 +34,7 @@ from fleetgen.offload.cost import (
 )
 from fleetgen.offload.profile import PipelineProfile
 from fleetgen.offload.search import _combos
-from fleetgen.offload.weight_formats import NONE
+from fleetgen.offload.weight_formats import NONE, QuantizeSpec
 from fleetgen.units import format_size
 
 OFFLOAD_CHOICES = ("auto", "none", "block", "leaf", "disk")
@@ -83,128 +83,157 @@ class OffloadPlan:
         }
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """One combination of per-component options at one batch size, as the search scores it."""
+
+    combo: tuple[_Option, ...]  # one option per component, in the profile's order
+    batch: int
+    peak: int  # predicted device bytes: resident + the largest phase
+    host: int
+    seconds: float  # per image
+    moved: int  # bytes per image
+    cost: float  # per image: seconds plus what quantizing costs (the objective)
+
+    @property
+    def key(self) -> tuple:
+        """Lower is better: cost, then (at equal cost) unquantized first (pixels as the weights were
+        trained), fewer bytes moved, fewer components offloaded, the larger batch."""
+        quantized = sum(o.quantized for o in self.combo)
+        offloaded = sum(o.placement.mode != "resident" for o in self.combo)
+        return (self.cost, quantized, self.moved, offloaded, -self.batch)
+
+
+def _scored(combo: tuple[_Option, ...], batch: int) -> Candidate:
+    return Candidate(
+        combo,
+        batch,
+        peak=sum(o.resident for o in combo) + max(o.phase for o in combo),
+        host=sum(o.host for o in combo),
+        seconds=sum(o.seconds for o in combo) / batch,
+        moved=sum(o.moved for o in combo) // batch,
+        cost=sum(o.cost for o in combo) / batch,
+    )
+
+
+def _search(tables: list[list[list[_Option]]], limit: float, host_budget: float, bound: float) -> Candidate | None:
+    """The best candidate within the limits (device bytes, host bytes steady and while loading)
+    costing less per image than `bound`; None when there is none. `tables[b - 1]`: each component's
+    options at batch b. Each batch size's best bounds the next; the largest first, as it is most
+    often the fastest per image (the key decides, not the order)."""
+    found: Candidate | None = None
+
+    def consider(combo: tuple[_Option, ...], batch: int) -> None:
+        nonlocal found
+        c = _scored(combo, batch)
+        if c.peak > limit or c.host > host_budget or c.cost > bound or sum(o.load for o in combo) > host_budget:
+            return
+        if found is None or c.key < found.key:
+            found = c
+
+    policies = list(dict.fromkeys(o.fmt for opts in tables[0] for o in opts))  # the run dtype first
+    for batch in range(len(tables), 0, -1):
+        options = tables[batch - 1]
+        # Quick feasible plans bound the search: per format (every component in it where it can
+        # be), all resident where that fits (usually the fastest), else offloading the largest first.
+        for fmt in policies:
+            pool = [
+                [o for o in opts if o.fmt == fmt] or [o for o in opts if not o.quantized] or opts for opts in options
+            ]
+            resident = [next((o for o in opts if o.placement.mode == "resident"), None) for opts in pool]
+            if all(resident):
+                consider(tuple(resident), batch)
+            if found is None or found.batch != batch:
+                greedy = [r or opts[0] for r, opts in zip(resident, pool, strict=True)]
+                for i in sorted(range(len(pool)), key=lambda i: -greedy[i].resident):
+                    fastest = min((o for o in pool[i] if not o.resident), key=lambda o: o.seconds, default=None)
+                    if fastest is not None:
+                        greedy[i] = fastest
+                        consider(tuple(greedy), batch)
+        per_image = found.cost if found else bound
+        for combo in _combos(options, limit, host_budget, per_image * batch):
+            consider(combo, batch)
+    return found
+
+
 def plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> OffloadPlan:
     """The fastest predicted plan whose peak fits `device.budget` and whose host copies (and the
     weights while loading) fit `device.host_budget`; `OffloadError` when none does."""
     if w.offload not in OFFLOAD_CHOICES:
         raise OffloadError(f"`--offload` must be one of {', '.join(OFFLOAD_CHOICES)}; got `{w.offload}`.")
     names = list(prof.components)
-    limit = device.budget * (1 - MARGIN)
+    limit, inf = device.budget * (1 - MARGIN), float("inf")
     resident_ref = _ideal(prof, device, w)
-    resident_peak = prof.total_bytes + max(_activations(c, prof, w) for c in prof.components.values())
-    inf = float("inf")
     tables = [[_options(n, prof, device, w, b, resident_ref) for n in names] for b in range(1, w.max_batch + 1)]
-    loading = sum(min(o.load for o in opts) for opts in tables[0])
-    if loading > device.host_budget:
-        raise OffloadError(
-            f"Nothing loads (host RAM binds): loading holds every component's weights in host RAM "
-            f"({format_size(loading)}; diffusers' from_pretrained loads to the CPU before fleetgen places anything"
-            + (", formats applied at load counted as they load" if w.quantize != NONE else "")
-            + f"), more than the {format_size(device.host_budget)} host budget. Use a node with more RAM "
-            "(`--host-memory`), a smaller dtype, or quantized weights"
-            + (" (`--quantize auto`)." if w.quantize == NONE else ".")
-        )
-
-    def search(limit: float, host_budget: float, bound: float):
-        """The best (key, combo, batch, peak, host, seconds, moved) within the limits, costing less
-        per image than `bound` (seconds plus what quantizing costs); None when there is none. Each
-        batch size's best bounds the next;
-        the largest first, as it is most often the fastest per image (the key decides, not the order)."""
-        found = None
-
-        def consider(combo, batch):
-            nonlocal found
-            peak = sum(o.resident for o in combo) + max(o.phase for o in combo)
-            host = sum(o.host for o in combo)
-            seconds = sum(o.seconds for o in combo) / batch
-            cost = sum(o.cost for o in combo) / batch
-            if peak > limit or host > host_budget or cost > bound or sum(o.load for o in combo) > host_budget:
-                return
-            moved = sum(o.moved for o in combo) // batch
-            # equal cost: unquantized first (pixels as the weights were trained), then fewer bytes moved
-            quantized = sum(o.quantized for o in combo)
-            key = (cost, quantized, moved, sum(o.placement.mode != "resident" for o in combo), -batch)
-            if found is None or key < found[0]:
-                found = (key, combo, batch, peak, host, seconds, moved)
-
-        policies = list(dict.fromkeys(o.fmt for opts in tables[0] for o in opts))  # the run dtype first
-        for batch in range(w.max_batch, 0, -1):
-            options = tables[batch - 1]
-            # Quick feasible plans bound the search: per format (every component in it where it can
-            # be), all resident where that fits (usually the fastest), else offloading the largest first.
-            for fmt in policies:
-                pool = [
-                    [o for o in opts if o.fmt == fmt] or [o for o in opts if not o.quantized] or opts
-                    for opts in options
-                ]
-                resident = [next((o for o in opts if o.placement.mode == "resident"), None) for opts in pool]
-                if all(resident):
-                    consider(tuple(resident), batch)
-                if found is None or found[2] != batch:
-                    greedy = [r or opts[0] for r, opts in zip(resident, pool, strict=True)]
-                    for i in sorted(range(len(pool)), key=lambda i: -greedy[i].resident):
-                        fastest = min((o for o in pool[i] if not o.resident), key=lambda o: o.seconds, default=None)
-                        if fastest is not None:
-                            greedy[i] = fastest
-                            consider(tuple(greedy), batch)
-            per_image = found[0][0] if found else bound
-            for combo in _combos(options, limit, host_budget, per_image * batch):
-                consider(combo, batch)
-        return found
-
-    found = search(limit, device.host_budget, inf)
-    best = found[1:] if found else None
-    best_key = found[0] if found else None
-    leanest = None
-    if best is None:  # the leanest plan the host allows, for the message: device bytes only
-        fits_host = _combos(tables[0], inf, device.host_budget, inf, dims=3)
-        peaks = [(sum(o.resident for o in c) + max(o.phase for o in c), c) for c in fits_host]
-        leanest = min(peaks, key=lambda pc: pc[0]) if peaks else None
-    # A budget binds when lifting it alone finds a faster plan.
-    unbound = {}
-    if best is not None:
-        for lifted, lim, host_budget in (("device", inf, device.host_budget), ("host", limit, inf)):
-            faster = search(lim, host_budget, best_key[0])
-            unbound[lifted] = faster[0] if faster else None
-    if best is None and leanest is None:
-        raise OffloadError(
-            f"Nothing fits the host (host RAM binds): every plan with `--offload {w.offload}` keeps more than "
-            f"{format_size(device.host_budget)} of offloaded weights in host RAM. Raise `--host-memory` or use "
-            "`--offload disk`" + (", or `--quantize auto`." if w.quantize == NONE else ".")
-        )
+    _check_loading(tables[0], device, w)
+    best = _search(tables, limit, device.host_budget, inf)
     if best is None:
-        peak, combo = leanest
-        modes = ", ".join(f"{n} {_label(o)}" for n, o in zip(names, combo, strict=True))
-        raise OffloadError(
-            f"Nothing fits {format_size(device.budget)}{' on ' + device.name if device.name else ''} (device memory binds) "
-            f"with `--offload "
-            f"{w.offload}`: the leanest plan ({modes}, batch 1) needs {format_size(peak / (1 - MARGIN))} including the "
-            f"{MARGIN:.0%} margin, at {w.width}x{w.height}. Use a smaller size or a larger `--gpu-memory`"
-            + (", or `--offload auto`" if w.offload != "auto" else "")
-            + (", or `--quantize auto`." if w.quantize == NONE else ".")
-        )
-    combo, batch, peak, host, seconds, moved = best
-    placements = {n: o.placement for n, o in zip(names, combo, strict=True)}
-    formats = {n: o.fmt for n, o in zip(names, combo, strict=True) if o.quantized}
-    binds = tuple(BUDGETS[b] for b in ("device", "host") if unbound[b] is not None and unbound[b] < best_key)
-    reason = _reason(prof, device, w, placements, batch, peak, resident_peak, host, binds, formats)
+        raise _nothing_fits(prof, device, w, tables[0])
+    # A budget binds when lifting it alone finds a faster plan.
+    faster = {
+        "device": _search(tables, inf, device.host_budget, best.cost),
+        "host": _search(tables, limit, inf, best.cost),
+    }
+    binds = tuple(BUDGETS[b] for b in ("device", "host") if faster[b] is not None and faster[b].key < best.key)
+    placements = {n: o.placement for n, o in zip(names, best.combo, strict=True)}
+    formats = {n: o.fmt for n, o in zip(names, best.combo, strict=True) if o.quantized}
+    resident_peak = prof.total_bytes + max(_activations(c, prof, w) for c in prof.components.values())
+    reason = _reason(prof, device, w, best, placements, formats, resident_peak, binds)
     if formats:
-        reason = _why_quantized(prof, device, w, formats, placements, seconds) + "; " + reason
+        reason = _why_quantized(prof, device, w, formats, placements, best.seconds) + "; " + reason
     return OffloadPlan(
         placements=placements,
-        batch_size=batch,
-        peak_bytes=int(peak),
-        host_bytes=host,
-        pinned_bytes=sum(o.pinned for o in combo),
-        moved_per_image=moved,
-        seconds_per_image=seconds,
-        relative_speed=resident_ref / seconds,
+        batch_size=best.batch,
+        peak_bytes=int(best.peak),
+        host_bytes=best.host,
+        pinned_bytes=sum(o.pinned for o in best.combo),
+        moved_per_image=best.moved,
+        seconds_per_image=best.seconds,
+        relative_speed=resident_ref / best.seconds,
         budget=device.budget,
         reason=reason,
         binds=binds,
         formats=formats,
-        load_bytes=sum(o.load for o in combo),
-        cost_per_image=best_key[0],
+        load_bytes=sum(o.load for o in best.combo),
+        cost_per_image=best.cost,
+    )
+
+
+def _check_loading(options: list[list[_Option]], device: DeviceSpec, w: Workload) -> None:
+    """Loading holds every component's weights in host RAM first: refused when even that does not fit."""
+    loading = sum(min(o.load for o in opts) for opts in options)
+    if loading <= device.host_budget:
+        return
+    quantized = w.quantize.label != NONE
+    raise OffloadError(
+        f"Nothing loads (host RAM binds): loading holds every component's weights in host RAM "
+        f"({format_size(loading)}; diffusers' from_pretrained loads to the CPU before fleetgen places anything"
+        + (", formats applied at load counted as they load" if quantized else "")
+        + f"), more than the {format_size(device.host_budget)} host budget. Use a node with more RAM "
+        "(`--host-memory`), a smaller dtype, or quantized weights" + (" (`--quantize auto`)." if not quantized else ".")
+    )
+
+
+def _nothing_fits(prof: PipelineProfile, device: DeviceSpec, w: Workload, options: list[list[_Option]]) -> OffloadError:
+    """Why no plan fits: the host (every plan keeps too much offloaded), else the device, naming
+    the leanest plan the host allows and what it would need."""
+    inf, hint = float("inf"), ", or `--quantize auto`." if w.quantize.label == NONE else "."
+    peaks = [(_scored(c, 1).peak, c) for c in _combos(options, inf, device.host_budget, inf, dims=3)]
+    if not peaks:
+        return OffloadError(
+            f"Nothing fits the host (host RAM binds): every plan with `--offload {w.offload}` keeps more than "
+            f"{format_size(device.host_budget)} of offloaded weights in host RAM. Raise `--host-memory` or use "
+            "`--offload disk`" + hint
+        )
+    peak, combo = min(peaks, key=lambda pc: pc[0])
+    modes = ", ".join(f"{n} {_label(o)}" for n, o in zip(prof.components, combo, strict=True))
+    on = " on " + device.name if device.name else ""
+    return OffloadError(
+        f"Nothing fits {format_size(device.budget)}{on} (device memory binds) with `--offload {w.offload}`: the "
+        f"leanest plan ({modes}, batch 1) needs {format_size(peak / (1 - MARGIN))} including the {MARGIN:.0%} "
+        f"margin, at {w.width}x{w.height}. Use a smaller size or a larger `--gpu-memory`"
+        + (", or `--offload auto`" if w.offload != "auto" else "")
+        + hint
     )
 
 
@@ -215,10 +244,10 @@ def _label(o: _Option) -> str:
 def _why_quantized(prof, device, w, formats, placements, seconds) -> str:
     """`transformer fp8 resident: 2.3x the predicted images/s of the best unquantized plan (...)`."""
     chosen = ", ".join(f"{n} {f} {placements[n].label}" for n, f in formats.items())
-    if w.quantize != "auto":
-        return f"{chosen} (`--quantize {w.quantize}`)"
+    if not w.quantize.auto:
+        return f"{chosen} (`--quantize {w.quantize.label}`)"
     try:
-        plain = plan(prof, device, replace(w, quantize=NONE, fixed=()))
+        plain = plan(prof, device, replace(w, quantize=QuantizeSpec(), fixed=()))
     except OffloadError as err:
         why = str(err).split(":", 1)[0]
         return f"{chosen}: the only fit (unquantized, {why[0].lower() + why[1:]})"
@@ -229,7 +258,8 @@ def _why_quantized(prof, device, w, formats, placements, seconds) -> str:
     )
 
 
-def _reason(prof, device, w, placements, batch, peak, resident_peak, host, binds, formats) -> str:
+def _reason(prof, device, w, best: Candidate, placements, formats, resident_peak, binds) -> str:
+    batch, peak, host = best.batch, best.peak, best.host
     offloaded = {n: p for n, p in placements.items() if p.mode != "resident"}
     limit = f"{format_size(device.budget * (1 - MARGIN))} usable of {format_size(device.budget)}"
     held = {n: prof.variant(n, formats.get(n, NONE)).bytes for n in placements}
@@ -259,14 +289,14 @@ def _reason(prof, device, w, placements, batch, peak, resident_peak, host, binds
     )
 
 
-def batch_cap(cache: str) -> str:
+def batch_cap(cache: CacheSpec) -> str:
     """What caps the batch when memory does not: `--max-batch`, or a cache deciding per call."""
-    return "the first-block cache: one image per call" if parse_cache(cache).per_call else "`--max-batch`"
+    return "the first-block cache: one image per call" if cache.per_call else "`--max-batch`"
 
 
 def _cache_note(prof, w, batch) -> str:
     """A step cache: what it holds on the device and what the plan counts it to save."""
-    if w.cache == NONE:
+    if w.cache.method == NONE:
         return ""
     notes = []
     for name, c in prof.components.items():
@@ -279,7 +309,7 @@ def _cache_note(prof, w, batch) -> str:
             if share < 1
             else "skips blocks by the data: predicted as none skipped, measured per image"
         )
-        notes.append(f"{name} `--cache {w.cache}` holds {held} of state and {saved}")
+        notes.append(f"{name} `--cache {w.cache.label}` holds {held} of state and {saved}")
     return "; " + "; ".join(notes) if notes else ""
 
 

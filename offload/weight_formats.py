@@ -205,11 +205,38 @@ def pinned_gguf(value: str) -> str:
 NONE = "none"  # the run dtype
 
 
-def parse_quantize(text: str | None) -> dict[str, str]:
-    """`none` (or empty) and `auto` -> {}; `transformer=fp8,text_encoder=int8` -> {component: format}."""
+@dataclass(frozen=True)
+class QuantizeSpec:
+    """`--quantize` parsed: none, `auto` (each worker's planner may choose), or a format per component."""
+
+    auto: bool = False
+    pairs: tuple[tuple[str, str], ...] = ()  # (component, format), sorted by component
+
+    @property
+    def mapping(self) -> dict[str, str]:
+        """{component: format} fixed by the job ({} for none and auto)."""
+        return dict(self.pairs)
+
+    @property
+    def label(self) -> str:
+        """The setting as the fingerprint and every record hold it: `none`, `auto`, or the sorted mapping."""
+        return "auto" if self.auto else ",".join(f"{c}={f}" for c, f in self.pairs) or NONE
+
+    def pinned(self) -> QuantizeSpec:
+        """With every GGUF file named by its absolute path and sha256 (a path is not content), as the
+        job's fingerprint holds it; hashed once per file version."""
+        return QuantizeSpec(
+            self.auto, tuple((c, pinned_gguf(f) if f.startswith("gguf:") else f) for c, f in self.pairs)
+        )
+
+
+def parse_quantize(text: str | QuantizeSpec | None) -> QuantizeSpec:
+    """`none` (or empty), `auto`, or `transformer=fp8,text_encoder=int8`; a record is returned as it is."""
+    if isinstance(text, QuantizeSpec):
+        return text
     text = (text or NONE).strip()
     if text in (NONE, "auto"):
-        return {}
+        return QuantizeSpec(auto=text == "auto")
     mapping = {}
     for part in text.split(","):
         component, sep, name = (s.strip() for s in part.partition("="))
@@ -228,19 +255,7 @@ def parse_quantize(text: str | None) -> dict[str, str]:
         if component in mapping:
             raise ConfigError(f"`--quantize` names `{component}` twice.")
         mapping[component] = name
-    return mapping
-
-
-def is_auto(text: str | None) -> bool:
-    return (text or "").strip() == "auto"
-
-
-def normalized(text: str | None) -> str:
-    """The setting as the fingerprint and every record hold it: `none`, `auto`, or the sorted mapping."""
-    if is_auto(text):
-        return "auto"
-    mapping = {c: pinned_gguf(f) if f.startswith("gguf:") else f for c, f in parse_quantize(text).items()}
-    return ",".join(f"{c}={f}" for c, f in sorted(mapping.items())) or NONE
+    return QuantizeSpec(pairs=tuple(sorted(mapping.items())))
 
 
 def describe(formats: dict[str, str]) -> str:
@@ -300,12 +315,12 @@ def refusal(name: str, mode: str, stream: bool, disk: bool) -> str | None:
     return None
 
 
-def allowed(text: str | None, component: str, formats: tuple[str, ...], fixed: dict[str, str] | None = None):
+def allowed(quantize: QuantizeSpec, component: str, formats: tuple[str, ...], fixed: dict[str, str] | None = None):
     """The formats the planner may give `component`: the mapping's (or the run dtype) for a mapping
     or `none`; under `auto`, the run dtype and each of `formats` (what the device runs) that serves
     it. `fixed`: formats already applied to live modules, which no plan can take back."""
     if fixed and component in fixed:
         return (fixed[component],)
-    if not is_auto(text):
-        return (parse_quantize(text).get(component, NONE),)
+    if not quantize.auto:
+        return (quantize.mapping.get(component, NONE),)
     return (NONE, *(f for f in formats if component in spec(f).components))

@@ -3,10 +3,10 @@ stored beside the image (parquet rows, webdataset JSON)."""
 
 from __future__ import annotations
 
-from fleetgen.workers.output.fields import records, stored_names
+from fleetgen.workers.output.fields import records, sidecar_names
 from fleetgen.workers.output.writer import Made
 from fleetgen.workers.pipeline.fitted import Picture
-from fleetgen.workers.rows.batches import Image
+from fleetgen.workers.rows.batches import WorkItem
 from fleetgen.workers.rows.inputs import stored_inputs
 
 
@@ -28,9 +28,9 @@ class Records:
         self.attention = attention  # the attention kernel this worker's denoisers run (`--attention`)
         self.store_inputs = store_inputs  # `--store-inputs`: each image's inputs go beside it
         self.fields = [f.name for f in records()]  # the manifest's columns
-        self.stored = [name for name in stored_names() if name != "sha256"]  # the writer adds the digest
+        self.stored = [name for name in sidecar_names() if name != "sha256"]  # the writer adds the digest
 
-    def new(self, im: Image) -> dict:
+    def new(self, im: WorkItem) -> dict:
         """The image's manifest row as far as it is known before it is made."""
         return {
             **dict.fromkeys(self.fields),

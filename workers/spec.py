@@ -1,12 +1,17 @@
-"""The records `jobs/` and `cluster/` exchange with a worker: what a job asks of every image, what
-a worker needs to start, and what it reports back. Plain, picklable data: no torch here, so the
-driver, `status` and `verify` import it without loading a framework."""
+"""The records `jobs/` and `cluster/` exchange with a worker: what a job asks of every image (and the
+one workload the planner derives from it), what a worker needs to start, and what it reports back.
+Plain, picklable data: no torch here, so the driver, `status` and `verify` import it without loading
+a framework."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
-from fleetgen.workers.families.table import FAMILIES, TEXT, Task
+from fleetgen.attention import AttentionSpec
+from fleetgen.caches import CacheSpec
+from fleetgen.offload.cost import Workload
+from fleetgen.offload.weight_formats import QuantizeSpec
+from fleetgen.workers.families.table import FAMILIES, GENERIC, TEXT, Task
 from fleetgen.workers.output.formats import get_format
 from fleetgen.workers.rows.batches import Adapter, Look, Recipe
 from fleetgen.workers.rows.shard import Columns
@@ -25,7 +30,7 @@ class GenerationSettings:
     output_format: str = "files"  # files | webdataset | parquet
     family: str = "sd"  # pipeline family (workers/families/detect.py): how the pipeline is called
     true_cfg_scale: float | None = None  # Flux: > 1 applies negative prompts (true CFG)
-    quantize: str = "none"  # storage format per component, e.g. transformer=fp8 (offload/quantize.py)
+    quantize: QuantizeSpec = QuantizeSpec()  # storage format per component (offload/weight_formats.py)
     images_per_prompt: int = 1  # images per row (a row's `num_images` column overrides it)
     prompt_template: str | None = None  # builds each prompt from columns, e.g. "a {style} photo of a {label}"
     loras: tuple[Adapter, ...] = ()  # adapters on every image (a row's `lora` column replaces them)
@@ -38,8 +43,41 @@ class GenerationSettings:
     fps: float | None = None  # video tasks: frames per second (a row's `fps` replaces it)
     video_format: str = "mp4"  # video tasks: mp4 (H.264) | webm (AV1) (workers/output/video.py)
     crf: int = 18  # video tasks: the encoder's constant rate factor (lower: larger, closer to the frames made)
-    cache: str = "none"  # step cache on the denoiser, e.g. first-block:0.08 (fleetgen/caches.py): changes pixels
-    attention: str = "exact"  # exact (each worker's kernel) | an inexact kernel such as sage (fleetgen/attention.py)
+    cache: CacheSpec = CacheSpec()  # step cache on the denoiser (fleetgen/caches.py): changes pixels
+    attention: AttentionSpec = AttentionSpec()  # the kernel asked for; the fingerprint holds only an inexact one
+
+    def record(self) -> dict:
+        """The settings as job.json's fingerprint holds them: each parsed setting by its one spelling
+        (an exact attention kernel as `exact`: each worker's own choice)."""
+        out = asdict(self)
+        out.update(quantize=self.quantize.label, cache=self.cache.label, attention=self.attention.label)
+        return out
+
+    def workload(
+        self, max_batch: int = 4, offload: str = "auto", size: tuple[int, int] | None = None, references: int = 1
+    ) -> Workload:
+        """What the planner plans for: this job's images (at `size`, the largest of the job where rows
+        have sizes of their own), at most `max_batch` per call, with `references` input images each
+        (an edit model's that join the denoiser's sequence). The one translation from a job to the
+        planner: `fleetgen plan`, `fleetgen calibrate` and every worker use it."""
+        family, task = FAMILIES.get(self.family, GENERIC), self.task_spec()
+        width, height = size or (self.width, self.height)
+        # one row per call where the task takes its references together, or a first-block cache decides per call
+        one_per_call = not task.batched or self.cache.per_call
+        return Workload(
+            width=width,
+            height=height,
+            steps=self.steps,
+            cfg=family.doubles_batch(self.guidance, self.true_cfg_scale),
+            cfg_calls=family.extra_calls(self.guidance, self.true_cfg_scale),
+            max_batch=1 if one_per_call else max_batch,
+            offload=offload,
+            quantize=self.quantize,
+            cache=self.cache,
+            input_images=min(references, task.images),
+            in_sequence=task.in_sequence,
+            frames=(self.num_frames or 0) if task.video else 0,
+        )
 
     def media_format(self) -> str:
         """What each object of the job is encoded as: the video format for video tasks, else the image format."""
@@ -50,7 +88,7 @@ class GenerationSettings:
         found = family.task(self.task) if family is not None else None
         return found or Task(self.task, "")
 
-    def stored(self) -> tuple[str, ...]:
+    def companions(self) -> tuple[str, ...]:
         """The image columns stored beside each image: its inputs (`--store-inputs`), a clip's poster
         and (`--store-frames`) its frames."""
         task = self.task_spec()
@@ -93,7 +131,7 @@ class WorkerSpec:
     columns: Columns
     max_batch: int = 4  # images per pipeline call
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto (float16 on CUDA, float32 on CPU) | float32 | float16 | bfloat16
+    dtype: str = "auto"  # auto (the family's on CUDA, float32 on CPU) | float32 | float16 | bfloat16
     threads: int | None = None  # torch CPU threads; None leaves torch's default
     offload: str = "auto"  # auto | none | block | leaf | disk (see offload.planner)
     gpu_memory: int | None = None  # device budget in bytes; default: free device memory (CPU: no planning)
@@ -105,43 +143,23 @@ class WorkerSpec:
     adapters: tuple[tuple[str, str], ...] = ()  # every LoRA the job uses (flags, `lora` column): (as named, location)
     plan_size: tuple[int, int] | None = None  # the largest (width, height) in the job, planned for
     compile: bool = False  # torch.compile the denoisers (regional where they have repeated blocks)
-    attention: str = "native"  # the attention kernel: native | auto (the fastest exact one here) | a backend
+    attention: AttentionSpec = AttentionSpec()  # the kernel: native | auto (the fastest exact one here) | a backend
     lock_token: str | None = None  # the driver's `OUT/_LOCK` token: no commit once the lock names another (or none)
 
     def source(self) -> Source:
         return Source(
-            self.model,
-            self.settings.family,
-            self.device,
-            self.dtype,
-            self.trust_remote_code,
-            self.revision,
-            self.variant,
-            self.adapters,
-            self.settings.quantize,
-            self.settings.task,
+            self.model, self.device, self.dtype, self.trust_remote_code, self.revision, self.variant, self.adapters
         )
 
-    def workload(self) -> Workload:
-        s = self.settings
-        width, height = self.plan_size or (s.width, s.height)
-        return Workload(
-            width=width,
-            height=height,
-            steps=s.steps,
-            guidance=s.guidance,
-            true_cfg_scale=s.true_cfg_scale,
-            max_batch=self.max_batch,
-            offload=self.offload,
-            gpu_memory=self.gpu_memory,
-            host_memory=self.host_memory,
-            # planned for one input (a row with more references steps down on its first OOM)
-            input_images=min(self.settings.task_spec().images, 1),
-            in_sequence=self.settings.task_spec().in_sequence,
-            num_frames=(s.num_frames or 0) if self.settings.task_spec().video else 0,
-            cache=s.cache,
-            compile=self.compile,
-            attention=self.attention,
+    def fit(self) -> Fit:
+        return Fit(
+            self.max_batch,
+            self.offload,
+            self.gpu_memory,
+            self.host_memory,
+            self.compile,
+            self.attention,
+            self.plan_size,
         )
 
 
@@ -171,37 +189,26 @@ class ShardResult:
 
 @dataclass(frozen=True)
 class Source:
-    """Which pipeline to load, and how: the weights (with the job's adapters) and their number format."""
+    """Which weights to load, and how (the job's adapters with them)."""
 
     model: str  # local directory or hub id, loaded with DiffusionPipeline.from_pretrained
-    family: str = "sd"  # workers/families/detect.py: how the pipeline is called and its defaults
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (the family's on CUDA, float32 on CPU) | float32 | float16 | bfloat16
     trust_remote_code: bool = False
     revision: str | None = None
     variant: str | None = None
     adapters: tuple[tuple[str, str], ...] = ()  # (as named, location)
-    quantize: str = "none"  # storage format per component (offload/quantize.py), applied after load
-    task: str = TEXT  # the family's task whose pipeline class is called (from_pipe where the directory's differs)
 
 
 @dataclass(frozen=True)
-class Workload:
-    """What a fitted pipeline must run, and within what: the planner's input. Settings that decide
-    how the pipeline is fitted (quantization, compilation, caches) join it here."""
+class Fit:
+    """How a worker may fit its pipeline to its device: each worker's own choices, none of which
+    changes pixels (budgets, placements, batch, compile, an exact attention kernel)."""
 
-    width: int = 512  # the largest image of the job, planned for
-    height: int = 512
-    steps: int = 30
-    guidance: float = 7.5
-    true_cfg_scale: float | None = None
-    max_batch: int = 4
+    max_batch: int = 4  # images per pipeline call, at most
     offload: str = "auto"  # auto | none | block | leaf | disk: which placements may be used
     gpu_memory: int | None = None  # device budget in bytes; default: free device memory (CPU: no planning)
     host_memory: int | None = None  # host RAM for offloaded copies; default: 80 % of available
-    input_images: int = 0  # input images per image, each encoded by the VAE (at most; references)
-    in_sequence: bool = False  # their latents join the denoiser's sequence (edit models)
-    num_frames: int = 0  # video tasks: frames per clip, planned for (0: images)
-    cache: str = "none"  # the job's step cache (fleetgen/caches.py), applied after offloading
     compile: bool = False  # torch.compile the denoisers, after the cache (workers/pipeline/compiling.py)
-    attention: str = "native"  # native | auto | a diffusers attention backend (workers/pipeline/attention.py)
+    attention: AttentionSpec = AttentionSpec()  # native | auto | a diffusers backend (workers/pipeline/attention.py)
+    plan_size: tuple[int, int] | None = None  # the largest (width, height) of the job, planned for

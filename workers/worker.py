@@ -36,7 +36,7 @@ from fleetgen.workers.output.writer import Made, Writer, encode_and_store
 from fleetgen.workers.pipeline.calls import prompt_note
 from fleetgen.workers.pipeline.fitted import FittedPipeline
 from fleetgen.workers.records import Records
-from fleetgen.workers.rows.batches import Image, group_images, shard_images
+from fleetgen.workers.rows.batches import WorkItem, group_items, shard_items
 from fleetgen.workers.rows.inputs import Prefetcher
 from fleetgen.workers.rows.shard import Shard, read_shard
 from fleetgen.workers.spec import BatchDone, ShardResult, WorkerSpec
@@ -49,9 +49,9 @@ class _Attempt:
     shard: Shard
     id: str  # this attempt's staging name
     table: pa.Table  # the shard's input rows
-    images: list[Image]
+    images: list[WorkItem]
     records: dict[str, dict]  # the manifest's rows, by image id, filled in as images are made
-    todo: list[Image]  # what this attempt makes (a retry: the error rows only)
+    todo: list[WorkItem]  # what this attempt makes (a retry: the error rows only)
     kept: set[str]  # a retry: ids whose committed record stays as it is
     base: bytes | None  # a retry: the committed manifest it replaces
     sink: object
@@ -76,7 +76,7 @@ class Worker:
         if spec.threads:
             torch.set_num_threads(spec.threads)
         self.output = Output(spec.output)
-        self.fitted = FittedPipeline(spec.source(), spec.workload(), spec.name, pipe)
+        self.fitted = FittedPipeline(spec.source(), spec.settings, spec.fit(), spec.name, pipe)
         self.recipe = spec.settings.recipe(self.fitted.size_multiple)
         self._writer = Writer()
         self.stats = {"shards": 0, "images": 0, "errors": 0}
@@ -88,7 +88,7 @@ class Worker:
             device,
             spec.model,
             store,
-            spec.settings.cache,
+            spec.settings.cache.label,
             self.fitted.attention.backend,
         )
         self.write_info()
@@ -160,7 +160,7 @@ class Worker:
     def _prepare(self, shard: Shard) -> _Attempt:
         """Read the shard, build its images and their manifest records, open its sink."""
         table = read_shard(shard, self.spec.columns)
-        images = shard_images(shard, table, self.spec.columns, self.recipe)
+        images = shard_items(shard, table, self.spec.columns, self.recipe)
         records = {im.id: self._records.new(im) for im in images}
         for im in images:
             if im.error is None:
@@ -179,7 +179,7 @@ class Worker:
         stop) once another attempt has committed the shard. Input images are read ahead, in the
         order they are made, while the device works."""
         counts = Counter(im.row for im in at.images)  # images per row, for progress in rows
-        groups = group_images(at.todo)
+        groups = group_items(at.todo)
         with Prefetcher([im for g in groups for im in g], self.spec.settings.resize) as prefetch:
             for group in groups:
                 i = 0
@@ -196,7 +196,7 @@ class Worker:
                 f"{at.records[at.todo[0].id]['error']}"
             )
 
-    def _batch(self, at: _Attempt, asked: list[Image], prefetch: Prefetcher, rows: float) -> BatchDone:
+    def _batch(self, at: _Attempt, asked: list[WorkItem], prefetch: Prefetcher, rows: float) -> BatchDone:
         """One pipeline call: the batch's inputs (an unreadable one fails its row only), the call,
         its pictures handed to the writer thread, which encodes, hashes and stores them while the
         device makes the next batch."""
@@ -260,7 +260,13 @@ class Worker:
         s, carry = self.spec.settings, self.spec.columns.carry
         carried = table.select(list(carry)).schema.remove_metadata() if carry else None
         sink = open_sink(
-            self.output, shard.id, s.output_format, s.media_format(), carried, staging(shard.id, attempt), s.stored()
+            self.output,
+            shard.id,
+            s.output_format,
+            s.media_format(),
+            carried,
+            staging(shard.id, attempt),
+            s.companions(),
         )
         if base is not None:
             sink.keep_existing()  # a retry: the shard's stored images stay, byte for byte

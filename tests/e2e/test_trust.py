@@ -262,7 +262,7 @@ def test_parquet_reads_never_abort_the_process_at_exit(tmp_path):
     path = tmp_path / "t.parquet"
     pq.write_table(pa.table({"id": [f"r{i}" for i in range(256)], "x": list(range(256))}), path)
     code = (
-        f"from workers.storage import read_parquet; data = open({str(path)!r}, 'rb').read(); "
+        f"from fleetgen.workers.output.storage import read_parquet; data = open({str(path)!r}, 'rb').read(); "
         "read_parquet(data); read_parquet(data, ['id'])"
     )
 

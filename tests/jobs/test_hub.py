@@ -127,7 +127,7 @@ def test_a_hub_model_is_planned_from_its_configs_before_its_weights_are_fetched(
     server, root = hub
     flux2 = server.repos["org/flux2-configs"] = Repo()
     commit = flux2.push(Path(shutil.copytree(resolve("flux.2-dev"), root / "flux2")))
-    configs = model_configs(Source("org/flux2-configs", "flux2", revision=commit))
+    configs = model_configs(Source("org/flux2-configs", revision=commit))
     assert (Path(configs) / "transformer" / "config.json").exists()
     tight = DeviceSpec(budget=24 << 30, host_budget=64 << 30, formats=CHOOSABLE)
     work = planner_workload("auto", 1, 1024, 1024, 28, False, "auto", {})

@@ -5,7 +5,7 @@ import pytest
 from bench.shard_read import counting
 from fleetgen.errors import InputError
 from fleetgen.jobs.sharding import InputFile, list_input_files, plan_shards, read_footer, resolve_columns
-from fleetgen.workers.rows.batches import Look, Recipe, shard_images
+from fleetgen.workers.rows.batches import Look, Recipe, shard_items
 from fleetgen.workers.rows.shard import SETTING_ROLES, Columns, read_shard
 from tests.conftest import write_prompts
 
@@ -13,7 +13,7 @@ NO_SETTINGS = dict.fromkeys(SETTING_ROLES)  # an input with no per-row setting c
 
 
 def shard_rows(shard, table, columns, job_seed):
-    return shard_images(shard, table, columns, Recipe(Look(64, 64, 2, 5.0), seed=job_seed))
+    return shard_items(shard, table, columns, Recipe(Look(64, 64, 2, 5.0), seed=job_seed))
 
 
 def footers(url):

@@ -55,7 +55,7 @@ def test_a_video_job_takes_the_cards_size_frames_and_rate(wan, tmp_path):
     )
     assert "81 frames at 16 fps (family default)" in describe(config, family, sources)
     settings = config.settings()
-    assert settings.media_format() == "mp4" and settings.stored() == ("poster",)
+    assert settings.media_format() == "mp4" and settings.companions() == ("poster",)
     given, _, sources = resolve(wan, tmp_path, width=64, height=48, num_frames=9, fps=24)
     assert (given.width, given.height, given.num_frames, given.fps, sources["num_frames"]) == (64, 48, 9, 24, "given")
 

@@ -342,14 +342,17 @@ def test_components_with_lora_adapters_are_never_planned_to_disk(profiles):
 def test_after_an_oom_a_leaner_placement_is_found_even_where_a_step_down_overshoots():
     """Activation-heavy plans: from the smallest budget that holds everything resident, a 25 % step
     lands where nothing fits; the budgets between still hold a leaner placement, which is chosen."""
-    from fleetgen.workers.pipeline.plans import STEP_DOWN, choose_plan, leaner_plan
+    from fleetgen.workers.pipeline.plans import STEP_DOWN, choose_plan, device_spec, leaner_plan
 
     profile = profile_pipeline(build_tiny_flux())
     probe = {"host_available_bytes": 2**34, "free_bytes": None, "bandwidth": 2e10, "flops": 1e12}
-    fit = {"offload": "auto", "host_memory": None, "width": 64, "height": 64, "steps": 2, "cfg": False}
+    work = Workload(width=64, height=64, steps=2, cfg=False, max_batch=1, offload="auto", loaded=True)
+
+    def device(budget):
+        return device_spec(torch.device("cpu"), probe, budget, None)
 
     def at(budget):
-        return choose_plan(profile, torch.device("cpu"), probe, max_batch=1, gpu_memory=budget, **fit)
+        return choose_plan(profile, work, device(budget))
 
     low, high = 1, 2**30  # the smallest budget whose plan is all resident
     while high - low > 1:
@@ -362,6 +365,6 @@ def test_after_an_oom_a_leaner_placement_is_found_even_where_a_step_down_oversho
     current = at(high)
     with pytest.raises(OffloadError):
         at(int(high * STEP_DOWN))  # the plain step overshoots: what the bisection is for
-    leaner = leaner_plan(profile, current, torch.device("cpu"), probe, **fit)
+    leaner = leaner_plan(profile, current, work, device(high))
     assert leaner.placements != current.placements and leaner.budget < high
     assert set(leaner.to_dict()["modes"].values()) != {"resident"}

@@ -14,7 +14,7 @@ from fleetgen.errors import OffloadError
 from fleetgen.offload import DeviceSpec, Workload, plan, profile_modules
 from fleetgen.offload.architectures import NAMES, build_on_meta
 from fleetgen.offload.cost import MARGIN
-from fleetgen.offload.weight_formats import CHOOSABLE, FORMATS, refusal
+from fleetgen.offload.weight_formats import CHOOSABLE, FORMATS, parse_quantize, refusal
 from tests.offload.exhaustive import exhaustive_key, plan_key
 
 GIB = 1 << 30
@@ -28,7 +28,7 @@ def profiles():
 
 
 def _plan(prof, gib, host, quantize, max_batch=4):
-    work = Workload(width=1024, height=1024, steps=20, max_batch=max_batch, quantize=quantize)
+    work = Workload(width=1024, height=1024, steps=20, max_batch=max_batch, quantize=parse_quantize(quantize))
     try:
         return plan(prof, DeviceSpec(budget=gib * GIB, host_budget=host * GIB), work)
     except OffloadError:
@@ -66,7 +66,7 @@ def test_auto_never_predicts_slower_and_more_memory_never_slows_it(arch, profile
 @pytest.mark.parametrize("arch", ["sd-1.5", "flux.2-dev", "qwen-image", "flux.1-dev"])
 def test_auto_finds_what_the_exhaustive_search_finds(arch, profiles):
     prof = profiles[arch]
-    w = Workload(width=1024, height=1024, steps=20, max_batch=2, quantize="auto")
+    w = Workload(width=1024, height=1024, steps=20, max_batch=2, quantize=parse_quantize("auto"))
     grid = [(16, 32), (24, 64), (48, 256)] if len(prof.components) > 3 else itertools.product(BUDGETS, HOSTS)
     for gib, host in grid:
         device = DeviceSpec(budget=gib * GIB, host_budget=host * GIB)
@@ -131,9 +131,9 @@ def test_a_worker_plans_only_what_it_can_apply_and_says_how_much_faster(profiles
     after loading, `auto` holds an fp8 transformer resident and says by how much that is predicted
     faster. A component already holding a format keeps it; `none` quantizes nothing."""
     prof = profiles["flux.1-dev"]
-    work = Workload(width=1024, height=1024, steps=20, max_batch=1, quantize="auto", loaded=True)
+    work = Workload(width=1024, height=1024, steps=20, max_batch=1, quantize=parse_quantize("auto"), loaded=True)
     device = DeviceSpec(budget=24 * GIB, host_budget=18 * GIB, formats=("fp8", "int8"))
-    none = plan(prof, device, replace(work, quantize="none"))
+    none = plan(prof, device, replace(work, quantize=parse_quantize("none")))
     assert none.placements["transformer"].disk and not none.formats
     got = plan(prof, device, work)
     assert got.formats["transformer"] == "fp8" and got.placements["transformer"].mode == "resident"
@@ -148,7 +148,7 @@ def test_a_worker_plans_only_what_it_can_apply_and_says_how_much_faster(profiles
     device = replace(device, formats=("fp8",))
     fixed = plan(prof, device, replace(work, fixed=(("text_encoder_2", "int8"),)))
     assert fixed.formats.get("text_encoder_2") == "int8"  # kept, though this device would not choose it
-    assert not plan(prof, device, replace(work, quantize="none")).formats
+    assert not plan(prof, device, replace(work, quantize=parse_quantize("none"))).formats
 
 
 @pytest.mark.slow

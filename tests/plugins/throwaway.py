@@ -29,7 +29,7 @@ add_field(
         high=1,
         pixels=True,
         call_arg="guidance_rescale",
-        stored=True,
+        sidecar=True,
     )
 )
 
@@ -71,7 +71,7 @@ class Lines(OutputFormat):
     def shard_objects(self, shard_id: str) -> list[str]:
         return [lines_key(shard_id)]
 
-    def stored(self, output, shard_id, rows, wanted):
+    def read_back(self, output, shard_id, rows, wanted):
         try:
             text = output.get(lines_key(shard_id))
         except FileNotFoundError:

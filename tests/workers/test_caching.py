@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from fleetgen.caches import CacheSpec, normalized, parse_cache
+from fleetgen.caches import CacheSpec, parse_cache
 from fleetgen.errors import ConfigError, StorageError
 from fleetgen.jobs.config import JobConfig, validate
 from fleetgen.jobs.models import resolve_defaults
@@ -35,20 +35,22 @@ def tiny_flux(tmp_path_factory) -> str:
 
 
 def _run(model, out, prompts, cache="none", **spec):
-    settings = GenerationSettings(steps=STEPS, guidance=3.5, width=64, height=64, family="flux", cache=cache)
+    settings = GenerationSettings(
+        steps=STEPS, guidance=3.5, width=64, height=64, family="flux", cache=parse_cache(cache)
+    )
     return run_one_shard(model, out, prompts, settings, **{"max_batch": 4, **spec})
 
 
 def test_the_setting_is_parsed_to_one_spelling_and_refused_in_one_line():
-    assert parse_cache(None) == CacheSpec() and normalized(" none ") == "none"
+    assert parse_cache(None) == CacheSpec() and parse_cache(" none ").label == "none"
     assert (
-        normalized("first-block") == "first-block:0.05"
-        and normalized("First-Block:threshold=0.08") == "first-block:0.08"
+        parse_cache("first-block").label == "first-block:0.05"
+        and parse_cache("First-Block:threshold=0.08").label == "first-block:0.08"
     )
-    assert normalized("taylorseer") == "taylorseer:interval=5,warmup=3,order=1"
-    assert normalized("taylorseer:order=2,interval=4") == "taylorseer:interval=4,warmup=3,order=2"
-    assert normalized("MagCache") == "magcache:threshold=0.06,max_skip=3,retention=0.2"
-    assert normalized("magcache:max_skip=2,threshold=0.1") == "magcache:threshold=0.1,max_skip=2,retention=0.2"
+    assert parse_cache("taylorseer").label == "taylorseer:interval=5,warmup=3,order=1"
+    assert parse_cache("taylorseer:order=2,interval=4").label == "taylorseer:interval=4,warmup=3,order=2"
+    assert parse_cache("MagCache").label == "magcache:threshold=0.06,max_skip=3,retention=0.2"
+    assert parse_cache("magcache:max_skip=2,threshold=0.1").label == "magcache:threshold=0.1,max_skip=2,retention=0.2"
     for text, message in (
         ("first-block:2", "more than 0 and at most 1"),
         ("first-block:x", "the threshold is a number"),
@@ -217,7 +219,7 @@ def test_magcache_skips_whole_steps_by_the_published_ratios_whatever_the_batch(t
         )
         <= 2
     )
-    assert {r["cache"] for r in rows.values()} == {"magcache:threshold=0.1"}  # as the job (normalized) gave it
+    assert {r["cache"] for r in rows.values()} == {parse_cache("magcache:threshold=0.1").label}  # as the job gave it
     from fleetgen.workers.pipeline.caching import pipeline_refusal
 
     assert "MagCache's magnitude ratios for FLUX.1 only, not QwenImageTransformer2DModel" in pipeline_refusal(

@@ -16,7 +16,7 @@ from PIL import Image
 from fleetgen.errors import ConfigError, InputError
 from fleetgen.jobs.config import JobConfig, make_config, validate
 from fleetgen.jobs.sharding import plan_shards, read_footer, resolve_columns
-from fleetgen.workers.rows.batches import Adapter, Look, Recipe, group_images, shard_images
+from fleetgen.workers.rows.batches import Adapter, Look, Recipe, group_items, shard_items
 from fleetgen.workers.rows.shard import Columns, read_shard
 from fleetgen.workers.spec import GenerationSettings, WorkerSpec
 from fleetgen.workers.worker import Worker
@@ -36,7 +36,7 @@ def images_of(path, columns=None, **recipe):
     files = [read_footer(path)]
     cols = resolve_columns(files, columns or Columns(), recipe.get("template"))
     shard = plan_shards(files, 100)[0]
-    return shard_images(shard, read_shard(shard, cols), cols, Recipe(Look(64, 64, 2, 5.0), **recipe))
+    return shard_items(shard, read_shard(shard, cols), cols, Recipe(Look(64, 64, 2, 5.0), **recipe))
 
 
 # --- rows → images → batches (pure) -------------------------------------------------------------
@@ -77,13 +77,13 @@ def test_rows_become_images_with_their_settings(tmp_path):
 
 def make_batches(images, batch_size: int):
     """As the worker cuts them: each look's images in order, `batch_size` at a time."""
-    return [g[i : i + batch_size] for g in group_images(images) for i in range(0, len(g), batch_size)]
+    return [g[i : i + batch_size] for g in group_items(images) for i in range(0, len(g), batch_size)]
 
 
 def test_batches_share_a_look_and_keep_order(tmp_path):
     a, b = Adapter("a"), Adapter("b", 0.5)
     looks = [Look(64, 64, 2, 5.0), Look(128, 64, 2, 5.0), Look(64, 64, 2, 5.0, (a,)), Look(64, 64, 2, 5.0, (b,))]
-    from fleetgen.workers.rows.batches import Image as Img
+    from fleetgen.workers.rows.batches import WorkItem as Img
 
     images = [Img(f"i{n}", f"i{n}", 0, n, "p", None, n, looks[n % 4], None) for n in range(14)]
     images.append(Img("bad", "bad", 0, 14, "p", None, None, looks[0], "prompt is null or empty"))

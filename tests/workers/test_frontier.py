@@ -22,6 +22,7 @@ from fleetgen.workers.families.detect import FAMILIES, identify_dir
 from fleetgen.workers.families.model_dir import size_multiple
 from fleetgen.workers.pipeline.calls import call_kwargs
 from fleetgen.workers.pipeline.load import pipe_size_multiple
+from fleetgen.workers.rows.batches import Look
 from fleetgen.workers.rows.shard import Columns
 from fleetgen.workers.spec import GenerationSettings, WorkerSpec
 from fleetgen.workers.tiny import TINY_FAMILIES, write_tiny_model
@@ -193,10 +194,7 @@ def test_qwen_image_guidance_is_its_true_cfg_with_a_blank_negative(models, tmp_p
         FAMILIES["qwen-image"],
         ["a", "b"],
         [None, "dark"],
-        steps=2,
-        guidance=4.0,
-        width=64,
-        height=64,
+        Look(64, 64, 2, 4.0),
         true_cfg_scale=None,
         generator=None,
     )

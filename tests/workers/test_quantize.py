@@ -14,7 +14,7 @@ from fleetgen.errors import ConfigError, OffloadError, StorageError
 from fleetgen.jobs.config import JobConfig, validate
 from fleetgen.jobs.models import resolve_adapters, resolve_defaults
 from fleetgen.jobs.sharding import plan_shards, read_footer, resolve_columns
-from fleetgen.offload.weight_formats import normalized, parse_quantize
+from fleetgen.offload.weight_formats import parse_quantize
 from fleetgen.workers.rows.shard import Columns
 from fleetgen.workers.spec import GenerationSettings, WorkerSpec
 from fleetgen.workers.worker import Worker
@@ -24,14 +24,20 @@ MIN_PSNR = 30.0  # dB against the unquantized images of the same seeds (tiny SD,
 
 
 def _run(model, out, path, quantize="none", **spec):
-    settings = GenerationSettings(steps=4, guidance=5.0, width=64, height=64, family="sd", quantize=quantize)
+    settings = GenerationSettings(
+        steps=4, guidance=5.0, width=64, height=64, family="sd", quantize=parse_quantize(quantize)
+    )
     return run_one_shard(model, out, path, settings, **{"max_batch": 1, **spec})
 
 
 def test_the_mapping_is_parsed_and_refused_in_one_line():
-    assert parse_quantize("none") == {} and parse_quantize(None) == {} and parse_quantize("auto") == {}
-    assert normalized(" transformer=fp8 , text_encoder=int8") == "text_encoder=int8,transformer=fp8"
-    assert normalized(" auto ") == "auto" and normalized(None) == "none"
+    assert (
+        parse_quantize("none").mapping == {}
+        and parse_quantize(None).mapping == {}
+        and parse_quantize("auto").mapping == {}
+    )
+    assert parse_quantize(" transformer=fp8 , text_encoder=int8").pinned().label == "text_encoder=int8,transformer=fp8"
+    assert parse_quantize(" auto ").pinned().label == "auto" and parse_quantize(None).pinned().label == "none"
     for text, message in (
         ("transformer=int3", "the formats are fp8, int8, nf4, bnb-int8"),
         ("transformer", r"takes none, auto or COMPONENT=FORMAT"),
@@ -64,7 +70,7 @@ def test_a_format_holds_the_bytes_predicted_and_stays_close(mapping, tiny_model,
     plain, plain_rows = _run(tiny_model, tmp_path / "plain", path)
     q, q_rows = _run(tiny_model, tmp_path / "q", path, mapping)
     info = json.loads((tmp_path / "q" / "workers" / "w0.json").read_text())
-    formats = parse_quantize(mapping)
+    formats = parse_quantize(mapping).mapping
     assert info["quantized"] == formats
     measured, unquantized = info["weight_bytes"], plain.fitted.weight_bytes  # from the live modules
     for name, fmt in formats.items():
@@ -182,7 +188,9 @@ def test_an_oom_under_auto_may_quantize_further(tiny_model, tmp_path):
 
     files = [read_footer(str(path))]
     shard, columns = plan_shards(files, 100)[0], resolve_columns(files, Columns())
-    settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64, family="sd", quantize="auto")
+    settings = GenerationSettings(
+        steps=2, guidance=5.0, width=64, height=64, family="sd", quantize=parse_quantize("auto")
+    )
     spec = WorkerSpec("w0", tiny_model, str(tmp_path / "o"), settings, columns, device="cpu", gpu_memory=28 << 20)
     worker = Worker(replace(spec, max_batch=1))
     assert worker.plan.formats == {}
@@ -229,7 +237,7 @@ def test_a_gguf_file_supplies_the_unet(tiny_model, tmp_path):
     stored = _write_gguf(tiny_model, tmp_path / "unet-q8.gguf")
     file = (tmp_path / "unet-q8.gguf").resolve()
     pinned = f"unet=gguf:{file}#sha256={hashlib.sha256(file.read_bytes()).hexdigest()}"
-    assert normalized(f"unet=gguf:{file}") == pinned
+    assert parse_quantize(f"unet=gguf:{file}").pinned().label == pinned
     path = write_prompts(tmp_path / "p.parquet", ["a red fox", "a blue owl"], id=["a", "b"])
     plain, plain_rows = _run(tiny_model, tmp_path / "plain", path)
     worker, rows = _run(tiny_model, tmp_path / "q", path, pinned)
@@ -242,9 +250,9 @@ def test_a_gguf_file_supplies_the_unet(tiny_model, tmp_path):
         mse = ((pixels(tmp_path / "plain", plain_rows[k]) - pixels(tmp_path / "q", rows[k])) ** 2).mean()
         assert 10 * np.log10(255**2 / mse) >= MIN_PSNR
     with pytest.raises(ConfigError, match=r"no file at .*missing.gguf"):
-        normalized(f"unet=gguf:{tmp_path}/missing.gguf")
+        parse_quantize(f"unet=gguf:{tmp_path}/missing.gguf").pinned()
     with pytest.raises(ConfigError, match=r"the file's sha256 is [0-9a-f]{64}, not 00"):
-        normalized(f"unet=gguf:{file}#sha256=00")
+        parse_quantize(f"unet=gguf:{file}#sha256=00").pinned()
     with pytest.raises(ConfigError, match=r"gguf takes its file"):
         parse_quantize("unet=gguf")
     with pytest.raises(ConfigError, match=r"`--offload block`: GGUF parameters under diffusers' group offloading"):

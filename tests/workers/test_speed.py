@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from fleetgen.attention import CANDIDATES, EXACT, INEXACT, fingerprinted, parse_attention
+from fleetgen.attention import CANDIDATES, EXACT, INEXACT, parse_attention
 from fleetgen.errors import ConfigError, OffloadError
 from fleetgen.jobs.state import _differences
 from fleetgen.offload.stats import find_groups
@@ -41,16 +41,21 @@ def test_the_kernel_table_is_diffusers_own_and_only_sage_is_the_jobs():
 
     assert set(EXACT) | set(INEXACT) == {b.value for b in AttentionBackendName}  # fails when diffusers adds one
     assert set(CANDIDATES) <= set(EXACT) and not any(b.endswith("_hub") for b in CANDIDATES)
-    assert parse_attention(None) == "native" and parse_attention(" AUTO ") == "auto"
-    assert [fingerprinted(b) for b in ("native", "auto", "flash", "_native_cudnn")] == ["exact"] * 4
-    assert fingerprinted("sage") == "sage" and fingerprinted("_sage_qk_int8_pv_fp8_cuda") == "_sage_qk_int8_pv_fp8_cuda"
+    assert parse_attention(None).backend == "native" and parse_attention(" AUTO ").backend == "auto"
+    assert [parse_attention(b).label for b in ("native", "auto", "flash", "_native_cudnn")] == ["exact"] * 4
+    assert (
+        parse_attention("sage").label == "sage"
+        and parse_attention("_sage_qk_int8_pv_fp8_cuda").label == "_sage_qk_int8_pv_fp8_cuda"
+    )
     with pytest.raises(ConfigError, match="`--attention` must be auto or one of .*got `flash2`"):
         parse_attention("flash2")
 
 
 def test_auto_measures_the_kernels_here_and_keeps_the_fastest(tiny_flux, prompts, tmp_path):
     native, rows = run_one_shard(tiny_flux, tmp_path / "native", prompts, FLUX, max_batch=2)
-    worker, auto_rows = run_one_shard(tiny_flux, tmp_path / "auto", prompts, FLUX, max_batch=2, attention="auto")
+    worker, auto_rows = run_one_shard(
+        tiny_flux, tmp_path / "auto", prompts, FLUX, max_batch=2, attention=parse_attention("auto")
+    )
     info = json.loads((tmp_path / "auto" / "workers" / "w0.json").read_text())["attention"]
     ran = {k: v for k, v in info["measured_ms"].items() if isinstance(v, float)}
     assert {"native", "_native_math"} <= set(ran)  # torch's own kernels run on any CPU
@@ -62,7 +67,7 @@ def test_auto_measures_the_kernels_here_and_keeps_the_fastest(tiny_flux, prompts
 
 
 def test_an_exact_kernel_missing_here_falls_back_and_says_so(tiny_flux, prompts, tmp_path):
-    worker, rows = run_one_shard(tiny_flux, tmp_path / "o", prompts, FLUX, attention="flash")
+    worker, rows = run_one_shard(tiny_flux, tmp_path / "o", prompts, FLUX, attention=parse_attention("flash"))
     choice = worker.fitted.attention
     assert choice.asked == "flash" and choice.backend in CANDIDATES
     assert choice.reason.startswith("`flash` cannot run here (Flash Attention backend 'flash' is not usable")
@@ -75,7 +80,7 @@ def test_a_kernel_one_worker_runs_is_not_the_process_default(tiny_flux, prompts,
     a masked attention (LTX-2, HunyuanVideo) must not meet a kernel that takes no mask."""
     from diffusers.models.attention_dispatch import _AttentionBackendRegistry, dispatch_attention_fn
 
-    worker, rows = run_one_shard(tiny_flux, tmp_path / "o", prompts, FLUX, attention="_native_flash")
+    worker, rows = run_one_shard(tiny_flux, tmp_path / "o", prompts, FLUX, attention=parse_attention("_native_flash"))
     try:
         assert worker.fitted.attention.backend == "_native_flash" and {r["attention"] for r in rows.values()} == {
             "_native_flash"
@@ -92,16 +97,16 @@ def test_a_kernel_one_worker_runs_is_not_the_process_default(tiny_flux, prompts,
 
 def test_an_inexact_kernel_never_falls_back(tiny_flux, prompts, tmp_path):
     with pytest.raises(OffloadError, match="`--attention sage` cannot run on this worker .* changes pixels"):
-        run_one_shard(tiny_flux, tmp_path / "o", prompts, FLUX, attention="sage")
+        run_one_shard(tiny_flux, tmp_path / "o", prompts, FLUX, attention=parse_attention("sage"))
 
 
 def test_a_unet_takes_no_kernel_choice(tiny_model, prompts, tmp_path):
     settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64)
-    worker, rows = run_one_shard(tiny_model, tmp_path / "o", prompts, settings, attention="auto")
+    worker, rows = run_one_shard(tiny_model, tmp_path / "o", prompts, settings, attention=parse_attention("auto"))
     assert not dispatched(worker.pipe.unet) and worker.fitted.attention.backend == "native"
     assert "takes no backend in diffusers" in worker.fitted.attention.reason
     with pytest.raises(OffloadError, match="`--attention sage`: unet .* takes no attention backend"):
-        run_one_shard(tiny_model, tmp_path / "o2", prompts, settings, attention="sage")
+        run_one_shard(tiny_model, tmp_path / "o2", prompts, settings, attention=parse_attention("sage"))
 
 
 def test_only_an_inexact_kernel_is_in_the_fingerprint(tiny_model, tmp_path):
@@ -110,10 +115,10 @@ def test_only_an_inexact_kernel_is_in_the_fingerprint(tiny_model, tmp_path):
     def settings(attention):
         return make_job(prompts, tiny_model, tmp_path / "o", attention=attention, family="sd").settings()
 
-    assert {settings(a).attention for a in ("native", "auto", "flash")} == {"exact"}
+    assert {settings(a).attention.label for a in ("native", "auto", "flash")} == {"exact"}
     old = {"generation": {"steps": 2}}  # a job.json from before `--attention`: any exact kernel
     assert _differences(old, {"generation": {"steps": 2, "attention": "exact"}}) == []
-    assert _differences(old, {"generation": {"steps": 2, "attention": settings("sage").attention}}) == [
+    assert _differences(old, {"generation": {"steps": 2, "attention": settings("sage").attention.label}}) == [
         "generation.attention differs: exact vs sage"
     ]
 

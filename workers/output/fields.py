@@ -5,7 +5,7 @@ with no column of its own), and, where an input column can set it per row, that 
 column's default name (`role`, renamed with `--<role>-column`), what its values must be (`kind`,
 `low`..`high`), whether it changes pixels (then images are batched by it and the pipeline is
 called with it as `call_arg`; the column mapping is in the job's fingerprint, and the value in
-every image's record), and whether the value is stored beside the image too (`stored`: parquet
+every image's record), and whether the value is in the sidecar record stored beside the image too (`sidecar`: parquet
 rows, webdataset JSON). From the table come the manifest schema (workers/output/layout.py), the stored
 records (workers/worker.py, workers/output/formats/), the input type checks (jobs/sharding.py), the
 per-row validation and the batching key (workers/rows/batches.py), the column options of `JobConfig`
@@ -42,7 +42,7 @@ class Field:
     setting: bool = True  # a per-row role beside the identity ones (False: prompt, id, seed, negative prompt)
     pixels: bool = False  # changes pixels: images are batched by it and it is recorded per image
     call_arg: str | None = None  # the pipeline keyword it is passed as, where the pipeline takes it
-    stored: bool = False  # also in the records stored beside each image (parquet rows, webdataset JSON)
+    sidecar: bool = False  # also in the sidecar record stored beside each image (parquet rows, webdataset JSON)
     record: bool = True  # a manifest column (False: a per-row role with no column, `num_images`)
     column: str | None = None  # the role's default column name where it is not the role's (`--image-column`)
 
@@ -68,9 +68,9 @@ INPUT = pa.struct(
 )
 
 FIELDS: list[Field] = [
-    Field("id", pa.string(), "the image id: the row id, or `<row id>-<k>` when rows make several images", stored=True),
-    Field("row_id", pa.string(), "the input row's id", role="id", kind="id", setting=False, stored=True),
-    Field("image_index", pa.int32(), "k: which of its row's images", stored=True),
+    Field("id", pa.string(), "the image id: the row id, or `<row id>-<k>` when rows make several images", sidecar=True),
+    Field("row_id", pa.string(), "the input row's id", role="id", kind="id", setting=False, sidecar=True),
+    Field("image_index", pa.int32(), "k: which of its row's images", sidecar=True),
     Field(
         "prompt",
         pa.string(),
@@ -78,20 +78,20 @@ FIELDS: list[Field] = [
         role="prompt",
         kind="text",
         setting=False,
-        stored=True,
+        sidecar=True,
     ),
-    Field("negative_prompt", pa.string(), "", role="negative_prompt", kind="string", setting=False, stored=True),
-    Field("seed", pa.int64(), "", role="seed", kind="int", setting=False, stored=True),
+    Field("negative_prompt", pa.string(), "", role="negative_prompt", kind="string", setting=False, sidecar=True),
+    Field("seed", pa.int64(), "", role="seed", kind="int", setting=False, sidecar=True),
     Field("status", pa.string(), '"ok" | "error" | "filtered" (flagged by the pipeline\'s safety checker)'),
     Field("error", pa.string()),
     Field("warning", pa.string(), "e.g. the prompt was truncated to what the text encoder takes"),
     Field("image", pa.string(), "the object holding the image"),
     Field("member", pa.string(), "the image's name inside that object (webdataset tars; null otherwise)"),
-    Field("sha256", pa.string(), "", stored=True),
+    Field("sha256", pa.string(), "", sidecar=True),
     Field("size", pa.int64(), "bytes of the stored image (what `fleetgen verify` checks without --deep)"),
-    Field("nsfw", pa.bool_(), "the safety checker's verdict, where the pipeline has one", stored=True),
-    Field("width", pa.int32(), "pixels", role="width", kind="int", low=1, high=MAX_SIDE, pixels=True, stored=True),
-    Field("height", pa.int32(), "pixels", role="height", kind="int", low=1, high=MAX_SIDE, pixels=True, stored=True),
+    Field("nsfw", pa.bool_(), "the safety checker's verdict, where the pipeline has one", sidecar=True),
+    Field("width", pa.int32(), "pixels", role="width", kind="int", low=1, high=MAX_SIDE, pixels=True, sidecar=True),
+    Field("height", pa.int32(), "pixels", role="height", kind="int", low=1, high=MAX_SIDE, pixels=True, sidecar=True),
     Field(
         "steps",
         pa.int32(),
@@ -101,7 +101,7 @@ FIELDS: list[Field] = [
         low=1,
         high=MAX_STEPS,
         pixels=True,
-        stored=True,
+        sidecar=True,
     ),
     Field(
         "guidance",
@@ -112,7 +112,7 @@ FIELDS: list[Field] = [
         low=0,
         high=1e4,
         pixels=True,
-        stored=True,
+        sidecar=True,
     ),
     Field(
         "lora",
@@ -123,7 +123,7 @@ FIELDS: list[Field] = [
         kind="string",
         hint="a LoRA path or hub id",
         pixels=True,
-        stored=True,
+        sidecar=True,
     ),
     Field(
         "lora_scale",
@@ -134,7 +134,7 @@ FIELDS: list[Field] = [
         low=-100,
         high=100,
         pixels=True,
-        stored=True,
+        sidecar=True,
     ),
     Field(
         "strength",
@@ -147,7 +147,7 @@ FIELDS: list[Field] = [
         high=1,
         pixels=True,
         call_arg="strength",
-        stored=True,
+        sidecar=True,
     ),
     Field(
         "num_frames",
@@ -159,7 +159,7 @@ FIELDS: list[Field] = [
         high=MAX_FRAMES,
         pixels=True,
         call_arg="num_frames",
-        stored=True,
+        sidecar=True,
     ),
     Field(
         "fps",
@@ -172,24 +172,24 @@ FIELDS: list[Field] = [
         high=MAX_FPS,
         pixels=True,
         call_arg="frame_rate",
-        stored=True,
+        sidecar=True,
     ),
-    Field("duration", pa.float32(), "seconds of the stored clip (video tasks)", stored=True),
-    Field("codec", pa.string(), "the stored clip's codec, e.g. h264 (video tasks)", stored=True),
+    Field("duration", pa.float32(), "seconds of the stored clip (video tasks)", sidecar=True),
+    Field("codec", pa.string(), "the stored clip's codec, e.g. h264 (video tasks)", sidecar=True),
     Field(
         "audio_codec",
         pa.string(),
         "the codec of the clip's sound (aac in mp4, opus in webm) for models that make it (LTX-2); null for silent "
         "clips and images",
-        stored=True,
+        sidecar=True,
     ),
-    Field("sample_rate", pa.int32(), "Hz of the clip's stored sound (Opus: 48000); null without one", stored=True),
+    Field("sample_rate", pa.int32(), "Hz of the clip's stored sound (Opus: 48000); null without one", sidecar=True),
     Field(
         "inputs",
         pa.list_(INPUT),
         "the input images it was made from: role (image, mask), source (the column value's path or URL, or "
         "`bytes` where the column held them), sha256 of the bytes read, and their pixel size",
-        stored=True,
+        sidecar=True,
     ),
     Field("template", pa.string(), "the prompt template the prompt was rendered from (null: none)"),
     Field(
@@ -197,26 +197,26 @@ FIELDS: list[Field] = [
         pa.string(),
         "the storage formats its components had: `none`, or e.g. `transformer=fp8` (`--quantize`; under "
         "`auto`, what this image's worker chose)",
-        stored=True,
+        sidecar=True,
     ),
     Field(
         "cache",
         pa.string(),
         "the step cache its denoiser ran with: `none`, or e.g. `first-block:0.08` (`--cache`; the same on every image)",
-        stored=True,
+        sidecar=True,
     ),
     Field(
         "attention",
         pa.string(),
         "the attention kernel its denoiser ran (`--attention`): an exact one (`native`, `flash`, ...) may differ "
         "per worker, an inexact one (`sage`) is the job's",
-        stored=True,
+        sidecar=True,
     ),
     Field(
         "cache_skipped",
         pa.float32(),
         "share of the denoiser's block evaluations the step cache skipped in the call that made it (null: no cache)",
-        stored=True,
+        sidecar=True,
     ),
     Field("batch", pa.int32(), "images in the pipeline call that made this one"),
     Field("worker", pa.string()),
@@ -310,8 +310,8 @@ def extra_settings() -> list[Field]:
     return [f for f in table() if f.role and f.setting and f.pixels and f.role not in BUILT_IN]
 
 
-def stored_names() -> list[str]:
-    return [f.name for f in table() if f.stored]
+def sidecar_names() -> list[str]:
+    return [f.name for f in table() if f.sidecar]
 
 
 def freeze() -> None:

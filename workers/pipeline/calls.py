@@ -9,6 +9,7 @@ import math
 
 from fleetgen.errors import FleetgenError, one_line
 from fleetgen.workers.families.table import Family, Task
+from fleetgen.workers.rows.batches import Look
 
 
 def call_kwargs(
@@ -16,22 +17,21 @@ def call_kwargs(
     family: Family,
     prompts: list[str],
     negatives: list[str | None],
+    look: Look,
     *,
-    steps: int,
-    guidance: float,
-    width: int,
-    height: int,
     true_cfg_scale: float | None,
     generator,
     extra: dict | None = None,
 ) -> dict:
-    """The arguments of one pipeline call for this family, keeping only those `pipe.__call__` takes.
-    `extra`: per-row settings of the field table, by the keyword each is passed as."""
+    """The arguments of one pipeline call for this family (its images share `look`), keeping only
+    those `pipe.__call__` takes. `extra`: per-row settings of the field table, by the keyword each
+    is passed as, and the task's inputs."""
+    guidance = look.guidance
     kwargs = {
         "prompt": prompts,
-        "num_inference_steps": steps,
-        "width": width,
-        "height": height,
+        "num_inference_steps": look.steps,
+        "width": look.width,
+        "height": look.height,
         "generator": generator,
         "output_type": "pil",
         **family.extra,

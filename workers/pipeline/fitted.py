@@ -1,5 +1,6 @@
 """A pipeline fitted to its device: load → plan → apply → warm up → call, and after an OOM a
-smaller batch or a leaner plan re-applied. One `Workload` says what it must run; the worker
+smaller batch or a leaner plan re-applied. The job's settings say what it must run (their one
+workload, `GenerationSettings.workload`), the worker's `Fit` within what; the worker
 (workers/worker.py) asks it for pictures and never touches hooks, plans or memory itself."""
 
 from __future__ import annotations
@@ -7,18 +8,17 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from fleetgen.caches import parse_cache
 from fleetgen.errors import FleetgenError, OffloadError, one_line
-from fleetgen.offload import OffloadPlan, OffloadStats, apply, pipeline_modules, profile_pipeline
+from fleetgen.offload import DeviceSpec, OffloadPlan, OffloadStats, Workload, apply, pipeline_modules, profile_pipeline
 from fleetgen.offload.apply import unapply
 from fleetgen.offload.profile import live_bytes
 from fleetgen.offload.quantize import held, load_config, quantize
-from fleetgen.offload.weight_formats import describe, is_auto, parse_quantize, pinned_gguf, runnable, spec, unavailable
-from fleetgen.workers.families.detect import FAMILIES, GENERIC, Family, Task
+from fleetgen.offload.weight_formats import describe, pinned_gguf, runnable, spec, unavailable
+from fleetgen.workers.families.table import FAMILIES, GENERIC, Family
 from fleetgen.workers.output.fields import extra_settings
 from fleetgen.workers.output.video import clips_of
 from fleetgen.workers.pipeline.attention import choose_attention, reset_attention, set_attention
@@ -36,21 +36,22 @@ from fleetgen.workers.pipeline.load import (
 from fleetgen.workers.pipeline.plans import (
     choose_plan,
     components_dtypes_kept,
+    device_spec,
     is_out_of_memory,
     leaner_plan,
     plan_before_loading,
 )
 from fleetgen.workers.pipeline.probe import probe
-from fleetgen.workers.rows.batches import Adapter, Image, Look
+from fleetgen.workers.rows.batches import Adapter, Look, WorkItem
 from fleetgen.workers.rows.seeds import generators
-from fleetgen.workers.spec import Source, Workload
+from fleetgen.workers.spec import Fit, GenerationSettings, Source
 
 
 @dataclass
 class Picture:
     """One image out of a pipeline call."""
 
-    image: Image  # what was asked
+    image: WorkItem  # what was asked
     picture: object | None  # the decoded image (a video task's: a Clip); None when the safety checker flagged it
     nsfw: bool | None  # the safety checker's flag; None where the pipeline has none
     batch: int  # images in the call that made it
@@ -60,123 +61,146 @@ class Picture:
 
 
 class FittedPipeline:
-    """A pipeline on its device, planned for `workload`: `generate(batch)` makes pictures and steps
-    down (a smaller batch, then a leaner plan, kept) when the device runs out of memory."""
+    """A pipeline on its device, planned for the job's `settings` within this worker's `fit`:
+    `generate(batch)` makes pictures and steps down (a smaller batch, then a leaner plan, kept) when
+    the device runs out of memory."""
 
-    def __init__(self, source: Source, workload: Workload, tag: str = "worker", pipe=None):
+    def __init__(
+        self, source: Source, settings: GenerationSettings, fit: Fit | None = None, tag: str = "worker", pipe=None
+    ):
         """`pipe`: a pipeline already built (bench/gpu_check.py's random weights at real sizes)
         instead of loading `source.model`; `close()` leaves it as it came (no offloading hooks)."""
-        self.source, self.workload, self.tag = source, workload, tag
-        self._call_args = {f.name: f.call_arg for f in extra_settings()}  # per-row settings the look carries
-        self.family: Family = FAMILIES.get(source.family, GENERIC)
+        self.source, self.settings, self.fit, self.tag = source, settings, fit or Fit(), tag
+        self.workload = settings.workload(self.fit.max_batch, self.fit.offload, self.fit.plan_size)
+        self.family: Family = FAMILIES.get(settings.family, GENERIC)
+        self.task = settings.task_spec()
         self.device = resolve_device(source.device)
         self.dtype = resolve_dtype(source.dtype, self.device, self.family.dtype)
         self._given = pipe is not None
-        mapping = parse_quantize(source.quantize)
-        cuda = self.device.type == "cuda"
-        for name in sorted(set(mapping.values())):  # a format this worker cannot run: one line, before loading
-            why = unavailable(name, cuda)
-            if why:
-                raise OffloadError(f"{tag}: `--quantize` {describe(mapping)}: {why}.")
-        at_load = {c: f for c, f in mapping.items() if spec(f).at_load}
-        if at_load and pipe is not None:
-            raise OffloadError(f"{tag}: {describe(at_load)} applies at load; a given pipeline is loaded already.")
-        if is_auto(source.quantize) and pipe is None and runnable(cuda, at_load=True) != runnable(cuda):
-            at_load = plan_before_loading(source, workload, self.family, self.device, self.dtype)
-        gguf = {c: f for c, f in at_load.items() if spec(f).name == "gguf"}
-        for value in gguf.values():  # the bytes the job was fingerprinted with, on this node too
-            try:
-                pinned_gguf(value)
-            except FleetgenError as err:
-                raise OffloadError(f"{tag}: {err}") from None
-        self.pipe = (
-            pipe
-            if pipe is not None
-            else load_pipeline(
-                source.model,
-                self.dtype,
-                source.trust_remote_code,
-                revision=source.revision,
-                variant=source.variant,
-                worker=tag,
-                quantization_config=load_config(at_load, self.dtype),
-                gguf=gguf,
-            )
-        )
-        self.task = self.family.task(source.task) or Task(source.task, "")
-        self.pipe = as_task(self.pipe, self.task, tag)
-        self.pipe.set_progress_bar_config(disable=True)
-        if self.task.video and hasattr(getattr(self.pipe, "vae", None), "enable_slicing"):
-            self.pipe.vae.enable_slicing()  # one clip's decode at a time, on every worker (the planner counts so)
-        # {component: format} as applied: at load, or already held by a pipeline given quantized
-        self.quantized: dict[str, str] = {**held(pipeline_modules(self.pipe)), **at_load}
-        # Adapters before profiling and offloading: their bytes are planned for and offloaded with their layers.
-        self.adapters = load_adapters(self.pipe, source.adapters, tag)
-        self._active: tuple[Adapter, ...] | None = None
-        self.size_multiple = pipe_size_multiple(self.pipe, self.family.size_floor)
-        # The pipeline as loaded, counted in every storage format it may be given (after-load formats
-        # are applied once planned, so that the plan chooses them): the planner's profile.
-        self._formats = (
-            runnable(cuda) if is_auto(source.quantize) else tuple(set(mapping.values()) - set(at_load.values()))
-        )
+        self._call_args = {f.name: f.call_arg for f in extra_settings()}  # per-row settings the look carries
+        self.placed = self.cache = self.compiled = self.attention = self.offload_stats = None
+        self.step_downs: list[dict] = []
+        self.seconds = 0.0  # wall time in pipeline calls
+        at_load = self._formats_at_load()
+        self.pipe = pipe if pipe is not None else self._load(at_load)
+        self._prepare(at_load)
         self.profile = profile_pipeline(
             self.pipe, source.model, vae_upcast=self.family.upcasts_vae, formats=self._formats
         ).holding(self.quantized)
         self.probe = probe(self.device, self.dtype)
-        w = workload
-        self._fit = {
-            "offload": w.offload,
-            "width": w.width,
-            "height": w.height,
-            "steps": w.steps,
-            "cfg": self.family.doubles_batch(w.guidance, w.true_cfg_scale),
-            "host_memory": w.host_memory,
-            "quantize": source.quantize,
-            "formats": self._formats,
-            "input_images": w.input_images,
-            "in_sequence": w.in_sequence,
-            "frames": w.num_frames,
-            "cfg_calls": self.family.extra_calls(w.guidance, w.true_cfg_scale),
-            "cache": w.cache,
-        }
-        self.cache_spec = parse_cache(w.cache)
         self._denoisers = {n: m for n, m in pipeline_modules(self.pipe).items() if self.profile.components[n].per_step}
-        for module in self._denoisers.values() if self.cache_spec.method != "none" else ():
-            why = cache_refusal(type(self.pipe), type(module), self._fit["cfg_calls"], self.cache_spec.method)
-            if why:
-                raise OffloadError(f"{tag}: `--cache {self.cache_spec.label}`: {why}.")
-        self.plan = choose_plan(
-            self.profile,
-            self.device,
-            self.probe,
-            max_batch=1 if self.cache_spec.per_call else w.max_batch,
-            gpu_memory=w.gpu_memory,
-            fixed=self.quantized,
-            **self._fit,
-        )
+        self._check_cache()
+        self.plan = choose_plan(self.profile, self._work(), self._budgeted())
         self._quantize(self.plan.formats)
-        self.placed = self.cache = self.compiled = self.attention = self.offload_stats = None
-        self.step_downs: list[dict] = []
-        self.seconds = 0.0  # wall time in pipeline calls
         try:
-            self.placed = apply(self.pipe, self.plan, self.profile, self.device, tag=tag)
-            self.offload_stats = OffloadStats(pipeline_modules(self.pipe), self.device)
-            self._apply_cache()
-            tokens = self.profile.image_tokens(w.width, w.height, w.num_frames)  # `auto` measures kernels at them
-            self.attention = choose_attention(w.attention, self._denoisers, self.device, self.dtype, tokens)
-            set_attention(self._denoisers, self.attention.backend)
-            self._apply_compile()
-            if self.device.type == "cuda" or self.compiled:  # kernels, graphs, allocator and prefetch order settle
-                frames = (("num_frames", w.num_frames),) if w.num_frames else ()
-                # compiled: batch 1 and any larger batch are a graph each (workers/pipeline/compiling.py), both made here
-                for images in (1, 2) if self.compiled and self.plan.batch_size > 1 and self.task.batched else (1,):
-                    self._warm_up(Look(w.width, w.height, 1, w.guidance, extra=frames), images)
+            self._apply()
         except BaseException:
             # A pipeline that cannot start leaves a pipeline it was given as it came (no hooks, on the CPU):
             # the next plan applied to it must not find this one's hooks.
             self._take_off()
             raise
         self.batch_size = self.plan.batch_size if self.task.batched else 1  # one row per call: its references
+
+    def _formats_at_load(self) -> dict[str, str]:
+        """The storage formats applied as the weights load: the job's, or under `auto` those planned
+        from the model's configs before loading. A format this worker cannot run fails here, in one
+        line, before anything loads."""
+        quantize, cuda = self.settings.quantize, self.device.type == "cuda"
+        for name in sorted(set(quantize.mapping.values())):
+            why = unavailable(name, cuda)
+            if why:
+                raise OffloadError(f"{self.tag}: `--quantize` {describe(quantize.mapping)}: {why}.")
+        at_load = {c: f for c, f in quantize.mapping.items() if spec(f).at_load}
+        if at_load and self._given:
+            raise OffloadError(f"{self.tag}: {describe(at_load)} applies at load; a given pipeline is loaded already.")
+        if quantize.auto and not self._given and runnable(cuda, at_load=True) != runnable(cuda):
+            device = device_spec(
+                self.device,
+                probe(self.device, self.dtype),
+                self.fit.gpu_memory,
+                self.fit.host_memory,
+                runnable(cuda, at_load=True),
+            )
+            at_load = plan_before_loading(self.source, self.workload, device, self.dtype, self.family.upcasts_vae)
+        for value in (f for f in at_load.values() if spec(f).name == "gguf"):
+            try:  # the bytes the job was fingerprinted with, on this node too
+                pinned_gguf(value)
+            except FleetgenError as err:
+                raise OffloadError(f"{self.tag}: {err}") from None
+        return at_load
+
+    def _load(self, at_load: dict[str, str]):
+        s = self.source
+        gguf = {c: f for c, f in at_load.items() if spec(f).name == "gguf"}
+        return load_pipeline(
+            s.model,
+            self.dtype,
+            s.trust_remote_code,
+            revision=s.revision,
+            variant=s.variant,
+            worker=self.tag,
+            quantization_config=load_config(at_load, self.dtype),
+            gguf=gguf,
+        )
+
+    def _prepare(self, at_load: dict[str, str]) -> None:
+        """The loaded pipeline as the job's task, its formats as held, its adapters loaded (before
+        profiling and offloading: their bytes are planned for and offloaded with their layers), and
+        the formats the plan may still choose."""
+        self.pipe = as_task(self.pipe, self.task, self.tag)
+        self.pipe.set_progress_bar_config(disable=True)
+        if self.task.video and hasattr(getattr(self.pipe, "vae", None), "enable_slicing"):
+            self.pipe.vae.enable_slicing()  # one clip's decode at a time, on every worker (the planner counts so)
+        # {component: format} as applied: at load, or already held by a pipeline given quantized
+        self.quantized: dict[str, str] = {**held(pipeline_modules(self.pipe)), **at_load}
+        self.adapters = load_adapters(self.pipe, self.source.adapters, self.tag)
+        self._active: tuple[Adapter, ...] | None = None
+        self.size_multiple = pipe_size_multiple(self.pipe, self.family.size_floor)
+        # After-load formats are applied once planned, so that the plan chooses them: the profile
+        # counts the pipeline in each of them.
+        quantize, cuda = self.settings.quantize, self.device.type == "cuda"
+        self._formats = (
+            runnable(cuda) if quantize.auto else tuple(set(quantize.mapping.values()) - set(at_load.values()))
+        )
+
+    def _check_cache(self) -> None:
+        cache = self.settings.cache
+        for module in self._denoisers.values() if cache.method != "none" else ():
+            why = cache_refusal(type(self.pipe), type(module), self.workload.cfg_calls, cache.method)
+            if why:
+                raise OffloadError(f"{self.tag}: `--cache {cache.label}`: {why}.")
+
+    def _work(self) -> Workload:
+        """The job's workload as this worker plans it: after loading, with the formats its live
+        modules hold (no plan can take those back)."""
+        return replace(self.workload, loaded=True, fixed=tuple(sorted(self.quantized.items())))
+
+    def _budgeted(self) -> DeviceSpec | None:
+        """The budgets a plan fits; None for a CPU worker with no `--gpu-memory` under `--offload
+        auto|none` (all resident, workers/pipeline/plans.py `choose_plan`)."""
+        if self.device.type == "cpu" and self.fit.gpu_memory is None and self.fit.offload in ("auto", "none"):
+            return None
+        return self._device_spec()
+
+    def _device_spec(self) -> DeviceSpec:
+        return device_spec(self.device, self.probe, self.fit.gpu_memory, self.fit.host_memory, self._formats)
+
+    def _apply(self) -> None:
+        """Offloading, the step cache, the attention kernel and compilation, in that order; then the
+        warm-up, where kernels, graphs, the allocator and prefetch order settle."""
+        w = self.workload
+        self.placed = apply(self.pipe, self.plan, self.profile, self.device, tag=self.tag)
+        self.offload_stats = OffloadStats(pipeline_modules(self.pipe), self.device)
+        self._apply_cache()
+        tokens = self.profile.image_tokens(w.width, w.height, w.frames)  # `auto` measures kernels at them
+        self.attention = choose_attention(self.fit.attention.backend, self._denoisers, self.device, self.dtype, tokens)
+        set_attention(self._denoisers, self.attention.backend)
+        self._apply_compile()
+        if self.device.type == "cuda" or self.compiled:
+            frames = (("num_frames", w.frames),) if w.frames else ()
+            # compiled: batch 1 and any larger batch are a graph each (workers/pipeline/compiling.py), both made here
+            for images in (1, 2) if self.compiled and self.plan.batch_size > 1 and self.task.batched else (1,):
+                self._warm_up(Look(w.width, w.height, 1, self.settings.guidance, extra=frames), images)
 
     def _quantize(self, formats: dict[str, str]) -> None:
         """Apply the plan's after-load formats not applied yet (a step-down under `auto` may add one)."""
@@ -186,7 +210,7 @@ class FittedPipeline:
         # what the live modules hold, as measured (workers/<w>.json): the plan's counts were predicted
         self.weight_bytes = {n: live_bytes(m, self.profile.dtype_bytes) for n, m in modules.items()}
 
-    def generate(self, batch: list[Image], inputs: dict | None = None) -> tuple[list[Picture], dict[str, str]]:
+    def generate(self, batch: list[WorkItem], inputs: dict | None = None) -> tuple[list[Picture], dict[str, str]]:
         """Run one pipeline call; if it raises, run its images one at a time so that one bad row
         costs only itself. Returns what was made and `{image id: error message}`.
 
@@ -266,7 +290,7 @@ class FittedPipeline:
             )
             return True
         try:
-            leaner = leaner_plan(self.profile, self.plan, self.device, self.probe, fixed=self.quantized, **self._fit)
+            leaner = leaner_plan(self.profile, self.plan, self._work(), self._device_spec())
         except FleetgenError:
             return False
         self._reapply(leaner)
@@ -283,14 +307,16 @@ class FittedPipeline:
     def _apply_cache(self, carried: AppliedCache | None = None) -> None:
         """The job's step cache, after offloading (workers/pipeline/caching.py: so that skipped blocks stay
         where they are); `carried`: the one it replaces, whose counts run on."""
-        if self.cache_spec.method != "none":
+        if self.settings.cache.method != "none":
             own = not names_contexts(type(self.pipe))
-            self.cache = AppliedCache(self.cache_spec, self._denoisers, self.dtype, own, carried, self.workload.steps)
+            self.cache = AppliedCache(
+                self.settings.cache, self._denoisers, self.dtype, own, carried, self.workload.steps
+            )
 
     def _apply_compile(self, carried: AppliedCompile | None = None) -> None:
         """`--compile`, last (workers/pipeline/compiling.py): the compiled regions call through the offload and
         cache hooks; `carried`: the compilation it replaces after a re-apply, whose counts run on."""
-        if self.workload.compile and (carried is None or carried.disabled is None):
+        if self.fit.compile and (carried is None or carried.disabled is None):
             self.compiled = AppliedCompile(self._denoisers, carried, adapters=len(self.adapters))
 
     def _compiling(self) -> bool:
@@ -339,16 +365,13 @@ class FittedPipeline:
             self.family,
             prompts,
             negatives,
-            steps=look.steps,
-            guidance=look.guidance,
-            width=look.width,
-            height=look.height,
-            true_cfg_scale=self.workload.true_cfg_scale,
+            look,
+            true_cfg_scale=self.settings.true_cfg_scale,
             generator=generator,
             extra=extra,
         )
 
-    def _call(self, batch: list[Image], inputs: dict | None = None) -> list[Picture]:
+    def _call(self, batch: list[WorkItem], inputs: dict | None = None) -> list[Picture]:
         """`inputs`: {image id: its loaded inputs} (workers/rows/inputs.py), for tasks that take images."""
         look = batch[0].look
         started = time.perf_counter()

@@ -9,10 +9,9 @@ from dataclasses import replace
 import torch
 
 from fleetgen.errors import OffloadError, one_line
-from fleetgen.offload import DeviceSpec, OffloadPlan, PipelineProfile, plan, resident_plan
-from fleetgen.offload import Workload as PlannerWorkload
+from fleetgen.offload import DeviceSpec, OffloadPlan, PipelineProfile, Workload, plan, resident_plan
 from fleetgen.offload.planner import batch_cap
-from fleetgen.offload.weight_formats import parse_quantize, spec
+from fleetgen.offload.weight_formats import QuantizeSpec, spec
 
 HOST_SHARE = 0.8  # of available host RAM a worker may fill with offloaded copies
 # How CUDA libraries word an allocation failure they raise as a plain RuntimeError (cuBLAS and cuDNN
@@ -52,7 +51,7 @@ def components_dtypes_kept(pipe):
                 module.to(dtype=before[name])
 
 
-def at_load_formats(model_dir: str, dtype: torch.dtype, device: DeviceSpec, work: PlannerWorkload, vae_upcast: bool):
+def at_load_formats(model_dir: str, dtype: torch.dtype, device: DeviceSpec, work: Workload, vae_upcast: bool):
     """Under `--quantize auto` on a worker that can apply formats as weights load (bitsandbytes on
     CUDA): the pipeline planned from its configs on the `meta` device, before any weight is read,
     with the loading peak counted — {component: format} of that plan's at-load formats, which the
@@ -63,40 +62,20 @@ def at_load_formats(model_dir: str, dtype: torch.dtype, device: DeviceSpec, work
     modules, settings = build_on_meta(model_dir), pipeline_settings(model_dir)
     prof = profile_modules(model_dir, modules, dtype, vae_upcast, device.formats, settings)
     try:
-        chosen = plan(prof, device, replace(work, quantize="auto", loaded=False))
+        chosen = plan(prof, device, replace(work, quantize=QuantizeSpec(auto=True), loaded=False))
     except OffloadError:
         return {}
     return {c: f for c, f in chosen.formats.items() if spec(f).at_load}
 
 
-def plan_before_loading(source, workload, family, device: torch.device, dtype: torch.dtype) -> dict[str, str]:
+def plan_before_loading(source, work: Workload, device: DeviceSpec, dtype: torch.dtype, vae_upcast: bool):
     """`auto` where formats can apply at load: plan from the model's configs before its weights
-    are read, so a worker never loads bf16 it cannot hold (`at_load_formats`). `source`, `workload`:
-    workers/spec.py's; `family`: the model's (workers/families/table.py)."""
-    from fleetgen.offload.weight_formats import runnable
-    from fleetgen.workers.pipeline.probe import probe
-
+    are read, so a worker never loads bf16 it cannot hold (`at_load_formats`); `device` offers the
+    formats this worker can apply at load. {component: format}; none where there are no configs."""
     configs = model_configs(source)
     if configs is None:
         return {}  # no configs to plan from: planned after loading, as before
-    w, cuda = workload, device.type == "cuda"
-    spec_ = device_spec(device, probe(device, dtype), w.gpu_memory, w.host_memory, runnable(cuda, at_load=True))
-    work = planner_workload(
-        w.offload,
-        w.max_batch,
-        w.width,
-        w.height,
-        w.steps,
-        family.doubles_batch(w.guidance, w.true_cfg_scale),
-        "auto",
-        {},
-        w.input_images,
-        w.in_sequence,
-        w.num_frames,
-        family.extra_calls(w.guidance, w.true_cfg_scale),
-        w.cache,
-    )
-    return at_load_formats(configs, dtype, spec_, work, family.upcasts_vae)
+    return at_load_formats(configs, dtype, device, work, vae_upcast)
 
 
 def model_configs(source) -> str | None:
@@ -122,44 +101,12 @@ def model_configs(source) -> str | None:
 STEP_DOWN = 0.75  # after an OOM at batch 1, re-plan for this fraction of the previous budget
 
 
-def planner_workload(
-    offload: str,
-    max_batch: int,
-    width: int,
-    height: int,
-    steps: int,
-    cfg: bool,
-    quantize: str,
-    fixed: dict,
-    input_images: int = 0,
-    in_sequence: bool = False,
-    frames: int = 0,
-    cfg_calls: int = 0,
-    cache: str = "none",
-) -> PlannerWorkload:
-    # a worker plans a pipeline already loaded: its loading peak is past
-    return PlannerWorkload(
-        width=width,
-        height=height,
-        steps=steps,
-        cfg=cfg,
-        max_batch=max_batch,
-        offload=offload,
-        loaded=True,
-        quantize=quantize,
-        fixed=tuple(sorted(fixed.items())),
-        input_images=input_images,
-        in_sequence=in_sequence,
-        frames=frames,
-        cfg_calls=cfg_calls,
-        cache=cache,
-    )
-
-
 def device_spec(
     device: torch.device, probe: dict, gpu_memory: int | None, host_memory: int | None, formats: tuple[str, ...] = ()
 ) -> DeviceSpec:
-    """`formats`: the storage formats this worker can apply to its loaded pipeline (`--quantize auto`)."""
+    """What this worker's plans fit: its budgets (given, else what the probe measured free; on a CPU
+    the host's available RAM), bandwidth and FLOP/s. `formats`: the storage formats it can apply to
+    its loaded pipeline (`--quantize auto`)."""
     cuda = device.type == "cuda"
     budget = gpu_memory or (probe["free_bytes"] if cuda else probe["host_available_bytes"])
     return DeviceSpec(
@@ -173,104 +120,33 @@ def device_spec(
     )
 
 
-def choose_plan(
-    profile: PipelineProfile,
-    device: torch.device,
-    probe: dict,
-    *,
-    offload: str,
-    max_batch: int,
-    gpu_memory: int | None,
-    host_memory: int | None,
-    width: int,
-    height: int,
-    steps: int,
-    cfg: bool,
-    quantize: str = "none",
-    formats: tuple[str, ...] = (),
-    fixed: dict | None = None,
-    input_images: int = 0,
-    in_sequence: bool = False,
-    frames: int = 0,
-    cfg_calls: int = 0,
-    cache: str = "none",
-) -> OffloadPlan:
-    """On a CPU worker with no `--gpu-memory` and `--offload auto|none`, everything is resident at
-    `--max-batch` (a `--quantize` mapping applied as given; `auto` has no budget to fit, so keeps
-    the run dtype). Otherwise the planner fits the budget: `--gpu-memory`, else the free memory."""
-    fixed = fixed or {}
-    if device.type == "cpu" and gpu_memory is None and offload in ("auto", "none"):
+def choose_plan(profile: PipelineProfile, work: Workload, device: DeviceSpec | None) -> OffloadPlan:
+    """The plan for `work` (planned after loading: `work.fixed` holds the formats already applied)
+    within `device`'s budgets. `device` None: a CPU worker with no `--gpu-memory` and `--offload
+    auto|none`, where everything is resident at `--max-batch` (a `--quantize` mapping applied as
+    given; `auto` has no budget to fit, so keeps the run dtype)."""
+    if device is None:
         resident = resident_plan(
             list(profile.components),
-            max_batch,
-            f"all resident: CPU worker without `--gpu-memory`; batch {max_batch} ({batch_cap(cache)})",
+            work.max_batch,
+            f"all resident: CPU worker without `--gpu-memory`; batch {work.max_batch} ({batch_cap(work.cache)})",
         )
-        return replace(resident, formats={**parse_quantize(quantize), **fixed})
-    return plan(
-        profile,
-        device_spec(device, probe, gpu_memory, host_memory, formats),
-        planner_workload(
-            offload,
-            max_batch,
-            width,
-            height,
-            steps,
-            cfg,
-            quantize,
-            fixed,
-            input_images,
-            in_sequence,
-            frames,
-            cfg_calls,
-            cache,
-        ),
-    )
+        return replace(resident, formats={**work.quantize.mapping, **dict(work.fixed)})
+    return plan(profile, device, work)
 
 
-def leaner_plan(
-    profile: PipelineProfile,
-    current: OffloadPlan,
-    device: torch.device,
-    probe: dict,
-    *,
-    offload: str,
-    host_memory: int | None,
-    width: int,
-    height: int,
-    steps: int,
-    cfg: bool,
-    quantize: str = "none",
-    formats: tuple[str, ...] = (),
-    fixed: dict | None = None,
-    input_images: int = 0,
-    in_sequence: bool = False,
-    frames: int = 0,
-    cfg_calls: int = 0,
-    cache: str = "none",
-) -> OffloadPlan:
+def leaner_plan(profile: PipelineProfile, current: OffloadPlan, work: Workload, device: DeviceSpec) -> OffloadPlan:
     """After an out-of-memory error at batch 1: plan for ever smaller budgets until the placement
     changes; `OffloadError` when even the leanest plan does not fit. A step that goes from the
     current placement straight to "nothing fits" (where activations, not weights, fill the budget)
     is bisected for the budgets between, where a leaner placement may still fit."""
-    high = current.budget or probe.get("free_bytes") or probe["host_available_bytes"]
-    work = planner_workload(
-        offload,
-        1,
-        width,
-        height,
-        steps,
-        cfg,
-        quantize,
-        fixed or {},
-        input_images,
-        in_sequence,
-        frames,
-        cfg_calls,
-        cache,
-    )
+    high, work = current.budget or device.budget, replace(work, max_batch=1)
 
     def at(budget: int) -> OffloadPlan:
-        return plan(profile, device_spec(device, probe, budget, host_memory, formats), work)
+        return plan(profile, replace(device, budget=budget), work)
+
+    def changed(p: OffloadPlan) -> bool:
+        return (p.placements, p.formats) != (current.placements, current.formats)
 
     while True:
         budget = int(high * STEP_DOWN)
@@ -285,11 +161,11 @@ def leaner_plan(
                 except OffloadError:
                     low = middle
                     continue
-                if (leaner.placements, leaner.formats) != (current.placements, current.formats):
+                if changed(leaner):
                     return leaner
                 high = middle
             raise
-        if (leaner.placements, leaner.formats) != (current.placements, current.formats):
+        if changed(leaner):
             return leaner
         high = budget
 

@@ -60,8 +60,9 @@ class Look:
 
 
 @dataclass(frozen=True)
-class Image:
-    """One image to make (or an error in its place)."""
+class WorkItem:
+    """One image to make (or an error in its place): the work item a shard is cut into. Not a picture:
+    what the pipeline makes of it is a `Picture` (workers/pipeline/fitted.py)."""
 
     id: str  # object key part: the row id, or `<row id>-<k>`
     row_id: str
@@ -240,7 +241,7 @@ def _repeated_ids(shard: Shard, data: dict, columns: Columns, examples: int = 3)
     )
 
 
-def shard_images(shard: Shard, table: pa.Table, columns: Columns, recipe: Recipe) -> list[Image]:
+def shard_items(shard: Shard, table: pa.Table, columns: Columns, recipe: Recipe) -> list[WorkItem]:
     """A shard's images, in row order then k; error images where a row cannot be generated."""
     data = {name: table.column(name).to_pylist() for name in columns.present()}
     roles = columns.roles()
@@ -267,13 +268,13 @@ def shard_images(shard: Shard, table: pa.Table, columns: Columns, recipe: Recipe
             image_seed = None
             if image_error is None:
                 image_seed = (seed + k) & MAX_SEED if seed is not None else derive_seed(recipe.seed, image_id)
-            images.append(Image(image_id, row_id, k, i, prompt, negative, image_seed, look, image_error, inputs))
+            images.append(WorkItem(image_id, row_id, k, i, prompt, negative, image_seed, look, image_error, inputs))
     return images
 
 
-def group_images(images: list[Image]) -> list[list[Image]]:
+def group_items(images: list[WorkItem]) -> list[list[WorkItem]]:
     """Images that can be generated, grouped by look in order of first appearance."""
-    groups: dict[Look, list[Image]] = {}
+    groups: dict[Look, list[WorkItem]] = {}
     for image in images:
         if image.error is None:
             groups.setdefault(image.look, []).append(image)

@@ -33,7 +33,7 @@ __all__ = [
     "PLUGINS_ENV",
     "OutputFormat",
     "Sink",
-    "Stored",
+    "ReadBack",
     "Unreadable",
     "format_names",
     "get_format",
@@ -61,7 +61,7 @@ class Unreadable(Exception):
     """A shard's object came back and is not what its format writes (damage, for `verify`)."""
 
 
-Stored = dict[str, tuple[int | None, bytes | None]]  # image id -> (size, bytes when read); size None: missing
+ReadBack = dict[str, tuple[int | None, bytes | None]]  # image id -> (size, bytes when read); size None: missing
 
 
 class OutputFormat:
@@ -82,9 +82,9 @@ class OutputFormat:
         damaged shard."""
         raise NotImplementedError
 
-    def stored(
+    def read_back(
         self, output: Output, shard_id: str, rows: list[dict], wanted: set[str] | None
-    ) -> tuple[Stored, list[str]]:
+    ) -> tuple[ReadBack, list[str]]:
         """What the store holds for a committed shard's ok rows (`rows`: manifest rows with `id`,
         `image`, `member`, `size`): {image id: (size, bytes)} with the bytes of the ids in `wanted`
         (None: every image) where reading them costs nothing extra, and the keys in the shard's

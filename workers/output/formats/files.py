@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from fleetgen.workers.output.formats import OutputFormat, Stored, register
+from fleetgen.workers.output.formats import OutputFormat, ReadBack, register
 from fleetgen.workers.output.layout import beside, image_key, keeps
 from fleetgen.workers.output.storage import Output
 
@@ -47,9 +47,9 @@ class Files(OutputFormat):
     def shard_objects(self, shard_id: str) -> list[str]:
         return [f"images/{shard_id}"]
 
-    def stored(
+    def read_back(
         self, output: Output, shard_id: str, rows: list[dict], wanted: set[str] | None
-    ) -> tuple[Stored, list[str]]:
+    ) -> tuple[ReadBack, list[str]]:
         """One listing of the shard's prefix gives every size; bytes are read by who needs them."""
         sizes = output.sizes(f"images/{shard_id}")
         found = {r["id"]: (sizes.get(r["image"]), None) for r in rows}

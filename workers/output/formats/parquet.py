@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fleetgen.workers.output.fields import table
-from fleetgen.workers.output.formats import OutputFormat, Stored, Unreadable, register
+from fleetgen.workers.output.formats import OutputFormat, ReadBack, Unreadable, register
 from fleetgen.workers.output.layout import EXTENSIONS, FRAME, POSTER
 from fleetgen.workers.output.storage import Output
 from fleetgen.workers.output.video import VIDEO_FORMATS
@@ -29,7 +29,7 @@ def stored_schema(inputs: tuple[str, ...] = (), media: str = "image") -> pa.Sche
     seed (read when a sink opens: fields a plugin added are in it); `inputs`: the image columns
     stored beside it (`--store-inputs`: `input_image`, `mask_image`; a clip's `poster`), each an
     Image feature too."""
-    stored = [pa.field(f.name, f.type) for f in table() if f.stored]
+    stored = [pa.field(f.name, f.type) for f in table() if f.sidecar]
     at = next(i for i, f in enumerate(stored) if f.name == "seed") + 1
     extra = [pa.field(name, pa.list_(_BYTES) if name == FRAMES else _BYTES) for name in inputs]
     image = {"_type": "Image"}
@@ -120,14 +120,14 @@ class Parquet(OutputFormat):
     def shard_objects(self, shard_id: str) -> list[str]:
         return [data_key(shard_id)]
 
-    def stored(
+    def read_back(
         self, output: Output, shard_id: str, rows: list[dict], wanted: set[str] | None
-    ) -> tuple[Stored, list[str]]:
+    ) -> tuple[ReadBack, list[str]]:
         """The id column, then the image column of every row group (`wanted` None) or of the row
         groups holding a wanted id; an image whose bytes were not read has the manifest's size."""
         sizes = {r["id"]: r.get("size") for r in rows}
 
-        def read(f) -> Stored:
+        def read(f) -> ReadBack:
             pf = pq.ParquetFile(f, pre_buffer=False)  # no pool work: see workers.storage.read_parquet
             ids = pf.read(columns=["id"], use_threads=False).column("id").to_pylist()
             media = "video" if "video" in pf.schema_arrow.names else "image"

@@ -9,7 +9,7 @@ import tarfile
 
 import pyarrow as pa
 
-from fleetgen.workers.output.formats import OutputFormat, Stored, Unreadable, register
+from fleetgen.workers.output.formats import OutputFormat, ReadBack, Unreadable, register
 from fleetgen.workers.output.layout import EXTENSIONS, WIDS_INDEX
 from fleetgen.workers.output.storage import Output
 
@@ -71,9 +71,9 @@ class WebDataset(OutputFormat):
     def shard_objects(self, shard_id: str) -> list[str]:
         return [tar_key(shard_id)]
 
-    def stored(
+    def read_back(
         self, output: Output, shard_id: str, rows: list[dict], wanted: set[str] | None
-    ) -> tuple[Stored, list[str]]:
+    ) -> tuple[ReadBack, list[str]]:
         """The tar's headers, streamed; a member's bytes only when it is wanted."""
         ids = {r["member"]: r["id"] for r in rows}
 
