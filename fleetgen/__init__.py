@@ -5,6 +5,9 @@ One installed name. Its rooms are `fleetgen.jobs` (what a job is, the driver, th
 `fleetgen.cluster` (Ray at the edge); this package itself holds the version, the exception tree
 and the few plain-data modules every room shares (`errors`, `units`, `caches`, `attention`,
 `latents`). Nothing here imports torch or Ray.
+
+The Python API mirrors the commands (fleetgen/api.py): `fleetgen.run`, `fleetgen.plan`,
+`fleetgen.status`, `fleetgen.verify`, `fleetgen.report`.
 """
 
 import os as _os
@@ -24,6 +27,8 @@ if not _os.path.isdir(_os.path.join(_HERE, "jobs")) and all(
 ):
     __path__.append(_TREE)
 
+from fleetgen.api import plan, report, run, status, verify  # noqa: E402 - after the rooms are reachable
+
 __all__ = [
     "ClusterError",
     "ConfigError",
@@ -33,4 +38,9 @@ __all__ = [
     "ShardError",
     "StorageError",
     "__version__",
+    "plan",
+    "report",
+    "run",
+    "status",
+    "verify",
 ]

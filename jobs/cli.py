@@ -1,18 +1,23 @@
-"""`fleetgen` (also `python -m fleetgen`): run, demo, tiny-model, status."""
+"""`fleetgen` (also `python -m fleetgen`): run, demo, tiny-model, calibrate, plan, status, report,
+verify — a thin layer over the Python API (fleetgen/api.py): parse the options, call, print, exit
+0 (done), 1 (incomplete: a rerun resumes) or 2 (bad input, config or environment)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+import fleetgen
 from fleetgen import __version__
 from fleetgen.errors import FleetgenError
 from fleetgen.jobs.run_options import add_run_options
-from fleetgen.workers.families.table import NO_TINY, TABLE
 
 EXIT_INCOMPLETE = 1  # the job ran but not every shard committed
 EXIT_ERROR = 2  # bad input, config or environment: nothing (more) was generated
 FAILURES_SHOWN = 5  # failed shards listed on screen; summary.json has every one
+
+
+OUT_HELP = "the job's output location (`--output` of the run), any fsspec URL"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -22,7 +27,30 @@ def _parser() -> argparse.ArgumentParser:
     add_run_options(sub.add_parser("run", help="generate images for a Parquet prompt set"))
     d = sub.add_parser("demo", help="tiny model + sample prompts + local Ray, on CPU")
     d.add_argument("--output", default="demo-output", help="directory for model, prompts and images")
-    t = sub.add_parser("tiny-model", help="write a small random-weight pipeline to DIR")
+    _add_tiny_model(sub.add_parser("tiny-model", help="write a small random-weight pipeline to DIR"))
+    _add_calibrate(
+        sub.add_parser(
+            "calibrate",
+            help="the job's first rows under each speed setting against the exact reference: speed, PSNR, SSIM, "
+            "then the fastest within --min-psnr as a config snippet",
+        )
+    )
+    _add_plan(sub.add_parser("plan", help="dry run: the offload plan and batch each GPU size would get"))
+    sub.add_parser("status", help="progress of a running or finished job, from its output location").add_argument(
+        "output", metavar="OUT", help=OUT_HELP
+    )
+    sub.add_parser(
+        "report", help="write OUT/report.html: sample images, per-worker table and charts, failures"
+    ).add_argument("output", metavar="OUT", help=OUT_HELP)
+    _add_verify(
+        sub.add_parser("verify", help="check every stored image against the manifests; find orphans and leftovers")
+    )
+    return p
+
+
+def _add_tiny_model(t: argparse.ArgumentParser) -> None:
+    from fleetgen.workers.families.table import NO_TINY, TABLE
+
     t.add_argument("dir", help="directory to write the pipeline to (created; loadable with from_pretrained)")
     t.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     t.add_argument(
@@ -34,11 +62,9 @@ def _parser() -> argparse.ArgumentParser:
         default="sd",
         help="the pipeline family to build (real diffusers classes, random weights)",
     )
-    c = sub.add_parser(
-        "calibrate",
-        help="the job's first rows under each speed setting against the exact reference: speed, PSNR, SSIM, "
-        "then the fastest within --min-psnr as a config snippet",
-    )
+
+
+def _add_calibrate(c: argparse.ArgumentParser) -> None:
     add_run_options(c)
     c.add_argument("--sample", type=int, default=4, help="rows of the job to make per setting (default 4)")
     c.add_argument("--min-psnr", type=float, default=30.0, help="quality floor, dB against the reference (default 30)")
@@ -50,11 +76,15 @@ def _parser() -> argparse.ArgumentParser:
         help="settings to try, comma-separated (default attention,compile,cache,quantize)",
     )
     c.add_argument("--write", help="also write the chosen settings (TOML) here, for `fleetgen run --config`")
-    pl = sub.add_parser("plan", help="dry run: the offload plan and batch each GPU size would get")
+
+
+def _add_plan(pl: argparse.ArgumentParser) -> None:
+    from fleetgen.offload.architectures import NAMES
+    from fleetgen.offload.planner import OFFLOAD_CHOICES
+    from fleetgen.workers.families.table import TASKS
+
     pl.add_argument(
-        "--model",
-        required=True,
-        help="shipped architecture (sd-1.5, sdxl, sd3-medium, flux.1-dev) or a pipeline directory",
+        "--model", required=True, help=f"a shipped architecture ({', '.join(NAMES)}) or a pipeline directory"
     )
     pl.add_argument("--gpu-memory", action="append", required=True, help="a budget, e.g. 24GiB; repeat for more")
     pl.add_argument("--host-memory", help="host RAM per worker for offloaded copies (default 80%% of this machine's)")
@@ -65,8 +95,6 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--guidance", type=float, help="default: the model family's")
     pl.add_argument("--true-cfg-scale", type=float, help="Flux: true CFG scale (> 1 doubles the denoiser's batch)")
     pl.add_argument("--max-batch", type=int, default=8, help="largest batch the plan may choose (default 8)")
-    from fleetgen.workers.families.table import TASKS
-
     pl.add_argument(
         "--task",
         choices=TASKS,
@@ -77,10 +105,7 @@ def _parser() -> argparse.ArgumentParser:
         "--references", type=int, default=1, help="edit models: input images per image to plan for (default 1)"
     )
     pl.add_argument(
-        "--offload",
-        choices=["auto", "none", "block", "leaf", "disk"],
-        default="auto",
-        help="placements the plan may use (default auto: any)",
+        "--offload", choices=OFFLOAD_CHOICES, default="auto", help="placements the plan may use (default auto: any)"
     )
     pl.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: the model family's")
     pl.add_argument(
@@ -96,12 +121,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     pl.add_argument("--bandwidth", type=float, default=20.0, help="host→device GB/s to assume (default 20)")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
-    s = sub.add_parser("status", help="progress of a running or finished job, from its output location")
-    s.add_argument("output", metavar="OUT", help="the job's output location (`--output` of the run), any fsspec URL")
-    r = sub.add_parser("report", help="write OUT/report.html: sample images, per-worker table and charts, failures")
-    r.add_argument("output", metavar="OUT", help="the job's output location (`--output` of the run), any fsspec URL")
-    v = sub.add_parser("verify", help="check every stored image against the manifests; find orphans and leftovers")
-    v.add_argument("output", metavar="OUT", help="the job's output location (`--output` of the run), any fsspec URL")
+
+
+def _add_verify(v: argparse.ArgumentParser) -> None:
+    v.add_argument("output", metavar="OUT", help=OUT_HELP)
     v.add_argument("--deep", action="store_true", help="hash every image (default: sizes, and a sample hashed)")
     v.add_argument(
         "--fix",
@@ -115,13 +138,9 @@ def _parser() -> argparse.ArgumentParser:
         "(by default --fix then changes nothing: a wrong location is likelier than lost images)",
     )
     v.add_argument("--json", help="also write the report here")
-    return p
 
 
-def _run(config) -> int:
-    from fleetgen.jobs.driver import run_job
-
-    summary = run_job(config)
+def _print_summary(summary) -> int:
     filtered = f", {summary.images_filtered} filtered by the safety checker" if summary.images_filtered else ""
     print(
         f"{summary.images_ok} {summary.unit}s ({summary.images_error} row errors{filtered}) in {summary.output} "
@@ -140,6 +159,42 @@ def _run(config) -> int:
     return summary.exit_code
 
 
+def _say(line: str) -> None:
+    print(f"[fleetgen] {line}", file=sys.stderr, flush=True)
+
+
+def _options(args, *leave) -> dict:
+    return {k: v for k, v in vars(args).items() if k not in ("command", *leave)}
+
+
+def _run(args) -> int:
+    options = _options(args, "config")
+    return _print_summary(
+        fleetgen.run(options.pop("input"), options.pop("output"), options.pop("model"), config=args.config, **options)
+    )
+
+
+def _demo(args) -> int:
+    from fleetgen.jobs.demo import prepare
+    from fleetgen.jobs.driver import run_job
+
+    config = prepare(args.output)
+    code = _print_summary(run_job(config))
+    print(f"demo images: {config.output}/images/  (manifests: {config.output}/shards/)")
+    return code
+
+
+def _tiny_model(args) -> int:
+    from fleetgen.workers.families.detect import identify_dir
+    from fleetgen.workers.tiny import write_tiny_model
+
+    path = write_tiny_model(args.dir, seed=args.seed, size=args.size, family=args.family)
+    detected, why = identify_dir(path)
+    hint = "" if detected.name == args.family else f"; run it with `--family {args.family}`"
+    print(f"wrote {path} ({args.family}; detected as {detected.name}: {why}{hint})")
+    return 0
+
+
 def _calibrate(args) -> int:
     import tempfile
     from pathlib import Path
@@ -147,8 +202,7 @@ def _calibrate(args) -> int:
     from fleetgen.jobs.calibrate import calibrate
     from fleetgen.jobs.config import make_config
 
-    extra = ("command", "config", "sample", "min_psnr", "min_ssim", "kinds", "write")
-    options = {k: v for k, v in vars(args).items() if k not in extra}
+    options = _options(args, "config", "sample", "min_psnr", "min_ssim", "kinds", "write")
     options["output"] = options["output"] or tempfile.gettempdir()  # nothing is written there: each setting has its own
     cal = calibrate(
         make_config(options, args.config),
@@ -156,7 +210,7 @@ def _calibrate(args) -> int:
         min_psnr=args.min_psnr,
         min_ssim=args.min_ssim,
         kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()),
-        say=lambda line: print(f"[fleetgen] {line}", file=sys.stderr, flush=True),
+        say=_say,
     )
     print(cal.table())
     print()
@@ -167,15 +221,53 @@ def _calibrate(args) -> int:
     return 0
 
 
-def _status(url: str) -> int:
-    from fleetgen.jobs.status import job_state, status_text
+def _plan(args) -> int:
+    import json
 
-    state = job_state(url)
-    print(status_text(state))
-    return 0 if state["complete"] or state["running"] else EXIT_INCOMPLETE
+    options = _options(args, "model", "gpu_memory", "host_memory", "dtype", "bandwidth", "json")
+    plans = fleetgen.plan(
+        args.model, args.gpu_memory, host_memory=args.host_memory, dtype=args.dtype, bandwidth=args.bandwidth, **options
+    )
+    print(json.dumps(plans.to_dict(), indent=2) if args.json else plans.text(), end="\n" if args.json else "")
+    return 0 if plans.all_fit else EXIT_INCOMPLETE
+
+
+def _status(args) -> int:
+    state = fleetgen.status(args.output)
+    print(state.text())
+    return 0 if state.complete or state.running else EXIT_INCOMPLETE
+
+
+def _verify(args) -> int:
+    report = fleetgen.verify(args.output, deep=args.deep, fix=args.fix, force=args.force, progress=_say)
+    print(report.text())
+    if args.json:
+        import json
+        from pathlib import Path
+
+        Path(args.json).write_text(json.dumps(report.to_dict(), indent=2))
+    return 0 if report.clean else EXIT_INCOMPLETE
+
+
+def _report(args) -> int:
+    print(f"wrote {fleetgen.report(args.output)}")
+    return 0
+
+
+COMMANDS = {
+    "run": _run,
+    "demo": _demo,
+    "tiny-model": _tiny_model,
+    "calibrate": _calibrate,
+    "plan": _plan,
+    "status": _status,
+    "verify": _verify,
+    "report": _report,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`fleetgen ...`: exit 0 done, 1 incomplete (a rerun resumes), 2 bad input, config or environment."""
     try:
         parser = _parser()  # reads the field table and the formats: FLEETGEN_PLUGINS loads here
     except FleetgenError as err:
@@ -183,77 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
     args = parser.parse_args(argv)
     try:
-        if args.command == "run":
-            from fleetgen.jobs.config import make_config
-
-            options = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
-            return _run(make_config(options, args.config))
-        if args.command == "calibrate":
-            return _calibrate(args)
-        if args.command == "demo":
-            from fleetgen.jobs.demo import prepare
-
-            config = prepare(args.output)
-            code = _run(config)
-            print(f"demo images: {config.output}/images/  (manifests: {config.output}/shards/)")
-            return code
-        if args.command == "tiny-model":
-            from fleetgen.workers.families.detect import identify_dir
-            from fleetgen.workers.tiny import write_tiny_model
-
-            path = write_tiny_model(args.dir, seed=args.seed, size=args.size, family=args.family)
-            detected, why = identify_dir(path)
-            hint = "" if detected.name == args.family else f"; run it with `--family {args.family}`"
-            print(f"wrote {path} ({args.family}; detected as {detected.name}: {why}{hint})")
-            return 0
-        if args.command == "plan":
-            from fleetgen.jobs.planning import PlanRequest, plan_rows, plan_workload, print_plans
-
-            request = PlanRequest(
-                args.model,
-                **{k: getattr(args, k) for k in ("width", "height", "steps", "guidance", "true_cfg_scale")},
-                **{k: getattr(args, k) for k in ("max_batch", "offload", "task", "references", "num_frames")},
-                cache=args.cache,
-                quantize=args.quantize,
-            )
-            work, family = plan_workload(request)
-            summary, rows = plan_rows(
-                args.model,
-                args.gpu_memory,
-                args.host_memory,
-                args.dtype or family.dtype,
-                work,
-                bandwidth=args.bandwidth * 1e9,
-                vae_upcast=family.upcasts_vae,
-            )
-            summary["family"] = family.name
-            print_plans(summary, rows, args.json)
-            return 0 if all("error" not in r for r in rows) else EXIT_INCOMPLETE
-        if args.command == "status":
-            return _status(args.output)
-        if args.command == "verify":
-            from fleetgen.jobs.verify import verify
-
-            report = verify(
-                args.output,
-                deep=args.deep,
-                fix=args.fix,
-                force=args.force,
-                progress=lambda line: print(f"[fleetgen] {line}", file=sys.stderr, flush=True),
-            )
-            print(report.text())
-            if args.json:
-                import json
-                from pathlib import Path
-
-                Path(args.json).write_text(json.dumps(report.to_dict(), indent=2))
-            return 0 if report.clean else EXIT_INCOMPLETE
-        if args.command == "report":
-            from fleetgen.jobs.report import write_report
-
-            print(f"wrote {write_report(args.output)}")
-            return 0
+        return COMMANDS[args.command](args)
     except FleetgenError as err:
         print(f"fleetgen: error: {err}", file=sys.stderr)
         return EXIT_ERROR
-    raise AssertionError(args.command)

@@ -223,10 +223,17 @@ def _option(name: str) -> str:
 
 
 def validate(config: JobConfig) -> JobConfig:
-    """Raise `ConfigError` naming the first invalid setting; return the config unchanged."""
-    c = config
+    """Raise `ConfigError` naming the first invalid setting; return the config unchanged. (The
+    settings parsed into records — quantize, cache, attention — were checked when it was built.)"""
     for name in _REQUIRED:
-        _check(bool(getattr(c, name)), f"{_option(name)} is required.")
+        _check(bool(getattr(config, name)), f"{_option(name)} is required.")
+    for check in (_check_generation, _check_model_sizes, _check_media, _check_execution, _check_columns):
+        check(config)
+    return config
+
+
+def _check_generation(c: JobConfig) -> None:
+    """The numbers every image is made with, and how the quantization meets the offload."""
     _check(c.steps is None or c.steps >= 1, f"`--steps` must be a positive integer, got `{c.steps}`.")
     _check(c.guidance is None or c.guidance >= 0, f"`--guidance` must be 0 or more, got `{c.guidance}`.")
     _check(
@@ -237,6 +244,28 @@ def validate(config: JobConfig) -> JobConfig:
         if c.offload in ("block", "leaf", "disk"):
             why = refusal(name, "block" if c.offload == "disk" else c.offload, False, c.offload == "disk")
             _check(why is None, f"`--quantize {component}={name}` with `--offload {c.offload}`: {why}.")
+    _check(c.seed >= 0, f"`--seed` must be 0 or more, got `{c.seed}`.")
+    _check(c.task is None or c.task in TASKS, f"`--task` must be one of {', '.join(TASKS)}; got `{c.task}`.")
+    _check(c.strength is None or 0 <= c.strength <= 1, f"`--strength` must be between 0 and 1, got `{c.strength}`.")
+    _check(c.resize in RESIZE_RULES, f"`--resize` must be one of {', '.join(RESIZE_RULES)}; got `{c.resize}`.")
+    _check(
+        1 <= c.images_per_prompt <= MAX_IMAGES_PER_ROW,
+        f"`--images-per-prompt` must be 1 to {MAX_IMAGES_PER_ROW}, got `{c.images_per_prompt}`.",
+    )
+    if c.prompt_template is not None:
+        try:
+            template_fields(c.prompt_template)
+        except ValueError as err:
+            raise ConfigError(
+                f"`--prompt-template` `{c.prompt_template}`: {err}; name columns like "
+                "`a {style} photo of a {label}`."
+            ) from err
+    for value in c.lora:
+        parse_lora(value)
+
+
+def _check_model_sizes(c: JobConfig) -> None:
+    """The model exists where a local path names it, and the sizes are what it takes."""
     local = c.model.startswith(("/", "./", "../", "~"))  # a hub id is `org/name`
     _check(
         not local or Path(c.model).expanduser().exists(),
@@ -255,10 +284,10 @@ def validate(config: JobConfig) -> JobConfig:
                 f"{_option(name)} `{v}` is not a multiple of {multiple[0]}, which "
                 f"the model at {c.model} needs ({multiple[1]}).",
             )
-    _check(c.seed >= 0, f"`--seed` must be 0 or more, got `{c.seed}`.")
-    _check(c.task is None or c.task in TASKS, f"`--task` must be one of {', '.join(TASKS)}; got `{c.task}`.")
-    _check(c.strength is None or 0 <= c.strength <= 1, f"`--strength` must be between 0 and 1, got `{c.strength}`.")
-    _check(c.resize in RESIZE_RULES, f"`--resize` must be one of {', '.join(RESIZE_RULES)}; got `{c.resize}`.")
+
+
+def _check_media(c: JobConfig) -> None:
+    """What is stored: image and video formats, clips' frames and rate, the output format."""
     _check(
         not c.store_inputs or c.output_format in ("webdataset", "parquet"),
         "`--store-inputs` puts each input beside its image in webdataset or parquet output; with "
@@ -285,6 +314,10 @@ def validate(config: JobConfig) -> JobConfig:
         c.output_format in format_names(),
         f"`--output-format` must be one of {', '.join(format_names())}; got `{c.output_format}`.",
     )
+
+
+def _check_execution(c: JobConfig) -> None:
+    """How the job runs: workers, placement, retries, devices and memory budgets."""
     for name in ("workers", "max_workers"):
         v = getattr(c, name)
         _check(v is None or v >= 1, f"{_option(name)} must be 1 or more, got `{v}`.")
@@ -316,6 +349,9 @@ def validate(config: JobConfig) -> JobConfig:
             limit in (None, len(budgets)),
             f"`--workers` is {limit} but `--worker-memory` lists {len(budgets)} budgets (one worker per budget).",
         )
+
+
+def _check_columns(c: JobConfig) -> None:
     names = [
         c.prompt_column,
         c.id_column,
@@ -325,24 +361,9 @@ def validate(config: JobConfig) -> JobConfig:
     ]
     _check(len(set(names)) == len(names), f"Column options must name different columns, got {names}.")
     _check(
-        1 <= c.images_per_prompt <= MAX_IMAGES_PER_ROW,
-        f"`--images-per-prompt` must be 1 to {MAX_IMAGES_PER_ROW}, got `{c.images_per_prompt}`.",
-    )
-    if c.prompt_template is not None:
-        try:
-            template_fields(c.prompt_template)
-        except ValueError as err:
-            raise ConfigError(
-                f"`--prompt-template` `{c.prompt_template}`: {err}; name columns like "
-                "`a {style} photo of a {label}`."
-            ) from err
-    _check(
         c.keep_columns is None or c.drop_columns is None,
         "`--keep-columns` and `--drop-columns` both choose the carried columns: pass one of them.",
     )
-    for value in c.lora:
-        parse_lora(value)
-    return c
 
 
 def _coerce(name: str, value: object, source: str) -> object:

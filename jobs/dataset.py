@@ -58,32 +58,8 @@ def write_card(
             "---\n\n"
         )
     model = config.model + (f" (revision `{config.revision}`)" if config.revision else "")
-    settings = {
-        "model family": family.name,
-        "steps": config.steps,
-        "guidance": config.guidance,
-        "size": f"{config.width}x{config.height}",
-        "seed": config.seed,
-        "images per prompt": config.images_per_prompt,
-        "prompt template": config.prompt_template,
-        "LoRA": ", ".join(config.lora) or None,
-        "true CFG scale": config.true_cfg_scale,
-        "variant": config.variant,
-        "image format": None if config.num_frames else config.image_format,
-        "clips": (
-            f"{config.num_frames} frames at {config.fps:g} fps, {config.video_format} (crf {config.crf}), "
-            + ("with the model's sound (`audio_codec`, `sample_rate`), " if family.audio else "")
-            + "a poster frame (JPEG) beside each"
-            + (", and every frame as a PNG (`frame-0000.png` ...; parquet: `frames`)" if config.store_frames else "")
-            if config.num_frames
-            else None
-        ),
-        "output format": fmt.name,
-    }
     what = "clips" if config.num_frames else "images"  # num_frames: resolved for every video task
     per_row = [f"`{getattr(columns, role)}` ({role})" for role in SETTING_ROLES if getattr(columns, role)]
-    carried = [f"| `{f.name}` | {_type(f.type)} | from the input |" for f in schema if f.name in columns.carry]
-    own = [f"| `{f.name}` | {_type(f.type)} | fleetgen |" for f in MANIFEST_SCHEMA]
     lines = [
         header + f"# {output.url.rstrip('/').rsplit('/', 1)[-1]}",
         "",
@@ -97,20 +73,11 @@ def write_card(
         "",
         "| setting | value |",
         "|---|---|",
-        *[f"| {k} | `{v}` |" for k, v in settings.items() if v is not None],
+        *[f"| {k} | `{v}` |" for k, v in _settings(config, family, fmt.name).items() if v is not None],
         "",
         f"Per-row settings from columns: {', '.join(per_row) or 'none'}. Each image's own settings are in its record.",
         "",
-        "## Columns",
-        "",
-        "Every image has a record in its shard's manifest (`shards/*.parquet`, one row per image, ok or error)"
-        + (f" and beside the image in `data/` ({fmt.name})" if fmt.carries_records else "")
-        + ".",
-        "",
-        "| column | type | |",
-        "|---|---|---|",
-        *own,
-        *carried,
+        *_columns_section(fmt, columns, schema),
         "",
         "## Loading it",
         "",
@@ -123,3 +90,48 @@ def write_card(
         "```",
     ]
     output.put(CARD, "\n".join(lines).encode() + b"\n")
+
+
+def _settings(config: JobConfig, family: Family, output_format: str) -> dict:
+    """The card's settings table (None: not shown)."""
+    clips = None
+    if config.num_frames:
+        clips = (
+            f"{config.num_frames} frames at {config.fps:g} fps, {config.video_format} (crf {config.crf}), "
+            + ("with the model's sound (`audio_codec`, `sample_rate`), " if family.audio else "")
+            + "a poster frame (JPEG) beside each"
+            + (", and every frame as a PNG (`frame-0000.png` ...; parquet: `frames`)" if config.store_frames else "")
+        )
+    return {
+        "model family": family.name,
+        "steps": config.steps,
+        "guidance": config.guidance,
+        "size": f"{config.width}x{config.height}",
+        "seed": config.seed,
+        "images per prompt": config.images_per_prompt,
+        "prompt template": config.prompt_template,
+        "LoRA": ", ".join(config.lora) or None,
+        "true CFG scale": config.true_cfg_scale,
+        "variant": config.variant,
+        "image format": None if config.num_frames else config.image_format,
+        "clips": clips,
+        "output format": output_format,
+    }
+
+
+def _columns_section(fmt, columns: Columns, schema: pa.Schema) -> list[str]:
+    """Every column of an image's record: fleetgen's own (the field table), then those carried from the input."""
+    carried = [f"| `{f.name}` | {_type(f.type)} | from the input |" for f in schema if f.name in columns.carry]
+    own = [f"| `{f.name}` | {_type(f.type)} | fleetgen |" for f in MANIFEST_SCHEMA]
+    return [
+        "## Columns",
+        "",
+        "Every image has a record in its shard's manifest (`shards/*.parquet`, one row per image, ok or error)"
+        + (f" and beside the image in `data/` ({fmt.name})" if fmt.carries_records else "")
+        + ".",
+        "",
+        "| column | type | |",
+        "|---|---|---|",
+        *own,
+        *carried,
+    ]

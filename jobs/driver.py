@@ -15,7 +15,7 @@ import signal
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from fleetgen.errors import ClusterError, InputError, StorageError
 from fleetgen.jobs.config import JobConfig, resolve_paths
@@ -51,60 +51,16 @@ def run_job(
     """Run (or resume) the job. SIGTERM/SIGINT, or `stop` being set, stop dispatching; running
     shards get `config.stop_grace` seconds to commit, then are abandoned (redone by a rerun)."""
     started = time.monotonic()
-    config = resolve_paths(config)
-    output = Output(config.output)
-    output.check()  # a file in the way, no permission, no credentials, no endpoint: one line, before anything
-    files, columns = read_input(config)
-    config, pin_note = pin_revision(config, pinned_revision(output, config.model))
-    config, family, sources = resolve_defaults(config, columns)
-    adapters = resolve_adapters(config, columns, distinct_strings(files, columns.lora, MAX_ADAPTERS))
-    plan_size = (
-        max(config.width, largest(files, columns.width) or 0),
-        max(config.height, largest(files, columns.height) or 0),
-    )
-    shards = plan_shards(files, config.rows_per_shard)
+    job = resolve_job(config)
     stop = stop or threading.Event()
-    lock = OutputLock(output)
+    lock = OutputLock(job.output)
     note = lock.acquire()
     try:
-        claim_output(
-            output,
-            config,
-            fingerprint(config, files, columns),
-            shards_total=len(shards),
-            family={**family.to_dict(), "sources": sources},
-        )
-        sweep(output, discard=False)  # a dead driver's workers may still commit: their staging stays
-        listing = list_manifests(output)  # the run's one listing of shards/: the end adds what this run committed
-        todo = [s for s in shards if s.id not in listing]
-        if config.task != TEXT and len(todo) < len(shards):  # inputs are part of the images made
-            check_unchanged(output, [s.id for s in shards if s.id in listing])
-        retry = _with_errors(output, [s for s in shards if s.id in listing], listing) if config.retry_errors else []
-        redone = {s.id for s in retry}  # counted as to do again
-        progress = Progress(
-            len(shards),
-            sum(s.length for s in shards),
-            shards_done=len(shards) - len(todo) - len(retry),
-            rows_done=sum(s.length for s in shards if s.id in listing and s.id not in redone),
-            stream=progress_stream,
-            interval=progress_interval,
-            unit="clip" if config.settings().task_spec().video else "image",
-        )
-        lock.say = progress.log
-        progress.log(describe(config, family, sources))
-        for line in (pin_note, note, describe_columns(config, columns, adapters)):
-            if line:
-                progress.log(line)
-        if len(todo) < len(shards):
-            progress.log(f"resuming: {len(shards) - len(todo)} of {len(shards)} shards already committed")
-        if config.retry_errors:
-            progress.log(f"--retry-errors: {len(retry)} committed shard(s) have error rows; only those rows are redone")
-        run = Run(output, shards, todo + retry, listing, progress, stop, started=started, lock_token=lock.token)
-        lock.on_lost = run.lost_lock
-        fleet = FleetRecord(output, say=progress.log)
+        run = _open_run(job, lock, note, stop, started, progress_stream, progress_interval)
+        fleet = FleetRecord(job.output, say=run.progress.log)
         try:
             if run.todo:
-                _dispatch(config, columns, run, fleet, adapters, plan_size)
+                _dispatch(job, run, fleet)
         except ClusterError as err:
             # Work done before the fleet was lost is still committed: say so in the summary. A job
             # that never placed a worker leaves nothing but job.json.
@@ -119,12 +75,84 @@ def run_job(
         summary, counts = finish(run)
         if counts is not None:
             try:
-                write_card(output, config, family, columns, files[0].schema, summary, counts)
+                write_card(job.output, job.config, job.family, job.columns, job.files[0].schema, summary, counts)
             except StorageError as err:
-                progress.log(f"dataset card not written ({err}); the next run writes it")
+                run.progress.log(f"dataset card not written ({err}); the next run writes it")
         return summary
     finally:
         lock.release()
+
+
+@dataclass(frozen=True)
+class Job:
+    """A job as the driver resolved it, before anything is written: paths, the input's footers and
+    columns, the pinned model, the family's defaults, the adapters, the largest size, the shards."""
+
+    config: JobConfig  # with the family's defaults and the pinned revision
+    output: Output
+    files: list
+    columns: object
+    family: object
+    sources: dict  # {setting: where its value came from}
+    adapters: tuple
+    plan_size: tuple[int, int]
+    shards: list[Shard]
+    pin_note: str | None
+
+
+def resolve_job(config: JobConfig) -> Job:
+    config = resolve_paths(config)
+    output = Output(config.output)
+    output.check()  # a file in the way, no permission, no credentials, no endpoint: one line, before anything
+    files, columns = read_input(config)
+    config, pin_note = pin_revision(config, pinned_revision(output, config.model))
+    config, family, sources = resolve_defaults(config, columns)
+    adapters = resolve_adapters(config, columns, distinct_strings(files, columns.lora, MAX_ADAPTERS))
+    plan_size = (
+        max(config.width, largest(files, columns.width) or 0),
+        max(config.height, largest(files, columns.height) or 0),
+    )
+    shards = plan_shards(files, config.rows_per_shard)
+    return Job(config, output, files, columns, family, sources, adapters, plan_size, shards, pin_note)
+
+
+def _open_run(
+    job: Job, lock: OutputLock, note: str | None, stop: threading.Event, started: float, stream, interval: float
+) -> Run:
+    """Claim the output for this job, find what is committed, and the run of what is left (`note`:
+    what taking the lock said)."""
+    config, output, shards = job.config, job.output, job.shards
+    fingerprinted = fingerprint(config, job.files, job.columns)
+    family = {**job.family.to_dict(), "sources": job.sources}
+    claim_output(output, config, fingerprinted, shards_total=len(shards), family=family)
+    sweep(output, discard=False)  # a dead driver's workers may still commit: their staging stays
+    listing = list_manifests(output)  # the run's one listing of shards/: the end adds what this run committed
+    todo = [s for s in shards if s.id not in listing]
+    if config.task != TEXT and len(todo) < len(shards):  # inputs are part of the images made
+        check_unchanged(output, [s.id for s in shards if s.id in listing])
+    retry = _with_errors(output, [s for s in shards if s.id in listing], listing) if config.retry_errors else []
+    redone = {s.id for s in retry}  # counted as to do again
+    progress = Progress(
+        len(shards),
+        sum(s.length for s in shards),
+        shards_done=len(shards) - len(todo) - len(retry),
+        rows_done=sum(s.length for s in shards if s.id in listing and s.id not in redone),
+        stream=stream,
+        interval=interval,
+        unit="clip" if config.settings().task_spec().video else "image",
+    )
+    lock.say = progress.log
+    progress.log(describe(config, job.family, job.sources))
+    for line in (job.pin_note, note, describe_columns(config, job.columns, job.adapters)):
+        if line:
+            progress.log(line)
+    if len(todo) < len(shards):
+        progress.log(f"resuming: {len(shards) - len(todo)} of {len(shards)} shards already committed")
+    if config.retry_errors:
+        progress.log(f"--retry-errors: {len(retry)} committed shard(s) have error rows; only those rows are redone")
+    run = Run(output, shards, todo + retry, listing, progress, stop, started=started, lock_token=lock.token)
+    lock.on_lost = run.lost_lock
+    return run
 
 
 def read_input(config: JobConfig):
@@ -190,11 +218,12 @@ def _with_errors(output: Output, committed: list[Shard], listing: dict[str, str]
     return [replace(s, retry_errors=True) for s in committed if counts.get(s.id, {}).get("error")]
 
 
-def _dispatch(config: JobConfig, columns, run: Run, fleet: FleetRecord, adapters=(), plan_size=None) -> None:
+def _dispatch(job: Job, run: Run, fleet: FleetRecord) -> None:
     """Run `run.todo` on a pool of actors that follows the cluster; the run records its failures,
     commits and per-worker table."""
     from fleetgen.cluster import WorkerPool, connect, disconnect, size_fleet
 
+    config, columns = job.config, job.columns
     todo, progress, stop = run.todo, run.progress, run.stop
     shape = connect(config.ray_address)
     pool = None
@@ -222,8 +251,8 @@ def _dispatch(config: JobConfig, columns, run: Run, fleet: FleetRecord, adapters
                     threads=sizing.threads,
                     gpu_memory=budgets[i % len(budgets)] if budgets else gpu_memory,
                     host_memory=host_memory,
-                    adapters=adapters,
-                    plan_size=plan_size,
+                    adapters=job.adapters,
+                    plan_size=job.plan_size,
                     lock_token=run.lock_token,
                 )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import sys
 from dataclasses import dataclass
@@ -137,6 +138,47 @@ def plan_rows(
         },
     }
     return summary, rows
+
+
+@dataclass(frozen=True)
+class Plans:
+    """What `fleetgen plan` shows: the pipeline as profiled, and per device budget its plan or why
+    nothing fits."""
+
+    summary: dict  # the model, family, dtype, host budget, assumed device figures, components
+    rows: list[dict]  # per budget: the plan (OffloadPlan.to_dict()) or `error`, and what binds
+
+    @property
+    def all_fit(self) -> bool:
+        return all("error" not in r for r in self.rows)
+
+    def to_dict(self) -> dict:
+        return {**self.summary, "plans": self.rows}
+
+    def text(self) -> str:
+        buf = io.StringIO()
+        print_plans(self.summary, self.rows, False, buf)
+        return buf.getvalue()
+
+
+def plan_budgets(
+    request: PlanRequest,
+    gpu_memory: list[str],
+    host_memory: str | None = None,
+    dtype: str | None = None,
+    bandwidth: float = ASSUMED_BANDWIDTH,
+) -> Plans:
+    """`fleetgen plan`: the plan each of `gpu_memory` (sizes as typed, e.g. `24GiB`) would get.
+    `dtype`: default the family's; `bandwidth`: host→device bytes/s to assume."""
+    work, family = plan_workload(request)
+    dtype = dtype or family.dtype
+    if dtype not in DTYPES:
+        raise ConfigError(f"`--dtype` must be one of {', '.join(DTYPES)}; got `{dtype}`.")
+    summary, rows = plan_rows(
+        request.model, gpu_memory, host_memory, dtype, work, bandwidth=bandwidth, vae_upcast=family.upcasts_vae
+    )
+    summary["family"] = family.name
+    return Plans(summary, rows)
 
 
 def print_plans(summary: dict, rows: list[dict], as_json: bool, out=None) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import base64
 import html
+import string
+from pathlib import Path
 
 from fleetgen.jobs.state import read_manifests
 from fleetgen.jobs.status import job_state
@@ -167,12 +169,50 @@ def not_ok_rows(out: Output, counts: dict[str, dict], n: int = ERRORS, batch: in
     return rows[:n]
 
 
+TEMPLATE = Path(__file__).with_name("templates") / "report.html"  # the page, with $fields filled in here
+
+
 def write_report(url: str) -> str:
     """Write OUT/report.html; returns its URL. Reads a sample of manifests, not all of them."""
     state = job_state(url)
     out = Output(url)
-    sample = sample_images(out, state["counts"])
-    generation = state["job"]["fingerprint"]["generation"]
+    fp = state.job["fingerprint"]
+    generation = fp["generation"]
+    errors = not_ok_rows(out, state.counts)
+    page = string.Template(TEMPLATE.read_text()).substitute(
+        url=html.escape(state.url),
+        model=html.escape(str(fp["model"])),
+        width=generation["width"],
+        height=generation["height"],
+        steps=generation["steps"],
+        guidance=generation["guidance"],
+        state="complete" if state.complete else "not complete",
+        shards_committed=state.shards_committed,
+        shards_total=state.shards_total,
+        images_ok=state.images_ok,
+        images_error=state.images_error,
+        failed_shards=len(state.failures),
+        cards=_cards(out, state, generation) or "<p>No images yet.</p>",
+        workers="".join(_worker_row(w) for w in state.workers),
+        charts=_charts(state.workers),
+        failures="".join(
+            f"<tr><td>{html.escape(f['shard'])}</td><td>{f['attempts']}</td><td>{html.escape(f['error'])}</td></tr>"
+            for f in state.failures
+        )
+        or '<tr><td colspan="3">none</td></tr>',
+        errors_shown=ERRORS,
+        errors="".join(
+            f"<tr><td>{html.escape(r['id'])}</td><td>{html.escape(r['error'] or '')}</td></tr>" for r in errors
+        )
+        or '<tr><td colspan="2">none</td></tr>',
+    )
+    out.put("report.html", page.encode())
+    return out.key_url("report.html")
+
+
+def _cards(out: Output, state, generation: dict) -> str:
+    """The contact sheet: a sample of images (a clip's poster), each with its inputs, id, seed and prompt."""
+    sample = sample_images(out, state.counts)
     video = makes_clips(generation)
     fmt = get_format(generation["output_format"])
     sources = _sources(out, fmt, sample, IMAGE_FORMATS.get(generation["image_format"], "png"), video)
@@ -184,106 +224,50 @@ def write_report(url: str) -> str:
             return f'<a href="{html.escape(r["image"])}">{img}</a>'
         return img
 
-    cards = "".join(
+    return "".join(
         f'<figure class="card">{_input_note(r, thumbs)}{picture(r)}<figcaption><b>{html.escape(r["id"])}</b> '
         f"seed {r['seed']}{_clip_note(r)}<br>{html.escape(r['prompt'] or '')}</figcaption></figure>"
         for r in sample
     )
-    workers = state["workers"]
-    table_rows = []
-    for w in workers:
-        st, off = w.get("stats") or {}, w.get("offload") or {}
-        moved = sum(c["bytes_onloaded"] for c in (off.get("components") or {}).values())
-        table_rows.append(
-            "<tr>"
-            + "".join(
-                f"<td>{html.escape(str(v))}</td>"
-                for v in (
-                    w["worker"],
-                    w["device"]["name"],
-                    format_size(w["device"]["total_bytes"]) if w["device"].get("total_bytes") else "-",
-                    format_size(w["plan"]["budget_bytes"]) if w["plan"].get("budget_bytes") else "-",
-                    ", ".join(f"{k} {v}" for k, v in w["plan"]["modes"].items()),
-                    w.get("batch_size"),
-                    st.get("images", 0),
-                    f"{st.get('images_per_second') or 0:.2f}",
-                    format_size(off["peak_device_bytes"]) if off.get("peak_device_bytes") else "-",
-                    format_size(moved),
-                    w["plan"]["reason"],
-                )
-            )
-            + "</tr>"
-        )
-    charts = ""
-    if workers:
-        charts += _bars(
-            "images/s per worker",
-            [
-                (
-                    w["worker"],
-                    (w.get("stats") or {}).get("images_per_second") or 0,
-                    f"{(w.get('stats') or {}).get('images_per_second') or 0:.2f}",
-                )
-                for w in workers
-            ],
-        )
-        peaks = [((w.get("offload") or {}).get("peak_device_bytes") or 0) for w in workers]
-        budgets = [w["plan"].get("budget_bytes") or 0 for w in workers]
-        charts += _bars(
+
+
+def _moved(w: dict) -> int:
+    return sum(c["bytes_onloaded"] for c in ((w.get("offload") or {}).get("components") or {}).values())
+
+
+def _worker_row(w: dict) -> str:
+    st, off = w.get("stats") or {}, w.get("offload") or {}
+    cells = (
+        w["worker"],
+        w["device"]["name"],
+        format_size(w["device"]["total_bytes"]) if w["device"].get("total_bytes") else "-",
+        format_size(w["plan"]["budget_bytes"]) if w["plan"].get("budget_bytes") else "-",
+        ", ".join(f"{k} {v}" for k, v in w["plan"]["modes"].items()),
+        w.get("batch_size"),
+        st.get("images", 0),
+        f"{st.get('images_per_second') or 0:.2f}",
+        format_size(off["peak_device_bytes"]) if off.get("peak_device_bytes") else "-",
+        format_size(_moved(w)),
+        w["plan"]["reason"],
+    )
+    return "<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in cells) + "</tr>"
+
+
+def _charts(workers: list[dict]) -> str:
+    """Images/s, peak device memory against the budget, and bytes moved, per worker."""
+    if not workers:
+        return ""
+    rates = [(w.get("stats") or {}).get("images_per_second") or 0 for w in workers]
+    peaks = [((w.get("offload") or {}).get("peak_device_bytes") or 0) for w in workers]
+    budgets = [w["plan"].get("budget_bytes") or 0 for w in workers]
+    moved = [_moved(w) for w in workers]
+    names = [w["worker"] for w in workers]
+    return (
+        _bars("images/s per worker", [(n, r, f"{r:.2f}") for n, r in zip(names, rates, strict=True)])
+        + _bars(
             "peak device memory (bar) against the budget (red line)",
-            [
-                (w["worker"], p, format_size(p) if p else "not measured (CPU)")
-                for w, p in zip(workers, peaks, strict=True)
-            ],
+            [(n, p, format_size(p) if p else "not measured (CPU)") for n, p in zip(names, peaks, strict=True)],
             limit=budgets,
         )
-        moved = [
-            sum(c["bytes_onloaded"] for c in ((w.get("offload") or {}).get("components") or {}).values())
-            for w in workers
-        ]
-        charts += _bars(
-            "bytes moved host→device", [(w["worker"], m, format_size(m)) for w, m in zip(workers, moved, strict=True)]
-        )
-    errors = not_ok_rows(out, state["counts"])
-    failures = "".join(
-        f"<tr><td>{html.escape(f['shard'])}</td><td>{f['attempts']}</td><td>{html.escape(f['error'])}</td></tr>"
-        for f in state["failures"]
+        + _bars("bytes moved host→device", [(n, m, format_size(m)) for n, m in zip(names, moved, strict=True)])
     )
-    error_rows = "".join(
-        f"<tr><td>{html.escape(r['id'])}</td><td>{html.escape(r['error'] or '')}</td></tr>" for r in errors
-    )
-    fp = state["job"]["fingerprint"]
-    page = f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>fleetgen report: {html.escape(state["url"])}</title>
-<style>
-body {{ font-family: sans-serif; margin: 24px; color: #222; }}
-.sheet {{ display: grid; grid-template-columns: repeat(auto-fill, minmax(160px, 1fr)); gap: 12px; }}
-.card {{ margin: 0; font-size: 12px; }} .card img {{ width: 100%; image-rendering: pixelated; border: 1px solid #ccc; }} .card img.input {{ width: 40%; }}
-table {{ border-collapse: collapse; font-size: 13px; }} td, th {{ border: 1px solid #ccc; padding: 4px 8px; text-align: left; }}
-</style></head>
-<body>
-<h1>fleetgen report</h1>
-<p>{html.escape(state["url"])} — model {html.escape(str(fp["model"]))}, {fp["generation"]["width"]}×{fp["generation"]["height"]},
-{fp["generation"]["steps"]} steps, guidance {fp["generation"]["guidance"]}.<br>
-{"complete" if state["complete"] else "not complete"}: shards {state["shards_committed"]}/{state["shards_total"]},
-{state["images_ok"]} images, {state["images_error"]} row errors, {len(state["failures"])} failed shards.</p>
-<h2>Sample</h2><div class="sheet">{cards or "<p>No images yet.</p>"}</div>
-<h2>Workers</h2>
-<table><tr><th>worker</th><th>device</th><th>memory</th><th>budget</th><th>plan</th><th>batch</th><th>images</th>
-<th>img/s</th><th>peak</th><th>moved</th><th>reason</th></tr>{"".join(table_rows)}</table>
-{charts}
-<h2>Failures</h2>
-<table><tr><th>shard</th><th>attempts</th><th>error</th></tr>{failures or '<tr><td colspan="3">none</td></tr>'}</table>
-<h3>Row errors (first {ERRORS})</h3>
-<table><tr><th>id</th><th>error</th></tr>{error_rows or '<tr><td colspan="2">none</td></tr>'}</table>
-<script>
-window.addEventListener("load", () => {{
-  const imgs = Array.from(document.images);
-  document.body.dataset.imagesTotal = imgs.length;
-  document.body.dataset.imagesLoaded = imgs.filter(i => i.complete && i.naturalWidth > 0).length;
-}});
-</script>
-</body></html>
-"""
-    out.put("report.html", page.encode())
-    return out.key_url("report.html")

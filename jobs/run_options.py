@@ -8,7 +8,14 @@ import argparse
 
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
-    # Every default is None: unset options fall through to `--config`, then to JobConfig's defaults.
+    """Every option of `fleetgen run` (and `calibrate`). Every default is None: unset options fall
+    through to `--config`, then to JobConfig's defaults."""
+    for group in (_job, _generation, _synthesis, _execution):
+        group(p)
+
+
+def _job(p: argparse.ArgumentParser) -> None:
+    """What the job reads, writes and loads."""
     g = p.add_argument_group("job")
     g.add_argument("--input", help="Parquet file, directory or glob (any fsspec URL)")
     g.add_argument("--output", help="output location (any fsspec URL)")
@@ -25,6 +32,10 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         help="the model's entry in the family table (README), where the checkpoint does not say, e.g. "
         "z-image for the base model (default: detected from model_index.json, the transformer's config, the name)",
     )
+
+
+def _generation(p: argparse.ArgumentParser) -> None:
+    """What every image is made with: part of the job's fingerprint."""
     g = p.add_argument_group("generation (part of the job fingerprint)")
     g.add_argument(
         "--steps", type=int, help="denoising steps (default: the model family's, e.g. 30 for SD, 28 for FLUX.1-dev)"
@@ -59,6 +70,12 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         "kernels it has and keeps the fastest), or a diffusers backend (flash, _flash_3, _native_cudnn, xformers, "
         "...; an exact one may differ per worker, sage changes pixels and is the job's)",
     )
+    _task(g)
+    _media(g)
+
+
+def _task(g) -> None:
+    """What the model does with each row, and how its input images are taken and kept."""
     from fleetgen.workers.families.table import TASKS
     from fleetgen.workers.rows.inputs import RESIZE_RULES
 
@@ -94,6 +111,10 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         help="video tasks: store every frame of a clip as a PNG beside it (<id>.frame-0000.png ...; parquet: a "
         "`frames` column), lossless, for datasets that train on frames",
     )
+
+
+def _media(g) -> None:
+    """The picture's size, its stored encoding, the identity columns and the shard size."""
     g.add_argument("--width", type=int, help="pixels, multiple of 8 (default 512; video families: their card's)")
     g.add_argument("--height", type=int, help="pixels, multiple of 8 (default 512; video families: their card's)")
     g.add_argument("--seed", type=int, help="job seed (default 0)")
@@ -128,6 +149,10 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed-column", help="default seed (used when present)")
     g.add_argument("--negative-prompt-column", help="default negative_prompt (used when present)")
     g.add_argument("--rows-per-shard", type=int, help="rows per shard (default 256)")
+
+
+def _synthesis(p: argparse.ArgumentParser) -> None:
+    """Dataset synthesis: prompts from columns, several images per row, adapters, carried columns."""
     g = p.add_argument_group("dataset synthesis (part of the job fingerprint)")
     g.add_argument(
         "--prompt-template",
@@ -159,6 +184,10 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
             help=f"per-row {f.role.replace('_', ' ')} (default `{f.default_column}`, used when present; "
             "`none` to ignore it)",
         )
+
+
+def _execution(p: argparse.ArgumentParser) -> None:
+    """How the job runs: may change between a run and its resume."""
     g = p.add_argument_group("execution")
     g.add_argument(
         "--workers",
@@ -188,6 +217,11 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         type=float,
         help="seconds running shards get to commit after SIGTERM/SIGINT (default 0: abandon)",
     )
+    _devices(g)
+
+
+def _devices(g) -> None:
+    """Compilation, placements, budgets, the device and the dtype; what a run may replace."""
     g.add_argument(
         "--compile",
         action="store_true",

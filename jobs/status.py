@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, dataclass
 
 from fleetgen.errors import FleetgenError
 from fleetgen.jobs.fleet import fleet_lines
@@ -20,7 +21,37 @@ def _json(out: Output, key: str) -> dict | None:
         return None
 
 
-def job_state(url: str) -> dict:
+@dataclass(frozen=True)
+class JobStatus:
+    """A job as its output location says it is (`fleetgen status`, `fleetgen.status`)."""
+
+    url: str
+    job: dict  # job.json: the resolved config and the fingerprint
+    complete: bool  # _SUCCESS: every shard committed
+    running: bool  # a driver's heartbeat is fresh
+    driver: str | None  # that driver, as its lock names it
+    shards_total: int
+    shards_committed: int
+    rows_total: int
+    rows_done: int
+    images_ok: int  # clips, for a video task
+    images_filtered: int  # flagged by the pipeline's safety checker, not stored
+    images_error: int  # error rows
+    failures: list  # failed shards of the last run (summary.json)
+    workers: list  # each worker's record (workers/<w>.json)
+    fleet: dict | None  # fleet.json: the workers as the driver last saw them, and the latest events
+    workers_failed: list
+    eta_seconds: float | None  # at the running workers' rates
+    counts: dict  # every committed shard's counts
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def text(self) -> str:
+        return status_text(self)
+
+
+def job_state(url: str) -> JobStatus:
     """What OUT says about its job: counts from the manifests' footers (or the counts index), the
     running driver (if its heartbeat is fresh), per-worker figures, failures, and an ETA from the
     workers' rates. No manifest rows are read (`report` reads a sample)."""
@@ -31,7 +62,6 @@ def job_state(url: str) -> dict:
     if "fingerprint" not in job:
         raise FleetgenError(f"{out.key_url(JOB)} is not a fleetgen job record (no fingerprint).")
     counts = shard_counts(out)
-    committed = sorted(counts)
     total_rows = sum(f["rows"] for f in job["fingerprint"]["input"])
     workers = [w for w in (_json(out, f"{WORKERS}/{name}") for name in out.list(WORKERS, ".json")) if w]
     lock = live_lock(out) or {}
@@ -40,55 +70,56 @@ def job_state(url: str) -> dict:
     rows_done = sum(c["rows"] for c in counts.values())  # a row may make several images
     images = sum(c["images"] for c in counts.values())
     left = (total_rows - rows_done) * (images / rows_done if rows_done else 1)  # images still to make
-    summary = _json(out, SUMMARY)
-    return {
-        "url": out.url,
-        "job": job,
-        "complete": out.exists(SUCCESS),
-        "running": running,
-        "driver": lock.get("owner") if running else None,
-        "shards_total": job.get("shards_total") or -(-total_rows // job["fingerprint"]["generation"]["rows_per_shard"]),
-        "shards_committed": len(committed),
-        "rows_total": total_rows,
-        "rows_done": rows_done,
-        "images_ok": sum(c["ok"] for c in counts.values()),
-        "images_filtered": sum(c["filtered"] for c in counts.values()),
-        "images_error": sum(c["images"] - c["ok"] - c["filtered"] for c in counts.values()),
-        "failures": (summary or {}).get("failures", []),
-        "workers": workers,
-        "fleet": _json(out, FLEET),
-        "workers_failed": (summary or {}).get("workers_failed", []),
-        "eta_seconds": left / rate if rate and left else None,
-        "counts": counts,
-    }
+    summary = _json(out, SUMMARY) or {}
+    per_shard = job["fingerprint"]["generation"]["rows_per_shard"]
+    return JobStatus(
+        url=out.url,
+        job=job,
+        complete=out.exists(SUCCESS),
+        running=running,
+        driver=lock.get("owner") if running else None,
+        shards_total=job.get("shards_total") or -(-total_rows // per_shard),
+        shards_committed=len(counts),
+        rows_total=total_rows,
+        rows_done=rows_done,
+        images_ok=sum(c["ok"] for c in counts.values()),
+        images_filtered=sum(c["filtered"] for c in counts.values()),
+        images_error=sum(c["images"] - c["ok"] - c["filtered"] for c in counts.values()),
+        failures=summary.get("failures", []),
+        workers=workers,
+        fleet=_json(out, FLEET),
+        workers_failed=summary.get("workers_failed", []),
+        eta_seconds=left / rate if rate and left else None,
+        counts=counts,
+    )
 
 
-def status_text(state: dict) -> str:
-    fp = state["job"]["fingerprint"]
+def status_text(state: JobStatus) -> str:
+    """What `fleetgen status` prints."""
+    fp = state.job["fingerprint"]
     clips = makes_clips(fp["generation"])  # a video task: counts are clips
     unit = "clips" if clips else "images"
+    if state.complete:
+        now = "complete"
+    elif state.running:
+        now = f"running ({state.driver})"
+    else:
+        now = "stopped or failed (no driver running; rerun the same command to resume)"
     lines = [
-        f"job at {state['url']}: model {fp['model']}",
-        "state: "
-        + (
-            "complete"
-            if state["complete"]
-            else f"running ({state['driver']})"
-            if state["running"]
-            else "stopped or failed (no driver running; rerun the same command to resume)"
-        ),
-        f"shards {state['shards_committed']}/{state['shards_total']} committed, rows {state['rows_done']}/"
-        f"{state['rows_total']}: {state['images_ok']} {unit}, {state['images_error']} row errors"
-        + (f", {state['images_filtered']} filtered by the safety checker" if state["images_filtered"] else ""),
+        f"job at {state.url}: model {fp['model']}",
+        f"state: {now}",
+        f"shards {state.shards_committed}/{state.shards_total} committed, rows {state.rows_done}/"
+        f"{state.rows_total}: {state.images_ok} {unit}, {state.images_error} row errors"
+        + (f", {state.images_filtered} filtered by the safety checker" if state.images_filtered else ""),
     ]
-    if state["eta_seconds"]:
-        lines.append(f"ETA {state['eta_seconds'] / 60:.1f} min at the workers' current rates")
-    for f in state["failures"]:
+    if state.eta_seconds:
+        lines.append(f"ETA {state.eta_seconds / 60:.1f} min at the workers' current rates")
+    for f in state.failures:
         lines.append(f"failed: {f['shard']} after {f['attempts']} attempt(s): {f['error']}")
-    lines += fleet_lines(state["fleet"])
-    for w in state["workers_failed"]:
+    lines += fleet_lines(state.fleet)
+    for w in state.workers_failed:
         lines.append(f"worker {w['worker']} could not run: {w['error']}")
-    for w in state["workers"]:
+    for w in state.workers:
         st = w.get("stats") or {}
         rate = st.get("images_per_second") or 0
         speed = f"{1 / rate:.1f} s/clip" if clips and rate else f"{rate:.2f} {'clips' if clips else 'img'}/s"

@@ -1,0 +1,114 @@
+"""fleetgen's Python API: what the `fleetgen` commands do, for a notebook or a script.
+
+Each function takes the command's options as keyword arguments, named as the options are (`--max-batch`
+is `max_batch`), builds the same records, applies the same defaults and raises the same errors
+(`fleetgen.FleetgenError` and its tree: `ConfigError` for bad options, `StorageError` for a store that
+fails, ...). The command line is a thin layer over these functions (fleetgen/jobs/cli.py).
+
+    import fleetgen
+
+    summary = fleetgen.run("prompts.parquet", "out/", "org/model", steps=20, max_batch=8)
+    print(summary.images_ok, summary.complete)
+    print(fleetgen.status("out/").text())
+    assert fleetgen.verify("out/", deep=True).clean
+    print(fleetgen.plan("flux.1-dev", ["24GiB", "80GiB"]).text())
+
+Nothing is imported until a function is called: `import fleetgen` loads no torch and no Ray.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TextIO
+
+from fleetgen.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fleetgen.jobs.planning import Plans
+    from fleetgen.jobs.status import JobStatus
+    from fleetgen.jobs.summary import JobSummary
+    from fleetgen.jobs.verify import VerifyReport
+
+
+def _known(options: dict, known: list[str], command: str) -> None:
+    """An option the command does not have is refused, naming the closest one it has."""
+    for name in options:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" Did you mean `{close[0]}`?" if close else f" Its options: {', '.join(sorted(known))}."
+            raise ConfigError(f"`{command}` has no option `{name}`.{hint}")
+
+
+def run(
+    input: str, output: str, model: str, *, config: str | None = None, progress: TextIO | None = None, **options
+) -> JobSummary:
+    """`fleetgen run`: generate (or resume) the job; returns its summary (`.complete`, `.exit_code`,
+    counts, failures, the per-worker table). `options`: any of `fleetgen run`'s (`steps=20`,
+    `output_format="webdataset"`, `quantize="transformer=fp8"`, ...); `config`: a TOML file with the
+    same settings, which `options` override, as on the command line. `progress`: where progress
+    lines go (default standard error)."""
+    from dataclasses import fields
+
+    from fleetgen.jobs.config import JobConfig, make_config
+    from fleetgen.jobs.driver import run_job
+
+    _known(options, [f.name for f in fields(JobConfig)], "fleetgen.run")
+    job = make_config({"input": input, "output": output, "model": model, **options}, config)
+    return run_job(job, progress_stream=progress)
+
+
+def plan(
+    model: str,
+    gpu_memory: str | list[str],
+    *,
+    host_memory: str | None = None,
+    dtype: str | None = None,
+    bandwidth: float = 20.0,
+    **options,
+) -> Plans:
+    """`fleetgen plan`: the offload plan and batch each device budget would get, from the model's
+    configs alone (no weights, no GPU). `model`: a shipped architecture (`fleetgen plan --help` names
+    them) or a pipeline directory; `gpu_memory`: a size like `24GiB`, or several; `bandwidth`: host→device
+    GB/s to assume. `options`: `width`, `height`, `steps`, `guidance`, `true_cfg_scale`, `max_batch`,
+    `offload`, `task`, `references`, `num_frames`, `cache`, `quantize`. Returns the plans (`.rows`,
+    `.text()`, `.to_dict()`)."""
+    from dataclasses import fields
+
+    from fleetgen.jobs.planning import PlanRequest, plan_budgets
+
+    _known(options, [f.name for f in fields(PlanRequest) if f.name != "model"], "fleetgen.plan")
+    budgets = [gpu_memory] if isinstance(gpu_memory, str) else list(gpu_memory)
+    return plan_budgets(PlanRequest(model, **options), budgets, host_memory, dtype, bandwidth * 1e9)
+
+
+def status(output: str) -> JobStatus:
+    """`fleetgen status`: a running or finished job's progress from its output location alone
+    (`.complete`, `.running`, counts, per-worker rates, `.eta_seconds`, `.text()`)."""
+    from fleetgen.jobs.status import job_state
+
+    return job_state(output)
+
+
+def verify(
+    output: str,
+    *,
+    deep: bool = False,
+    fix: bool = False,
+    force: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> VerifyReport:
+    """`fleetgen verify`: every stored byte against the manifests (`.clean`, counts and examples of
+    what is missing, mismatched, orphaned or left over, `.text()`). `deep`: hash every image;
+    `fix`: remove orphans and leftovers and un-commit damaged shards so that a rerun redoes them."""
+    from fleetgen.jobs.verify import verify as verify_output
+
+    return verify_output(output, deep=deep, fix=fix, force=force, progress=progress)
+
+
+def report(output: str) -> str:
+    """`fleetgen report`: writes OUT/report.html (a contact sheet, the per-worker table and charts,
+    the failures); returns its URL."""
+    from fleetgen.jobs.report import write_report
+
+    return write_report(output)
