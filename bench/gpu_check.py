@@ -55,7 +55,7 @@ from fleetgen.attention import parse_attention  # noqa: E402
 from fleetgen.caches import parse_cache  # noqa: E402
 from fleetgen.errors import FleetgenError  # noqa: E402
 from fleetgen.jobs.sharding import plan_shards, read_footer, resolve_columns  # noqa: E402
-from fleetgen.offload.apply import offload_hooks  # noqa: E402
+from fleetgen.offload.hooks import offload_hooks  # noqa: E402
 from fleetgen.offload.weight_formats import parse_quantize  # noqa: E402
 from fleetgen.units import format_size, parse_size  # noqa: E402
 from fleetgen.workers.families.detect import FAMILIES  # noqa: E402

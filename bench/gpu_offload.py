@@ -80,7 +80,7 @@ def inputs(model, device, size: int, text_tokens: int):
 
 
 def place(model, placement: Placement, profile, device):
-    from fleetgen.offload.apply import unapply
+    from fleetgen.offload.hooks import unapply
 
     unapply(_Holder(model))  # every offloading hook (a streamed mode's prefetch and tracker hooks too), on the CPU
     if device.type == "cuda":

@@ -43,7 +43,8 @@ class RayDataGenerator:
 
     def __call__(self, batch: dict) -> dict:
         from fleetgen.workers.output.writer import encode
-        from fleetgen.workers.rows.seeds import derive_seed, generators
+        from fleetgen.workers.pipeline.calls import generators
+        from fleetgen.workers.rows.seeds import derive_seed
 
         ids = [str(i) for i in batch["id"]]
         images = self.pipe(

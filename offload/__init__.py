@@ -4,26 +4,33 @@ profile_pipeline / profile_modules   bytes per component and group (real or meta
 plan(profile, DeviceSpec, Workload)  pure: the fastest predicted placement that fits, with a reason
 apply(pipe, plan, profile, device)   the only caller of diffusers' group offloading API
 OffloadStats                         what actually moved
+
+The names load on first use (PEP 562): importing the planner's records (`fleetgen.offload.cost`,
+`fleetgen.offload.weight_formats`) loads no torch.
 """
 
-from fleetgen.offload.apply import AppliedOffload, apply, pipeline_modules
-from fleetgen.offload.cost import DeviceSpec, Placement, Workload
-from fleetgen.offload.planner import OffloadPlan, plan, resident_plan
-from fleetgen.offload.profile import PipelineProfile, profile_modules, profile_pipeline
-from fleetgen.offload.stats import OffloadStats
+import importlib
 
-__all__ = [
-    "AppliedOffload",
-    "DeviceSpec",
-    "OffloadPlan",
-    "OffloadStats",
-    "PipelineProfile",
-    "Placement",
-    "Workload",
-    "apply",
-    "pipeline_modules",
-    "plan",
-    "profile_modules",
-    "profile_pipeline",
-    "resident_plan",
-]
+_WHERE = {
+    "AppliedOffload": "hooks",
+    "apply": "hooks",
+    "pipeline_modules": "hooks",
+    "DeviceSpec": "cost",
+    "Placement": "cost",
+    "Workload": "cost",
+    "OffloadPlan": "planner",
+    "plan": "planner",
+    "resident_plan": "planner",
+    "PipelineProfile": "profile",
+    "profile_modules": "profile",
+    "profile_pipeline": "profile",
+    "OffloadStats": "stats",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,10 +9,13 @@ the grouping; grouping changes the device floor and the number of transfers.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from fleetgen.caches import CacheSpec
-from fleetgen.offload.profile import ComponentProfile, PipelineProfile
 from fleetgen.offload.weight_formats import CHOOSABLE, NONE, QuantizeSpec, allowed, refusal, spec
+
+if TYPE_CHECKING:  # the profile measures torch modules; the cost model reads its numbers only
+    from fleetgen.offload.profile import ComponentProfile, PipelineProfile
 
 MARGIN = 0.10  # of the budget: allocator fragmentation, CUDA context, workspace
 SYNC_SECONDS = 30e-6  # a blocking transfer's fixed cost (launch + synchronise), per group

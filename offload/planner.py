@@ -16,6 +16,7 @@ with the budget, so more memory never yields a plan predicted to cost more.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from fleetgen.caches import CacheSpec
 from fleetgen.errors import OffloadError
@@ -32,10 +33,12 @@ from fleetgen.offload.cost import (
     cache_state_bytes,
     computed_share,
 )
-from fleetgen.offload.profile import PipelineProfile
 from fleetgen.offload.search import _combos
 from fleetgen.offload.weight_formats import NONE, QuantizeSpec
 from fleetgen.units import format_size
+
+if TYPE_CHECKING:  # the planner reads the profile's numbers; measuring modules (torch) is the profile's
+    from fleetgen.offload.profile import PipelineProfile
 
 OFFLOAD_CHOICES = ("auto", "none", "block", "leaf", "disk")
 BUDGETS = {"device": "device memory", "host": "host RAM"}  # what a plan says binds it

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from fleetgen.latents import denoiser_patch, expert_shares, latent_frames, vae_scale, vae_temporal
-from fleetgen.offload.quantize import stored_sizes
-from fleetgen.offload.weight_formats import FLOAT8, LAYERS, NONE, spec
+from fleetgen.offload.quantize import FLOAT8, LEAF_TYPES, stored_sizes
+from fleetgen.offload.weight_formats import NONE, spec
 
 # The denoiser runs once per step; everything else once per pipeline call.
 PER_STEP = ("unet", "transformer", "transformer_2", "prior", "decoder")
-_LEAF_TYPES = LAYERS  # diffusers' leaf level makes one group per such layer
+_LEAF_TYPES = LEAF_TYPES
 _BLOCK_TYPES = (torch.nn.ModuleList, torch.nn.Sequential)
 
 

@@ -16,7 +16,17 @@ import re
 import torch
 
 from fleetgen.errors import ConfigError, OffloadError
-from fleetgen.offload.weight_formats import FLOAT8, check_components, gguf_path, spec
+from fleetgen.offload.weight_formats import LAYERS, check_components, gguf_path, spec
+
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def layer_types(names: tuple[str, ...]) -> tuple[type, ...]:
+    """The `torch.nn` layer types the formats table names."""
+    return tuple(getattr(torch.nn, name) for name in names)
+
+
+LEAF_TYPES = layer_types(LAYERS)  # diffusers' leaf level makes one group per such layer
 
 
 def skip_patterns(module: torch.nn.Module) -> tuple[str, ...]:
@@ -30,7 +40,7 @@ def skip_patterns(module: torch.nn.Module) -> tuple[str, ...]:
 def stored_layers(module: torch.nn.Module, name: str) -> dict[str, torch.nn.Module]:
     """{qualified name: layer} of the layers format `name` stores, walked as diffusers'
     `_apply_layerwise_casting` walks: a module whose name matches a skip pattern is skipped whole."""
-    patterns, layers = skip_patterns(module), spec(name).layers
+    patterns, layers = skip_patterns(module), layer_types(spec(name).layers)
     out: dict[str, torch.nn.Module] = {}
 
     def walk(m: torch.nn.Module, prefix: str) -> None:

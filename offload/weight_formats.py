@@ -17,22 +17,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from fleetgen.errors import ConfigError
 
 DENOISERS = ("unet", "transformer", "transformer_2", "prior", "decoder")
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")
-_LINEAR = (torch.nn.Linear,)
+# Layer types by their names in `torch.nn` (this table imports no torch: the driver's commands that only
+# read settings stay light); offload/quantize.py resolves them.
+_LINEAR = ("Linear",)
 LAYERS = (  # diffusers' _GO_LC_SUPPORTED_PYTORCH_LAYERS: group offloading's leaves, what fp8 stores
-    torch.nn.Conv1d,
-    torch.nn.Conv2d,
-    torch.nn.Conv3d,
-    torch.nn.ConvTranspose1d,
-    torch.nn.ConvTranspose2d,
-    torch.nn.ConvTranspose3d,
-    torch.nn.Linear,
-    torch.nn.Embedding,
+    "Conv1d",
+    "Conv2d",
+    "Conv3d",
+    "ConvTranspose1d",
+    "ConvTranspose2d",
+    "ConvTranspose3d",
+    "Linear",
+    "Embedding",
 )
 # Published end-to-end times, FLUX.1-dev, 1024², 50 steps, one H100, as the quantization issue
 # quotes them (diffusers' blog "Exploring Quantization Backends in Diffusers", May 2025): bf16 12 s,
@@ -46,7 +46,7 @@ BF16_SECONDS = 12.0
 class Format:
     name: str
     about: str
-    layers: tuple[type, ...]  # the layer types whose tensors it stores
+    layers: tuple[str, ...]  # the layer types (names in torch.nn) whose tensors it stores
     weight_only: bool  # only the layer's weight (biases stay at the run dtype), else every tensor
     weight_bytes: float  # bytes per stored element
     row_bytes: int  # bytes per output row (scales, zero points)
@@ -156,7 +156,6 @@ FORMATS = {
         ),
     ),
 }
-FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 CHOOSABLE = tuple(n for n in FORMATS if n != "gguf")  # what `auto` may choose: a GGUF file must be named
 
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from fleetgen.errors import OffloadError
+
+if TYPE_CHECKING:  # torch loads when a pipeline is built, not when the names are listed
+    import torch
 
 HERE = Path(__file__).parent
 NAMES = sorted(p.name for p in HERE.iterdir() if (p / "model_index.json").exists())
@@ -43,6 +45,8 @@ def _component_class(library: str, name: str):
     except ImportError:
         return None
     cls = getattr(module, name, None)
+    import torch
+
     return cls if isinstance(cls, type) and issubclass(cls, torch.nn.Module) else None
 
 
@@ -82,6 +86,8 @@ def pipeline_settings(model: str) -> dict:
 def build_on_meta(model: str) -> dict[str, torch.nn.Module]:
     """The pipeline's torch components built from their configs on the `meta` device: the real
     module structure and parameter shapes, no memory, no weights read."""
+    import torch
+
     root = resolve(model)
     modules = {}
     for comp, (library, cls) in torch_components(root).items():

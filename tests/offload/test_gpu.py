@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fleetgen.offload import OffloadPlan, Placement, apply, profile_pipeline
-from fleetgen.offload.apply import offload_hooks, unapply
+from fleetgen.offload.hooks import offload_hooks, unapply
 from fleetgen.workers.tiny.flux import build_tiny_flux
 
 

@@ -285,7 +285,7 @@ def test_stale_disk_dirs_of_dead_workers_are_swept(tmp_path, monkeypatch):
     import subprocess
     import tempfile
 
-    from fleetgen.offload.apply import DISK_PREFIX, sweep_stale_disk_dirs
+    from fleetgen.offload.hooks import DISK_PREFIX, sweep_stale_disk_dirs
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     dead = subprocess.Popen(["true"])

@@ -1,7 +1,8 @@
 import torch
 
 from fleetgen.workers.output.layout import image_key, manifest_key, unsafe_id_reason
-from fleetgen.workers.rows.seeds import MAX_SEED, derive_seed, generators
+from fleetgen.workers.pipeline.calls import generators
+from fleetgen.workers.rows.seeds import MAX_SEED, derive_seed
 
 
 def test_derived_seed_is_stable_and_spread():

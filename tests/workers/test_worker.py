@@ -330,7 +330,7 @@ def test_a_worker_that_cannot_start_leaves_a_given_pipeline_without_hooks(tmp_pa
     """bench/gpu_check.py hands one pipeline to many workers: one that fails after applying its plan
     must not leave its hooks (the next plan would keep them) or its parts on the device."""
     from fleetgen.errors import OffloadError
-    from fleetgen.offload.apply import offload_hooks
+    from fleetgen.offload.hooks import offload_hooks
     from fleetgen.workers.tiny.flux import build_tiny_flux
 
     pipe = build_tiny_flux()

@@ -139,3 +139,11 @@ def task_kwargs(task: Task, width: int, height: int, inputs: list | None) -> dic
         if task.mask:
             extra["mask_image"] = [next(p for p, role in one if role == "mask") for one in inputs]
     return extra
+
+
+def generators(seeds: list[int]):
+    """One CPU generator per image, seeded with its seed (workers/rows/seeds.py): the noise of an image
+    depends on its seed alone, never on the device, the batch or the plan that made it."""
+    import torch
+
+    return [torch.Generator("cpu").manual_seed(s) for s in seeds]

@@ -14,7 +14,7 @@ import torch
 
 from fleetgen.errors import FleetgenError, OffloadError, one_line
 from fleetgen.offload import DeviceSpec, OffloadPlan, OffloadStats, Workload, apply, pipeline_modules, profile_pipeline
-from fleetgen.offload.apply import unapply
+from fleetgen.offload.hooks import unapply
 from fleetgen.offload.profile import live_bytes
 from fleetgen.offload.quantize import held, load_config, quantize
 from fleetgen.offload.weight_formats import describe, pinned_gguf, runnable, spec, unavailable
@@ -23,7 +23,7 @@ from fleetgen.workers.output.fields import extra_settings
 from fleetgen.workers.output.video import clips_of
 from fleetgen.workers.pipeline.attention import choose_attention, reset_attention, set_attention
 from fleetgen.workers.pipeline.caching import AppliedCache, cache_refusal, names_contexts
-from fleetgen.workers.pipeline.calls import as_task, call_kwargs, prepare_call, task_kwargs, warm_up_input
+from fleetgen.workers.pipeline.calls import as_task, call_kwargs, generators, prepare_call, task_kwargs, warm_up_input
 from fleetgen.workers.pipeline.compiling import AppliedCompile, is_compile_error
 from fleetgen.workers.pipeline.load import (
     activate_adapters,
@@ -43,7 +43,6 @@ from fleetgen.workers.pipeline.plans import (
 )
 from fleetgen.workers.pipeline.probe import probe
 from fleetgen.workers.rows.batches import Adapter, Look, WorkItem
-from fleetgen.workers.rows.seeds import generators
 from fleetgen.workers.spec import Fit, GenerationSettings, Source
 
 

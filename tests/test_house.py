@@ -1,0 +1,141 @@
+"""The house rules (DESIGN.md, "Rooms"; docs/architecture.md): which room may import which, the
+one-way order of workers/' sub-packages, one installed package listing every sub-package, and the
+commands that only read an output loading no torch."""
+
+import ast
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ROOMS = ("jobs", "workers", "offload", "cluster")
+# workers/ follows a row through the device; a layer imports only the layers before it.
+# `spec.py` (the records a worker is given) sits between the rows and the fitted pipeline.
+LAYERS = [{"families", "output"}, {"rows"}, {"spec"}, {"pipeline"}, {"records", "info"}, {"worker"}]
+
+
+def _imports(path: Path, top_level_only: bool = False) -> list[str]:
+    """The modules a file imports (`top_level_only`: at module level, not inside functions)."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    found = []
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append(node.module)
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif top_level_only and isinstance(node, ast.If):  # `if TYPE_CHECKING:` imports nothing at run time
+            continue
+    return found
+
+
+def _files(room: str) -> list[Path]:
+    return sorted((ROOT / room).rglob("*.py"))
+
+
+def _layer(path: Path) -> str:
+    """workers/<sub>/x.py -> sub; workers/x.py -> x (its own module)."""
+    parts = path.relative_to(ROOT / "workers").parts
+    return parts[0] if len(parts) > 1 else parts[0].removesuffix(".py")
+
+
+def test_workers_sub_packages_import_one_way():
+    rank = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+    wrong = []
+    for path in _files("workers"):
+        here = _layer(path)
+        if here == "__init__":
+            continue
+        for module in _imports(path):
+            if not module.startswith("fleetgen.workers."):
+                continue
+            there = module.split(".")[2]
+            if here == "tiny" or there == "tiny":
+                if here != there:
+                    wrong.append(f"{path.relative_to(ROOT)} imports {module} (tiny/ stands alone)")
+            elif there != here and rank[there] >= rank[here]:
+                wrong.append(f"{path.relative_to(ROOT)} ({here}) imports {module} ({there})")
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize(
+    "room, never",
+    [
+        ("offload", ("ray", "fsspec", "fleetgen.jobs", "fleetgen.workers", "fleetgen.cluster")),
+        ("workers", ("ray", "fleetgen.jobs", "fleetgen.cluster")),
+        ("cluster", ("fleetgen.jobs",)),
+        ("jobs", ("ray",)),
+    ],
+)
+def test_rooms_import_only_what_the_design_allows(room, never):
+    wrong = [
+        f"{path.relative_to(ROOT)} imports {module}"
+        for path in _files(room)
+        for module in _imports(path)
+        if any(module == n or module.startswith(n + ".") for n in never)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_shared_leaf_imports_no_room_and_the_api_none_at_import():
+    leaf = [p for p in (ROOT / "fleetgen").glob("*.py") if p.name not in ("__init__.py", "__main__.py", "api.py")]
+    wrong = [f"{p.name} imports {m}" for p in leaf for m in _imports(p) if m.split(".")[:2][-1] in ROOMS or m == "ray"]
+    wrong += [f"api.py imports {m} at import" for m in _imports(ROOT / "fleetgen" / "api.py", True) if "jobs" in m]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_module_imports_a_room_by_its_old_top_level_name():
+    """Installed, the rooms are `fleetgen.<room>`: a bare `import jobs` would find another project's
+    package (or none)."""
+    wrong = []
+    for path in [*ROOT.glob("*/**/*.py")]:
+        if ".venv" in path.parts or "site-packages" in path.parts:
+            continue
+        wrong += [f"{path.relative_to(ROOT)}: {m}" for m in _imports(path) if m.split(".")[0] in ROOMS]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_package_is_in_the_wheel():
+    """pyproject lists the packages one by one (the rooms are mapped into `fleetgen`): a new
+    sub-package left out of the list would be missing from an installed fleetgen."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"fleetgen"} | {
+        ".".join(("fleetgen", *init.parent.relative_to(ROOT).parts))
+        for room in ROOMS
+        for init in (ROOT / room).rglob("__init__.py")
+    }
+    assert listed == found
+
+
+def test_the_commands_that_read_an_output_import_no_torch(tmp_path, tiny_model):
+    """`fleetgen status`, `verify` and `report` on a finished output, in a process of their own:
+    neither torch nor Ray nor diffusers is imported (they start in a second, on any machine)."""
+    from fleetgen.jobs.models import resolve_defaults
+    from fleetgen.jobs.sharding import read_footer, resolve_columns
+    from fleetgen.jobs.state import claim_output, fingerprint
+    from fleetgen.workers.output.storage import Output
+    from tests.conftest import make_job, run_one_shard, write_prompts
+
+    prompts = write_prompts(tmp_path / "p.parquet", ["a red square", "a blue circle"])
+    out = tmp_path / "out"
+    files = [read_footer(str(prompts))]
+    config = make_job(prompts, tiny_model, out)
+    columns = resolve_columns(files, config.columns())
+    config, _, _ = resolve_defaults(config, columns)
+    claim_output(Output(str(out)), config, fingerprint(config, files, columns), 1)
+    run_one_shard(tiny_model, out, prompts, config.settings())
+    code = (
+        "import sys; from fleetgen.jobs.cli import main\n"
+        f"codes = [main([c, {str(out)!r}]) for c in ('status', 'verify', 'report')]\n"
+        "heavy = [m for m in ('torch', 'diffusers', 'transformers', 'ray') if m in sys.modules]\n"
+        "print(codes, heavy); sys.exit(0 if not heavy and codes[1] == 0 else 1)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env={**os.environ}, timeout=120
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert (out / "report.html").exists()
