@@ -1,13 +1,11 @@
-"""An image's records, as the field table (workers/output/fields.py) says: its manifest row, and what is
-stored beside the image (parquet rows, webdataset JSON)."""
+"""An image's records, as the field table (workers/output/fields.py) says: its manifest row, and its
+sidecar record stored beside the image (parquet rows, webdataset JSON)."""
 
 from __future__ import annotations
 
 from fleetgen.workers.output.fields import records, sidecar_names
-from fleetgen.workers.output.writer import Made
-from fleetgen.workers.pipeline.fitted import Picture
+from fleetgen.workers.output.made import Made
 from fleetgen.workers.rows.batches import WorkItem
-from fleetgen.workers.rows.inputs import stored_inputs
 
 
 class Records:
@@ -28,7 +26,7 @@ class Records:
         self.attention = attention  # the attention kernel this worker's denoisers run (`--attention`)
         self.store_inputs = store_inputs  # `--store-inputs`: each image's inputs go beside it
         self.fields = [f.name for f in records()]  # the manifest's columns
-        self.stored = [name for name in sidecar_names() if name != "sha256"]  # the writer adds the digest
+        self.sidecar = [name for name in sidecar_names() if name != "sha256"]  # the writer adds the digest
 
     def new(self, im: WorkItem) -> dict:
         """The image's manifest row as far as it is known before it is made."""
@@ -50,30 +48,25 @@ class Records:
             "device": self.device,
         }
 
-    def made(self, p: Picture, record: dict, inputs: list | None = None) -> Made:
-        """A picture with what its manifest row (`record`, from `new`) gains, and the record stored
-        beside it (and its `inputs`, workers/rows/inputs.py, where they are stored too)."""
-        im = p.image
-        if p.picture is None:  # the safety checker blacked it out: `filtered`, not stored
-            flagged = {
+    def fill(self, m: Made, record: dict, inputs: list | None = None) -> None:
+        """What a made image's manifest row (`record`, from `new`) gains, its sidecar record and
+        (`--store-inputs`) its inputs (workers/rows/inputs.py `Loaded`) to store beside it."""
+        made = {
+            "batch": m.batch,
+            "nsfw": m.nsfw,
+            "seconds": m.seconds,
+            "quantized": m.quantized,
+            "cache_skipped": m.cache_skipped,
+        }
+        if m.picture is None:  # the safety checker blacked it out: `filtered`, not stored
+            m.record = {
+                **made,
                 "status": "filtered",
                 "nsfw": True,
-                "batch": p.batch,
-                "seconds": p.seconds,
                 "error": "flagged by the pipeline's safety checker; not stored",
-                "quantized": p.quantized,
-                "cache_skipped": p.cache_skipped,
             }
-            return Made(im.id, im.row, None, {}, flagged)
-        made = {
-            "batch": p.batch,
-            "nsfw": p.nsfw,
-            "seconds": p.seconds,
-            "quantized": p.quantized,
-            "cache_skipped": p.cache_skipped,
-        }
-        meta = {**{name: record[name] for name in self.stored}, **made, "model": self.model}
-        meta = {k: v for k, v in meta.items() if k in self.stored or k in ("nsfw", "model")}
-        return Made(
-            im.id, im.row, p.picture, meta, made, inputs=stored_inputs(inputs or []) if self.store_inputs else None
-        )
+            return
+        meta = {**{name: record[name] for name in self.sidecar}, **made, "model": self.model}
+        m.meta = {k: v for k, v in meta.items() if k in self.sidecar or k in ("nsfw", "model")}
+        m.record = made
+        m.inputs = [(x.ref.role, x.picture) for x in inputs or []] if self.store_inputs else []

@@ -28,11 +28,12 @@ from fleetgen.workers.output.commit import (
     promote,
     staging,
 )
-from fleetgen.workers.output.formats import open_sink
+from fleetgen.workers.output.formats import get_format, open_sink
 from fleetgen.workers.output.layout import manifest_key, worker_key
+from fleetgen.workers.output.made import Made
 from fleetgen.workers.output.storage import Output
 from fleetgen.workers.output.video import Clip
-from fleetgen.workers.output.writer import Made, Writer, encode_and_store
+from fleetgen.workers.output.writer import Writer, encode_and_store
 from fleetgen.workers.pipeline.calls import prompt_note
 from fleetgen.workers.pipeline.fitted import FittedPipeline
 from fleetgen.workers.records import Records
@@ -203,8 +204,9 @@ class Worker:
         batch, inputs, unreadable = prefetch.batch(asked, at.records)
         made, failed, filtered, frames = [], {}, 0, 0
         if batch:
-            pictures, failed = self.fitted.generate(batch, inputs)
-            made = [self._records.made(p, at.records[p.image.id], inputs.get(p.image.id)) for p in pictures]
+            made, failed = self.fitted.generate(batch, inputs)
+            for m in made:
+                self._records.fill(m, at.records[m.id], inputs.get(m.id))
             # Counted before the writer thread takes the batch: it drops each picture once encoded.
             filtered = sum(m.picture is None for m in made)  # flagged by a safety checker: not stored
             frames = sum(len(m.picture.frames) for m in made if isinstance(m.picture, Clip))
@@ -239,7 +241,8 @@ class Worker:
             version = self.output.version(manifest_key(at.shard.id))  # before the move: nothing else replaces it
         except StorageError:
             version = None  # the driver looks it up
-        promote(self.output, at.shard.id, at.id, {r["image"] for r in final if r["image"]})
+        prefixes = get_format(self.spec.settings.output_format).object_prefixes(at.shard.id)
+        promote(self.output, at.shard.id, at.id, {r["image"] for r in final if r["image"]}, prefixes)
         return True, version
 
     def _give_up(self, at: _Attempt) -> None:

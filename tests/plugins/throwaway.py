@@ -43,12 +43,12 @@ class LinesSink:
         self.output, self.key = output, lines_key(shard_id)
         self.stream = output.open_write(prefix + self.key)
 
-    def add(self, batch, carried=None):
-        extra = carried.to_pylist() if carried is not None else [{}] * len(batch)
-        for (image_id, data, meta), columns in zip(batch, extra, strict=True):
-            line = {**meta, **columns, "id": image_id, "b64": base64.b64encode(data).decode()}
+    def add(self, made, carried=None):
+        extra = carried.to_pylist() if carried is not None else [{}] * len(made)
+        for m, columns in zip(made, extra, strict=True):
+            line = {**m.meta, **columns, "id": m.id, "b64": base64.b64encode(m.data).decode()}
             self.stream.write(json.dumps(line, sort_keys=True, default=str).encode() + b"\n")
-        return [(self.key, None)] * len(batch)
+        return [(self.key, None)] * len(made)
 
     def keep_existing(self) -> None:
         self.stream.write(self.output.get(self.key))

@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fleetgen.errors import ShardError
-from fleetgen.workers.output.layout import LOCK, MANIFEST_SCHEMA, STAGING, keeps, manifest_key
+from fleetgen.workers.output.layout import JOB, LOCK, MANIFEST_SCHEMA, STAGING, keeps, manifest_key
 from fleetgen.workers.output.storage import Output, parquet_schema, read_parquet
 
 ATTEMPT_KEY = b"fleetgen.attempt"  # manifest metadata: the attempt whose objects the manifest names
@@ -140,9 +140,10 @@ def committed_since(output: Output, shard_id: str, base: bytes | None = None) ->
         return False
 
 
-def promote(output: Output, shard_id: str, attempt: str, named: set[str]) -> int:
-    """The winner's staged objects to their final keys; then objects under `images/<shard>/` that
-    the manifest does not name (`named`) are removed, and the staging. Returns objects moved."""
+def promote(output: Output, shard_id: str, attempt: str, named: set[str], prefixes: list[str]) -> int:
+    """The winner's staged objects to their final keys; then objects under the format's per-image
+    `prefixes` (OutputFormat.object_prefixes: `images/<shard>` for files) that the manifest does not
+    name (`named`) are removed, and the staging. Returns objects moved."""
     prefix = staging(shard_id, attempt)
     staged = output.find(prefix.rstrip("/"))
     for key in staged:
@@ -152,7 +153,7 @@ def promote(output: Output, shard_id: str, attempt: str, named: set[str]) -> int
             if not output.exists(key[len(prefix) :]):
                 raise
     kept = keeps(named)  # a clip's poster and frames stay with it
-    for key in output.find(f"images/{shard_id}"):
+    for key in (k for prefix in prefixes for k in output.find(prefix)):
         if not kept(key):
             output.remove(key)
     discard(output, shard_id, attempt)
@@ -171,6 +172,13 @@ def named_objects(manifest: bytes) -> set[str]:
     return {k for k in table.column("image").to_pylist() if k}
 
 
+def job_format(output: Output):
+    """The output format of the job at `output`, as its job.json records it."""
+    from fleetgen.workers.output.formats import get_format
+
+    return get_format(json.loads(output.get(JOB))["fingerprint"]["generation"]["output_format"])
+
+
 def finish_attempts(output: Output, discard_others: bool = True) -> tuple[int, int]:
     """Finish the move of every committed attempt whose staging is still there; with
     `discard_others`, remove every other staging. Returns (attempts finished, attempts removed).
@@ -182,6 +190,7 @@ def finish_attempts(output: Output, discard_others: bool = True) -> tuple[int, i
     create-if-absent: it loses), or `verify --fix` on a job whose lock is stale. Finishing a
     winner's move is safe at any time: its worker, if alive, moves the same objects."""
     finished = removed = 0
+    fmt = None
     for shard_id in output.list(STAGING):
         try:
             manifest = output.get(manifest_key(shard_id))
@@ -190,7 +199,8 @@ def finish_attempts(output: Output, discard_others: bool = True) -> tuple[int, i
         winner = attempt_of(manifest) if manifest else None
         for attempt in output.list(f"{STAGING}/{shard_id}"):
             if attempt == winner:
-                promote(output, shard_id, attempt, named_objects(manifest))
+                fmt = fmt or job_format(output)
+                promote(output, shard_id, attempt, named_objects(manifest), fmt.object_prefixes(shard_id))
                 finished += 1
             elif discard_others:
                 discard(output, shard_id, attempt)

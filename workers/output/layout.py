@@ -48,8 +48,13 @@ def worker_key(worker: str) -> str:
     return f"{WORKERS}/{worker}.json"
 
 
+def image_prefix(shard_id: str) -> str:
+    """Where the `files` format keeps a shard's images, one object each."""
+    return f"images/{shard_id}"
+
+
 def image_key(shard_id: str, row_id: str, image_format: str) -> str:
-    return f"images/{shard_id}/{row_id}.{EXTENSIONS[image_format]}"
+    return f"{image_prefix(shard_id)}/{row_id}.{EXTENSIONS[image_format]}"
 
 
 POSTER = "poster.jpg"  # a clip's first frame, stored beside it (`<id>.poster.jpg`, parquet's `poster` column)

@@ -8,11 +8,10 @@ import hashlib
 import io
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import pyarrow as pa
 
-from fleetgen.workers.output.layout import POSTER, frame_name
+from fleetgen.workers.output.made import Made
 from fleetgen.workers.output.video import VIDEO_FORMATS, encode_clip, poster
 
 WRITE_AHEAD = 2  # batches handed to the writer thread before the pipeline waits: one being written, one queued
@@ -29,30 +28,25 @@ def encode(image, image_format: str) -> bytes:
     return buf.getvalue()
 
 
-def encode_made(picture, media_format: str, crf: int, frames: bool = False) -> tuple[bytes, dict, dict]:
-    """(bytes, what the record gains, extra members stored beside it) of an image, or of a clip
-    (workers/output/video.py: its duration and codec, and its first frame as the poster; `frames`: every
-    frame as a PNG, as made)."""
+def encode_made(m: Made, media_format: str, crf: int, frames: bool = False) -> dict:
+    """Encode an image, or a clip (workers/output/video.py: its first frame as the poster and, with
+    `frames`, every frame as a PNG, as made), and the inputs stored beside it; the decoded pictures
+    are let go. Returns what its records gain from the encoding (a clip's duration, codec...)."""
+    info = {}
     if media_format in VIDEO_FORMATS:
-        data, info = encode_clip(picture, media_format, crf)
-        pngs = {frame_name(i): encode(f, "png") for i, f in enumerate(picture.frames)} if frames else {}
-        return data, info, {POSTER: poster(picture), **pngs}
-    return encode(picture, media_format), {}, {}
-
-
-@dataclass
-class Made:
-    """One image on its way to the store."""
-
-    id: str
-    row: int  # its row in the shard's table
-    picture: (
-        object | None
-    )  # the decoded image (or clip) until the writer encodes it; None when the safety checker filtered it
-    meta: dict  # what webdataset/parquet output stores beside it
-    record: dict  # what its manifest row gains once made
-    data: bytes | None = None  # the encoded image (set by the writer)
-    inputs: list | None = None  # `--store-inputs`: (member name, picture) of its inputs, stored beside it as PNG
+        m.data, info = encode_clip(m.picture, media_format, crf)
+        m.companions.poster = poster(m.picture)
+        if frames:
+            m.companions.frames = [encode(f, "png") for f in m.picture.frames]
+    else:
+        m.data = encode(m.picture, media_format)
+    for role, picture in m.inputs:
+        if role == "mask":
+            m.companions.mask = encode(picture, "png")
+        else:
+            m.companions.inputs.append(encode(picture, "png"))
+    m.picture, m.inputs = None, []  # the decoded pictures are not held longer than needed
+    return info
 
 
 def encode_and_store(
@@ -63,20 +57,14 @@ def encode_and_store(
     beside each image, one row per entry of `made`."""
     for m in made:
         if m.picture is not None:
-            m.data, info, extra = encode_made(m.picture, media_format, crf, frames)
-            m.picture = None  # the decoded image is not held longer than needed
+            info = encode_made(m, media_format, crf, frames)
             digest = hashlib.sha256(m.data).hexdigest()
             m.meta.update(sha256=digest, **info)
             m.record.update(sha256=digest, size=len(m.data), **info)
-            if m.inputs:
-                extra.update((name, encode(picture, "png")) for name, picture in m.inputs)
-            if extra:
-                m.meta["_extra"] = extra
-            m.inputs = None
     kept = [i for i, m in enumerate(made) if m.data is not None]
     if kept:
         rows = carried.take(kept) if carried is not None else None
-        stored = sink.add([(made[i].id, made[i].data, made[i].meta) for i in kept], rows)
+        stored = sink.add([made[i] for i in kept], rows)
         for i, (key, member) in zip(kept, stored, strict=True):
             records[made[i].id].update(made[i].record, image=key, member=member)
     for m in made:

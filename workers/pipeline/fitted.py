@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -20,6 +20,7 @@ from fleetgen.offload.quantize import held, load_config, quantize
 from fleetgen.offload.weight_formats import describe, pinned_gguf, runnable, spec, unavailable
 from fleetgen.workers.families.table import FAMILIES, GENERIC, Family
 from fleetgen.workers.output.fields import extra_settings
+from fleetgen.workers.output.made import Made
 from fleetgen.workers.output.video import clips_of
 from fleetgen.workers.pipeline.attention import choose_attention, reset_attention, set_attention
 from fleetgen.workers.pipeline.caching import AppliedCache, cache_refusal, names_contexts
@@ -44,19 +45,6 @@ from fleetgen.workers.pipeline.plans import (
 from fleetgen.workers.pipeline.probe import probe
 from fleetgen.workers.rows.batches import Adapter, Look, WorkItem
 from fleetgen.workers.spec import Fit, GenerationSettings, Source
-
-
-@dataclass
-class Picture:
-    """One image out of a pipeline call."""
-
-    image: WorkItem  # what was asked
-    picture: object | None  # the decoded image (a video task's: a Clip); None when the safety checker flagged it
-    nsfw: bool | None  # the safety checker's flag; None where the pipeline has none
-    batch: int  # images in the call that made it
-    seconds: float  # its share of the call's wall time
-    quantized: str = "none"  # the storage formats its components had (offload/quantize.py `describe`)
-    cache_skipped: float | None = None  # share of the denoiser's block evaluations its call's step cache skipped
 
 
 class FittedPipeline:
@@ -209,7 +197,7 @@ class FittedPipeline:
         # what the live modules hold, as measured (workers/<w>.json): the plan's counts were predicted
         self.weight_bytes = {n: live_bytes(m, self.profile.dtype_bytes) for n, m in modules.items()}
 
-    def generate(self, batch: list[WorkItem], inputs: dict | None = None) -> tuple[list[Picture], dict[str, str]]:
+    def generate(self, batch: list[WorkItem], inputs: dict | None = None) -> tuple[list[Made], dict[str, str]]:
         """Run one pipeline call; if it raises, run its images one at a time so that one bad row
         costs only itself. Returns what was made and `{image id: error message}`.
 
@@ -370,7 +358,7 @@ class FittedPipeline:
             extra=extra,
         )
 
-    def _call(self, batch: list[WorkItem], inputs: dict | None = None) -> list[Picture]:
+    def _call(self, batch: list[WorkItem], inputs: dict | None = None) -> list[Made]:
         """`inputs`: {image id: its loaded inputs} (workers/rows/inputs.py), for tasks that take images."""
         look = batch[0].look
         started = time.perf_counter()
@@ -400,7 +388,16 @@ class FittedPipeline:
         quantized = describe(self.quantized)
         skipped = self.cache.take() if self.cache is not None else None
         return [
-            Picture(im, None if flagged else picture, flagged, len(batch), seconds / len(batch), quantized, skipped)
+            Made(
+                im.id,
+                im.row,
+                None if flagged else picture,
+                flagged,
+                len(batch),
+                seconds / len(batch),
+                quantized,
+                skipped,
+            )
             for im, picture, flagged in zip(batch, pictures, flags, strict=True)
         ]
 

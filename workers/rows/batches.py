@@ -62,7 +62,7 @@ class Look:
 @dataclass(frozen=True)
 class WorkItem:
     """One image to make (or an error in its place): the work item a shard is cut into. Not a picture:
-    what the pipeline makes of it is a `Picture` (workers/pipeline/fitted.py)."""
+    what the pipeline makes of it is a `Made` (workers/output/made.py)."""
 
     id: str  # object key part: the row id, or `<row id>-<k>`
     row_id: str

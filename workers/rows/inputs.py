@@ -186,19 +186,6 @@ def load_all(refs: tuple[InputRef, ...], width: int, height: int, rule: str) -> 
     return loaded, None
 
 
-def stored_inputs(loaded: list[Loaded]) -> list[tuple[str, object]]:
-    """(member name, picture) of an image's inputs as `--store-inputs` keeps them beside it: the
-    inputs the pipeline was given, at the image's size (`input.png`, `input1.png`, ..., `mask.png`)."""
-    out, k = [], 0
-    for x in loaded:
-        if x.ref.role == "mask":
-            out.append(("mask.png", x.picture))
-        else:
-            out.append((f"input{k or ''}.png", x.picture))
-            k += 1
-    return out
-
-
 class Prefetcher:
     """The inputs of `images` (in the order they will be made), read `window` images ahead on
     `threads` threads; the images of one row (`--images-per-prompt`) share one read. `take(image)`

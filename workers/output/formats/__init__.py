@@ -25,6 +25,7 @@ from typing import Protocol
 import pyarrow as pa
 
 from fleetgen.errors import ConfigError
+from fleetgen.workers.output.made import Made
 from fleetgen.workers.output.plugins import PLUGINS_ENV, load_plugins
 from fleetgen.workers.output.storage import Output
 
@@ -43,9 +44,10 @@ __all__ = [
 
 
 class Sink(Protocol):
-    def add(self, batch: list[tuple[str, bytes, dict]], carried: pa.Table | None) -> list[tuple[str, str | None]]:
-        """Store `(id, image bytes, metadata)` items, with their rows' carried input columns
-        (`carried`, one row per item, or None); return `(object key, member)` for each."""
+    def add(self, made: list[Made], carried: pa.Table | None) -> list[tuple[str, str | None]]:
+        """Store each image (`Made`, workers/output/made.py: its id, its encoded `data`, its sidecar
+        record `meta` and its `companions`), with its row's carried input columns (`carried`, one row
+        per image, or None); return `(object key, member)` for each."""
 
     def keep_existing(self) -> None:
         """A retry of a committed shard's error rows: put what the shard's object holds first."""
@@ -81,6 +83,12 @@ class OutputFormat:
         """The keys (or prefixes) holding a shard's images: what `verify --fix` removes with a
         damaged shard."""
         raise NotImplementedError
+
+    def object_prefixes(self, shard_id: str) -> list[str]:
+        """Prefixes holding one object per image of the shard (and its companions): a commit that
+        redoes the shard removes those its manifest no longer names. None where a shard's images
+        share objects (a tar, a Parquet file), which the commit replaces whole."""
+        return []
 
     def read_back(
         self, output: Output, shard_id: str, rows: list[dict], wanted: set[str] | None
@@ -131,8 +139,8 @@ def open_sink(
 ) -> Sink:
     """`carried`: the input columns carried into each image's record, as typed in the input.
     Objects are written at `prefix` + their final key (an attempt's staging, workers/output/commit.py);
-    `add` returns the final keys. `inputs`: the stored inputs' columns (`--store-inputs`; formats
-    that take them: each item's metadata then holds `_extra`, {member name: bytes})."""
+    `add` returns the final keys. `inputs`: the companions' columns (`--store-inputs`, a clip's poster
+    and frames), for formats whose schema names them."""
     fmt = get_format(output_format)
     if inputs:
         return fmt.sink(output, shard_id, image_format, carried, prefix, inputs=inputs)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 from fleetgen.workers.output.formats import OutputFormat, ReadBack, register
-from fleetgen.workers.output.layout import beside, image_key, keeps
+from fleetgen.workers.output.layout import beside, image_key, image_prefix, keeps
 from fleetgen.workers.output.storage import Output
 
 
@@ -16,13 +16,13 @@ class FilesSink:
     ):
         self.output, self.shard_id, self.image_format, self.prefix = output, shard_id, image_format, prefix
 
-    def add(self, batch, carried=None):
+    def add(self, made, carried=None):
         keys = []
-        for row_id, data, meta in batch:
-            key = image_key(self.shard_id, row_id, self.image_format)
-            for name, value in meta.pop("_extra", {}).items():  # a clip's poster: before the clip
+        for m in made:
+            key = image_key(self.shard_id, m.id, self.image_format)
+            for name, value in m.companions.members():  # a clip's poster: before the clip
                 self.output.put(self.prefix + beside(key, name), value)
-            self.output.put(self.prefix + key, data)
+            self.output.put(self.prefix + key, m.data)
             keys.append((key, None))
         return keys
 
@@ -45,13 +45,16 @@ class Files(OutputFormat):
         return FilesSink(output, shard_id, image_format, carried, prefix)
 
     def shard_objects(self, shard_id: str) -> list[str]:
-        return [f"images/{shard_id}"]
+        return [image_prefix(shard_id)]
+
+    def object_prefixes(self, shard_id: str) -> list[str]:
+        return [image_prefix(shard_id)]
 
     def read_back(
         self, output: Output, shard_id: str, rows: list[dict], wanted: set[str] | None
     ) -> tuple[ReadBack, list[str]]:
         """One listing of the shard's prefix gives every size; bytes are read by who needs them."""
-        sizes = output.sizes(f"images/{shard_id}")
+        sizes = output.sizes(image_prefix(shard_id))
         found = {r["id"]: (sizes.get(r["image"]), None) for r in rows}
         kept = keeps({r["image"] for r in rows})
         return found, sorted(k for k in sizes if not kept(k))

@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 
 from fleetgen.workers.output.fields import table
 from fleetgen.workers.output.formats import OutputFormat, ReadBack, Unreadable, register
-from fleetgen.workers.output.layout import EXTENSIONS, FRAME, POSTER
+from fleetgen.workers.output.layout import EXTENSIONS, POSTER, frame_name
+from fleetgen.workers.output.made import MASK, input_name
 from fleetgen.workers.output.storage import Output
 from fleetgen.workers.output.video import VIDEO_FORMATS
 
@@ -43,8 +44,9 @@ def stored_schema(inputs: tuple[str, ...] = (), media: str = "image") -> pa.Sche
     )
 
 
-# images stored beside each image by member name: `--store-inputs`'s, and a clip's poster frame
-INPUT_COLUMNS = {"input.png": "input_image", "mask.png": "mask_image", POSTER: "poster"}
+# the column of each companion stored beside an image (workers/output/made.py): `--store-inputs`'s first
+# input and mask, and a clip's poster frame
+COMPANION_COLUMNS = {input_name(0): "input_image", MASK: "mask_image", POSTER: "poster"}
 FRAMES = "frames"  # `--store-frames`: a clip's frames, a list of images (a `datasets` Sequence of Image)
 
 
@@ -77,23 +79,25 @@ class ParquetSink:
         self.stream = output.open_write(prefix + self.key)
         self.writer = pq.ParquetWriter(self.stream, self.schema)
 
-    def add(self, batch, carried=None):
-        rows = [self._row(row_id, data, meta) for row_id, data, meta in batch]
+    def add(self, made, carried=None):
+        rows = [self._row(m) for m in made]
         table = pa.Table.from_pylist(rows, schema=self.base)
         if carried is not None:
             table = pa.Table.from_arrays([*table.columns, *carried.columns], schema=self.schema)
         self.writer.write_table(table)
-        return [(self.key, None)] * len(batch)
+        return [(self.key, None)] * len(made)
 
-    def _row(self, row_id: str, data: bytes, meta: dict) -> dict:
-        extra = meta.pop("_extra", {})
-        row = {k: meta[k] for k in self.base.names if k in meta}
-        row[self.media] = {"bytes": data, "path": f"{row_id}.{self.ext}"}
+    def _row(self, m) -> dict:
+        row = {k: m.meta[k] for k in self.base.names if k in m.meta}
+        row[self.media] = {"bytes": m.data, "path": f"{m.id}.{self.ext}"}
+        members = dict(m.companions.members())
         row.update(
-            (INPUT_COLUMNS[n], {"bytes": v, "path": f"{row_id}.{n}"}) for n, v in extra.items() if n in INPUT_COLUMNS
+            (column, {"bytes": members[name], "path": f"{m.id}.{name}"})
+            for name, column in COMPANION_COLUMNS.items()
+            if name in members
         )
         if FRAMES in self.base.names:  # frame-0000.png ..., in the order the writer made them
-            row[FRAMES] = [{"bytes": v, "path": f"{row_id}.{n}"} for n, v in extra.items() if FRAME.fullmatch(n)]
+            row[FRAMES] = [{"bytes": v, "path": f"{m.id}.{frame_name(i)}"} for i, v in enumerate(m.companions.frames)]
         return row
 
     def keep_existing(self) -> None:

@@ -33,16 +33,16 @@ class WebDatasetSink:
         info.size, info.mtime, info.mode = len(data), 0, 0o644  # mtime 0: same bytes on a retry
         self.tar.addfile(info, io.BytesIO(data))
 
-    def add(self, batch, carried=None):
+    def add(self, made, carried=None):
         keys = []
-        extra = carried.to_pylist() if carried is not None else [{}] * len(batch)
-        for (row_id, data, meta), columns in zip(batch, extra, strict=True):
-            self._member(f"{row_id}.{self.ext}", data)
-            for name, value in meta.pop("_extra", {}).items():  # <id>.input.png, <id>.mask.png, <id>.poster.jpg
-                self._member(f"{row_id}.{name}", value)
+        extra = carried.to_pylist() if carried is not None else [{}] * len(made)
+        for m, columns in zip(made, extra, strict=True):
+            self._member(f"{m.id}.{self.ext}", m.data)
+            for name, value in m.companions.members():  # <id>.poster.jpg, <id>.input.png, <id>.mask.png
+                self._member(f"{m.id}.{name}", value)
             # default=str: dates, decimals and the like become strings in the sample's JSON
-            self._member(f"{row_id}.json", json.dumps({**meta, **columns}, sort_keys=True, default=str).encode())
-            keys.append((self.key, f"{row_id}.{self.ext}"))
+            self._member(f"{m.id}.json", json.dumps({**m.meta, **columns}, sort_keys=True, default=str).encode())
+            keys.append((self.key, f"{m.id}.{self.ext}"))
         return keys
 
     def keep_existing(self) -> None:
