@@ -1,4 +1,5 @@
-# The two commands of the README: `make demo` and `make test`. Both create .venv on first use.
+# The two commands of the README: `make demo` and `make test` (and `make test-fast`, `make docs`). Each creates
+# .venv on first use.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # CPU build of torch. On a GPU machine, install the torch build for your CUDA first and use
@@ -9,10 +10,10 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e '.[s3,test]'
+	$(PY) -m pip install -q -e '.[s3,test,docs]'
 	touch $@
 
-.PHONY: demo test test-fast lint bench gpu-check gpu-check-dry gpu-wheelhouse
+.PHONY: demo test test-fast docs lint bench gpu-check gpu-check-dry gpu-wheelhouse
 demo: $(VENV)/.installed
 	$(VENV)/bin/fleetgen demo --output demo-output
 
@@ -26,6 +27,12 @@ test: $(VENV)/.installed
 test-fast: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -n 2 -m "not ray and not cluster and not chaos and not slow"
+
+# The docs site: the reference pages rendered from the code's tables, then mkdocs with warnings as errors.
+docs: $(VENV)/.installed
+	$(PY) -m fleetgen.jobs.reference docs/reference
+	$(VENV)/bin/mkdocs build --strict --quiet
+	@echo "site/index.html"
 
 bench: $(VENV)/.installed
 	$(PY) bench/overhead.py

@@ -130,7 +130,7 @@ def check_components(model: str) -> None:
             raise ConfigError(
                 f"`--model` {model}: its {name} is a {cls}, which transformers builds only with "
                 f"{' and '.join(missing)}; install it (the build that matches your torch) where the job runs. "
-                'README: "Models that need more packages".'
+                'docs/models.md: "Models that need more packages".'
             )
 
 

@@ -1,6 +1,6 @@
 """The options of `fleetgen run`: one per `JobConfig` setting, grouped as the help shows them
 (generation settings are part of the job's fingerprint; execution settings may change between a
-run and its resume). The README's option table lists every one (tests/e2e/test_trust.py)."""
+run and its resume). docs/reference/options.md is rendered from them (fleetgen/jobs/reference.py)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def _job(p: argparse.ArgumentParser) -> None:
     g.add_argument("--variant", help="weights variant, e.g. fp16 (loads *.fp16.safetensors)")
     g.add_argument(
         "--family",
-        help="the model's entry in the family table (README), where the checkpoint does not say, e.g. "
+        help="the model's entry in the family table (docs/reference/families.md), where the checkpoint does not say, e.g. "
         "z-image for the base model (default: detected from model_index.json, the transformer's config, the name)",
     )
 

@@ -208,17 +208,46 @@ S3_CLIENT = {
 
 
 @pytest.fixture(scope="session")
-def _s3_stack():
-    """A real S3 API (moto) on 127.0.0.1 behind a fault-injecting proxy (tests/faulty_store.py,
-    faults off unless a test turns them on); s3fs finds the proxy through AWS_ENDPOINT_URL."""
-    pytest.importorskip("s3fs")
+def _s3_env():
+    """Where the S3 stack will listen, in this process's environment (s3fs finds the proxy through
+    AWS_ENDPOINT_URL), before the session's Ray starts, so that its workers inherit it. Nothing is
+    started here: the server and the proxy start when a test asks for them (`_s3_stack`)."""
     import json
 
     import fsspec.config
 
+    ports = {"proxy": _free_port(), "server": _free_port()}
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{ports['proxy']}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "FSSPEC_S3": json.dumps(S3_CLIENT),
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    saved_conf = fsspec.config.conf.get("s3")
+    fsspec.config.conf["s3"] = {**(saved_conf or {}), **S3_CLIENT}  # this process read FSSPEC_S3 at import
+    yield ports
+    if saved_conf is None:
+        fsspec.config.conf.pop("s3", None)
+    else:
+        fsspec.config.conf["s3"] = saved_conf
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def _s3_stack(_s3_env):
+    """A real S3 API (moto) on 127.0.0.1 behind a fault-injecting proxy (tests/faulty_store.py,
+    faults off unless a test turns them on), at the ports `_s3_env` named."""
+    pytest.importorskip("s3fs")
     from tests.faulty_store import FaultyStore
 
-    port = _free_port()
+    port = _s3_env["server"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
@@ -234,28 +263,8 @@ def _s3_stack():
                 proc.kill()
                 raise RuntimeError("moto server did not start") from None
             time.sleep(0.2)
-    store = FaultyStore(f"http://127.0.0.1:{port}").start()
-    env = {
-        "AWS_ENDPOINT_URL": store.endpoint,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "FSSPEC_S3": json.dumps(S3_CLIENT),
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    saved_conf = fsspec.config.conf.get("s3")
-    fsspec.config.conf["s3"] = {**(saved_conf or {}), **S3_CLIENT}  # this process read FSSPEC_S3 at import
+    store = FaultyStore(f"http://127.0.0.1:{port}", port=_s3_env["proxy"]).start()
     yield store
-    if saved_conf is None:
-        fsspec.config.conf.pop("s3", None)
-    else:
-        fsspec.config.conf["s3"] = saved_conf
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
     store.stop()
     proc.terminate()
     proc.wait(timeout=10)
@@ -276,8 +285,9 @@ def faulty_store(_s3_stack):
 
 
 @pytest.fixture(scope="session")
-def ray_cluster(s3_server):
-    """One local Ray for the whole run (after the S3 server, so its workers inherit its env)."""
+def ray_cluster(_s3_env):
+    """One local Ray for the whole run, its workers inheriting where the S3 stack listens (which starts
+    only for the tests that ask for `s3_server` or `faulty_store`)."""
     import ray
 
     # "local": a Ray of this pytest worker's own, never another worker's (`make test` runs two)

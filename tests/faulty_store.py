@@ -71,7 +71,7 @@ class Rule:
 
 
 class FaultyStore:
-    def __init__(self, upstream: str, seed: int = 0, delay: float = 0.5):
+    def __init__(self, upstream: str, seed: int = 0, delay: float = 0.5, port: int = 0):
         self.upstream = urlsplit(upstream)
         self.random = random.Random(seed)
         self.rate = 0.0  # fraction of requests faulted by the draw
@@ -82,7 +82,7 @@ class FaultyStore:
         self.counts: Counter = Counter()  # "requests", each fault, "outage"
         self.log: list[tuple[str, str, str]] = []  # (fault, method, path) of every faulted request
         self._lock = threading.Lock()
-        self._listen(0)
+        self._listen(port)  # 0: any free port
         self.port = self._server.server_address[1]
 
     def _listen(self, port: int) -> None:

@@ -191,7 +191,7 @@ def test_readme_submit_then_ray_job_stop_writes_summary_and_releases_the_lock_th
     output. The workers' metrics are scraped while it runs. `ray job stop` SIGTERMs the driver and
     SIGKILLs it `RAY_JOB_STOP_WAIT_TIME_S` later (3 s by default): within that the driver stops
     dispatching, writes summary.json and releases _LOCK. A job submitted with a longer window in its
-    runtime env (the README's second command) gives running shards `--stop-grace` to commit. A
+    runtime env (docs/running.md's second command) gives running shards `--stop-grace` to commit. A
     resubmit resumes and succeeds, every row once."""
     address, metrics_port = ray_head
     prompts = write_prompts(tmp_path / "p.parquet", [f"stop me {i}" for i in range(16)])
@@ -216,8 +216,8 @@ def test_readme_submit_then_ray_job_stop_writes_summary_and_releases_the_lock_th
     assert "stopped before the end; rerun the same command to resume" in logs  # its last words: not SIGKILLed
 
     # A longer window, asked for in the job's runtime env: running shards commit within `--stop-grace`.
-    readme = (ROOT / "README.md").read_text()
-    assert '--runtime-env-json \'{"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "120"}}\'' in readme
+    docs = (ROOT / "docs" / "running.md").read_text()
+    assert '--runtime-env-json \'{"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "120"}}\'' in docs
     # the stopped job's workers die seconds later, but commit nothing more: the driver released the lock
     # (checked above) and a worker commits only while the lock names its driver (workers/output/commit.py)
     base = _committed(out)
@@ -293,8 +293,8 @@ def test_kuberay_rayjob_has_a_worker_group_per_gpu_type():
 
 
 def test_readme_submits_with_an_entrypoint_that_exists():
-    readme = (ROOT / "README.md").read_text()
-    lines = [line for line in readme.splitlines() if line.startswith("ray job submit")]
+    text = (ROOT / "README.md").read_text() + (ROOT / "docs" / "running.md").read_text()
+    lines = [line for line in text.splitlines() if line.startswith("ray job submit")]
     assert lines
     for line in lines:
         _entrypoint_runs(line.split(" -- ", 1)[1])

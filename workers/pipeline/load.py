@@ -15,7 +15,7 @@ from fleetgen.errors import ConfigError, FleetgenError, one_line
 from fleetgen.latents import denoiser_patch
 from fleetgen.workers.families.model_dir import is_hub_id
 
-BACKEND_HINT = ' (README: "Models that need more packages")'
+BACKEND_HINT = ' (docs/models.md: "Models that need more packages")'
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # --dtype names
 
 

@@ -1,6 +1,7 @@
-"""The README works as written: its walk-throughs run block by block, in a fresh directory, with the
-`fleetgen` this checkout installs on PATH (as after `make demo`'s install or `pip install -e .`).
-The `ray job submit` line is submitted by copy in tests/e2e/test_submit.py."""
+"""The docs work as written: the guides (docs/guides/) run block by block, in a fresh directory, with the
+`fleetgen` this checkout installs on PATH (as after `make demo`'s install or `pip install -e .`); every
+`fleetgen` command of the README and the docs parses. The README's `ray job submit` line is submitted by
+copy in tests/e2e/test_submit.py."""
 
 from __future__ import annotations
 
@@ -16,12 +17,17 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 
-def blocks(section: str) -> list[tuple[str, str]]:
-    """(language, code) of each fenced block of a README section (a `## ` heading to the next)."""
-    text = (ROOT / "README.md").read_text()
-    start = text.index(f"\n## {section}\n")
-    end = text.find("\n## ", start + 1)
-    return re.findall(r"```(\w+)\n(.*?)```", text[start : end if end > 0 else None], flags=re.S)
+DOCS = ROOT / "docs"
+
+
+def pages() -> list[Path]:
+    """The README and every page of the docs."""
+    return [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+
+
+def blocks(guide: str) -> list[tuple[str, str]]:
+    """(language, code) of each fenced block of a guide (docs/guides/<guide>.md)."""
+    return re.findall(r"```(\w+)\n(.*?)```", (DOCS / "guides" / f"{guide}.md").read_text(), flags=re.S)
 
 
 def shell(code: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
@@ -42,11 +48,11 @@ def user_env(ray_cluster, tmp_path) -> dict:
     }
 
 
-def walk_through(section: str, user_env: dict, tmp_path: Path) -> tuple[str, subprocess.CompletedProcess, dict]:
+def walk_through(guide: str, user_env: dict, tmp_path: Path) -> tuple[str, subprocess.CompletedProcess, dict]:
     """A walk-through of three blocks run as written: the Python that makes the input, the shell
     commands, the Python that loads the result. Returns (the commands, what they printed, the last
     block's namespace)."""
-    found = blocks(section)
+    found = blocks(guide)
     assert [lang for lang, _ in found] == ["python", "bash", "python"]
     (_, make_input), (_, commands), (_, load) = found
     done = subprocess.run(
@@ -59,14 +65,14 @@ def walk_through(section: str, user_env: dict, tmp_path: Path) -> tuple[str, sub
     cwd = os.getcwd()
     os.chdir(tmp_path)
     try:
-        exec(compile(load, "README.md", "exec"), namespace)  # noqa: S102 - the README's own code
+        exec(compile(load, f"docs/guides/{guide}.md", "exec"), namespace)  # noqa: S102 - the guide's own code
     finally:
         os.chdir(cwd)
     return commands, done, namespace
 
 
 def test_synthesising_a_dataset_runs_as_written(user_env, tmp_path):
-    _, done, namespace = walk_through("Synthesising a dataset", user_env, tmp_path)
+    _, done, namespace = walk_through("synthesis", user_env, tmp_path)
     assert "18 images (0 row errors)" in done.stdout and "1/1 shards committed" in done.stdout
     assert "clean" in done.stdout.splitlines()[-1]  # `fleetgen verify out/animals --deep`
     first = namespace["ds"][0]
@@ -76,7 +82,7 @@ def test_synthesising_a_dataset_runs_as_written(user_env, tmp_path):
 
 
 def test_editing_a_folder_of_images_runs_as_written(user_env, tmp_path):
-    commands, done, namespace = walk_through("Editing a folder of images", user_env, tmp_path)
+    commands, done, namespace = walk_through("editing", user_env, tmp_path)
     assert "4 images (0 row errors)" in done.stdout and "clean" in done.stdout.splitlines()[-1]
     assert "task image-to-image (`--task image-to-image`" in done.stderr  # the driver's log
     before, after, ds = namespace["before"], namespace["after"], namespace["ds"]
@@ -108,19 +114,19 @@ def test_editing_a_folder_of_images_runs_as_written(user_env, tmp_path):
 
 @pytest.mark.slow
 def test_the_plan_example_runs_as_written(tmp_path):
-    text = (ROOT / "README.md").read_text()
+    text = (DOCS / "fitting.md").read_text()
     line = next(line for line in text.splitlines() if line.startswith("fleetgen plan --model"))
     done = shell(line, tmp_path, {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "flux.1-dev" in done.stdout and "80GiB" in done.stdout
 
 
-def test_every_fleetgen_command_in_the_readme_parses():
+def test_every_fleetgen_command_in_the_readme_and_the_docs_parses():
     """Each `fleetgen ...` line of a code block is a command the CLI takes (options that exist,
     values of the right type), so a renamed flag fails here, not in a user's shell."""
     from fleetgen.jobs.cli import _parser
 
-    text = (ROOT / "README.md").read_text()
+    text = "\n".join(p.read_text() for p in pages())
     code = "\n".join(c for _, c in re.findall(r"```(\w+)\n(.*?)```", text, flags=re.S))
     lines = []
     for raw in code.replace("\\\n", " ").splitlines():
@@ -134,14 +140,14 @@ def test_every_fleetgen_command_in_the_readme_parses():
         try:
             _parser().parse_args(shlex.split(line))
         except SystemExit as err:
-            raise AssertionError(f"README command does not parse: fleetgen {line}") from err
+            raise AssertionError(f"a documented command does not parse: fleetgen {line}") from err
 
 
 def test_making_video_runs_as_written(user_env, tmp_path):
-    _, done, namespace = walk_through("Making video", user_env, tmp_path)
+    _, done, namespace = walk_through("video", user_env, tmp_path)
     assert "3 clips (0 row errors)" in done.stdout and "clean" in done.stdout.splitlines()[-1]
     assert "5 frames at 16 fps (given)" in done.stderr  # the driver's log
-    assert {f.size for f in namespace["frames"]} == {(64, 48)}  # the last sample's frames, as the README decodes them
+    assert {f.size for f in namespace["frames"]} == {(64, 48)}  # the last sample's frames, as the guide decodes them
     import webdataset as wds
 
     from fleetgen.workers.output.video import read_clip
