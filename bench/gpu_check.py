@@ -122,10 +122,12 @@ def release_host_cache() -> None:
 
 def build(model: str, device: torch.device, dry: bool):
     import fleetgen.workers.tiny as tiny
+    from fleetgen.workers.tiny import dit, flux, qwen, sd, video
 
     architecture, family, dtype, tiny_builder, tiny_dtype = MODELS[model]
     if dry:
-        pipe = getattr(tiny, tiny_builder)(0, **({"guidance_embeds": True} if family == "flux" else {}))
+        builder = next(getattr(m, tiny_builder) for m in (sd, flux, qwen, dit, video) if hasattr(m, tiny_builder))
+        pipe = builder(0, **({"guidance_embeds": True} if family == "flux" else {}))
         return pipe.to(tiny_dtype), tiny_dtype
     pipe = tiny.build_random_pipeline(architecture, device, dtype)
     pipe.to("cpu")  # where a loaded checkpoint starts: the worker's plan puts each part where it goes

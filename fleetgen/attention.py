@@ -19,7 +19,7 @@ from fleetgen.errors import ConfigError
 NATIVE = "native"  # torch's scaled_dot_product_attention, diffusers' default: what a job gets unless asked
 AUTO = "auto"  # each worker measures the exact kernels it has and keeps the fastest
 EXACT_SETTING = "exact"  # the fingerprint's value for any exact kernel: the worker's own choice
-# diffusers 0.42.1's AttentionBackendName values (tests/workers/test_attention.py fails when they move).
+# diffusers 0.42.1's AttentionBackendName values (tests/workers/pipeline/test_speed.py fails when they move).
 EXACT = (
     "native",
     "_native_math",

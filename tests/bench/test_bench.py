@@ -65,7 +65,7 @@ def test_gpu_check_dry_run_takes_every_path_on_cpu(tmp_path):
     the script a GPU session runs once cannot rot."""
     out = tmp_path / "gpu-check.json"
     proc = subprocess.run(
-        # compile's row is the same measure() with compile=True (tests/workers/test_speed.py compiles on CPU);
+        # compile's row is the same measure() with compile=True (tests/workers/pipeline/test_speed.py compiles on CPU);
         # left out here, where inductor would take a minute
         [
             sys.executable,

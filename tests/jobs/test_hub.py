@@ -118,10 +118,10 @@ def test_a_hub_model_is_planned_from_its_configs_before_its_weights_are_fetched(
 
     import torch
 
-    from fleetgen.offload import DeviceSpec
+    from fleetgen.offload import DeviceSpec, Workload
     from fleetgen.offload.architectures import resolve
-    from fleetgen.offload.weight_formats import CHOOSABLE
-    from fleetgen.workers.pipeline.plans import at_load_formats, model_configs, planner_workload
+    from fleetgen.offload.weight_formats import CHOOSABLE, parse_quantize
+    from fleetgen.workers.pipeline.plans import at_load_formats, model_configs
     from fleetgen.workers.spec import Source
 
     server, root = hub
@@ -130,7 +130,9 @@ def test_a_hub_model_is_planned_from_its_configs_before_its_weights_are_fetched(
     configs = model_configs(Source("org/flux2-configs", revision=commit))
     assert (Path(configs) / "transformer" / "config.json").exists()
     tight = DeviceSpec(budget=24 << 30, host_budget=64 << 30, formats=CHOOSABLE)
-    work = planner_workload("auto", 1, 1024, 1024, 28, False, "auto", {})
+    work = Workload(
+        width=1024, height=1024, steps=28, cfg=False, max_batch=1, quantize=parse_quantize("auto"), loaded=True
+    )
     assert at_load_formats(configs, torch.bfloat16, tight, work, False) == {"transformer": "nf4"}
 
     _repo(hub, root, "org/tiny-weights")

@@ -157,9 +157,11 @@ def test_a_worker_under_auto_plans_at_load_formats_before_reading_weights():
     from the configs on `meta` before loading, the transformer loads as nf4 (bf16 would not load);
     with 256 GiB of host RAM and an 80 GiB card it loads unquantized; without at-load formats, none."""
     from fleetgen.offload.architectures import resolve
-    from fleetgen.workers.pipeline.plans import at_load_formats, planner_workload
+    from fleetgen.workers.pipeline.plans import at_load_formats
 
-    work = planner_workload("auto", 1, 1024, 1024, 28, False, "auto", {})
+    work = Workload(
+        width=1024, height=1024, steps=28, cfg=False, max_batch=1, quantize=parse_quantize("auto"), loaded=True
+    )
     root = str(resolve("flux.2-dev"))
     tight = DeviceSpec(budget=24 * GIB, host_budget=64 * GIB, formats=CHOOSABLE)
     assert at_load_formats(root, torch.bfloat16, tight, work, False) == {"transformer": "nf4"}

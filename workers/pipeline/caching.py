@@ -21,7 +21,7 @@ from fleetgen.errors import OffloadError
 
 COUNT_HOOK = "fleetgen_block_count"
 # Denoisers on which a cache method of diffusers (0.42.1) fails, measured on the tiny pipelines
-# (tests/workers/test_caching.py runs each and fails when diffusers fixes it: then remove the entry).
+# (tests/workers/pipeline/test_caching.py runs each and fails when diffusers fixes it: then remove the entry).
 FAILS = {
     ("first-block", "Flux2Transformer2DModel"): (
         "diffusers' First Block Cache fails on FLUX.2's blocks (TypeError: a list subtracted from a tensor in "

@@ -58,7 +58,7 @@ class AppliedCompile:
         torch._dynamo.reset()
         self.modes: dict[str, str] = {}  # component -> regional (N blocks) | whole
         # LoRA switches: dynamo makes a graph the first time an adapter, then a changed scale, reaches a
-        # block (measured: at most 2 per adapter, tests/workers/test_speed.py); past its recompile limit it
+        # block (measured: at most 2 per adapter, tests/workers/pipeline/test_speed.py); past its recompile limit it
         # would run those blocks uncompiled without a word, so the limit covers the job's adapters.
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT_BASE + 2 * adapters)

@@ -1,6 +1,4 @@
-"""`--attention` and `--compile` on CPU with the tiny pipelines: the kernel each worker measures and
-keeps (exact: per worker, the same pixels within rounding; inexact: the job's, never a fallback),
-compilation under offloading and after an OOM step-down, and a compiler that fails said, not silent."""
+"""Attention kernels and compilation on a fitted pipeline (workers/pipeline/attention.py, compiling.py)."""
 
 import json
 from dataclasses import replace
@@ -12,12 +10,11 @@ import torch
 
 from fleetgen.attention import CANDIDATES, EXACT, INEXACT, parse_attention
 from fleetgen.errors import ConfigError, OffloadError
-from fleetgen.jobs.state import _differences
 from fleetgen.offload.stats import find_groups
 from fleetgen.workers.pipeline.attention import dispatched
 from fleetgen.workers.spec import GenerationSettings
 from fleetgen.workers.tiny import write_tiny_model
-from tests.conftest import make_job, pixels, run_one_shard, write_prompts
+from tests.conftest import pixels, run_one_shard, write_prompts
 
 FLUX = GenerationSettings(steps=3, guidance=3.5, width=64, height=64, family="flux")
 
@@ -107,20 +104,6 @@ def test_a_unet_takes_no_kernel_choice(tiny_model, prompts, tmp_path):
     assert "takes no backend in diffusers" in worker.fitted.attention.reason
     with pytest.raises(OffloadError, match="`--attention sage`: unet .* takes no attention backend"):
         run_one_shard(tiny_model, tmp_path / "o2", prompts, settings, attention=parse_attention("sage"))
-
-
-def test_only_an_inexact_kernel_is_in_the_fingerprint(tiny_model, tmp_path):
-    prompts = write_prompts(tmp_path / "p.parquet", ["a"])
-
-    def settings(attention):
-        return make_job(prompts, tiny_model, tmp_path / "o", attention=attention, family="sd").settings()
-
-    assert {settings(a).attention.label for a in ("native", "auto", "flash")} == {"exact"}
-    old = {"generation": {"steps": 2}}  # a job.json from before `--attention`: any exact kernel
-    assert _differences(old, {"generation": {"steps": 2, "attention": "exact"}}) == []
-    assert _differences(old, {"generation": {"steps": 2, "attention": settings("sage").attention.label}}) == [
-        "generation.attention differs: exact vs sage"
-    ]
 
 
 @pytest.mark.slow

@@ -1,3 +1,5 @@
+"""None"""
+
 import threading
 
 import pytest

@@ -1,8 +1,6 @@
-"""`--cache`: diffusers' step caches on the tiny FLUX.1 pipeline, on CPU — what they skip, counted;
-that a skipped block moves no bytes when the cache wraps the offloading (and does when it does
-not); the records and stats that say so; the refusals and the fingerprint."""
+"""Step caches on a fitted pipeline's denoisers (workers/pipeline/caching.py): what they skip, what they
+move under offloading, what each image records."""
 
-import io
 import json
 
 import numpy as np
@@ -10,12 +8,11 @@ import pyarrow as pa
 import pytest
 import torch
 
-from fleetgen.caches import CacheSpec, parse_cache
-from fleetgen.errors import ConfigError, StorageError
-from fleetgen.jobs.config import JobConfig, validate
+from fleetgen.caches import parse_cache
+from fleetgen.errors import ConfigError
+from fleetgen.jobs.config import JobConfig
 from fleetgen.jobs.models import resolve_defaults
 from fleetgen.jobs.sharding import read_footer, resolve_columns
-from fleetgen.jobs.state import _differences
 from fleetgen.offload import OffloadPlan, OffloadStats, apply, pipeline_modules, profile_pipeline
 from fleetgen.offload.cost import Placement
 from fleetgen.workers.pipeline.caching import AppliedCache
@@ -23,9 +20,11 @@ from fleetgen.workers.rows.shard import Columns
 from fleetgen.workers.spec import GenerationSettings
 from fleetgen.workers.tiny import write_tiny_model
 from fleetgen.workers.tiny.flux import build_tiny_flux
-from tests.conftest import make_job, pixels, run_one_shard, write_prompts
+from tests.conftest import pixels, run_one_shard, write_prompts
 
 STEPS = 12
+
+
 FBC = "first-block:0.3"  # skips a few of 12 steps of the tiny FLUX.1 (random weights): measured below, not assumed
 
 
@@ -39,36 +38,6 @@ def _run(model, out, prompts, cache="none", **spec):
         steps=STEPS, guidance=3.5, width=64, height=64, family="flux", cache=parse_cache(cache)
     )
     return run_one_shard(model, out, prompts, settings, **{"max_batch": 4, **spec})
-
-
-def test_the_setting_is_parsed_to_one_spelling_and_refused_in_one_line():
-    assert parse_cache(None) == CacheSpec() and parse_cache(" none ").label == "none"
-    assert (
-        parse_cache("first-block").label == "first-block:0.05"
-        and parse_cache("First-Block:threshold=0.08").label == "first-block:0.08"
-    )
-    assert parse_cache("taylorseer").label == "taylorseer:interval=5,warmup=3,order=1"
-    assert parse_cache("taylorseer:order=2,interval=4").label == "taylorseer:interval=4,warmup=3,order=2"
-    assert parse_cache("MagCache").label == "magcache:threshold=0.06,max_skip=3,retention=0.2"
-    assert parse_cache("magcache:max_skip=2,threshold=0.1").label == "magcache:threshold=0.1,max_skip=2,retention=0.2"
-    for text, message in (
-        ("first-block:2", "more than 0 and at most 1"),
-        ("first-block:x", "the threshold is a number"),
-        ("taylorseer:every=3", "takes interval=, warmup= and order="),
-        ("taylorseer:interval=0", "must be 1 or more"),
-        ("magcache:threshold=0", "threshold > 0, max_skip >= 1"),
-        ("magcache:max_skip=1.5", "max_skip=, a whole number"),
-        ("magcache:every=2", "magcache takes threshold="),
-        ("teacache", "must be none, first-block"),
-    ):
-        with pytest.raises(ConfigError, match=message):
-            parse_cache(text)
-    with pytest.raises(ConfigError, match="must be none, first-block"):
-        validate(JobConfig(input="x", output="y", model="org/m", cache="fast"))
-    # by the step alone, as diffusers' hook decides: 3 warm-up steps, then every 5th of the rest
-    assert parse_cache("taylorseer").computed_share(10) == pytest.approx(5 / 10)  # steps 0, 1, 2, 4 and 9
-    assert parse_cache("first-block").computed_share(10) is None  # the data decides
-    assert parse_cache("magcache").computed_share(10) is None and not parse_cache("magcache").per_call
 
 
 def test_a_skipped_block_moves_no_bytes_only_when_the_cache_wraps_the_offloading():
@@ -134,38 +103,6 @@ def test_taylorseer_skips_exactly_the_steps_it_predicts(tiny_flux, tmp_path):
     info = json.loads((tmp_path / "ts" / "workers" / "w0.json").read_text())
     assert info["cache"]["skipped_share"] == pytest.approx(1 - share)
     assert [r["cache_skipped"] for r in rows.values()] == pytest.approx([1 - share] * 2, rel=1e-6)
-
-
-def test_what_cannot_take_a_cache_is_refused_before_any_worker(tiny_model, tiny_flux, tmp_path):
-    prompts = write_prompts(tmp_path / "p.parquet", ["a red fox"])
-    sd = JobConfig(input=str(prompts), output=str(tmp_path / "o"), model=tiny_model, cache="first-block")
-    with pytest.raises(
-        ConfigError, match=r"UNet2DConditionModel takes no step cache.*Families whose pipelines take first-block: flux,"
-    ):
-        resolve_defaults(sd, Columns())
-    nothing = JobConfig(input=str(prompts), output="o", model=tiny_flux, cache="taylorseer:warmup=8", steps=8)
-    with pytest.raises(ConfigError, match="computes every one of the 8 steps"):
-        resolve_defaults(nothing, resolve_columns([read_footer(str(prompts))], Columns()))
-
-
-def test_the_cache_is_part_of_the_fingerprint_and_old_jobs_resume():
-    assert _differences({"generation": {"steps": 2}}, {"generation": {"steps": 2, "cache": "none"}}) == []
-    assert _differences({"generation": {"steps": 2}}, {"generation": {"steps": 2, "cache": FBC}}) == [
-        f"generation.cache differs: none vs {FBC}"
-    ]
-
-
-@pytest.mark.ray
-def test_a_resume_across_a_cache_change_is_refused(tiny_flux, tmp_path, ray_cluster):
-    from fleetgen.jobs.driver import run_job
-
-    prompts = write_prompts(tmp_path / "p.parquet", ["a red fox", "a blue owl"])
-    out = tmp_path / "out"
-    job = make_job(prompts, tiny_flux, out, cache=" First-Block:0.3 ", steps=STEPS)
-    assert run_job(job, progress_stream=io.StringIO()).complete
-    assert json.loads((out / "job.json").read_text())["fingerprint"]["generation"]["cache"] == FBC
-    with pytest.raises(StorageError, match=f"generation.cache differs: {FBC} vs none"):
-        run_job(make_job(prompts, tiny_flux, out, steps=STEPS), progress_stream=io.StringIO())
 
 
 @pytest.mark.parametrize("family", ["flux2", "qwen-image", "hunyuanimage", "wan"])

@@ -59,6 +59,37 @@ def run(model, tmp_path, rows: dict, family="wan", task="text-to-video", name="o
     return {r["id"]: r for r in pq.read_table(out / "shards" / "shard-00000.parquet").to_pylist()}, out
 
 
+def run_offloaded(model, tmp_path, rows, offload):
+    path = tmp_path / "o.parquet"
+    pq.write_table(pa.table(rows), path)
+    files = [read_footer(str(path))]
+    s = GenerationSettings(task="text-to-video", family="wan2.2", **{**FAST, "output_format": "files"})
+    out = tmp_path / offload
+    spec = WorkerSpec("w0", str(model), str(out), s, resolve_columns(files, Columns()), max_batch=4, device="cpu")
+    worker = Worker(WorkerSpec(**{**spec.__dict__, "threads": 1, "offload": offload, "gpu_memory": 1 << 30}))
+    try:
+        assert set(worker.plan.to_dict()["modes"].values()) != {"resident"}
+        worker.run_shard(plan_shards(files, 100)[0])
+    finally:
+        worker.close()
+    return {r["id"]: r for r in pq.read_table(out / "shards" / "shard-00000.parquet").to_pylist()}
+
+
+def rms(path) -> float:
+    import av
+
+    with av.open(str(path)) as f:
+        samples = np.concatenate([frame.to_ndarray().ravel() for frame in f.decode(audio=0)])
+    return float(np.sqrt(np.mean(samples.astype(np.float64) ** 2)))
+
+
+def video_frames(data: bytes) -> list:
+    import av
+
+    with av.open(io.BytesIO(data)) as f:
+        return [frame.to_image() for frame in f.decode(video=0)]
+
+
 def test_text_to_video_clips_decode_with_the_frames_fps_and_size_asked(wan, tmp_path):
     rows = {
         "id": ["a", "b", "c", "d"],
@@ -184,22 +215,6 @@ def test_group_offloading_keeps_the_clips_bytes(offload, wan, tmp_path):
     # (batch, bytes) per clip: a difference in bytes then says whether the batches differed too
     made = {k: (r["batch"], r["sha256"]) for k, r in worker_offload.items()}
     assert made == {k: (r["batch"], r["sha256"]) for k, r in resident.items()}
-
-
-def run_offloaded(model, tmp_path, rows, offload):
-    path = tmp_path / "o.parquet"
-    pq.write_table(pa.table(rows), path)
-    files = [read_footer(str(path))]
-    s = GenerationSettings(task="text-to-video", family="wan2.2", **{**FAST, "output_format": "files"})
-    out = tmp_path / offload
-    spec = WorkerSpec("w0", str(model), str(out), s, resolve_columns(files, Columns()), max_batch=4, device="cpu")
-    worker = Worker(WorkerSpec(**{**spec.__dict__, "threads": 1, "offload": offload, "gpu_memory": 1 << 30}))
-    try:
-        assert set(worker.plan.to_dict()["modes"].values()) != {"resident"}
-        worker.run_shard(plan_shards(files, 100)[0])
-    finally:
-        worker.close()
-    return {r["id"]: r for r in pq.read_table(out / "shards" / "shard-00000.parquet").to_pylist()}
 
 
 def test_ltx_makes_clips_from_text_and_from_images_with_its_frame_rate(wan, tmp_path):
@@ -350,14 +365,6 @@ def test_ltx2_clips_carry_their_sound_and_verify_deep_checks_it(wan, tmp_path):
     assert verify(str(out), deep=True).clean
 
 
-def rms(path) -> float:
-    import av
-
-    with av.open(str(path)) as f:
-        samples = np.concatenate([frame.to_ndarray().ravel() for frame in f.decode(audio=0)])
-    return float(np.sqrt(np.mean(samples.astype(np.float64) ** 2)))
-
-
 @pytest.mark.parametrize("output_format", ["files", "webdataset", "parquet"])
 def test_store_frames_keeps_every_frame_as_made_beside_its_clip(output_format, wan, tmp_path):
     """`--store-frames`: each frame a lossless PNG beside the clip (files, webdataset members, a parquet
@@ -397,10 +404,3 @@ def test_store_frames_keeps_every_frame_as_made_beside_its_clip(output_format, w
         assert max(diffs) < 4
     report = verify(str(out), deep=True)
     assert report.clean, report.to_dict()
-
-
-def video_frames(data: bytes) -> list:
-    import av
-
-    with av.open(io.BytesIO(data)) as f:
-        return [frame.to_image() for frame in f.decode(video=0)]

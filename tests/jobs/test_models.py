@@ -1,5 +1,5 @@
-"""Pipeline families on tiny random-weight pipelines built from the real diffusers classes: the
-defaults each resolves, how a negative prompt and a long prompt are handled, the safety checker."""
+"""Which family a model is and what it defaults to (jobs/models.py): detection, the cards' defaults, flags over
+them, and what a family cannot do refused before any worker, in one line; whole family jobs end to end."""
 
 import io
 import json
@@ -20,7 +20,6 @@ from fleetgen.workers.worker import Worker
 from tests.conftest import run_one_shard, write_prompts
 
 TINY = {"width": 64, "height": 64, "device": "cpu", "workers": 1}
-LONG = " ".join(["a red fox in the forest at night"] * 15)  # 120 words: 122 tokens here
 
 
 @pytest.fixture(scope="module")
@@ -129,19 +128,6 @@ def test_flux_negative_prompts_need_true_cfg_and_then_change_the_images(models, 
     assert all(shas["plain"][k] != shas["true-cfg"][k] for k in ("a", "b"))  # the negatives took effect
 
 
-@pytest.mark.parametrize("family", ["sd", "flux", "pixart-sigma"])
-def test_a_120_token_prompt_is_fine_for_t5_families_and_noted_for_clip_only_ones(family, models, tmp_path):
-    path = write_prompts(tmp_path / "p.parquet", [LONG], id=["long"])
-    shard, columns = _shard(path)
-    _worker(models[family], tmp_path / "out", family, columns).run_shard(shard)
-    row = pq.read_table(tmp_path / "out" / "shards").to_pylist()[0]
-    assert row["status"] == "ok"
-    if family == "sd":
-        assert row["warning"] == "prompt truncated to 77 of 122 tokens"
-    else:
-        assert row["warning"] is None
-
-
 def test_safety_checker_flags_are_filtered_rows(tmp_path, ray_cluster):
     """A real StableDiffusionSafetyChecker at tiny size, made to flag everything: the rows are
     `filtered` with `nsfw` set, nothing is stored for them, and the summary counts them apart."""
@@ -207,63 +193,3 @@ def test_safety_checker_flags_are_filtered_rows(tmp_path, ray_cluster):
     from fleetgen.jobs.status import job_state, status_text
 
     assert "2 filtered by the safety checker" in status_text(job_state(str(tmp_path / "job")))
-
-
-def test_any_other_pipeline_is_called_with_only_what_it_takes(tmp_path):
-    """The generic entry: a LatentConsistencyModelPipeline (not in the table) takes no negative
-    prompt; a negative-prompt column is noted per row instead of breaking the call."""
-    from diffusers import LatentConsistencyModelPipeline, LCMScheduler, UNet2DConditionModel
-
-    from fleetgen.workers.families.detect import GENERIC, read_family
-    from fleetgen.workers.tiny import build_tiny_pipeline
-
-    sd = build_tiny_pipeline()
-    unet = UNet2DConditionModel(**{**sd.unet.config, "time_cond_proj_dim": 32})
-    pipe = LatentConsistencyModelPipeline(
-        vae=sd.vae,
-        text_encoder=sd.text_encoder,
-        tokenizer=sd.tokenizer,
-        unet=unet,
-        scheduler=LCMScheduler(),
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
-    pipe.save_pretrained(tmp_path / "lcm")
-    assert read_family(tmp_path / "lcm") is GENERIC
-    path = write_prompts(
-        tmp_path / "p.parquet", ["a red fox", "a blue owl"], id=["a", "b"], negative_prompt=["blurry", None]
-    )
-    shard, columns = _shard(path)
-    result = _worker(str(tmp_path / "lcm"), tmp_path / "out", "generic", columns, guidance=1.5).run_shard(shard)
-    assert (result.ok, result.errors) == (2, 0)
-    rows = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "shards").to_pylist()}
-    assert rows["a"]["warning"] == "negative prompt ignored: LatentConsistencyModelPipeline takes none"
-    assert rows["b"]["warning"] is None
-
-
-@pytest.mark.parametrize("family", ["sdxl", "sd3", "flux", "pixart-sigma", "sana"])
-def test_plan_works_on_every_family_directory(family, models, capsys):
-    from fleetgen.jobs.cli import main
-
-    assert (
-        main(
-            [
-                "plan",
-                "--model",
-                models[family],
-                "--gpu-memory",
-                "1GiB",
-                "--width",
-                "64",
-                "--height",
-                "64",
-                "--host-memory",
-                "1GiB",
-                "--json",
-            ]
-        )
-        == 0
-    )
-    out = json.loads(capsys.readouterr().out)
-    assert out["family"] == family and out["dtype"] == FAMILIES[family].dtype and "error" not in out["plans"][0]

@@ -1,8 +1,6 @@
-"""`--quantize COMPONENT=fp8`: float8 storage (diffusers' layerwise casting) on the tiny pipelines,
-on CPU — the bytes the live modules hold, the images within a tolerance of the unquantized ones,
-offloading keeping them exact, the mapping in the fingerprint, refusals before any worker."""
+"""Storage formats on a fitted pipeline (offload/quantize.py applied by workers/pipeline/fitted.py): the bytes
+predicted, the images kept close, offloading a quantized pipeline, `auto` under a budget and after an OOM, GGUF."""
 
-import io
 import json
 from dataclasses import replace
 
@@ -10,15 +8,15 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from fleetgen.errors import ConfigError, OffloadError, StorageError
+from fleetgen.errors import ConfigError
 from fleetgen.jobs.config import JobConfig, validate
-from fleetgen.jobs.models import resolve_adapters, resolve_defaults
+from fleetgen.jobs.models import resolve_defaults
 from fleetgen.jobs.sharding import plan_shards, read_footer, resolve_columns
 from fleetgen.offload.weight_formats import parse_quantize
 from fleetgen.workers.rows.shard import Columns
 from fleetgen.workers.spec import GenerationSettings, WorkerSpec
 from fleetgen.workers.worker import Worker
-from tests.conftest import make_job, pixels, run_one_shard, write_prompts
+from tests.conftest import pixels, run_one_shard, write_prompts
 
 MIN_PSNR = 30.0  # dB against the unquantized images of the same seeds (tiny SD, 4 steps: ~45 measured)
 
@@ -30,36 +28,35 @@ def _run(model, out, path, quantize="none", **spec):
     return run_one_shard(model, out, path, settings, **{"max_batch": 1, **spec})
 
 
-def test_the_mapping_is_parsed_and_refused_in_one_line():
-    assert (
-        parse_quantize("none").mapping == {}
-        and parse_quantize(None).mapping == {}
-        and parse_quantize("auto").mapping == {}
-    )
-    assert parse_quantize(" transformer=fp8 , text_encoder=int8").pinned().label == "text_encoder=int8,transformer=fp8"
-    assert parse_quantize(" auto ").pinned().label == "auto" and parse_quantize(None).pinned().label == "none"
-    for text, message in (
-        ("transformer=int3", "the formats are fp8, int8, nf4, bnb-int8"),
-        ("transformer", r"takes none, auto or COMPONENT=FORMAT"),
-        ("unet=fp8,unet=fp8", "names `unet` twice"),
-    ):
-        with pytest.raises(ConfigError, match=message):
-            parse_quantize(text)
-    with pytest.raises(ConfigError, match="the formats are fp8"):
-        validate(JobConfig(input="x", output="y", model="org/m", quantize="unet=q3"))
-    # the combination table, before any worker: torchao cannot go to disk, bitsandbytes stays resident
-    with pytest.raises(ConfigError, match=r"unet=int8` with `--offload disk`: diffusers refuses disk offload"):
-        validate(JobConfig(input="x", output="y", model="org/m", quantize="unet=int8", offload="disk"))
-    with pytest.raises(ConfigError, match=r"unet=nf4` with `--offload block`: bitsandbytes weights"):
-        validate(JobConfig(input="x", output="y", model="org/m", quantize="unet=nf4", offload="block"))
-
-
 # (mapping, component: the measured bytes' share of float32): fp8 stores every Conv/Linear tensor in
 # one byte (norms kept); int8 stores Linear weights in one byte plus 5 per row (convs, biases kept).
 CASES = {
     "unet=fp8": {"unet": (0.25, 0.27)},
     "text_encoder=int8,unet=int8": {"unet": (0.70, 0.73), "text_encoder": (0.44, 0.46)},
 }
+
+
+def _write_gguf(model_dir: str, path) -> dict[str, int]:
+    """The tiny UNet's weights as a GGUF file, Linear weights in Q8_0 (what `llama.cpp`-style tools
+    write for image models, with diffusers keys); returns {tensor: stored bytes} from its header."""
+    import gguf
+    from diffusers import UNet2DConditionModel
+
+    unet = UNet2DConditionModel.from_pretrained(model_dir, subfolder="unet")
+    writer = gguf.GGUFWriter(str(path), arch="fleetgen-test")
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    for name, tensor in unet.state_dict().items():
+        array = tensor.float().numpy()
+        if array.ndim == 2 and array.shape[-1] % 32 == 0:
+            data = gguf.quants.quantize(array, q8)
+            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=q8)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors}
 
 
 @pytest.mark.parametrize(
@@ -95,66 +92,6 @@ def test_offloading_a_quantized_pipeline_keeps_its_images(offload, mapping, tiny
     worker, offloaded = _run(tiny_model, tmp_path / "off", path, mapping, offload=offload, gpu_memory=64 << 20)
     assert worker.plan.modes["unet"] != "resident"
     assert {k: r["sha256"] for k, r in offloaded.items()} == {k: r["sha256"] for k, r in resident.items()}
-
-
-def test_what_cannot_be_quantized_is_refused_before_any_worker(tiny_model, tmp_path):
-    prompts = write_prompts(tmp_path / "p.parquet", ["a red fox"])
-    config = JobConfig(input=str(prompts), output=str(tmp_path / "o"), model=tiny_model, quantize="transformer=fp8")
-    with pytest.raises(ConfigError, match=r"has no component `transformer` \(its model components: .*unet"):
-        resolve_defaults(config, Columns())
-    text = JobConfig(input=str(prompts), output="o", model=tiny_model, quantize="text_encoder=fp8")
-    with pytest.raises(ConfigError, match=r"fp8 serves unet, transformer.* only; pipelines read"):
-        resolve_defaults(text, Columns())
-    vae = JobConfig(input=str(prompts), output="o", model=tiny_model, quantize="vae=int8")
-    with pytest.raises(ConfigError, match=r"int8 serves unet, .*text_encoder.* only; the VAE"):
-        resolve_defaults(vae, Columns())
-    for quantize in ("unet=fp8", "auto"):
-        lora = JobConfig(input=str(prompts), output="o", model=tiny_model, quantize=quantize, lora=(str(prompts),))
-        with pytest.raises(ConfigError, match="`--quantize` with LoRA adapters is not supported yet"):
-            resolve_adapters(lora, Columns(), [])
-    # bitsandbytes on a CPU worker: one line, before the weights load
-    with pytest.raises(OffloadError, match=r"w0: `--quantize` unet=nf4: nf4 needs a CUDA device \(bitsandbytes\)"):
-        _run(tiny_model, tmp_path / "nf4", prompts, "unet=nf4")
-    assert not (tmp_path / "nf4" / "shards").exists()
-
-
-def test_the_mapping_is_part_of_the_jobs_fingerprint(tiny_model, tmp_path, ray_cluster):
-    from fleetgen.jobs.driver import run_job
-
-    prompts = write_prompts(tmp_path / "p.parquet", ["a red fox", "a blue owl"])
-    out = tmp_path / "out"
-    done = run_job(make_job(prompts, tiny_model, out, quantize=" unet=fp8 "), progress_stream=io.StringIO())
-    assert done.complete
-    generation = json.loads((out / "job.json").read_text())["fingerprint"]["generation"]
-    assert generation["quantize"] == "unet=fp8"
-    with pytest.raises(StorageError, match="generation.quantize differs: unet=fp8 vs none"):
-        run_job(make_job(prompts, tiny_model, out), progress_stream=io.StringIO())
-
-
-def test_plan_counts_float8_bytes_and_loads_at_the_run_dtype(capsys):
-    from fleetgen.jobs.cli import main
-
-    args = ["plan", "--model", "flux.2-dev", "--gpu-memory", "24GiB", "--host-memory", "128GiB", "--json"]
-    assert main(args) == 0
-    plain = json.loads(capsys.readouterr().out)
-    assert main([*args, "--quantize", "transformer=fp8"]) == 0
-    fp8 = json.loads(capsys.readouterr().out)
-    transformer = fp8["components"]["transformer"]
-    ratio = transformer["bytes_as"]["fp8"] / transformer["bytes"]
-    assert 0.5 <= ratio < 0.51 and fp8["quantize"] == "transformer=fp8"
-    assert fp8["plans"][0]["formats"] == {"transformer": "fp8"}
-    assert fp8["plans"][0]["load_host_bytes"] == plain["load_host_bytes"]  # loaded in bf16, cast after
-    assert fp8["components"]["text_encoder"] == plain["components"]["text_encoder"]
-
-
-def test_a_job_started_before_quantize_existed_still_resumes():
-    from fleetgen.jobs.state import _differences
-
-    new = {"generation": {"steps": 2, "quantize": "none"}}
-    assert _differences({"generation": {"steps": 2}}, new) == []
-    assert _differences({"generation": {"steps": 2}}, {"generation": {"steps": 2, "quantize": "unet=fp8"}}) == [
-        "generation.quantize differs: none vs unet=fp8"
-    ]
 
 
 @pytest.mark.slow
@@ -202,29 +139,6 @@ def test_an_oom_under_auto_may_quantize_further(tiny_model, tmp_path):
     assert row["quantized"] == "unet=fp8"
     info = json.loads((tmp_path / "o" / "workers" / "w0.json").read_text())
     assert info["quantized"] == {"unet": "fp8"} and info["plan"]["formats"] == {"unet": "fp8"}
-
-
-def _write_gguf(model_dir: str, path) -> dict[str, int]:
-    """The tiny UNet's weights as a GGUF file, Linear weights in Q8_0 (what `llama.cpp`-style tools
-    write for image models, with diffusers keys); returns {tensor: stored bytes} from its header."""
-    import gguf
-    from diffusers import UNet2DConditionModel
-
-    unet = UNet2DConditionModel.from_pretrained(model_dir, subfolder="unet")
-    writer = gguf.GGUFWriter(str(path), arch="fleetgen-test")
-    q8 = gguf.GGMLQuantizationType.Q8_0
-    for name, tensor in unet.state_dict().items():
-        array = tensor.float().numpy()
-        if array.ndim == 2 and array.shape[-1] % 32 == 0:
-            data = gguf.quants.quantize(array, q8)
-            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=q8)
-        else:
-            writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors}
 
 
 @pytest.mark.slow

@@ -65,9 +65,6 @@ def kontext(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("kontext") / "m", family="flux-kontext")
 
 
-# --- the column values and the resize rules -----------------------------------------------
-
-
 def test_column_values_name_their_inputs():
     base = "s3://bucket/in/rows.parquet"
     assert refs_of(b"\x89PNG", "image", base)[0] == [InputRef("image", "bytes", b"\x89PNG")]
@@ -138,9 +135,6 @@ def test_prefetch_reads_ahead_within_its_window():
     finally:
         prefetch.close()
         fleetgen.workers.rows.inputs.load_all = real
-
-
-# --- tasks on the tiny pipelines ------------------------------------------------------------
 
 
 def test_img2img_from_bytes_structs_and_paths_with_strength_per_row(tiny_model, tmp_path):
@@ -303,32 +297,6 @@ def test_flux2_edits_from_a_list_of_references_one_row_per_call(tmp_path):
     ]
     assert {records["one"]["batch"], records["two"]["batch"]} == {1}  # one list of references per call
     assert records["eleven"]["error"] == "11 input images in column `input_image`; this task takes at most 10"
-
-
-def test_resume_refuses_inputs_replaced_under_the_same_path(tiny_model, tmp_path):
-    import os
-
-    from fleetgen.errors import ConfigError
-    from fleetgen.jobs.inputs import check_unchanged
-    from fleetgen.workers.output.storage import Output
-
-    (tmp_path / "a.png").write_bytes(png("red"))
-    (tmp_path / "b.png").write_bytes(png("blue"))
-    rows = {"id": ["a", "b"], "prompt": ["a photo"] * 2, "input_image": ["a.png", "b.png"]}
-    _, out = run(tiny_model, tmp_path, rows, "image-to-image", strength=0.5)
-    output = Output(str(out))
-    assert check_unchanged(output, ["shard-00000"]) == 2
-    stat = os.stat(tmp_path / "a.png")
-    os.utime(tmp_path / "a.png", (stat.st_atime + 60, stat.st_mtime + 60))  # touched: same bytes
-    assert check_unchanged(output, ["shard-00000"]) == 2
-    (tmp_path / "a.png").write_bytes(png("green"))  # replaced under the same path
-    with pytest.raises(ConfigError, match=r"1 input image\(s\) changed .*a\.png.*--overwrite"):
-        check_unchanged(output, ["shard-00000"])
-    (tmp_path / "a.png").write_bytes(png("red"))
-    (tmp_path / "b.png").unlink()
-    said = []
-    assert check_unchanged(output, ["shard-00000"], say=said.append) == 2
-    assert "1 input image(s) of committed shards are gone" in said[0]
 
 
 def test_stored_inputs_in_webdataset_are_members_beside_each_sample(tiny_model, tmp_path):
