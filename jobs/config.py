@@ -22,14 +22,13 @@ from fleetgen.workers.output.formats import format_names
 from fleetgen.workers.output.layout import IMAGE_FORMATS
 from fleetgen.workers.output.storage import resolve_url
 from fleetgen.workers.output.video import MAX_CRF, VIDEO_FORMATS
-from fleetgen.workers.pipeline.load import DTYPES as PIPELINE_DTYPES
 from fleetgen.workers.rows.batches import Adapter, template_fields
 from fleetgen.workers.rows.inputs import RESIZE_RULES
 from fleetgen.workers.rows.shard import SETTING_ROLES, Columns
-from fleetgen.workers.spec import GenerationSettings
+from fleetgen.workers.spec import DTYPE_NAMES, GenerationSettings
 
 DEVICES = re.compile(r"auto|cpu|cuda(:\d+)?")
-DTYPES = ("auto", *PIPELINE_DTYPES)
+DTYPES = ("auto", *DTYPE_NAMES)
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # org/name
 
 
@@ -96,7 +95,7 @@ class _Job:
     host_memory: str | None = None  # host RAM per worker for offloaded copies; default: its share of the node
     worker_memory: str | None = None  # emulate a mixed fleet: "16GiB,24GiB,80GiB" = one worker per budget
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto (float16 on CUDA, float32 on CPU) | float32 | float16 | bfloat16
+    dtype: str = "auto"  # auto (the family's on CUDA, float32 on CPU) | float32 | float16 | bfloat16
     ray_address: str | None = None  # default: RAY_ADDRESS, else a local Ray
     overwrite: bool = False  # replace a different job found at `output`
     trust_remote_code: bool = False  # let the model repo run its own code (off: never)

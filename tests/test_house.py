@@ -139,3 +139,32 @@ def test_the_commands_that_read_an_output_import_no_torch(tmp_path, tiny_model):
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert (out / "report.html").exists()
+
+
+TORCH_FREE = (  # modules whose docstrings say they load no torch: the driver, `status` and `verify` import them
+    "fleetgen",
+    "fleetgen.caches",
+    "fleetgen.attention",
+    "fleetgen.offload.weight_formats",
+    "fleetgen.offload.cost",
+    "fleetgen.offload.planner",
+    "fleetgen.workers.families.table",
+    "fleetgen.workers.families.detect",
+    "fleetgen.workers.families.model_dir",
+    "fleetgen.workers.spec",
+    "fleetgen.jobs.config",
+    "fleetgen.jobs.status",
+    "fleetgen.jobs.verify",
+)
+
+
+def test_the_modules_that_say_they_load_no_torch_load_none():
+    code = (
+        "import importlib, sys\n"
+        f"for name in {TORCH_FREE!r}:\n"
+        "    importlib.import_module(name)\n"
+        "    if 'torch' in sys.modules:\n"
+        "        sys.exit(f'{name} loaded torch')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

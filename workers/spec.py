@@ -16,6 +16,8 @@ from fleetgen.workers.output.formats import get_format
 from fleetgen.workers.rows.batches import Adapter, Look, Recipe
 from fleetgen.workers.rows.shard import Columns
 
+DTYPE_NAMES = ("float32", "float16", "bfloat16")  # `--dtype` besides auto (workers/pipeline/load.py maps them)
+
 
 @dataclass(frozen=True)
 class GenerationSettings:

@@ -14,9 +14,10 @@ import torch
 from fleetgen.errors import ConfigError, FleetgenError, one_line
 from fleetgen.latents import denoiser_patch
 from fleetgen.workers.families.model_dir import is_hub_id
+from fleetgen.workers.spec import DTYPE_NAMES
 
 BACKEND_HINT = ' (docs/models.md: "Models that need more packages")'
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # --dtype names
+DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.float16, torch.bfloat16), strict=True))  # --dtype names
 
 
 def resolve_device(device: str) -> torch.device:

@@ -190,25 +190,11 @@ def build_tiny_hunyuanvideo15(seed: int = 0):
     )
 
 
-@_evaluated
-def build_tiny_ltx2(seed: int = 0):
-    """LTX-2, video with sound: a Gemma 3 text encoder (its vision tower unused), the text connectors,
-    the audio-video transformer, the video VAE (2x spatial and temporal here; the real one 32x and
-    8x), the audio VAE and a vocoder whose upsampling (10 x 4 x 4) matches the audio VAE's hop of
-    160 samples, so a clip's sound lasts as long as its frames (the real vocoder: 24 kHz stereo)."""
-    from diffusers import (
-        AutoencoderKLLTX2Audio,
-        AutoencoderKLLTX2Video,
-        FlowMatchEulerDiscreteScheduler,
-        LTX2Pipeline,
-        LTX2VideoTransformer3DModel,
-    )
+def _ltx2_text(seed: int, tokenizer, hidden: int, layers: int):
+    """Gemma 3 (its vision tower unused) and the text connectors, `hidden` wide."""
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
-    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
-    tokenizer = _tokenizer(model_max_length=1024)
-    hidden, layers = 32, 2  # the connectors' width is their heads x head size: 4 x 8
     torch.manual_seed(seed)
     text_encoder = Gemma3ForConditionalGeneration(
         Gemma3Config(
@@ -234,27 +220,7 @@ def build_tiny_ltx2(seed: int = 0):
             mm_tokens_per_image=4,
         )
     )
-    torch.manual_seed(seed + 1)
-    transformer = LTX2VideoTransformer3DModel(
-        in_channels=4,
-        out_channels=4,
-        patch_size=1,
-        patch_size_t=1,
-        num_attention_heads=2,
-        attention_head_dim=8,
-        cross_attention_dim=16,
-        audio_in_channels=4,
-        audio_out_channels=4,
-        audio_num_attention_heads=2,
-        audio_attention_head_dim=4,
-        audio_cross_attention_dim=8,
-        num_layers=2,
-        qk_norm="rms_norm_across_heads",
-        caption_channels=hidden,
-        rope_double_precision=False,
-        rope_type="split",
-    )
-    torch.manual_seed(seed + 2)
+    torch.manual_seed(seed + 2)  # after the transformer's seed + 1: the weights as before
     connector = {"num_attention_heads": 4, "attention_head_dim": 8, "num_layers": 1, "num_learnable_registers": None}
     connectors = LTX2TextConnectors(
         caption_channels=hidden,
@@ -264,25 +230,14 @@ def build_tiny_ltx2(seed: int = 0):
         rope_double_precision=False,
         rope_type="split",
     )
-    torch.manual_seed(seed + 3)
-    vae = AutoencoderKLLTX2Video(
-        latent_channels=4,
-        block_out_channels=(8,),
-        decoder_block_out_channels=(8,),
-        layers_per_block=(1,),
-        decoder_layers_per_block=(1, 1),
-        spatio_temporal_scaling=(True,),
-        decoder_spatio_temporal_scaling=(True,),
-        decoder_inject_noise=(False, False),
-        downsample_type=("spatial",),
-        upsample_residual=(False,),
-        upsample_factor=(1,),
-        timestep_conditioning=False,
-        patch_size=1,
-        patch_size_t=1,
-        encoder_causal=True,
-        decoder_causal=False,
-    )
+    return text_encoder, connectors
+
+
+def _ltx2_audio(seed: int):
+    """The audio VAE and a vocoder whose upsampling (10 x 4 x 4) matches the VAE's hop of 160 samples."""
+    from diffusers import AutoencoderKLLTX2Audio
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
     torch.manual_seed(seed + 4)
     audio_vae = AutoencoderKLLTX2Audio(
         base_channels=4,
@@ -314,6 +269,65 @@ def build_tiny_ltx2(seed: int = 0):
         leaky_relu_negative_slope=0.1,
         output_sampling_rate=16000,
     )
+    return audio_vae, vocoder
+
+
+@_evaluated
+def build_tiny_ltx2(seed: int = 0):
+    """LTX-2, video with sound: a Gemma 3 text encoder (its vision tower unused), the text connectors,
+    the audio-video transformer, the video VAE (2x spatial and temporal here; the real one 32x and
+    8x), the audio VAE and a vocoder whose upsampling (10 x 4 x 4) matches the audio VAE's hop of
+    160 samples, so a clip's sound lasts as long as its frames (the real vocoder: 24 kHz stereo)."""
+    from diffusers import (
+        AutoencoderKLLTX2Video,
+        FlowMatchEulerDiscreteScheduler,
+        LTX2Pipeline,
+        LTX2VideoTransformer3DModel,
+    )
+
+    tokenizer = _tokenizer(model_max_length=1024)
+    hidden, layers = 32, 2  # the connectors' width is their heads x head size: 4 x 8
+    torch.manual_seed(seed + 1)
+    transformer = LTX2VideoTransformer3DModel(
+        in_channels=4,
+        out_channels=4,
+        patch_size=1,
+        patch_size_t=1,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        cross_attention_dim=16,
+        audio_in_channels=4,
+        audio_out_channels=4,
+        audio_num_attention_heads=2,
+        audio_attention_head_dim=4,
+        audio_cross_attention_dim=8,
+        num_layers=2,
+        qk_norm="rms_norm_across_heads",
+        caption_channels=hidden,
+        rope_double_precision=False,
+        rope_type="split",
+    )
+    text_encoder, connectors = _ltx2_text(seed, tokenizer, hidden, layers)
+    torch.manual_seed(seed + 3)
+    vae = AutoencoderKLLTX2Video(
+        latent_channels=4,
+        block_out_channels=(8,),
+        decoder_block_out_channels=(8,),
+        layers_per_block=(1,),
+        decoder_layers_per_block=(1, 1),
+        spatio_temporal_scaling=(True,),
+        decoder_spatio_temporal_scaling=(True,),
+        decoder_inject_noise=(False, False),
+        downsample_type=("spatial",),
+        upsample_residual=(False,),
+        upsample_factor=(1,),
+        timestep_conditioning=False,
+        patch_size=1,
+        patch_size_t=1,
+        encoder_causal=True,
+        decoder_causal=False,
+    )
+    audio_vae, vocoder = _ltx2_audio(seed)
     return LTX2Pipeline(
         transformer=transformer,
         vae=vae,
