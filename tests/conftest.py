@@ -169,6 +169,65 @@ def tiny_model(tmp_path_factory) -> str:
     return str(write_tiny_model(tmp_path_factory.mktemp("models") / "tiny"))
 
 
+@pytest.fixture(scope="session")
+def tiny_flux(tmp_path_factory) -> str:
+    """The tiny FLUX.1 [dev] (its transformer takes step caches and attention backends)."""
+    from fleetgen.workers.tiny import write_tiny_model
+
+    return str(write_tiny_model(tmp_path_factory.mktemp("models") / "flux", family="flux"))
+
+
+FAMILIES_2024 = ("sd", "sdxl", "sd3", "flux", "pixart-sigma", "sana")
+
+
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory) -> dict[str, str]:
+    """A tiny model of each 2023-24 family, by family."""
+    from fleetgen.workers.tiny import write_tiny_model
+
+    root = tmp_path_factory.mktemp("families")
+    return {f: str(write_tiny_model(root / f, family=f)) for f in FAMILIES_2024}
+
+
+# What each 2025-26 model's card (its published example call) and the pipeline's `__call__` say, written
+# here independently of the family table: (steps, guidance, dtype, how a negative prompt is taken).
+CARDS = {
+    "flux2": (50, 4.0, "bfloat16", "none"),  # FLUX.2-dev: 50 steps, guidance 4, no negative prompt
+    "flux2-klein": (4, 1.0, "bfloat16", "none"),  # klein 4B/9B distilled: 4 steps, guidance 1
+    "flux2-klein-base": (50, 4.0, "bfloat16", "none"),  # klein base: 50 steps, guidance 4 (CFG)
+    "qwen-image": (50, 4.0, "bfloat16", "negative_prompt"),  # true_cfg_scale 4, negative " "
+    "z-image-turbo": (9, 0.0, "bfloat16", "negative_prompt"),  # 9 steps, guidance 0
+    "z-image": (50, 4.0, "bfloat16", "negative_prompt"),
+    "hunyuanimage": (50, 3.5, "bfloat16", "negative_prompt"),
+    "hunyuanimage-distilled": (8, 3.25, "bfloat16", "none"),  # distilled_guidance_scale 3.25
+    "chroma": (40, 3.0, "bfloat16", "negative_prompt"),  # Chroma1-HD: 40 steps, guidance 3
+    "hidream": (50, 5.0, "bfloat16", "negative_prompt"),  # I1-Full: 50 steps, guidance 5
+    "hidream-dev": (28, 0.0, "bfloat16", "negative_prompt"),  # I1-Dev: 28 steps, guidance 0
+    "hidream-fast": (16, 0.0, "bfloat16", "negative_prompt"),  # I1-Fast: 16 steps, guidance 0
+}
+
+
+@pytest.fixture(scope="session")
+def frontier_models(tmp_path_factory) -> dict[str, str]:
+    """One tiny model per 2025-26 entry, in a directory named as its checkpoint is (names tell Z-Image from
+    Turbo and HiDream Full, Dev and Fast apart)."""
+    from fleetgen.workers.tiny import write_tiny_model
+
+    root = tmp_path_factory.mktemp("frontier")
+    return {f: str(write_tiny_model(root / f, family=f)) for f in CARDS}
+
+
+def png(color, size=(96, 80)) -> bytes:
+    """A plain image of `color`, PNG-encoded."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, "PNG")
+    return buf.getvalue()
+
+
 def stop_tree(proc: subprocess.Popen) -> None:
     """Stop a process we started and everything under it (the fake nodes are the autoscaler's
     children), by pid."""

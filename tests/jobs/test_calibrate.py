@@ -13,15 +13,9 @@ from fleetgen.jobs.config import make_config
 from fleetgen.jobs.models import resolve_defaults
 from fleetgen.jobs.sharding import read_footer, resolve_columns
 from fleetgen.workers.rows.shard import Columns
-from fleetgen.workers.tiny import write_tiny_model
 from tests.conftest import FAST, ROOT, run_args, write_prompts
 
 FLUX = {**FAST, "steps": 8}  # enough steps for the caches to predict some
-
-
-@pytest.fixture(scope="module")
-def tiny_flux(tmp_path_factory) -> str:
-    return str(write_tiny_model(tmp_path_factory.mktemp("models") / "flux", family="flux"))
 
 
 def test_psnr_and_ssim_are_scikit_images():

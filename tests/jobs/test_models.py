@@ -11,42 +11,17 @@ from fleetgen.errors import ConfigError
 from fleetgen.jobs.config import JobConfig, validate
 from fleetgen.jobs.driver import run_job
 from fleetgen.jobs.models import describe, resolve_defaults
-from fleetgen.jobs.sharding import plan_shards, read_footer, resolve_columns
 from fleetgen.workers.families.detect import FAMILIES
 from fleetgen.workers.rows.shard import Columns
-from fleetgen.workers.spec import GenerationSettings, WorkerSpec
-from fleetgen.workers.tiny import write_tiny_model
-from fleetgen.workers.worker import Worker
 from tests.conftest import run_one_shard, write_prompts
+from tests.workers.families.test_families import _shard, _worker
 
 TINY = {"width": 64, "height": 64, "device": "cpu", "workers": 1}
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("families")
-    return {f: str(write_tiny_model(root / f, family=f)) for f in ("sd", "sdxl", "sd3", "flux", "pixart-sigma", "sana")}
-
-
-def _shard(path, **columns):
-    files = [read_footer(str(path))]
-    return plan_shards(files, 100)[0], resolve_columns(files, Columns())
-
-
-def _worker(model, out, family, columns, **settings):
-    base = {"steps": 2, "guidance": FAMILIES[family].guidance, "width": 64, "height": 64, "family": family}
-    return Worker(
-        WorkerSpec(
-            "w0",
-            model,
-            str(out),
-            GenerationSettings(**{**base, **settings}),
-            columns,
-            max_batch=2,
-            device="cpu",
-            threads=1,
-        )
-    )
+def models(family_models):
+    return family_models
 
 
 @pytest.mark.slow  # each family's own default steps (20 to 50)

@@ -5,13 +5,11 @@ import json
 import pytest
 
 from fleetgen.workers.families.detect import FAMILIES
-from fleetgen.workers.tiny import write_tiny_model
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("families")
-    return {f: str(write_tiny_model(root / f, family=f)) for f in ("sd", "sdxl", "sd3", "flux", "pixart-sigma", "sana")}
+def models(family_models):
+    return family_models
 
 
 def test_plan_counts_float8_bytes_and_loads_at_the_run_dtype(capsys):

@@ -16,18 +16,12 @@ from fleetgen.jobs.state import _differences
 from fleetgen.offload.weight_formats import parse_quantize
 from fleetgen.workers.rows.shard import Columns
 from fleetgen.workers.spec import GenerationSettings
-from fleetgen.workers.tiny import write_tiny_model
 from tests.conftest import make_job, run_one_shard, write_prompts
 
 STEPS = 12
 
 
 FBC = "first-block:0.3"  # skips a few of 12 steps of the tiny FLUX.1 (random weights): measured below, not assumed
-
-
-@pytest.fixture(scope="module")
-def tiny_flux(tmp_path_factory) -> str:
-    return str(write_tiny_model(tmp_path_factory.mktemp("models") / "flux", family="flux"))
 
 
 def _run(model, out, path, quantize="none", **spec):

@@ -7,7 +7,6 @@ from fleetgen.jobs.sharding import plan_shards, read_footer, resolve_columns
 from fleetgen.workers.families.detect import FAMILIES
 from fleetgen.workers.rows.shard import Columns
 from fleetgen.workers.spec import GenerationSettings, WorkerSpec
-from fleetgen.workers.tiny import write_tiny_model
 from fleetgen.workers.worker import Worker
 from tests.conftest import write_prompts
 
@@ -15,9 +14,8 @@ LONG = " ".join(["a red fox in the forest at night"] * 15)  # 120 words: 122 tok
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("families")
-    return {f: str(write_tiny_model(root / f, family=f)) for f in ("sd", "sdxl", "sd3", "flux", "pixart-sigma", "sana")}
+def models(family_models):
+    return family_models
 
 
 def _shard(path, **columns):

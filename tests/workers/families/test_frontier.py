@@ -18,40 +18,22 @@ from fleetgen.workers.pipeline.load import pipe_size_multiple
 from fleetgen.workers.rows.batches import Look
 from fleetgen.workers.rows.shard import Columns
 from fleetgen.workers.spec import GenerationSettings, WorkerSpec
-from fleetgen.workers.tiny import write_tiny_model
 from fleetgen.workers.worker import Worker
-from tests.conftest import write_prompts
+from tests.conftest import CARDS, write_prompts
 
 # What each model's card (its published example call) and the pipeline's `__call__` say, written
 # here independently of the table: (steps, guidance, dtype, how a negative prompt is taken).
-CARDS = {
-    "flux2": (50, 4.0, "bfloat16", "none"),  # FLUX.2-dev: 50 steps, guidance 4, no negative prompt
-    "flux2-klein": (4, 1.0, "bfloat16", "none"),  # klein 4B/9B distilled: 4 steps, guidance 1
-    "flux2-klein-base": (50, 4.0, "bfloat16", "none"),  # klein base: 50 steps, guidance 4 (CFG)
-    "qwen-image": (50, 4.0, "bfloat16", "negative_prompt"),  # true_cfg_scale 4, negative " "
-    "z-image-turbo": (9, 0.0, "bfloat16", "negative_prompt"),  # 9 steps, guidance 0
-    "z-image": (50, 4.0, "bfloat16", "negative_prompt"),
-    "hunyuanimage": (50, 3.5, "bfloat16", "negative_prompt"),
-    "hunyuanimage-distilled": (8, 3.25, "bfloat16", "none"),  # distilled_guidance_scale 3.25
-    "chroma": (40, 3.0, "bfloat16", "negative_prompt"),  # Chroma1-HD: 40 steps, guidance 3
-    "hidream": (50, 5.0, "bfloat16", "negative_prompt"),  # I1-Full: 50 steps, guidance 5
-    "hidream-dev": (28, 0.0, "bfloat16", "negative_prompt"),  # I1-Dev: 28 steps, guidance 0
-    "hidream-fast": (16, 0.0, "bfloat16", "negative_prompt"),  # I1-Fast: 16 steps, guidance 0
-}
+
+
+@pytest.fixture(scope="module")
+def models(frontier_models):
+    return frontier_models
 
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
 LONG = " ".join(["a red fox in the forest at night"] * 20)  # 160 words: 162 tokens here
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """One tiny model per entry, in a directory named as its checkpoint is (names tell Z-Image from
-    Turbo and HiDream Full, Dev and Fast apart)."""
-    root = tmp_path_factory.mktemp("frontier")
-    return {f: str(write_tiny_model(root / f, family=f)) for f in CARDS}
 
 
 def _columns(path):

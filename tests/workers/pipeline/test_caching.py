@@ -18,7 +18,6 @@ from fleetgen.offload.cost import Placement
 from fleetgen.workers.pipeline.caching import AppliedCache
 from fleetgen.workers.rows.shard import Columns
 from fleetgen.workers.spec import GenerationSettings
-from fleetgen.workers.tiny import write_tiny_model
 from fleetgen.workers.tiny.flux import build_tiny_flux
 from tests.conftest import pixels, run_one_shard, write_prompts
 
@@ -26,11 +25,6 @@ STEPS = 12
 
 
 FBC = "first-block:0.3"  # skips a few of 12 steps of the tiny FLUX.1 (random weights): measured below, not assumed
-
-
-@pytest.fixture(scope="module")
-def tiny_flux(tmp_path_factory) -> str:
-    return str(write_tiny_model(tmp_path_factory.mktemp("models") / "flux", family="flux"))
 
 
 def _run(model, out, prompts, cache="none", **spec):

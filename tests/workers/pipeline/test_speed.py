@@ -13,15 +13,9 @@ from fleetgen.errors import ConfigError, OffloadError
 from fleetgen.offload.stats import find_groups
 from fleetgen.workers.pipeline.attention import dispatched
 from fleetgen.workers.spec import GenerationSettings
-from fleetgen.workers.tiny import write_tiny_model
 from tests.conftest import pixels, run_one_shard, write_prompts
 
 FLUX = GenerationSettings(steps=3, guidance=3.5, width=64, height=64, family="flux")
-
-
-@pytest.fixture(scope="module")
-def tiny_flux(tmp_path_factory) -> str:
-    return str(write_tiny_model(tmp_path_factory.mktemp("models") / "flux", family="flux"))
 
 
 @pytest.fixture

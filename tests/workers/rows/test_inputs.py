@@ -20,14 +20,9 @@ from fleetgen.workers.rows.shard import Columns
 from fleetgen.workers.spec import GenerationSettings, WorkerSpec
 from fleetgen.workers.tiny import write_tiny_model
 from fleetgen.workers.worker import Worker
+from tests.conftest import png
 
 STRUCT = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
-
-
-def png(color, size=(96, 80)) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", size, color).save(buf, "PNG")
-    return buf.getvalue()
 
 
 def pixels(data: bytes) -> np.ndarray:
