@@ -39,8 +39,9 @@ with socket.socket() as _s:
     HUB_PORT = _s.getsockname()[1]
 os.environ.update(HF_HOME=_HF_HOME, HF_ENDPOINT=f"http://127.0.0.1:{HUB_PORT}", HF_HUB_DISABLE_XET="1")
 
-# Fast generation settings for every test job: 64x64 is the tiny model's native size.
-FAST = {"steps": 2, "guidance": 5.0, "width": 64, "height": 64, "device": "cpu"}
+# Fast generation settings for every test job: 64x64 is the tiny model's native size; one worker (a Ray
+# worker costs ~8 s of CPU to start: `make test` is CPU-bound), where a test does not ask for more.
+FAST = {"steps": 2, "guidance": 5.0, "width": 64, "height": 64, "device": "cpu", "workers": 1}
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -358,6 +359,9 @@ def ray_cluster(_s3_env):
 RAY_FIXTURES = {"ray_cluster"}
 CLUSTER_FIXTURES = {"ray_head", "autoscaling_head"}
 CLUSTER_GROUP = "cluster"  # the xdist_group of the tests marked `cluster`
+# Module fixtures that run whole jobs (10-20 s of CPU each): the tests sharing one go to one pytest
+# worker, so that it is made once, not once on each.
+SHARED_JOBS = {"chaos_input", "finished", "reference"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
@@ -375,6 +379,8 @@ def pytest_collection_modifyitems(items):
         # see README.
         if item.get_closest_marker("cluster"):
             item.add_marker(pytest.mark.xdist_group(CLUSTER_GROUP))
+        elif names & SHARED_JOBS:
+            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}:{min(names & SHARED_JOBS)}"))
 
 
 def _ray_starts() -> int:

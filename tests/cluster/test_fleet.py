@@ -350,7 +350,7 @@ def test_a_worker_that_fits_nothing_is_reported_and_the_job_goes_on(ray_cluster,
             input=str(prompts),
             output=str(tmp_path / "out"),
             model=tiny_model,
-            **{**FAST, "rows_per_shard": 3, "worker_memory": "3MiB,1GiB"},
+            **{**FAST, "rows_per_shard": 3, "worker_memory": "3MiB,1GiB", "workers": None},
         )
     )
     summary = run_job(config, progress_stream=log, progress_interval=0)

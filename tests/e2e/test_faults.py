@@ -93,10 +93,7 @@ def test_failing_shard_is_retried_bounded_then_reported(tiny_model, tmp_path, ra
 
     prompts = write_prompts(tmp_path / "p.parquet", [f"p{i}" for i in range(16)], row_group_size=8)
     _corrupt_first_row_group(prompts)
-    args = [
-        "run",
-        *run_args(prompts, tmp_path / "out", tiny_model, guidance=None, rows_per_shard=8, workers=2, max_attempts=2),
-    ]
+    args = ["run", *run_args(prompts, tmp_path / "out", tiny_model, guidance=None, rows_per_shard=8, max_attempts=2)]
     assert main(args) == 1
     err = capsys.readouterr().err
     assert "FAILED shard-00000 after 2 attempt(s): InputError: Could not read row group 0" in err
@@ -174,14 +171,14 @@ def test_second_driver_refuses_naming_the_first(tiny_model, tmp_path, ray_cluste
     first.acquire()
     try:
         with pytest.raises(StorageError) as err:
-            run_job(job(prompts, tiny_model, tmp_path / "out"), progress_stream=io.StringIO())
+            run_job(job(prompts, tiny_model, tmp_path / "out", workers=1), progress_stream=io.StringIO())
         assert "is in use by another fleetgen driver" in str(err.value) and first.owner in str(err.value)
     finally:
         first.release()
     log = io.StringIO()
     lock = tmp_path / "out" / "_LOCK"
     lock.write_text(json.dumps({"token": "dead", "owner": "old-host pid 1", "started": 0, "heartbeat": 0}))
-    assert run_job(job(prompts, tiny_model, tmp_path / "out"), progress_stream=log).complete
+    assert run_job(job(prompts, tiny_model, tmp_path / "out", workers=1), progress_stream=log).complete
     assert "took over a stale lock of old-host pid 1" in log.getvalue()
 
 
@@ -285,7 +282,8 @@ def test_ids_repeated_across_shards_overwrite_nothing_and_within_a_shard_fail_it
     ids = ["a", "b", "c", "d", "a", "e", "f", "g", "h", "i", "h", "j"]
     prompts = write_prompts(tmp_path / "p.parquet", [f"prompt {i}" for i in range(12)], id=ids)
     summary = run_job(
-        job(prompts, tiny_model, tmp_path / "out", rows_per_shard=4, max_attempts=1), progress_stream=io.StringIO()
+        job(prompts, tiny_model, tmp_path / "out", rows_per_shard=4, max_attempts=1, workers=1),
+        progress_stream=io.StringIO(),
     )
     assert (summary.shards_committed, summary.images_ok) == (2, 8)
     [failure] = summary.failures

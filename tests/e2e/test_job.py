@@ -177,8 +177,7 @@ def test_s3_input_and_output(ray_cluster, s3_server, tiny_model, tmp_path, monke
             model=tiny_model,
             rows_per_shard=3,
             max_batch=3,
-            workers=2,
-            **FAST,
+            **{**FAST, "workers": 2},
         )
     )
     summary = run_job(cfg, progress_stream=io.StringIO())
@@ -201,7 +200,7 @@ def test_emulated_mixed_fleet_plans_per_worker_same_images(ray_cluster, tiny_mod
     """`--worker-memory`: one worker per budget, each planning for its own; the images are the
     bytes a single uniform worker makes (same batch size)."""
     mixed = run_job(
-        job(prompts, tiny_model, tmp_path / "mixed", worker_memory="20MiB,1GiB", max_batch=1),
+        job(prompts, tiny_model, tmp_path / "mixed", worker_memory="20MiB,1GiB", max_batch=1, workers=None),
         progress_stream=io.StringIO(),
     )
     # the uniform worker: one in this process, one thread as each of the job's, batches of 1 in shards of 3

@@ -62,13 +62,7 @@ def test_report_renders_with_every_image_loaded(ray_cluster, tiny_model, tmp_pat
     out = tmp_path / "out"
     config = validate(
         JobConfig(
-            input=str(prompts),
-            output=str(out),
-            model=tiny_model,
-            rows_per_shard=8,
-            workers=1,
-            output_format=output_format,
-            **FAST,
+            input=str(prompts), output=str(out), model=tiny_model, rows_per_shard=8, output_format=output_format, **FAST
         )
     )
     assert run_job(config, progress_stream=io.StringIO()).complete

@@ -169,7 +169,6 @@ def test_retry_errors_redoes_exactly_the_error_rows(ray_cluster, tiny_model, tmp
             output_format="webdataset",
             rows_per_shard=3,
             max_batch=3,
-            workers=1,
             strict_prompts=True,
             **FAST,
         )
