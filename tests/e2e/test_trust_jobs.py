@@ -116,7 +116,7 @@ def test_the_store_down_mid_run_ends_in_one_line_and_a_rerun_finishes(
     monkeypatch.setenv("FLEETGEN_STORAGE_ATTEMPTS", "2")
     prompts, clean = reference
     out = s3_bucket("flaky-outage")
-    args = ["run", *run_args(str(prompts), out, tiny_model, rows_per_shard="8", workers="2", max_attempts="5")]
+    args = ["run", *run_args(str(prompts), out, tiny_model, rows_per_shard="8", max_attempts="5")]
 
     def outage():
         _first_commit(faulty_store, "flaky-outage")
