@@ -1,4 +1,5 @@
-"""The actor a pool places: cheap to create, loaded on `start`.
+"""The actor a pool places: cheap to create, loaded on `start`. The driver that creates it imports no
+torch: the worker's modules load in the actor's own process.
 
 Creating the actor only places it (Ray finds a node with the resources it asks for, which on an
 autoscaling cluster may mean starting one); `start` then loads the model. Splitting the two lets
@@ -14,9 +15,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 import ray
-import torch
 
-from fleetgen.cluster.metrics import MeteredWorker
 from fleetgen.errors import ClusterError
 from fleetgen.workers.rows.shard import Shard
 from fleetgen.workers.spec import BatchDone, ShardResult, WorkerSpec
@@ -58,7 +57,7 @@ class FleetWorker:
     def __init__(self, spec: WorkerSpec, resources: dict):
         self.spec = spec
         self.resources = resources  # what it asked Ray for: num_gpus / num_cpus / memory
-        self.worker: MeteredWorker | None = None
+        self.worker = None  # a MeteredWorker once started (its module loads torch: in the actor's process only)
 
     def where(self) -> dict:
         """Where Ray placed this actor: node, host, pid, the GPUs it was given, the node's GPU type."""
@@ -81,6 +80,10 @@ class FleetWorker:
         """Load the pipeline and plan for this device (once); returns `Worker.describe()` with
         where it runs and any warning about its placement."""
         if self.worker is None:
+            import torch
+
+            from fleetgen.cluster.metrics import MeteredWorker
+
             placement = self.where()
             warnings = self._check_device(placement)
             device_total = torch.cuda.mem_get_info()[1] if placement["gpu_ids"] and torch.cuda.is_available() else None
@@ -92,6 +95,8 @@ class FleetWorker:
     def _check_device(self, placement: dict) -> list[str]:
         """A worker given a GPU by Ray whose torch sees no CUDA device is misconfigured: refused
         unless `--device cpu` says to compute on CPU anyway."""
+        import torch
+
         if not placement["gpu_ids"] or torch.cuda.is_available():
             return []
         what = (

@@ -1,6 +1,7 @@
 """Worker metrics through Ray's own metrics API (`ray.util.metrics`), which Ray exports to
 Prometheus on each node's metrics port (names get Ray's `ray_` prefix there). Tagged per worker
-and device."""
+and device. Imported in the actor's process only (the worker's modules load torch); the driver's own
+metric is the pool's (`fleetgen_shard_failures`, cluster/pool.py)."""
 
 from __future__ import annotations
 
@@ -13,15 +14,6 @@ from fleetgen.workers.spec import BatchDone, ShardResult, WorkerSpec
 from fleetgen.workers.worker import Worker
 
 TAGS = ("worker", "device")
-_failed: Counter | None = None
-
-
-def failed_counter() -> Counter:
-    """Shards that failed for good (counted by the driver, which decides that)."""
-    global _failed
-    if _failed is None:
-        _failed = Counter("fleetgen_shard_failures", "Shards that failed after every attempt")
-    return _failed
 
 
 class MeteredWorker(Worker):

@@ -45,7 +45,6 @@ from fleetgen.cluster.events import (
     WorkerReleased,
     WorkerUnreachable,
 )
-from fleetgen.cluster.metrics import failed_counter
 from fleetgen.cluster.sizing import format_asks, gpu_hint, unplaceable
 from fleetgen.errors import ClusterError, one_line
 from fleetgen.workers.rows.shard import Shard
@@ -59,6 +58,19 @@ WAITING_NOTE = 15.0  # seconds between progress notes while no worker is placed
 # (core_worker: "The actor is temporarily unavailable: IOError: The actor was restarted").
 RESTARTED = "The actor was restarted"
 TICK = 1.0  # seconds without an event after which the loop yields a Tick
+
+
+_failed = None
+
+
+def failed_counter():
+    """Shards that failed for good, as a Ray metric (counted by the driver, which decides that)."""
+    global _failed
+    if _failed is None:
+        from ray.util.metrics import Counter
+
+        _failed = Counter("fleetgen_shard_failures", "Shards that failed after every attempt")
+    return _failed
 
 
 def _message(err: Exception) -> str:

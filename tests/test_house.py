@@ -155,6 +155,8 @@ TORCH_FREE = (  # modules whose docstrings say they load no torch: the driver, `
     "fleetgen.jobs.config",
     "fleetgen.jobs.status",
     "fleetgen.jobs.verify",
+    "fleetgen.cluster",  # the driver: the workers' modules load in the actors' processes
+    "fleetgen.jobs.driver",
 )
 
 
