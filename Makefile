@@ -10,21 +10,28 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e '.[s3,test,docs]'
+	$(PY) -m pip install -q -e '.[s3,gcs,azure,test,docs]'
 	touch $@
 
-.PHONY: demo test test-fast docs lint bench gpu-check gpu-check-dry gpu-wheelhouse
+# Azurite, Microsoft's Azure Storage emulator, for the tests' az:// store (tests/stores.py); needs node and npm.
+AZURITE_VERSION ?= 3.37.0
+AZURITE := .cache/azurite/node_modules/.bin/azurite-blob
+$(AZURITE):
+	npm install --silent --no-audit --no-fund --prefix .cache/azurite azurite@$(AZURITE_VERSION)
+azurite: $(AZURITE)
+
+.PHONY: demo test test-fast docs lint bench gpu-check gpu-check-dry gpu-wheelhouse azurite
 demo: $(VENV)/.installed
 	$(VENV)/bin/fleetgen demo --output demo-output
 
 # Everything: the README's test command (CI runs it). Markers: tests/conftest.py.
-test: $(VENV)/.installed
+test: $(VENV)/.installed $(AZURITE)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15
 
 # The inner loop: no Ray, no extra clusters, no chaos, nothing slow (under 2 minutes on 2 cores).
-test-fast: $(VENV)/.installed
+test-fast: $(VENV)/.installed $(AZURITE)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -n 2 -m "not ray and not cluster and not chaos and not slow"
 

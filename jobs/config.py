@@ -101,6 +101,7 @@ class _Job:
     trust_remote_code: bool = False  # let the model repo run its own code (off: never)
     strict_prompts: bool = False  # over-long prompts are error rows instead of being truncated
     retry_errors: bool = False  # also redo the error rows of committed shards (ok images stay as they are)
+    allow_unsafe_commits: bool = False  # run on a store whose backend cannot create-if-absent atomically
 
     def __post_init__(self) -> None:
         for name, parse in (("quantize", parse_quantize), ("cache", parse_cache), ("attention", parse_attention)):

@@ -3,9 +3,10 @@
 A second driver on the same output refuses, naming the first. A lock whose heartbeat is older
 than `STALE` seconds belongs to a driver that died (SIGKILL, lost node) and is taken over; a lock
 of a driver on this same host whose process no longer exists is taken over at once.
-Object stores give no atomic create-if-absent through fsspec, so after writing the lock we read
-it back: of two drivers starting together, the one whose write landed last wins, the other
-refuses.
+A free output is claimed by creating the lock only if absent (atomic on every store fleetgen
+commits on: `Output.create`), so of two drivers starting together exactly one wins. A stale lock is
+replaced by a write that is read back: of two drivers taking one over together, the one whose write
+landed last wins, the other refuses.
 """
 
 from __future__ import annotations
@@ -102,8 +103,15 @@ class OutputLock:
                 )
             else:
                 note = f"took over a stale lock of {held.get('owner')} (no heartbeat for {age:.0f} s)"
-        self.output.put(LOCK, self._record())
-        time.sleep(SETTLE)
+        free = held is None and self.output.atomic_create
+        if free and not self.output.create(LOCK, self._record()):
+            held = self._current()
+            if held:  # another driver's create landed first
+                raise StorageError(f"{self.output.url} was claimed at the same moment by {held.get('owner')}.")
+            free = False  # a torn lock of a dead driver: replaced below
+        if not free:
+            self.output.put(LOCK, self._record())
+            time.sleep(SETTLE)
         held = self._current()
         if not held or held.get("token") != self.token:
             raise StorageError(f"{self.output.url} was claimed at the same moment by {held and held.get('owner')}.")

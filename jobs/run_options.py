@@ -267,6 +267,13 @@ def _devices(g) -> None:
         help="also redo the error rows of committed shards; their ok images are kept as they are",
     )
     g.add_argument(
+        "--allow-unsafe-commits",
+        action="store_true",
+        default=None,
+        help="run on an output store whose fsspec backend cannot create an object only if absent "
+        "(local disks, s3://, gs:// and az:// can): two attempts of a shard could then both commit",
+    )
+    g.add_argument(
         "--trust-remote-code",
         action="store_true",
         default=None,

@@ -38,6 +38,10 @@ with socket.socket() as _s:
     _s.bind(("127.0.0.1", 0))
     HUB_PORT = _s.getsockname()[1]
 os.environ.update(HF_HOME=_HF_HOME, HF_ENDPOINT=f"http://127.0.0.1:{HUB_PORT}", HF_HUB_DISABLE_XET="1")
+# gcsfs' default filesystem (its "extended" one) asks GCS's Storage Control API over gRPC for each
+# bucket's layout, which the emulator does not serve (each lookup then waits out its retries): the
+# tests use gcsfs' core filesystem, which every non-zonal bucket uses anyway. Read at gcsfs' import.
+os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 
 # Fast generation settings for every test job: 64x64 is the tiny model's native size; one worker (a Ray
 # worker costs ~8 s of CPU to start: `make test` is CPU-bound), where a test does not ask for more.
@@ -258,76 +262,57 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# botocore does not retry in tests (its default is 4 more tries, over seconds; s3fs still retries a
-# connection closed mid-request), so that the faults of tests/faulty_store.py reach fleetgen's own
-# policy (workers/output/storage.py) and an outage is seen in a second, not in tens. Set before any Ray
-# worker starts: they read it at import.
-S3_CLIENT = {
-    "config_kwargs": {"retries": {"max_attempts": 1, "mode": "standard"}, "connect_timeout": 5, "read_timeout": 30}
-}
+STORES = ("s3", "gcs", "azure")  # the object stores of tests/stores.py; "local" is a folder
 
 
 @pytest.fixture(scope="session")
-def _s3_env():
-    """Where the S3 stack will listen, in this process's environment (s3fs finds the proxy through
-    AWS_ENDPOINT_URL), before the session's Ray starts, so that its workers inherit it. Nothing is
-    started here: the server and the proxy start when a test asks for them (`_s3_stack`)."""
-    import json
+def _stores_env():
+    """Where each store's server and proxy will listen, in this process's environment (s3fs finds
+    the proxy through AWS_ENDPOINT_URL, gcsfs through STORAGE_EMULATOR_HOST, adlfs through
+    AZURE_STORAGE_CONNECTION_STRING), before the session's Ray starts, so that its workers inherit
+    it. Nothing is started here: a server and its proxy start when a test asks for them."""
+    from tests.stores import planned, quiet_clients
 
-    import fsspec.config
+    quiet_clients()
+    stores = {name: planned(name) for name in STORES}
+    saved = [store.set_env() for store in stores.values()]
+    yield stores
+    for store, restore in zip(stores.values(), saved, strict=True):
+        store.restore_env(restore)
 
-    ports = {"proxy": _free_port(), "server": _free_port()}
-    env = {
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{ports['proxy']}",
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "FSSPEC_S3": json.dumps(S3_CLIENT),
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    saved_conf = fsspec.config.conf.get("s3")
-    fsspec.config.conf["s3"] = {**(saved_conf or {}), **S3_CLIENT}  # this process read FSSPEC_S3 at import
-    yield ports
-    if saved_conf is None:
-        fsspec.config.conf.pop("s3", None)
-    else:
-        fsspec.config.conf["s3"] = saved_conf
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+
+def _started(stores: dict, name: str):
+    store = stores[name]
+    if store.proxy is None:
+        if name == "s3":
+            pytest.importorskip("s3fs")
+        store.start()
+    return store
 
 
 @pytest.fixture(scope="session")
-def _s3_stack(_s3_env):
+def _s3_stack(_stores_env):
     """A real S3 API (moto) on 127.0.0.1 behind a fault-injecting proxy (tests/faulty_store.py,
-    faults off unless a test turns them on), at the ports `_s3_env` named."""
-    pytest.importorskip("s3fs")
-    from tests.faulty_store import FaultyStore
+    faults off unless a test turns them on)."""
+    store = _started(_stores_env, "s3")
+    yield store.proxy
+    store.stop()
 
-    port = _s3_env["server"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError("moto server did not start") from None
-            time.sleep(0.2)
-    store = FaultyStore(f"http://127.0.0.1:{port}", port=_s3_env["proxy"]).start()
+
+@pytest.fixture(scope="session")
+def _gcs_stack(_stores_env):
+    """fake-gcs-server on 127.0.0.1 behind the proxy."""
+    store = _started(_stores_env, "gcs")
     yield store
     store.stop()
-    proc.terminate()
-    proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def _azure_stack(_stores_env):
+    """Azurite's blob service on 127.0.0.1 behind the proxy."""
+    store = _started(_stores_env, "azure")
+    yield store
+    store.stop()
 
 
 @pytest.fixture(scope="session")
@@ -344,14 +329,37 @@ def faulty_store(_s3_stack):
     _s3_stack.reset()
 
 
+@pytest.fixture(params=["local", *STORES])
+def store(request, _stores_env, tmp_path):
+    """Each store in turn (a local folder, S3, GCS, Azure), its proxy's faults off before and after:
+    the behavioural suite every backend passes (tests/e2e/test_stores.py)."""
+    from tests.stores import Store
+
+    if request.param == "local":
+        yield Store("local", "file", root=tmp_path)
+        return
+    started = request.getfixturevalue(f"_{request.param}_stack")
+    store = started if request.param != "s3" else _stores_env["s3"]
+    store.proxy.reset()
+    yield store
+    store.proxy.reset()
+
+
 @pytest.fixture(scope="session")
-def ray_cluster(_s3_env):
-    """One local Ray for the whole run, its workers inheriting where the S3 stack listens (which starts
-    only for the tests that ask for `s3_server` or `faulty_store`)."""
+def ray_cluster(_stores_env):
+    """One local Ray for the whole run, its workers inheriting where the stores listen (which start
+    only for the tests that ask for them) and making one try per store request, as this process does
+    (`tests.stores.quiet_clients`)."""
     import ray
 
     # "local": a Ray of this pytest worker's own, never another worker's (`make test` runs two)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"worker_process_setup_hook": "tests.stores.quiet_clients"},
+    )
     yield ray
     ray.shutdown()
 

@@ -1,4 +1,5 @@
-"""A fault-injecting HTTP proxy in front of a real S3 server (moto), for tests and bench/flaky_store.py.
+"""A fault-injecting HTTP proxy in front of a real object store's server — S3 (moto), GCS
+(fake-gcs-server), Azure Blob (Azurite) — for tests and bench/flaky_store.py.
 
 It forwards every request to the server and, by a seeded draw per request or by explicit rules,
 answers as a flaky object store does:
@@ -9,6 +10,9 @@ answers as a flaky object store does:
     reset_after    the request is applied, then the connection is reset: the answer is lost
     latency        the answer comes `delay` seconds late (applied)
 
+Error answers are written in the store's own dialect (`dialect`: S3's XML, GCS's JSON, Azure's XML
+with its `x-ms-error-code` header), as its client expects to parse them.
+
 `down = True` is a full outage, as when a store's endpoint goes away: it stops listening (new
 connections are refused) and a request on a connection already open is reset; `down = False`
 listens again on the same port. Counts of requests and of each fault are kept, so a test can say
@@ -18,6 +22,7 @@ how many requests were faulted.
 from __future__ import annotations
 
 import http.client
+import json
 import random
 import socket
 import struct
@@ -33,10 +38,35 @@ _ERROR_XML = (
     '<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{message}</Message>'
     "<RequestId>fleetgen-faulty-store</RequestId></Error>"
 )
+# (status, code, message) per fault and dialect, as each store answers it (S3: SlowDown / InternalError;
+# GCS: 503 / 500 with a JSON error; Azure: ServerBusy / InternalError).
 _ANSWERS = {
-    "slowdown": (503, "SlowDown", "Please reduce your request rate."),
-    "internal": (500, "InternalError", "We encountered an internal error. Please try again."),
+    "s3": {
+        "slowdown": (503, "SlowDown", "Please reduce your request rate."),
+        "internal": (500, "InternalError", "We encountered an internal error. Please try again."),
+    },
+    "gcs": {
+        "slowdown": (503, "backendError", "We encountered an internal error. Please try again."),
+        "internal": (500, "backendError", "Backend Error"),
+    },
+    "azure": {
+        "slowdown": (503, "ServerBusy", "The server is currently unable to receive requests. Please retry."),
+        "internal": (500, "InternalError", "The server encountered an internal error. Please retry the request."),
+    },
 }
+
+
+def error_answer(dialect: str, status: int, code: str, message: str) -> tuple[list[tuple[str, str]], bytes]:
+    """(headers, body) of an error answer as the store `dialect` writes it."""
+    if dialect == "gcs":
+        body = {"error": {"code": status, "message": message, "errors": [{"reason": code, "message": message}]}}
+        return [("Content-Type", "application/json; charset=UTF-8")], json.dumps(body).encode()
+    headers = [("Content-Type", "application/xml")]
+    if dialect == "azure":
+        headers.append(("x-ms-error-code", code))
+    return headers, _ERROR_XML.format(code=code, message=message).encode()
+
+
 _HOP = {
     "connection",
     "keep-alive",
@@ -55,24 +85,29 @@ class Rule:
 
     fault: str
     method: str | None = None
-    path: str | None = None  # substring of the request path (bucket/key and query)
+    path: str | tuple[str, ...] | None = None  # substring(s) of the request path (bucket/key and query), all present
     header: str | None = None  # e.g. "If-None-Match": only conditional creates
+    body: str | None = None  # substring of the request body (GCS names an upload's key in its JSON part)
     times: int = 1
     after: Rule | None = None  # active only once this other rule has fired all its times
 
-    def matches(self, method: str, path: str, headers) -> bool:
+    def matches(self, method: str, path: str, headers, body: bytes = b"") -> bool:
         return (
             self.times > 0
             and (self.after is None or self.after.times == 0)
             and (self.method is None or method == self.method)
-            and (self.path is None or self.path in path)
+            and (
+                self.path is None or all(p in path for p in ((self.path,) if isinstance(self.path, str) else self.path))
+            )
             and (self.header is None or self.header in headers)
+            and (self.body is None or self.body.encode() in body)
         )
 
 
 class FaultyStore:
-    def __init__(self, upstream: str, seed: int = 0, delay: float = 0.5, port: int = 0):
+    def __init__(self, upstream: str, seed: int = 0, delay: float = 0.5, port: int = 0, dialect: str = "s3"):
         self.upstream = urlsplit(upstream)
+        self.dialect = dialect
         self.random = random.Random(seed)
         self.rate = 0.0  # fraction of requests faulted by the draw
         self.weights = dict.fromkeys(FAULTS, 1.0)  # relative frequency of each fault in the draw
@@ -142,7 +177,7 @@ class FaultyStore:
     def faulted(self) -> int:
         return sum(self.counts[f] for f in FAULTS) + self.counts["outage"]
 
-    def _decide(self, method: str, path: str, headers) -> str | None:
+    def _decide(self, method: str, path: str, headers, body: bytes = b"") -> str | None:
         with self._lock:
             self.counts["requests"] += 1
             if self._down:
@@ -150,7 +185,7 @@ class FaultyStore:
             else:
                 fault = None
                 for rule in self.rules:
-                    if rule.matches(method, path, headers):
+                    if rule.matches(method, path, headers, body):
                         rule.times -= 1
                         fault = rule.fault
                         break
@@ -227,13 +262,13 @@ class _Handler(BaseHTTPRequestHandler):
     def _handle(self) -> None:
         store = self.server.store
         body = self._body()
-        fault = store._decide(self.command, self.path, self.headers)
+        fault = store._decide(self.command, self.path, self.headers, body)
         if fault in ("outage", "reset_before"):
             return self._reset()
-        if fault in _ANSWERS:
-            status, code, message = _ANSWERS[fault]
-            data = _ERROR_XML.format(code=code, message=message).encode()
-            return self._answer(status, [("Content-Type", "application/xml")], data)
+        answers = _ANSWERS[store.dialect]
+        if fault in answers:
+            status, code, message = answers[fault]
+            return self._answer(status, *error_answer(store.dialect, status, code, message))
         status, headers, data = self._forward(body)
         if fault == "reset_after":
             return self._reset()
@@ -241,4 +276,4 @@ class _Handler(BaseHTTPRequestHandler):
             time.sleep(store.delay)
         self._answer(status, headers, data)
 
-    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _handle

@@ -3,9 +3,9 @@ winner's bytes.
 
 Every attempt of a shard writes its objects under a staging prefix of its own,
 `_attempts/<shard>/<attempt>/<final key>`, which no other attempt writes. It commits by creating the
-shard's manifest `shards/<shard>.parquet` only if it is absent — atomically on local disks (a hard
-link) and S3 (a conditional PUT); elsewhere a check, then a write — and the manifest records the
-attempt that won. Only the winner then moves its staged objects to their final keys (`images/...`,
+shard's manifest `shards/<shard>.parquet` only if it is absent — atomically: a hard link on local
+disks, a conditional write on S3, GCS and Azure (`Output.create`; on any other backend a job runs
+only if the user accepts a check, then a write) — and the manifest records the attempt that won. Only the winner then moves its staged objects to their final keys (`images/...`,
 `data/...`) and removes objects under the shard's image prefix that its manifest does not name (left
 by an earlier commit of the shard that a redo replaced). A loser removes its staging. An attempt
 that cannot tell whether its commit landed (the store stopped answering) keeps its staging: what a
@@ -146,12 +146,15 @@ def promote(output: Output, shard_id: str, attempt: str, named: set[str], prefix
     name (`named`) are removed, and the staging. Returns objects moved."""
     prefix = staging(shard_id, attempt)
     staged = output.find(prefix.rstrip("/"))
-    for key in staged:
+
+    def move(key: str) -> None:
         try:
             output.move(key, key[len(prefix) :])
         except FileNotFoundError:  # moved meanwhile by the other party finishing this commit (a sweep, or its worker)
             if not output.exists(key[len(prefix) :]):
                 raise
+
+    output.each(move, staged)
     kept = keeps(named)  # a clip's poster and frames stay with it
     for key in (k for prefix in prefixes for k in output.find(prefix)):
         if not kept(key):

