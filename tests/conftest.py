@@ -358,7 +358,11 @@ def ray_cluster(_stores_env):
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,
-        runtime_env={"worker_process_setup_hook": "tests.stores.quiet_clients"},
+        # the hook lives in this repository's tests/, which the workers import from its root
+        runtime_env={
+            "worker_process_setup_hook": "tests.stores.quiet_clients",
+            "env_vars": {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)},
+        },
     )
     yield ray
     ray.shutdown()

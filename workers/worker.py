@@ -242,7 +242,13 @@ class Worker:
         except StorageError:
             version = None  # the driver looks it up
         prefixes = get_format(self.spec.settings.output_format).object_prefixes(at.shard.id)
-        promote(self.output, at.shard.id, at.id, {r["image"] for r in final if r["image"]}, prefixes)
+        try:
+            promote(self.output, at.shard.id, at.id, {r["image"] for r in final if r["image"]}, prefixes)
+        except (StorageError, ShardError) as err:  # committed: what the manifest names must stay
+            raise _CommitUnknown(
+                f"Shard {at.shard.id}: committed, but its objects did not all reach their final keys ({err}); "
+                "its staged objects are kept for the driver to finish the move"
+            ) from err
         return True, version
 
     def _give_up(self, at: _Attempt) -> None:

@@ -93,6 +93,27 @@ def test_a_commit_whose_answer_is_lost_is_still_this_attempts(store, quick_retri
     assert verify(out, deep=True).clean
 
 
+def test_a_commit_whose_moves_fail_keeps_its_staging_for_the_driver(store, quick_retries, tiny_model, tmp_path):
+    """The manifest is committed, then every request touching the staging fails: the attempt says
+    its move did not finish and deletes nothing; the driver's sweep (`finish_attempts`) then
+    finishes the move and `verify --deep` is clean."""
+    from fleetgen.workers.output.commit import finish_attempts
+
+    faulted(store)
+    out = store.location("moves-fail")
+    worker, shards = setup_job(tmp_path, tiny_model, out, "files")
+    committed = store.rule("latency", **store.create_rule("shards"))  # no fault: marks the commit
+    store.proxy.delay = 0.0
+    store.rule("reset_before", path="_attempts", times=10**6, after=committed)
+    with pytest.raises(ShardError, match="committed, but its objects did not all reach their final keys"):
+        worker.run_shard(shards[0])
+    store.proxy.reset()
+    output = Output(out)
+    assert output.exists("shards/shard-00000.parquet") and output.find("_attempts")
+    assert finish_attempts(output) == (1, 0)
+    assert verify(out, deep=True).clean
+
+
 @pytest.mark.parametrize("op", ["put", "create", "listing"])
 def test_an_outage_is_retried_then_one_storage_error_naming_the_url(store, quick_retries, op):
     faulted(store)

@@ -58,32 +58,45 @@ def s3_bucket(name: str) -> str:
 CLEAN = {"missing": 0, "duplicates": 0, "stray_objects": 0, "sha_mismatches": 0, "tmp_files": 0, "verify_deep": "clean"}
 
 
-def _first_commit(store, bucket: str, timeout: float = 120) -> None:
-    """Wait, asking the S3 server itself (not through the faults), until a shard of `bucket` is committed."""
-    import s3fs
-
-    direct = s3fs.S3FileSystem(endpoint_url=store.upstream.geturl(), skip_instance_cache=True)
+def _first_commit(direct, out: str, timeout: float = 120) -> None:
+    """Wait, asking the store's server itself (`direct`, not through the faults), until a shard of
+    the job at `out` is committed."""
+    path = out.split("://", 1)[1]
     deadline = time.monotonic() + timeout
-    while not direct.glob(f"{bucket}/out/shards/*.parquet"):
+    while not direct.glob(f"{path}/shards/*.parquet"):
         assert time.monotonic() < deadline, "no shard committed"
         time.sleep(0.05)
         direct.invalidate_cache()
 
 
+@pytest.fixture(params=["s3", "gcs", "azure"])
+def object_store(request, _stores_env):
+    """S3, GCS and Azure in turn, each behind its fault proxy (tests/stores.py)."""
+    store = request.getfixturevalue(f"_{request.param}_stack")
+    store = _stores_env[request.param] if request.param == "s3" else store
+    store.proxy.reset()
+    yield store
+    store.proxy.reset()
+
+
 def test_a_run_at_5_percent_faults_with_a_30_percent_burst_loses_nothing(
-    reference, tiny_model, faulty_store, quick_retries
+    reference, tiny_model, object_store, quick_retries
 ):
-    """5 % of requests faulted from the start (every kind: 503, 500, resets before and after the
-    request is applied, latency), 30 % for 3 s after the first commit. More seeds, and each
-    scenario alone: bench/flaky_store.py (BENCHMARKS.md)."""
+    """A job from and to each store (its prompts read from it, its outputs written to it), 5 % of
+    requests faulted from the start (every kind: 503, 500, resets before and after the request is
+    applied, latency), 30 % for 3 s after the first commit. More seeds, and each scenario alone:
+    bench/flaky_store.py (BENCHMARKS.md)."""
     prompts, clean = reference
-    out = s3_bucket("flaky-5pct")
+    out = object_store.location(f"flaky-5pct-{object_store.name}")
+    source = out.rsplit("/", 1)[0] + "/prompts.parquet"
+    object_store.filesystem().put_file(str(prompts), source.split("://", 1)[1])
+    faulty_store = object_store.proxy
     faulty_store.delay = 0.2
     faulty_store.reset(rate=0.05, seed=1)
     burst_faults = []
 
     def burst():
-        _first_commit(faulty_store, "flaky-5pct")
+        _first_commit(object_store.filesystem(direct=True), out)
         before = faulty_store.faulted()
         faulty_store.rate = 0.3
         time.sleep(3)
@@ -92,7 +105,7 @@ def test_a_run_at_5_percent_faults_with_a_30_percent_burst_loses_nothing(
 
     thread = threading.Thread(target=burst, daemon=True)
     thread.start()
-    summary = run_job(job(prompts, tiny_model, out, max_attempts=5), progress_stream=io.StringIO())
+    summary = run_job(job(source, tiny_model, out, max_attempts=5), progress_stream=io.StringIO())
     thread.join()
     faulted, requests, kinds = faulty_store.faulted(), faulty_store.counts["requests"], dict(faulty_store.counts)
     faulty_store.reset()
@@ -102,7 +115,7 @@ def test_a_run_at_5_percent_faults_with_a_30_percent_burst_loses_nothing(
 
 
 def test_the_store_down_mid_run_ends_in_one_line_and_a_rerun_finishes(
-    reference, tiny_model, faulty_store, quick_retries, capsys, monkeypatch
+    reference, tiny_model, faulty_store, _stores_env, quick_retries, capsys, monkeypatch
 ):
     """The store goes away after the first commit and stays away: the driver rides it out for the
     lock's lease (here 4 s, as `fleetgen.jobs.lock.STALE`; 60 s in a job), then stops as on SIGTERM —
@@ -119,7 +132,7 @@ def test_the_store_down_mid_run_ends_in_one_line_and_a_rerun_finishes(
     args = ["run", *run_args(str(prompts), out, tiny_model, rows_per_shard="8", max_attempts="5")]
 
     def outage():
-        _first_commit(faulty_store, "flaky-outage")
+        _first_commit(_stores_env["s3"].filesystem(direct=True), out)
         faulty_store.down = True
 
     thread = threading.Thread(target=outage, daemon=True)

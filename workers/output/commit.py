@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import json
+import posixpath
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -155,12 +156,28 @@ def promote(output: Output, shard_id: str, attempt: str, named: set[str], prefix
                 raise
 
     output.each(move, staged)
+    check_moved(output, shard_id, [key[len(prefix) :] for key in staged])
     kept = keeps(named)  # a clip's poster and frames stay with it
     for key in (k for prefix in prefixes for k in output.find(prefix)):
         if not kept(key):
             output.remove(key)
     discard(output, shard_id, attempt)
     return len(staged)
+
+
+def check_moved(output: Output, shard_id: str, moved: list[str]) -> None:
+    """Every moved object is at its final key, by one listing per folder they went to: a store (or a
+    backend's move) that lost one fails the attempt instead of reporting it committed; its staging
+    is kept for `finish_attempts`."""
+    listed: set[str] = set()
+    for folder in sorted({posixpath.dirname(k) for k in moved}):
+        listed |= {posixpath.join(folder, name) for name in output.list(folder)}
+    missing = sorted(set(moved) - listed)
+    if missing:
+        raise ShardError(
+            f"Shard {shard_id}: {len(missing)} object(s) not at their final keys after the move "
+            f"(e.g. {output.key_url(missing[0])}); `fleetgen verify --fix` finishes or redoes it"
+        )
 
 
 def discard(output: Output, shard_id: str, attempt: str) -> None:

@@ -113,6 +113,14 @@ def _hint(url: str, err: BaseException) -> str:
     return ""
 
 
+def _unwrapped(err: BaseException) -> BaseException:
+    """The store's error under a wrapper a backend adds (adlfs raises a `RuntimeError` "Failed to
+    remove ..." from the Azure SDK's error)."""
+    while type(err) is RuntimeError and isinstance(err.__cause__, Exception):
+        err = err.__cause__
+    return err
+
+
 def _kind(err: BaseException) -> str | None:
     """ "transient", "permanent", or None: not a store client's error (let it through as it is)."""
     if isinstance(err, _PERMANENT):
@@ -139,14 +147,15 @@ def guarded(what: str, url: str, op: Callable[[], T], attempts: int | None = Non
             if read:
                 raise
             raise StorageError(f"Could not {what} {url}: {one_line(err)}") from err
-        except Exception as err:
+        except Exception as raised:
+            err = _unwrapped(raised)
             kind = _kind(err)
             if kind is None or isinstance(err, StorageError):
                 raise
             if kind == "permanent":
-                raise StorageError(f"Could not {what} {url}: {one_line(err)}{_hint(url, err)}") from err
+                raise StorageError(f"Could not {what} {url}: {one_line(err)}{_hint(url, err)}") from raised
             if attempt == attempts - 1:
                 tries = f" after {attempts} attempts" if attempts > 1 else ""
-                raise StorageError(f"Could not {what} {url}{tries}: {one_line(err)}") from err
+                raise StorageError(f"Could not {what} {url}{tries}: {one_line(err)}") from raised
             time.sleep(backoff * 2**attempt)
     raise AssertionError("unreachable")

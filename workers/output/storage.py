@@ -17,6 +17,7 @@ is there. Any other backend can only check, then write: a job refuses it unless 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import posixpath
 import shutil
@@ -27,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import IO
 
 import fsspec
+import fsspec.asyn
 import pyarrow as pa
 
 from fleetgen.errors import StorageError, one_line
@@ -101,6 +103,29 @@ def unsafe_commit_reason(url: str) -> str | None:
         f"fleetgen cannot commit atomically on `{scheme}://` ({type(fs).__name__} has no create-if-absent): "
         "two attempts of one shard (a straggler's and its replacement's) could both commit"
     )
+
+
+async def _azure_copy(fs, src: str, dst: str) -> None:
+    """Copy one blob to another key and return once the copy is complete. Azure's Copy Blob may
+    answer "pending" and finish later (adlfs' `cp_file` does not wait), and deleting the source of a
+    pending copy aborts it; fsspec's generic `mv` also copies into `dst/` when it takes an existing
+    `dst` for a folder (a retried move). So: one Copy Blob, its status followed to "success"."""
+    from azure.core.exceptions import ResourceNotFoundError
+
+    (c1, b1, _), (c2, b2, _) = fs.split_path(src), fs.split_path(dst)
+    target = fs.service_client.get_blob_client(container=c2, blob=b2)
+    try:
+        copy = await target.start_copy_from_url(fs.service_client.get_blob_client(container=c1, blob=b1).url)
+    except ResourceNotFoundError as err:
+        raise FileNotFoundError(src) from err
+    status, waited = copy.get("copy_status"), 0.0
+    while status == "pending" and waited < 300:
+        await asyncio.sleep(0.2)
+        waited += 0.2
+        status = (await target.get_blob_properties()).copy.status
+    if status != "success":
+        raise OSError(f"the copy of {src} to {dst} ended {status!r}")
+    fs.invalidate_cache(posixpath.dirname(dst))
 
 
 class Output:
@@ -225,6 +250,9 @@ class Output:
                     # gcsfs' mv asks for the moveTo API first, which only buckets with a hierarchical
                     # namespace have, logs its failure and then copies: a wasted request per object
                     self.fs.cp_file(self.path(src), self.path(dst))
+                    self.fs.rm_file(self.path(src))
+                elif self.kind == "azure":
+                    fsspec.asyn.sync(self.fs.loop, _azure_copy, self.fs, self.path(src), self.path(dst))
                     self.fs.rm_file(self.path(src))
                 else:
                     self.fs.mv(self.path(src), self.path(dst))
