@@ -9,6 +9,7 @@ answers as a flaky object store does:
     reset_before   the connection is reset before the request reaches the store (not applied)
     reset_after    the request is applied, then the connection is reset: the answer is lost
     latency        the answer comes `delay` seconds late (applied)
+    denied         (by rule only) the store refuses the caller's credentials: 401/403 in its dialect
 
 Error answers are written in the store's own dialect (`dialect`: S3's XML, GCS's JSON, Azure's XML
 with its `x-ms-error-code` header), as its client expects to parse them.
@@ -42,14 +43,17 @@ _ERROR_XML = (
 # GCS: 503 / 500 with a JSON error; Azure: ServerBusy / InternalError).
 _ANSWERS = {
     "s3": {
+        "denied": (403, "AccessDenied", "Access Denied"),
         "slowdown": (503, "SlowDown", "Please reduce your request rate."),
         "internal": (500, "InternalError", "We encountered an internal error. Please try again."),
     },
     "gcs": {
+        "denied": (401, "required", "Anonymous caller does not have storage.objects.list access to the bucket."),
         "slowdown": (503, "backendError", "We encountered an internal error. Please try again."),
         "internal": (500, "backendError", "Backend Error"),
     },
     "azure": {
+        "denied": (403, "AuthenticationFailed", "Server failed to authenticate the request."),
         "slowdown": (503, "ServerBusy", "The server is currently unable to receive requests. Please retry."),
         "internal": (500, "InternalError", "The server encountered an internal error. Please retry the request."),
     },

@@ -204,6 +204,26 @@ def test_a_backend_that_cannot_create_atomically_is_refused_unless_accepted(tiny
     assert worker.run_shard(shards[0]).ok == 3
 
 
+HINTS = {
+    "s3": "set AWS_ACCESS_KEY_ID",
+    "gcs": "set GOOGLE_APPLICATION_CREDENTIALS",
+    "azure": "set AZURE_STORAGE_CONNECTION_STRING",
+}
+
+
+def test_a_refused_caller_is_told_at_once_what_to_set(store):
+    """The store answers 401/403 in its own dialect (S3's AccessDenied, GCS' 401 for an anonymous
+    caller, Azure's AuthenticationFailed): no retry, one line with the store's credentials to set."""
+    faulted(store)
+    url = store.location("refused")
+    store.rule("denied", times=10**6)
+    with pytest.raises(StorageError) as err:
+        Output(url).check()
+    message = str(err.value)
+    assert "\n" not in message and url in message and HINTS[store.name] in message, message
+    assert store.proxy.counts["denied"] <= 2, store.proxy.counts  # refused, not retried four times
+
+
 def test_a_denied_credential_is_one_line_naming_what_to_set(_azure_stack, monkeypatch):
     """Azurite checks the account key as Azure does: a wrong one is refused (403), and the job's
     first look at its output says so in one line, with what to set."""

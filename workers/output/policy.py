@@ -107,8 +107,10 @@ def _status(err: BaseException) -> int | None:
 
 
 def _hint(url: str, err: BaseException) -> str:
-    if "Credential" in type(err).__name__ or _status(err) in (401, 403):
-        scheme = url.split("://", 1)[0] if "://" in url else ""
+    if "://" not in url:
+        return ""  # a local path: its permissions, not credentials
+    if "Credential" in type(err).__name__ or isinstance(err, PermissionError) or _status(err) in (401, 403):
+        scheme = url.split("://", 1)[0]
         return f" ({_CREDENTIALS_HINT.get(scheme, 'give fleetgen credentials for this store')})"
     return ""
 

@@ -264,11 +264,12 @@ class Output:
 
         self._retry("move", src, move, read=False)
 
-    def each(self, op: Callable[[str], object], keys: list[str], threads: int = MOVE_THREADS) -> None:
+    def each(self, op: Callable[[str], object], keys: list[str], threads: int | None = None) -> None:
         """`op(key)` for every key, concurrently on object stores (a commit's moves: a request or two
         each, so a shard of hundreds takes seconds, not minutes); one by one on a local disk. The
         first error is raised once every key has been tried."""
-        if self.local or len(keys) <= 1:
+        threads = threads or MOVE_THREADS
+        if self.local or len(keys) <= 1 or threads <= 1:
             for key in keys:
                 op(key)
             return
