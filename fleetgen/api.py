@@ -60,17 +60,20 @@ def run(
 
 def plan(
     model: str,
-    gpu_memory: str | list[str],
+    gpu_memory: str | list[str] | None = None,
     *,
+    gpu: str | None = None,
     host_memory: str | None = None,
     dtype: str | None = None,
-    bandwidth: float = 20.0,
+    bandwidth: float | None = None,
     **options,
 ) -> Plans:
     """`fleetgen plan`: the offload plan and batch each device budget would get, from the model's
     configs alone (no weights, no GPU). `model`: a shipped architecture (`fleetgen plan --help` names
-    them) or a pipeline directory; `gpu_memory`: a size like `24GiB`, or several; `bandwidth`: host→device
-    GB/s to assume. `options`: `width`, `height`, `steps`, `guidance`, `true_cfg_scale`, `max_batch`,
+    them) or a pipeline directory; `gpu_memory`: a size like `24GiB`, or several; `gpu`: a card
+    (`H100`, `RTX-4090`, ...: offload/devices.py) whose throughput and host link the plans assume, and
+    whose memory is the budget when `gpu_memory` is not given; `bandwidth`: host→device GB/s to assume
+    (default the card's, else 20). `options`: `width`, `height`, `steps`, `guidance`, `true_cfg_scale`, `max_batch`,
     `offload`, `task`, `references`, `num_frames`, `cache`, `quantize`. Returns the plans (`.rows`,
     `.text()`, `.to_dict()`)."""
     from dataclasses import fields
@@ -78,8 +81,9 @@ def plan(
     from fleetgen.jobs.planning import PlanRequest, plan_budgets
 
     _known(options, [f.name for f in fields(PlanRequest) if f.name != "model"], "fleetgen.plan")
-    budgets = [gpu_memory] if isinstance(gpu_memory, str) else list(gpu_memory)
-    return plan_budgets(PlanRequest(model, **options), budgets, host_memory, dtype, bandwidth * 1e9)
+    budgets = [gpu_memory] if isinstance(gpu_memory, str) else list(gpu_memory or [])
+    bytes_per_s = bandwidth * 1e9 if bandwidth else None
+    return plan_budgets(PlanRequest(model, **options), budgets, host_memory, dtype, bytes_per_s, gpu)
 
 
 def status(output: str) -> JobStatus:

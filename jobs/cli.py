@@ -86,7 +86,14 @@ def _add_plan(pl: argparse.ArgumentParser) -> None:
     pl.add_argument(
         "--model", required=True, help=f"a shipped architecture ({', '.join(NAMES)}) or a pipeline directory"
     )
-    pl.add_argument("--gpu-memory", action="append", required=True, help="a budget, e.g. 24GiB; repeat for more")
+    from fleetgen.offload.devices import GPUS
+
+    pl.add_argument("--gpu-memory", action="append", help="a budget, e.g. 24GiB; repeat for more")
+    pl.add_argument(
+        "--gpu",
+        help=f"a card whose dense bf16 throughput and host link to assume ({', '.join(GPUS)}); its memory is "
+        "the budget unless --gpu-memory is given (default: 100 TFLOP/s and 20 GB/s)",
+    )
     pl.add_argument("--host-memory", help="host RAM per worker for offloaded copies (default 80%% of this machine's)")
     pl.add_argument("--width", type=int, help="pixels to plan for (default 1024; video families: their card's)")
     pl.add_argument("--height", type=int, help="pixels to plan for (default 1024; video families: their card's)")
@@ -119,7 +126,7 @@ def _add_plan(pl: argparse.ArgumentParser) -> None:
         help="none | first-block[:THRESHOLD] | taylorseer[:interval=N,warmup=W,order=K] | magcache[:...]: a step "
         "cache to plan with",
     )
-    pl.add_argument("--bandwidth", type=float, default=20.0, help="host→device GB/s to assume (default 20)")
+    pl.add_argument("--bandwidth", type=float, help="host→device GB/s to assume (default: the --gpu's, else 20)")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -224,9 +231,15 @@ def _calibrate(args) -> int:
 def _plan(args) -> int:
     import json
 
-    options = _options(args, "model", "gpu_memory", "host_memory", "dtype", "bandwidth", "json")
+    options = _options(args, "model", "gpu_memory", "gpu", "host_memory", "dtype", "bandwidth", "json")
     plans = fleetgen.plan(
-        args.model, args.gpu_memory, host_memory=args.host_memory, dtype=args.dtype, bandwidth=args.bandwidth, **options
+        args.model,
+        args.gpu_memory,
+        gpu=args.gpu,
+        host_memory=args.host_memory,
+        dtype=args.dtype,
+        bandwidth=args.bandwidth,
+        **options,
     )
     print(json.dumps(plans.to_dict(), indent=2) if args.json else plans.text(), end="\n" if args.json else "")
     return 0 if plans.all_fit else EXIT_INCOMPLETE

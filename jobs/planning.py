@@ -12,6 +12,7 @@ from fleetgen.caches import CacheSpec, parse_cache
 from fleetgen.errors import ConfigError, OffloadError
 from fleetgen.offload import DeviceSpec, Workload, plan, profile_modules
 from fleetgen.offload.architectures import build_on_meta, pipeline_settings, resolve
+from fleetgen.offload.devices import gpu as device_table
 from fleetgen.offload.weight_formats import CHOOSABLE, QuantizeSpec, check_components, parse_quantize
 from fleetgen.units import format_size, parse_size
 from fleetgen.workers.families.detect import Family, choose_task, identify_dir
@@ -163,21 +164,31 @@ class Plans:
 
 def plan_budgets(
     request: PlanRequest,
-    gpu_memory: list[str],
+    gpu_memory: list[str] | None,
     host_memory: str | None = None,
     dtype: str | None = None,
-    bandwidth: float = ASSUMED_BANDWIDTH,
+    bandwidth: float | None = None,
+    gpu: str | None = None,
 ) -> Plans:
     """`fleetgen plan`: the plan each of `gpu_memory` (sizes as typed, e.g. `24GiB`) would get.
-    `dtype`: default the family's; `bandwidth`: host→device bytes/s to assume."""
+    `gpu`: a card of offload/devices.py, whose throughput and link the plans assume (and whose memory
+    is the budget when `gpu_memory` is not given); `dtype`: default the family's; `bandwidth`:
+    host→device bytes/s to assume (default the card's, else 20 GB/s)."""
+    card = device_table(gpu) if gpu else None
+    if not gpu_memory and card is None:
+        raise ConfigError("Give `--gpu-memory` (a budget, e.g. 24GiB) or `--gpu` (a card, e.g. H100).")
+    budgets = list(gpu_memory) if gpu_memory else [f"{card.memory_gib}GiB"]
+    flops = card.flops if card else ASSUMED_FLOPS
+    bandwidth = bandwidth or (card.bandwidth if card else ASSUMED_BANDWIDTH)
     work, family = plan_workload(request)
     dtype = dtype or family.dtype
     if dtype not in DTYPES:
         raise ConfigError(f"`--dtype` must be one of {', '.join(DTYPES)}; got `{dtype}`.")
     summary, rows = plan_rows(
-        request.model, gpu_memory, host_memory, dtype, work, bandwidth=bandwidth, vae_upcast=family.upcasts_vae
+        request.model, budgets, host_memory, dtype, work, bandwidth, flops, vae_upcast=family.upcasts_vae
     )
     summary["family"] = family.name
+    summary["gpu"] = card.name if card else None
     return Plans(summary, rows)
 
 
@@ -198,7 +209,13 @@ def print_plans(summary: dict, rows: list[dict], as_json: bool, out=None) -> Non
     out.write(
         f"host RAM {format_size(summary['host_memory_bytes'])} (loading holds {format_size(summary['load_host_bytes'])}, "
         "then the offloaded copies); assumed host→device "
-        f"{summary['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s, {summary['flops'] / 1e12:.0f} TFLOP/s\n\n"
+        f"{summary['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s, {summary['flops'] / 1e12:.0f} TFLOP/s effective"
+        + (
+            f" (an {summary['gpu']}: offload/devices.py)"
+            if summary.get("gpu")
+            else " (defaults; `--gpu NAME` for a card's)"
+        )
+        + "\n\n"
     )
     names = list(comps)
     clips = bool(summary.get("frames"))  # a video model: per clip, and clips per hour

@@ -15,6 +15,8 @@ session's Ray runs it in every worker (`worker_process_setup_hook`).
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import json
 import os
 import shutil
@@ -61,35 +63,62 @@ def wait_listening(port: int, proc: subprocess.Popen, what: str, timeout: float 
             time.sleep(0.1)
 
 
+def _quiet_gcsfs(core) -> None:
+    from gcsfs.retry import retry_request
+
+    cls = core.GCSFileSystem
+    cls._request = retry_request(retries=1)(cls._request.__wrapped__)
+
+
+def _quiet_adlfs(spec) -> None:
+    def from_connection_string(connection_string: str):
+        from azure.storage.blob.aio import BlobServiceClient
+
+        return BlobServiceClient.from_connection_string(
+            conn_str=connection_string, user_agent=spec._USER_AGENT, retry_total=0
+        )
+
+    spec._create_aio_blob_service_client_from_connection_string = from_connection_string
+
+
+_QUIET = {"gcsfs.core": _quiet_gcsfs, "adlfs.spec": _quiet_adlfs}
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs a module's patch right after the module first executes, so that a process that never
+    touches a store pays nothing for it (gcsfs and the Azure SDK take ~1 s of CPU to import, in every
+    Ray worker process)."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in _QUIET:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module, run=run, patch=_QUIET[name]):
+            run(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
 def quiet_clients() -> None:
     """gcsfs and the Azure SDK make one try per request (as botocore does through `S3_CLIENT`): the
     retrying is fleetgen's. Run in the test process and, through Ray's `worker_process_setup_hook`,
-    in every Ray worker of the session."""
-    try:
-        import gcsfs.core
-        from gcsfs.retry import retry_request
-
-        cls = gcsfs.core.GCSFileSystem
-        if not getattr(cls, "_fleetgen_quiet", False):
-            cls._request = retry_request(retries=1)(cls._request.__wrapped__)
-            cls._fleetgen_quiet = True
-    except ImportError:
-        pass
-    try:
-        import adlfs.spec
-        from azure.storage.blob.aio import BlobServiceClient
-
-        if not getattr(adlfs.spec, "_fleetgen_quiet", False):
-
-            def from_connection_string(connection_string: str) -> BlobServiceClient:
-                return BlobServiceClient.from_connection_string(
-                    conn_str=connection_string, user_agent=adlfs.spec._USER_AGENT, retry_total=0
-                )
-
-            adlfs.spec._create_aio_blob_service_client_from_connection_string = from_connection_string
-            adlfs.spec._fleetgen_quiet = True
-    except ImportError:
-        pass
+    in every Ray worker of the session; a client not imported yet is patched when it is."""
+    if any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        return
+    for name, patch in _QUIET.items():
+        if name in sys.modules:
+            patch(sys.modules[name])
+    sys.meta_path.insert(0, _AfterImport())
 
 
 @dataclass

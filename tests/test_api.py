@@ -44,7 +44,9 @@ def test_bad_options_are_the_commands_errors(tmp_path):
         fleetgen.run("in.parquet", "out", "org/model", max_bacth=8)
     with pytest.raises(fleetgen.ConfigError, match="`--cache` must be none, first-block"):
         fleetgen.run("in.parquet", "out", "org/model", cache="fast")
-    with pytest.raises(fleetgen.ConfigError, match="`fleetgen.plan` has no option `gpu`"):
+    with pytest.raises(fleetgen.ConfigError, match="`fleetgen.plan` has no option `gpu_type`"):
+        fleetgen.plan("sdxl", "24GiB", gpu_type="x")
+    with pytest.raises(fleetgen.ConfigError, match="`--gpu x` is not a GPU fleetgen knows"):
         fleetgen.plan("sdxl", "24GiB", gpu="x")
     with pytest.raises(fleetgen.FleetgenError, match="holds no fleetgen job"):
         fleetgen.status(str(tmp_path))

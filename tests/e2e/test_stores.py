@@ -93,6 +93,7 @@ def test_a_commit_whose_answer_is_lost_is_still_this_attempts(store, quick_retri
     assert verify(out, deep=True).clean
 
 
+@pytest.mark.slow  # make test; the fast lane keeps the lost answers, the outage, the refusals
 def test_a_commit_whose_moves_fail_keeps_its_staging_for_the_driver(store, quick_retries, tiny_model, tmp_path):
     """The manifest is committed, then every request touching the staging fails: the attempt says
     its move did not finish and deletes nothing; the driver's sweep (`finish_attempts`) then
@@ -132,6 +133,7 @@ def test_an_outage_is_retried_then_one_storage_error_naming_the_url(store, quick
     assert "\n" not in message and url in message and "after 4 attempts" in message, message
 
 
+@pytest.mark.slow  # make test; the fast lane keeps the lost answers, the outage, the refusals
 def test_two_drivers_starting_together_one_holds_the_lock(store):
     """Two drivers claim a free output at once, 5 times: one holds it, the other is told who."""
     for i in range(5):
@@ -157,6 +159,7 @@ def test_two_drivers_starting_together_one_holds_the_lock(store):
                 lock.release()
 
 
+@pytest.mark.slow  # make test; the fast lane keeps the lost answers, the outage, the refusals
 def test_a_worker_whose_driver_was_taken_over_does_not_commit(store, tiny_model, tmp_path):
     """Once another driver's lock replaces its driver's, a worker's attempt gives up and leaves
     nothing on the store."""
@@ -173,6 +176,7 @@ def test_a_worker_whose_driver_was_taken_over_does_not_commit(store, tiny_model,
     assert not [k for k in output.find("") if k.startswith(("_attempts/", "images/shard-00001"))]
 
 
+@pytest.mark.slow  # make test; the fast lane keeps the lost answers, the outage, the refusals
 def test_a_winner_that_died_moving_is_finished_by_verify_fix(store, tiny_model, tmp_path, capsys):
     """The commit landed, the moves did not (the worker died): `verify` names the missing images and
     the staging; `verify --fix` finishes the move from the staging instead of redoing the shard."""

@@ -1,0 +1,91 @@
+"""GPUs as they are, for `fleetgen plan --gpu NAME`: memory, dense bf16 throughput and host link,
+from the vendors' datasheets, instead of one default for every card. Workers never use this table:
+each measures its own device (workers/pipeline/probe.py).
+
+The planner's figures are effective ones, what a diffusion pipeline gets, not peaks:
+- compute: `COMPUTE_EFFICIENCY` × the dense bf16 peak. Calibrated on the published resident timings
+  of FLUX.1-dev at 1024², 50 steps, batch 1 on an H100 SXM: 12 s (Hugging Face blog
+  "diffusers-quantization") and 9.3 s (cache-dit's NVIDIA_GPU benchmark) are what the cost model
+  (offload/cost.py) predicts at 0.46 and 0.60 of 989 TFLOP/s; 0.55 is used (it predicts 10.1 s).
+  BENCHMARKS.md ("Planned beside published") sets the predictions against the other published
+  figures, which were not used to calibrate.
+- host link: `LINK_EFFICIENCY` × the PCIe x16 rate per direction (gen4 31.5 GB/s, gen5 63 GB/s):
+  pinned host-to-device copies reach about 80 % of it. An assumption, not a measurement of ours;
+  workers measure their own link.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+
+from fleetgen.errors import ConfigError
+
+GIB = 1 << 30
+COMPUTE_EFFICIENCY = 0.55
+LINK_EFFICIENCY = 0.8
+PCIE_GEN4 = 31.5  # GB/s per direction, x16
+PCIE_GEN5 = 63.0
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    memory_gib: int  # as sold (the planner keeps its own reserve of it)
+    bf16_tflops: float  # dense (no sparsity) bf16 tensor peak
+    link_gbps: float  # host→device, per direction
+    source: str
+
+    @property
+    def memory(self) -> int:
+        return self.memory_gib * GIB
+
+    @property
+    def flops(self) -> float:
+        """Effective FLOP/s the planner assumes."""
+        return self.bf16_tflops * 1e12 * COMPUTE_EFFICIENCY
+
+    @property
+    def bandwidth(self) -> float:
+        """Effective host→device bytes/s the planner assumes."""
+        return self.link_gbps * 1e9 * LINK_EFFICIENCY
+
+
+GPUS = {
+    g.name: g
+    for g in (
+        Gpu("H200", 141, 989.0, PCIE_GEN5, "NVIDIA H200 datasheet (SXM: 1,979 TFLOPS bf16 with sparsity)"),
+        Gpu("H100", 80, 989.0, PCIE_GEN5, "NVIDIA H100 datasheet, SXM5 (1,979 TFLOPS bf16 with sparsity)"),
+        Gpu("H100-PCIe", 80, 756.0, PCIE_GEN5, "NVIDIA H100 datasheet, PCIe (1,513 TFLOPS bf16 with sparsity)"),
+        Gpu("A100-80GB", 80, 312.0, PCIE_GEN4, "NVIDIA A100 datasheet (624 TFLOPS bf16 with sparsity)"),
+        Gpu("A100-40GB", 40, 312.0, PCIE_GEN4, "NVIDIA A100 datasheet (624 TFLOPS bf16 with sparsity)"),
+        Gpu("L40S", 48, 362.0, PCIE_GEN4, "NVIDIA L40S datasheet (733 TFLOPS bf16 with sparsity)"),
+        Gpu("L4", 24, 121.0, PCIE_GEN4, "NVIDIA L4 datasheet (242 TFLOPS bf16 with sparsity)"),
+        Gpu("A10G", 24, 70.0, PCIE_GEN4, "AWS G5 / NVIDIA A10G: 70 TFLOPS bf16 tensor (the A10 has 125)"),
+        Gpu("RTX-4090", 24, 165.2, PCIE_GEN4, "NVIDIA Ada whitepaper (bf16 with fp32 accumulate; 330 sparse)"),
+        Gpu("RTX-5090", 32, 209.5, PCIE_GEN5, "NVIDIA Blackwell GeForce whitepaper (bf16, fp32 accumulate)"),
+    )
+}
+
+
+def _key(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+_BY_KEY = {_key(n): g for n, g in GPUS.items()} | {"h100sxm": GPUS["H100"], "h200sxm": GPUS["H200"]}
+_BY_KEY |= {"4090": GPUS["RTX-4090"], "5090": GPUS["RTX-5090"], "a100": GPUS["A100-80GB"]}
+
+
+def gpu(name: str) -> Gpu:
+    """The card `name` names (`H100`, `h100-sxm`, `RTX 4090`, `a100-40gb`, ...), or a `ConfigError`
+    listing the table with the nearest names."""
+    found = _BY_KEY.get(_key(name))
+    if found is not None:
+        return found
+    near = difflib.get_close_matches(_key(name), list(_BY_KEY), n=3, cutoff=0.5)
+    hint = f" Did you mean {', '.join(_BY_KEY[k].name for k in near)}?" if near else ""
+    raise ConfigError(
+        f"`--gpu {name}` is not a GPU fleetgen knows ({', '.join(GPUS)}).{hint} Pass `--gpu-memory` and "
+        "`--bandwidth` for another card."
+    )
