@@ -79,7 +79,7 @@ def main() -> None:
     from fleetgen.workers.output.storage import Output
     from fleetgen.workers.tiny import write_tiny_model
     from tests.conftest import write_prompts
-    from tests.stores import Store, planned, quiet_clients
+    from tests.stores import Store, planned, quiet_clients, start_local_ray
 
     quiet_clients()
     names = args.stores.split(",")
@@ -96,16 +96,7 @@ def main() -> None:
                 s.start()
         model = str(write_tiny_model(tmp / "tiny"))
         prompts = write_prompts(tmp / "p.parquet", [f"a store benchmark prompt {i}" for i in range(args.rows)])
-        ray.init(
-            address="local",
-            num_cpus=2,
-            include_dashboard=False,
-            log_to_driver=False,
-            runtime_env={
-                "worker_process_setup_hook": "tests.stores.quiet_clients",
-                "env_vars": {"PYTHONPATH": str(ROOT)},
-            },
-        )
+        start_local_ray()
         for r in range(args.repeats):
             for s in stores.values():
                 output = Output(s.location(f"commit-{r}"))

@@ -350,20 +350,9 @@ def ray_cluster(_stores_env):
     """One local Ray for the whole run, its workers inheriting where the stores listen (which start
     only for the tests that ask for them) and making one try per store request, as this process does
     (`tests.stores.quiet_clients`)."""
-    import ray
+    from tests.stores import start_local_ray
 
-    # "local": a Ray of this pytest worker's own, never another worker's (`make test` runs two)
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        # the hook lives in this repository's tests/, which the workers import from its root
-        runtime_env={
-            "worker_process_setup_hook": "tests.stores.quiet_clients",
-            "env_vars": {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)},
-        },
-    )
+    ray = start_local_ray()  # a Ray of this pytest worker's own, never another's (`make test` runs two)
     yield ray
     ray.shutdown()
 

@@ -121,6 +121,23 @@ def quiet_clients() -> None:
     sys.meta_path.insert(0, _AfterImport())
 
 
+def start_local_ray():
+    """A local Ray of this process's own (never another's), on 2 CPUs, whose workers make one try per
+    store request as this process does (`quiet_clients`, a hook in this repository's tests/, which
+    the workers import from its root)."""
+    import ray
+
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"worker_process_setup_hook": "tests.stores.quiet_clients", "env_vars": {"PYTHONPATH": path}},
+    )
+    return ray
+
+
 @dataclass
 class Store:
     """One store under test: its name, URL scheme, proxy (None: a local disk) and client env."""
