@@ -10,14 +10,14 @@ from dataclasses import dataclass
 
 from fleetgen.caches import CacheSpec, parse_cache
 from fleetgen.errors import ConfigError, OffloadError
-from fleetgen.offload import DeviceSpec, Workload, plan, profile_modules
-from fleetgen.offload.architectures import build_on_meta, pipeline_settings, resolve
+from fleetgen.offload import DeviceSpec, Workload, plan
+from fleetgen.offload.architectures import NAMES, build_on_meta, pipeline_settings, resolve
+from fleetgen.offload.devices import ASSUMED_BANDWIDTH, ASSUMED_FLOPS, host_available_bytes
 from fleetgen.offload.devices import gpu as device_table
+from fleetgen.offload.profiles import DTYPE_BYTES, PipelineProfile, stored_profile
 from fleetgen.offload.weight_formats import CHOOSABLE, QuantizeSpec, check_components, parse_quantize
 from fleetgen.units import format_size, parse_size
 from fleetgen.workers.families.detect import Family, choose_task, identify_dir
-from fleetgen.workers.pipeline.load import DTYPES
-from fleetgen.workers.pipeline.probe import ASSUMED_BANDWIDTH, ASSUMED_FLOPS, host_available_bytes
 from fleetgen.workers.spec import GenerationSettings
 
 
@@ -79,6 +79,19 @@ def plan_workload(request: PlanRequest | str, **options) -> tuple[Workload, Fami
     return settings.workload(r.max_batch, r.offload, references=r.references), family
 
 
+def pipeline_profile(model: str, dtype: str, vae_upcast: bool, formats: tuple[str, ...]) -> PipelineProfile:
+    """A shipped architecture's stored profile (no torch, no diffusers: offload/profiles.py), else the
+    profile of the pipeline built from its configs on the `meta` device."""
+    if model in NAMES:
+        stored = stored_profile(resolve(model), dtype, vae_upcast, formats)
+        if stored is not None:
+            return stored
+    from fleetgen.offload.profile import profile_modules
+    from fleetgen.workers.pipeline.load import DTYPES
+
+    return profile_modules(model, build_on_meta(model), DTYPES[dtype], vae_upcast, formats, pipeline_settings(model))
+
+
 def plan_rows(
     model: str,
     budgets: list[str],
@@ -91,12 +104,10 @@ def plan_rows(
 ) -> tuple[dict, list[dict]]:
     """(the profile summary, one row per budget: the plan or the reason nothing fits). `vae_upcast`:
     the family's pipeline decodes in float32 (SDXL): its VAE is counted so."""
-    modules = build_on_meta(model)
     mapping = work.quantize.mapping
-    check_components(mapping, list(modules), model)
     formats = CHOOSABLE if work.quantize.auto else tuple(sorted(set(mapping.values())))
-    settings = pipeline_settings(model)
-    profile = profile_modules(model, modules, DTYPES[dtype], vae_upcast, formats, settings)
+    profile = pipeline_profile(model, dtype, vae_upcast, formats)
+    check_components(mapping, list(profile.components), model)
     # from_pretrained loads every component to host RAM, at the run dtype unless its format applies at load
     loading = profile.total_bytes
     host = parse_size(host_memory, "--host-memory") if host_memory else int(host_available_bytes() * 0.8)
@@ -182,8 +193,8 @@ def plan_budgets(
     bandwidth = bandwidth or (card.bandwidth if card else ASSUMED_BANDWIDTH)
     work, family = plan_workload(request)
     dtype = dtype or family.dtype
-    if dtype not in DTYPES:
-        raise ConfigError(f"`--dtype` must be one of {', '.join(DTYPES)}; got `{dtype}`.")
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"`--dtype` must be one of {', '.join(DTYPE_BYTES)}; got `{dtype}`.")
     summary, rows = plan_rows(
         request.model, budgets, host_memory, dtype, work, bandwidth, flops, vae_upcast=family.upcasts_vae
     )

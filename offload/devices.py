@@ -23,6 +23,10 @@ from dataclasses import dataclass
 from fleetgen.errors import ConfigError
 
 GIB = 1 << 30
+# Assumed where nothing can be measured (CPU workers emulating a GPU budget, `fleetgen plan` without
+# `--gpu`): the planner then compares plans by bytes moved, as a PCIe-4 GPU would see them.
+ASSUMED_BANDWIDTH = 20e9  # bytes/s host→device
+ASSUMED_FLOPS = 100e12  # FLOP/s
 COMPUTE_EFFICIENCY = 0.55
 LINK_EFFICIENCY = 0.8
 PCIE_GEN4 = 31.5  # GB/s per direction, x16
@@ -67,6 +71,13 @@ GPUS = {
         Gpu("RTX-5090", 32, 209.5, PCIE_GEN5, "NVIDIA Blackwell GeForce whitepaper (bf16, fp32 accumulate)"),
     )
 }
+
+
+def host_available_bytes() -> int:
+    """This machine's available RAM (Linux: MemAvailable)."""
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return int(info["MemAvailable"].split()[0]) * 1024
 
 
 def _key(name: str) -> str:

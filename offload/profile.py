@@ -9,88 +9,15 @@ forward. Leaf level makes one group per Conv/Linear/Embedding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-
 import torch
 
-from fleetgen.latents import denoiser_patch, expert_shares, latent_frames, vae_scale, vae_temporal
+from fleetgen.latents import denoiser_patch, expert_shares, vae_scale, vae_temporal
+from fleetgen.offload.profiles import PER_STEP, ComponentProfile, PipelineProfile
 from fleetgen.offload.quantize import FLOAT8, LEAF_TYPES, stored_sizes
 from fleetgen.offload.weight_formats import NONE, spec
 
-# The denoiser runs once per step; everything else once per pipeline call.
-PER_STEP = ("unet", "transformer", "transformer_2", "prior", "decoder")
 _LEAF_TYPES = LEAF_TYPES
 _BLOCK_TYPES = (torch.nn.ModuleList, torch.nn.Sequential)
-
-
-@dataclass(frozen=True)
-class ComponentProfile:
-    name: str
-    cls: str
-    params: int  # parameter count
-    bytes: int  # parameters + buffers at the run dtype
-    per_step: bool  # runs every denoising step (the denoiser) or once per pipeline call
-    blocks: tuple[int, ...]  # bytes of each offloadable block at block level (1 block per group)
-    unmatched: int  # bytes resident for the whole forward at block level
-    largest_leaf: int  # bytes of the largest leaf layer
-    leaves: int  # leaf layers: the number of groups (and transfers per forward) at leaf level
-    non_leaf: int  # bytes outside leaf layers (norms, bare parameters): resident during the forward at leaf level
-    block_modules: tuple[str, ...]  # passed to apply_group_offloading so text encoders split by layer
-    tied: bool  # shares a weight between modules (refused with leaf level + disk)
-    hidden: int  # width of the main activations (for activation estimates)
-    adapters: bool = False  # holds LoRA layers (never offloaded to disk: diffusers computes wrong images)
-    upcast: bool = False  # the pipeline casts it to float32 to run it (SDXL's VAE): counted at 4 bytes, never streamed
-    pinned: int = 0  # host bytes of its page-locked copy with streams: torch's host allocator rounds each tensor
-    #                  up to a power of two (FLUX's transformer: 23.8 GB of weights, 37.2 GB pinned); 0: `bytes`
-    fmt: str = "none"  # the storage format these counts are for (offload/quantize.py); none: the live tensors
-
-    def block_floor(self, k: int) -> int:
-        """Device bytes while running at block level with `k` blocks per group."""
-        groups = [sum(self.blocks[i : i + k]) for i in range(0, len(self.blocks), k)] or [0]
-        return self.unmatched + max(groups)
-
-
-@dataclass(frozen=True)
-class PipelineProfile:
-    model: str
-    dtype_bytes: int
-    components: dict[str, ComponentProfile]
-    latent_channels: int
-    vae_scale: int  # pixels per latent pixel
-    vae_channels: int  # channels of the VAE decoder's full-resolution feature maps
-    patch: int  # latent pixels per token (transformers); 1 for UNets
-    vae_dtype_bytes: int = 0  # bytes per value of the VAE's decode (4 when the pipeline upcasts it); 0: dtype_bytes
-    # {component: {format: the component counted in that format}} for the formats it could be given
-    variants: dict[str, dict[str, ComponentProfile]] = field(default_factory=dict)
-    vae_temporal: int = 1  # video VAEs: frames per latent frame after the first (Wan: 4)
-    # denoisers that run on alternate step ranges (Wan 2.2 A14B's experts): {name: share of the steps}
-    step_shares: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(c.bytes for c in self.components.values())
-
-    def image_tokens(self, width: int, height: int, frames: int = 0) -> int:
-        """The denoiser's tokens for one image of this size (a clip of `frames`: every latent frame's)."""
-        side = self.vae_scale * self.patch
-        return (width // side) * (height // side) * latent_frames(frames, self.vae_temporal)
-
-    def holding(self, formats: dict[str, str]) -> PipelineProfile:
-        """This profile with components that hold a format already (applied at load: their live
-        counts are that format's) marked so: the planner gives them that format's placements and cost."""
-        if not formats:
-            return self
-        marked = {n: replace(c, fmt=formats[n]) if n in formats else c for n, c in self.components.items()}
-        variants = {**self.variants, **{n: {f: marked[n]} for n, f in formats.items()}}
-        return replace(self, components=marked, variants=variants)
-
-    def variant(self, name: str, fmt: str) -> ComponentProfile:
-        if fmt == "none" or self.components[name].fmt == fmt:
-            return self.components[name]
-        try:
-            return self.variants[name][fmt]
-        except KeyError:
-            raise KeyError(f"{name} was not profiled as {fmt} (profile_modules(formats=...))") from None
 
 
 class _Sizer:

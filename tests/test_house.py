@@ -157,6 +157,9 @@ TORCH_FREE = (  # modules whose docstrings say they load no torch: the driver, `
     "fleetgen.jobs.verify",
     "fleetgen.cluster",  # the driver: the workers' modules load in the actors' processes
     "fleetgen.jobs.driver",
+    "fleetgen.jobs.planning",  # `fleetgen plan` on a shipped architecture reads its stored profile
+    "fleetgen.offload.profiles",
+    "fleetgen.offload.devices",
 )
 
 
@@ -170,3 +173,19 @@ def test_the_modules_that_say_they_load_no_torch_load_none():
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_plan_on_a_shipped_architecture_imports_no_torch_nor_diffusers():
+    """`fleetgen plan --model NAME` reads the stored profile: the process stays small and answers in
+    about a second (BENCHMARKS.md), where building the model on `meta` imported diffusers,
+    transformers and peft (~9 s). A pipeline directory still builds on `meta`."""
+    code = (
+        "import sys\n"
+        "from fleetgen.jobs.cli import main\n"
+        "code = main(['plan', '--model', 'flux.2-klein-4b', '--gpu', 'RTX-4090', '--host-memory', '64GiB'])\n"
+        "heavy = [m for m in ('torch', 'diffusers', 'transformers', 'peft') if m in sys.modules]\n"
+        "sys.exit(f'exit {code}, loaded {heavy}' if code or heavy else 0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.stdout[-1000:], done.stderr[-2000:])
+    assert "RTX-4090" in done.stdout and "flux.2-klein-4b" in done.stdout

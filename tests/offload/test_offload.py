@@ -33,6 +33,36 @@ def profiles():
     return {n: profile_modules(n, build_on_meta(n), torch.bfloat16) for n in NAMES}
 
 
+def test_stored_profiles_are_the_meta_builds(profiles):
+    """`fleetgen plan` reads each shipped architecture's stored profile (no torch, no diffusers); it
+    must be what the meta build profiles to. After changing a config or the profiler, rewrite them:
+    `python -m fleetgen.offload.profiles`."""
+    from dataclasses import replace
+
+    from fleetgen.latents import expert_shares
+    from fleetgen.offload.architectures import pipeline_settings, resolve
+    from fleetgen.offload.profiles import stored_profile
+
+    for name, built in profiles.items():
+        settings = pipeline_settings(name)  # the fixture's profiles leave out the experts' step shares
+        shares = expert_shares(settings.get("boundary_ratio"), settings.get("flow_shift"))
+        expected = replace(built, step_shares={n: s for n, s in shares.items() if n in built.components})
+        assert stored_profile(resolve(name), "bfloat16", False, ()) == expected, f"rewrite {name}'s profiles.json"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "dtype", "upcast"), [("sdxl", "float16", True), ("flux.2-dev", "float32", False)])
+def test_stored_profiles_hold_every_dtype_and_format(name, dtype, upcast):
+    from fleetgen.offload.architectures import pipeline_settings, resolve
+    from fleetgen.offload.profiles import stored_profile
+    from fleetgen.offload.weight_formats import CHOOSABLE
+    from fleetgen.workers.pipeline.load import DTYPES
+
+    built = profile_modules(name, build_on_meta(name), DTYPES[dtype], upcast, CHOOSABLE, pipeline_settings(name))
+    assert stored_profile(resolve(name), dtype, upcast, CHOOSABLE) == built
+    assert stored_profile(resolve(name), dtype, upcast, ("gguf:/x.gguf",)) is None  # a GGUF file's: built
+
+
 def test_shipped_architectures_match_published_sizes(profiles):
     params = {n: {c: p.params for c, p in prof.components.items()} for n, prof in profiles.items()}
     assert params["flux.1-dev"]["transformer"] == pytest.approx(11.9e9, rel=0.005)

@@ -6,16 +6,7 @@ import time
 
 import torch
 
-# Assumed where nothing can be measured (CPU workers emulating a GPU budget): the planner then
-# compares plans by bytes moved, as a PCIe-4 GPU would see them.
-ASSUMED_BANDWIDTH = 20e9  # bytes/s host→device
-ASSUMED_FLOPS = 100e12  # FLOP/s
-
-
-def host_available_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        info = dict(line.split(":", 1) for line in f)
-    return int(info["MemAvailable"].split()[0]) * 1024
+from fleetgen.offload.devices import ASSUMED_BANDWIDTH, ASSUMED_FLOPS, host_available_bytes
 
 
 def _bandwidth(device: torch.device, size: int = 256 * 2**20) -> float:
