@@ -58,7 +58,7 @@ def s3_bucket(name: str) -> str:
 CLEAN = {"missing": 0, "duplicates": 0, "stray_objects": 0, "sha_mismatches": 0, "tmp_files": 0, "verify_deep": "clean"}
 
 
-def _first_commit(direct, out: str, timeout: float = 120) -> None:
+def _first_commit(direct, out: str, timeout: float = 300) -> None:
     """Wait, asking the store's server itself (`direct`, not through the faults), until a shard of
     the job at `out` is committed."""
     path = out.split("://", 1)[1]
