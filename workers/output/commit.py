@@ -30,6 +30,7 @@ from fleetgen.errors import ShardError
 from fleetgen.workers.output.layout import JOB, LOCK, MANIFEST_SCHEMA, STAGING, keeps, manifest_key
 from fleetgen.workers.output.storage import Output, parquet_schema, read_parquet
 
+LOOK_ONE_BY_ONE = 8  # moved keys in one folder checked one by one (above: the folder is listed once)
 ATTEMPT_KEY = b"fleetgen.attempt"  # manifest metadata: the attempt whose objects the manifest names
 COUNTS_KEY = (
     b"fleetgen.counts"  # manifest metadata: {"rows", "images", "ok", "error", "filtered"}, read from the footer
@@ -166,17 +167,25 @@ def promote(output: Output, shard_id: str, attempt: str, named: set[str], prefix
 
 
 def check_moved(output: Output, shard_id: str, moved: list[str]) -> None:
-    """Every moved object is at its final key, by one listing per folder they went to: a store (or a
-    backend's move) that lost one fails the attempt instead of reporting it committed; its staging
-    is kept for `finish_attempts`."""
-    listed: set[str] = set()
-    for folder in sorted({posixpath.dirname(k) for k in moved}):
-        listed |= {posixpath.join(folder, name) for name in output.list(folder)}
-    missing = sorted(set(moved) - listed)
+    """Every moved object is at its final key: a store (or a backend's move) that lost one fails the
+    attempt instead of reporting it committed; its staging is kept for `finish_attempts`. A folder
+    that received many (a shard's images) is listed once; a few keys in a shared folder (a shard's
+    tar or Parquet file under `data/`, beside every other shard's) are looked at one by one, so the
+    check does not grow with the job."""
+    missing: list[str] = []
+    by_folder: dict[str, list[str]] = {}
+    for key in moved:
+        by_folder.setdefault(posixpath.dirname(key), []).append(key)
+    for folder, keys in sorted(by_folder.items()):
+        if len(keys) > LOOK_ONE_BY_ONE:
+            listed = {posixpath.join(folder, name) for name in output.list(folder)}
+            missing += [k for k in keys if k not in listed]
+        else:
+            missing += [k for k in keys if not output.exists(k)]
     if missing:
         raise ShardError(
             f"Shard {shard_id}: {len(missing)} object(s) not at their final keys after the move "
-            f"(e.g. {output.key_url(missing[0])}); `fleetgen verify --fix` finishes or redoes it"
+            f"(e.g. {output.key_url(sorted(missing)[0])}); `fleetgen verify --fix` finishes or redoes it"
         )
 
 
