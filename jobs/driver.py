@@ -37,7 +37,7 @@ from fleetgen.jobs.state import claim_output, fingerprint, list_manifests, pinne
 from fleetgen.jobs.summary import JobSummary, Run, finish
 from fleetgen.workers.families.table import TEXT
 from fleetgen.workers.output.formats import PLUGINS_ENV
-from fleetgen.workers.output.storage import STORAGE_ENV, Output, unsafe_commit_reason
+from fleetgen.workers.output.storage import STORAGE_ENV, Output
 from fleetgen.workers.rows.shard import Shard
 from fleetgen.workers.spec import WorkerSpec
 
@@ -100,10 +100,10 @@ class Job:
     pin_note: str | None
 
 
-def refuse_unsafe_commits(config: JobConfig) -> None:
+def refuse_unsafe_commits(config: JobConfig, output: Output) -> None:
     """A store whose backend cannot create-if-absent atomically could keep two attempts' work for one
     shard: refused (exit 2) unless the user accepts it."""
-    reason = unsafe_commit_reason(config.output)
+    reason = output.unsafe_commit_reason()
     if reason and not config.allow_unsafe_commits:
         raise ConfigError(
             f"`--output {config.output}`: {reason}. Use a local disk, s3://, gs:// or az://, or pass "
@@ -114,7 +114,7 @@ def refuse_unsafe_commits(config: JobConfig) -> None:
 def resolve_job(config: JobConfig) -> Job:
     config = resolve_paths(config)
     output = Output(config.output)
-    refuse_unsafe_commits(config)
+    refuse_unsafe_commits(config, output)
     output.check()  # a file in the way, no permission, no credentials, no endpoint: one line, before anything
     files, columns = read_input(config)
     config, pin_note = pin_revision(config, pinned_revision(output, config.model))

@@ -12,12 +12,12 @@ fleetgen knows: a local disk (a hard link), S3 (a conditional PUT, `If-None-Matc
 precondition, `ifGenerationMatch=0`) and Azure Blob (a conditional upload, `If-None-Match: *`) — each
 through its fsspec backend's `pipe_file(mode="create")`, which raises `FileExistsError` when the object
 is there. Any other backend can only check, then write: a job refuses it unless the user accepts that
-(`--allow-unsafe-commits`, `unsafe_commit_reason`).
+(`--allow-unsafe-commits`, `Output.unsafe_commit_reason`). What differs per backend is in
+workers/output/backends.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import posixpath
 import shutil
@@ -33,6 +33,7 @@ import pyarrow as pa
 
 from fleetgen.errors import StorageError, one_line
 from fleetgen.workers.output.arrow_io import TMP_MARK, RenameOnClose, parquet_schema, read_parquet
+from fleetgen.workers.output.backends import azure_copy, store_kind
 from fleetgen.workers.output.policy import STORAGE_ENV, T, guarded
 
 S3_PAGE = 1000  # keys per listing page, and the most one DeleteObjects request takes
@@ -46,8 +47,6 @@ _BACKEND_PACKAGES = {
     "abfs": "adlfs",
     "abfss": "adlfs",
 }
-# The object stores whose fsspec backend creates an object only if absent, atomically (`mode="create"`).
-_STORES = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
 MOVE_THREADS = 32  # concurrent moves of one commit (each a server-side copy and a delete on object stores)
 
 
@@ -84,50 +83,6 @@ def version_of(entry: dict) -> str:
     return f"{entry.get('size')}:{stamp}"
 
 
-def store_kind(fs: fsspec.AbstractFileSystem) -> str | None:
-    """ "local", "s3", "gcs" or "azure" for the backends fleetgen knows; None for any other."""
-    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-    if {"file", "local"} & set(protocols):
-        return "local"
-    return next((_STORES[p] for p in protocols if p in _STORES), None)
-
-
-def unsafe_commit_reason(url: str) -> str | None:
-    """Why a commit at `url` could split under a race (its backend cannot create an object only if
-    absent, atomically), or None where it cannot."""
-    fs, _ = url_to_fs(resolve_url(url))
-    if store_kind(fs) is not None:
-        return None
-    scheme = url.split("://", 1)[0] if "://" in url else "file"
-    return (
-        f"fleetgen cannot commit atomically on `{scheme}://` ({type(fs).__name__} has no create-if-absent): "
-        "two attempts of one shard (a straggler's and its replacement's) could both commit"
-    )
-
-
-async def _azure_copy(fs, src: str, dst: str) -> None:
-    """Copy one blob to another key and return once the copy is complete. Azure's Copy Blob may
-    answer "pending" and finish later (adlfs' `cp_file` does not wait), and deleting the source of a
-    pending copy aborts it; fsspec's generic `mv` also copies into `dst/` when it takes an existing
-    `dst` for a folder (a retried move). So: one Copy Blob, its status followed to "success"."""
-    from azure.core.exceptions import ResourceNotFoundError
-
-    (c1, b1, _), (c2, b2, _) = fs.split_path(src), fs.split_path(dst)
-    target = fs.service_client.get_blob_client(container=c2, blob=b2)
-    try:
-        copy = await target.start_copy_from_url(fs.service_client.get_blob_client(container=c1, blob=b1).url)
-    except ResourceNotFoundError as err:
-        raise FileNotFoundError(src) from err
-    status, waited = copy.get("copy_status"), 0.0
-    while status == "pending" and waited < 300:
-        await asyncio.sleep(0.2)
-        waited += 0.2
-        status = (await target.get_blob_properties()).copy.status
-    if status != "success":
-        raise OSError(f"the copy of {src} to {dst} ended {status!r}")
-    fs.invalidate_cache(posixpath.dirname(dst))
-
-
 class Output:
     """A job's output location (`OUT`). Keys are POSIX paths relative to it (`shards/x.parquet`)."""
 
@@ -139,6 +94,17 @@ class Output:
         self.local = self.kind == "local"
         self.s3 = self.kind == "s3"
         self.patience: int | None = None  # attempts per operation, when set (1: the store is known to be down)
+
+    def unsafe_commit_reason(self) -> str | None:
+        """Why a commit here could split under a race (the backend cannot create an object only if
+        absent, atomically), or None where it cannot."""
+        if self.atomic_create:
+            return None
+        scheme = self.url.split("://", 1)[0] if "://" in self.url else "file"
+        return (
+            f"fleetgen cannot commit atomically on `{scheme}://` ({type(self.fs).__name__} has no create-if-absent): "
+            "two attempts of one shard (a straggler's and its replacement's) could both commit"
+        )
 
     @property
     def atomic_create(self) -> bool:
@@ -247,7 +213,7 @@ class Output:
                 if self.local:
                     self.fs.makedirs(posixpath.dirname(self.path(dst)), exist_ok=True)
                 if self.kind == "azure":
-                    fsspec.asyn.sync(self.fs.loop, _azure_copy, self.fs, self.path(src), self.path(dst))
+                    fsspec.asyn.sync(self.fs.loop, azure_copy, self.fs, self.path(src), self.path(dst))
                     self.fs.rm_file(self.path(src))
                 elif self.kind in ("s3", "gcs"):
                     # a server-side copy and a delete (3 requests on S3, 2 on GCS): fsspec's generic
@@ -474,8 +440,6 @@ __all__ = [
     "parquet_schema",
     "read_parquet",
     "resolve_url",
-    "store_kind",
-    "unsafe_commit_reason",
     "url_to_fs",
     "version_of",
 ]
