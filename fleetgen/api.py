@@ -74,7 +74,7 @@ def plan(
     (`H100`, `RTX-4090`, ...: offload/devices.py) whose throughput and host link the plans assume, and
     whose memory is the budget when `gpu_memory` is not given; `bandwidth`: host→device GB/s to assume
     (default the card's, else 20). `options`: `width`, `height`, `steps`, `guidance`, `true_cfg_scale`, `max_batch`,
-    `offload`, `task`, `references`, `num_frames`, `cache`, `quantize`. Returns the plans (`.rows`,
+    `offload`, `phases`, `task`, `references`, `num_frames`, `cache`, `quantize`. Returns the plans (`.rows`,
     `.text()`, `.to_dict()`)."""
     from dataclasses import fields
 

@@ -114,6 +114,12 @@ def _add_plan(pl: argparse.ArgumentParser) -> None:
     pl.add_argument(
         "--offload", choices=OFFLOAD_CHOICES, default="auto", help="placements the plan may use (default auto: any)"
     )
+    pl.add_argument(
+        "--phases",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="text encoders in a phase of their own, then the denoiser (default auto: where predicted faster)",
+    )
     pl.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: the model family's")
     pl.add_argument(
         "--quantize",

@@ -12,6 +12,7 @@ from pathlib import Path
 from fleetgen.attention import AttentionSpec, parse_attention
 from fleetgen.caches import CacheSpec, parse_cache
 from fleetgen.errors import ConfigError
+from fleetgen.offload.phasing import PHASES_CHOICES
 from fleetgen.offload.planner import OFFLOAD_CHOICES
 from fleetgen.offload.weight_formats import QuantizeSpec, parse_quantize, refusal
 from fleetgen.units import parse_size
@@ -91,6 +92,7 @@ class _Job:
     max_restarts: int = 3  # restarts of a worker whose process died, before it is dropped
     stop_grace: float = 0.0  # seconds running shards get to commit after SIGTERM/SIGINT
     offload: str = "auto"  # auto | none | block | leaf | disk: how workers may place the pipeline
+    phases: str = "auto"  # auto | on | off: text encoders in a phase of their own (keeps pixels; per worker)
     gpu_memory: str | None = None  # device budget per worker, e.g. "24GiB"; default: free device memory
     host_memory: str | None = None  # host RAM per worker for offloaded copies; default: its share of the node
     worker_memory: str | None = None  # emulate a mixed fleet: "16GiB,24GiB,80GiB" = one worker per budget
@@ -338,6 +340,7 @@ def _check_execution(c: JobConfig) -> None:
     _check(DEVICES.fullmatch(c.device) is not None, f"`--device` must be auto, cpu, cuda or cuda:N; got `{c.device}`.")
     _check(c.dtype in DTYPES, f"`--dtype` must be one of {', '.join(DTYPES)}; got `{c.dtype}`.")
     _check(c.offload in OFFLOAD_CHOICES, f"`--offload` must be one of {', '.join(OFFLOAD_CHOICES)}; got `{c.offload}`.")
+    _check(c.phases in PHASES_CHOICES, f"`--phases` must be one of {', '.join(PHASES_CHOICES)}; got `{c.phases}`.")
     for name in ("gpu_memory", "host_memory"):
         if getattr(c, name) is not None:
             parse_size(getattr(c, name), f"--{name.replace('_', '-')}")

@@ -201,6 +201,7 @@ def worker_spec(config: JobConfig, name: str, columns, **resolved) -> WorkerSpec
         variant=config.variant,
         compile=config.compile,
         attention=config.attention,
+        phases=config.phases,
         **resolved,
     )
 

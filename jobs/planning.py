@@ -34,6 +34,7 @@ class PlanRequest:
     true_cfg_scale: float | None = None
     max_batch: int = 8
     offload: str = "auto"
+    phases: str = "auto"  # auto | on | off (offload/phasing.py)
     task: str | None = None  # one the family's weights serve; default the pipeline class's
     references: int = 1  # edit models: input images per image
     num_frames: int | None = None  # video families: frames per clip
@@ -76,7 +77,7 @@ def plan_workload(request: PlanRequest | str, **options) -> tuple[Workload, Fami
         cache=r.cache,
         quantize=r.quantize,
     )
-    return settings.workload(r.max_batch, r.offload, references=r.references), family
+    return settings.workload(r.max_batch, r.offload, references=r.references, phases=r.phases), family
 
 
 def pipeline_profile(model: str, dtype: str, vae_upcast: bool, formats: tuple[str, ...]) -> PipelineProfile:
@@ -233,6 +234,7 @@ def print_plans(summary: dict, rows: list[dict], as_json: bool, out=None) -> Non
     rate = "clips/h" if clips else "rel img/s"
     header = [
         "gpu",
+        "runs",  # per batch, or phased a chunk at a time (offload/phasing.py): resident then means in its phase
         *names,
         "batch",
         "peak",
@@ -247,12 +249,13 @@ def print_plans(summary: dict, rows: list[dict], as_json: bool, out=None) -> Non
         binds = ", ".join(r.get("binds") or []) or "neither"
         if "error" in r:
             what = "nothing loads" if r["error"].startswith("Nothing loads") else "nothing fits"
-            table.append([r["gpu_memory"], what, *[""] * (len(header) - 3), binds])
+            table.append([r["gpu_memory"], "", what, *[""] * (len(header) - 4), binds])
             continue
         formats = r.get("formats") or {}
         table.append(
             [
                 r["gpu_memory"],
+                f"phased/{r['chunk_images']}" if r.get("phases") else "per batch",
                 *[" ".join(filter(None, [formats.get(n), r["modes"][n]])) for n in names],
                 str(r["batch_size"]),
                 format_size(r["peak_bytes"]),

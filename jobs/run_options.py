@@ -235,6 +235,12 @@ def _devices(g) -> None:
         help="how workers place the pipeline (default auto: planned per device)",
     )
     g.add_argument(
+        "--phases",
+        choices=["auto", "on", "off"],
+        help="text encoders in a phase of their own, a chunk of prompts at a time, then the denoiser (default "
+        "auto: where each worker's plan predicts it faster; keeps pixels)",
+    )
+    g.add_argument(
         "--gpu-memory",
         help="device budget per worker, e.g. 24GiB (default: free memory; "
         "on CPU workers, plan as if the device had this much)",

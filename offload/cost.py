@@ -85,6 +85,9 @@ class Workload:
     cache: CacheSpec = (
         CacheSpec()
     )  # the job's step cache (fleetgen/caches.py): its state is device memory, its skips saved time
+    # whether the text encoders run in a phase of their own, a chunk of prompts at a time (offload/phasing.py):
+    # auto (where predicted faster) | on (wherever the family can) | off (the whole pipeline per call)
+    phases: str = "auto"
 
 
 @dataclass(frozen=True)

@@ -73,8 +73,8 @@ class AppliedOffload:
         self.plan, self.dirs = plan, []
         for name, module in modules.items():
             p = plan.placements.get(name, Placement("resident"))
-            if p.mode == "resident":
-                module.to(device)
+            if p.mode == "resident":  # phased: on the device in its phase only (workers/pipeline/phases.py)
+                module.to("cpu" if plan.phases else device)
                 continue
             disk = None
             if p.disk:  # its own empty directory: diffusers reuses group files by name

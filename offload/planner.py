@@ -33,6 +33,7 @@ from fleetgen.offload.cost import (
     cache_state_bytes,
     computed_share,
 )
+from fleetgen.offload.phasing import PHASES_CHOICES, phased_plan, split
 from fleetgen.offload.search import _combos
 from fleetgen.offload.weight_formats import NONE, QuantizeSpec
 from fleetgen.units import format_size
@@ -63,6 +64,10 @@ class OffloadPlan:
     formats: dict[str, str] = field(default_factory=dict)  # {component: storage format} of the quantized ones
     load_bytes: int = 0  # host RAM while the pipeline loads
     cost_per_image: float = 0.0  # what the planner minimised: seconds, plus QUANTIZED_SHARE per quantized component
+    # phased (offload/phasing.py): each phase's components, in the order they run; () per batch. A component
+    # `resident` in a phased plan is on the device during its phase only.
+    phases: tuple[tuple[str, ...], ...] = ()
+    chunk: int = 0  # phased: images per chunk (one swap of the phases' resident components)
 
     @property
     def modes(self) -> dict[str, str]:
@@ -83,6 +88,7 @@ class OffloadPlan:
             "binds": list(self.binds),
             "formats": dict(self.formats),
             "load_host_bytes": self.load_bytes,
+            **({"phases": [list(p) for p in self.phases], "chunk_images": self.chunk} if self.phases else {}),
         }
 
 
@@ -161,7 +167,37 @@ def _search(tables: list[list[list[_Option]]], limit: float, host_budget: float,
 
 def plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> OffloadPlan:
     """The fastest predicted plan whose peak fits `device.budget` and whose host copies (and the
-    weights while loading) fit `device.host_budget`; `OffloadError` when none does."""
+    weights while loading) fit `device.host_budget`; `OffloadError` when none does. Per batch or
+    phased (offload/phasing.py), as `w.phases` asks: under `auto` phased only where it is predicted
+    cheaper per image, and the reason says both."""
+    if w.phases not in PHASES_CHOICES:
+        raise OffloadError(f"`--phases` must be one of {', '.join(PHASES_CHOICES)}; got `{w.phases}`.")
+    per_batch = failed = None
+    try:
+        per_batch = per_batch_plan(prof, device, w)
+    except OffloadError as err:
+        failed = err
+    if w.phases == "off" or split(prof) is None or (failed is not None and str(failed).startswith("Nothing loads")):
+        if failed is not None:
+            raise failed
+        return per_batch
+    try:
+        phased = phased_plan(prof, device, w, per_batch_plan)
+    except OffloadError as err:
+        if failed is not None:
+            raise failed from None
+        return replace(per_batch, reason=f"{per_batch.reason}; not phased: {str(err).split('. ')[0]}")
+    if per_batch is None:
+        return replace(phased, reason=f"{phased.reason}; per batch nothing fits")
+    ratio = per_batch.seconds_per_image / phased.seconds_per_image
+    if w.phases == "on" or phased.cost_per_image < per_batch.cost_per_image:
+        moved = f"{format_size(phased.moved_per_image)} moved per image instead of {format_size(per_batch.moved_per_image)}"
+        return replace(phased, reason=f"{phased.reason}; {moved}; predicted {ratio:.2f}x per batch's images/s")
+    return replace(per_batch, reason=f"{per_batch.reason}; not phased: predicted {ratio:.2f}x these images/s")
+
+
+def per_batch_plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> OffloadPlan:
+    """The fastest plan calling the whole pipeline per batch (`plan`'s per-batch half)."""
     if w.offload not in OFFLOAD_CHOICES:
         raise OffloadError(f"`--offload` must be one of {', '.join(OFFLOAD_CHOICES)}; got `{w.offload}`.")
     names = list(prof.components)
@@ -250,7 +286,7 @@ def _why_quantized(prof, device, w, formats, placements, seconds) -> str:
     if not w.quantize.auto:
         return f"{chosen} (`--quantize {w.quantize.label}`)"
     try:
-        plain = plan(prof, device, replace(w, quantize=QuantizeSpec(), fixed=()))
+        plain = per_batch_plan(prof, device, replace(w, quantize=QuantizeSpec(), fixed=()))
     except OffloadError as err:
         why = str(err).split(":", 1)[0]
         return f"{chosen}: the only fit (unquantized, {why[0].lower() + why[1:]})"

@@ -81,6 +81,16 @@ class PipelineProfile:
         variants = {**self.variants, **{n: {f: marked[n]} for n, f in formats.items()}}
         return replace(self, components=marked, variants=variants)
 
+    def only(self, names) -> PipelineProfile:
+        """This profile with the components `names` alone (a phase of a phased plan: offload/phasing.py)."""
+        keep = [n for n in self.components if n in set(names)]
+        return replace(
+            self,
+            components={n: self.components[n] for n in keep},
+            variants={n: v for n, v in self.variants.items() if n in keep},
+            step_shares={n: s for n, s in self.step_shares.items() if n in keep},
+        )
+
     def variant(self, name: str, fmt: str) -> ComponentProfile:
         if fmt == "none" or self.components[name].fmt == fmt:
             return self.components[name]

@@ -83,6 +83,13 @@ class OffloadStats:
                     HookRegistry.check_if_exists_or_initialize(leader).register_hook(hook, COUNTER_HOOK)
                     self.counted.append(leader)
 
+    def swapped(self, name: str, size: int) -> None:
+        """A phased plan moved the whole of `name` (`size` bytes) onto the device for its phase."""
+        c = self.counts.setdefault(name, {"groups": 0, "onloads": 0, "offloads": 0, "bytes_onloaded": 0})
+        c["onloads"] += 1
+        c["bytes_onloaded"] += size
+        c["swaps"] = c.get("swaps", 0) + 1
+
     def snapshot(self) -> dict:
         out = {
             "components": {k: dict(v) for k, v in self.counts.items()},

@@ -57,6 +57,8 @@ def describe(info: dict, fitted: FittedPipeline, stats: dict) -> dict:
         "cache": fitted.cache.snapshot() if fitted.cache is not None else None,  # the step cache's skips
         # `--compile`: what was compiled, the seconds and graphs it took, why it was taken off (if it was)
         "compile": fitted.compiled.snapshot() if fitted.compiled is not None else None,
+        # a phased plan (workers/pipeline/phases.py): chunks, prompts encoded, calls answered from an earlier one
+        "phases": fitted.phases.snapshot() if fitted.phases is not None else None,
         "predicted_vs_measured": predicted_vs_measured(fitted.plan, secs, stats["images"], offload),
         "step_downs": list(fitted.step_downs),
     }

@@ -56,12 +56,18 @@ class GenerationSettings:
         return out
 
     def workload(
-        self, max_batch: int = 4, offload: str = "auto", size: tuple[int, int] | None = None, references: int = 1
+        self,
+        max_batch: int = 4,
+        offload: str = "auto",
+        size: tuple[int, int] | None = None,
+        references: int = 1,
+        phases: str = "auto",
     ) -> Workload:
         """What the planner plans for: this job's images (at `size`, the largest of the job where rows
         have sizes of their own), at most `max_batch` per call, with `references` input images each
         (an edit model's that join the denoiser's sequence). The one translation from a job to the
-        planner: `fleetgen plan`, `fleetgen calibrate` and every worker use it."""
+        planner: `fleetgen plan`, `fleetgen calibrate` and every worker use it. `phases`: whether the
+        text encoders may run in a phase of their own (off where `phase_refusal` says why not)."""
         family, task = FAMILIES.get(self.family, GENERIC), self.task_spec()
         width, height = size or (self.width, self.height)
         # one row per call where the task takes its references together, or a first-block cache decides per call
@@ -79,7 +85,17 @@ class GenerationSettings:
             input_images=min(references, task.images),
             in_sequence=task.in_sequence,
             frames=(self.num_frames or 0) if task.video else 0,
+            phases="off" if self.phase_refusal() else phases,
         )
+
+    def phase_refusal(self) -> str:
+        """Why this job's images cannot be made phased (offload/phasing.py), or ""."""
+        family, task = FAMILIES.get(self.family, GENERIC), self.task_spec()
+        if family.phased:
+            return family.phased
+        if task.takes_images:
+            return f"{task.name} reads each batch's input images as it is made: run per batch"
+        return ""
 
     def media_format(self) -> str:
         """What each object of the job is encoded as: the video format for video tasks, else the image format."""
@@ -147,6 +163,7 @@ class WorkerSpec:
     compile: bool = False  # torch.compile the denoisers (regional where they have repeated blocks)
     attention: AttentionSpec = AttentionSpec()  # the kernel: native | auto (the fastest exact one here) | a backend
     lock_token: str | None = None  # the driver's `OUT/_LOCK` token: no commit once the lock names another (or none)
+    phases: str = "auto"  # auto | on | off: the text encoders in a phase of their own (offload/phasing.py)
 
     def source(self) -> Source:
         return Source(
@@ -162,6 +179,7 @@ class WorkerSpec:
             self.compile,
             self.attention,
             self.plan_size,
+            self.phases,
         )
 
 
@@ -214,3 +232,4 @@ class Fit:
     compile: bool = False  # torch.compile the denoisers, after the cache (workers/pipeline/compiling.py)
     attention: AttentionSpec = AttentionSpec()  # native | auto | a diffusers backend (workers/pipeline/attention.py)
     plan_size: tuple[int, int] | None = None  # the largest (width, height) of the job, planned for
+    phases: str = "auto"  # auto | on | off: the text encoders in a phase of their own, a chunk at a time

@@ -178,24 +178,38 @@ class Worker:
     def _make(self, at: _Attempt) -> Iterator[BatchDone | None]:
         """Every image to make, a batch at a time: a `BatchDone` per pipeline call, None (and
         stop) once another attempt has committed the shard. Input images are read ahead, in the
-        order they are made, while the device works."""
+        order they are made, while the device works. Under a phased plan the batches come a chunk
+        at a time, each chunk's prompts encoded first (workers/pipeline/phases.py)."""
         counts = Counter(im.row for im in at.images)  # images per row, for progress in rows
         groups = group_items(at.todo)
         with Prefetcher([im for g in groups for im in g], self.spec.settings.resize) as prefetch:
             for group in groups:
-                i = 0
-                while i < len(group):
+                for batch in self._batches(group):
                     if committed_since(self.output, at.shard.id, at.base):
                         yield None
                         return
-                    batch = group[i : i + self.batch_size]
-                    i += len(batch)
                     yield self._batch(at, batch, prefetch, sum(1 / counts[im.row] for im in batch))
         if at.todo and at.failures == len(at.todo) and at.base is None:
             raise ShardError(
                 f"Shard {at.shard.id}: every row failed in the pipeline; first error: "
                 f"{at.records[at.todo[0].id]['error']}"
             )
+
+    def _batches(self, group: list[WorkItem]) -> Iterator[list[WorkItem]]:
+        """`group`'s batches (one look) at the current batch size, a chunk's prompts encoded before
+        its first (nothing per batch unless phased); after an OOM step-down the rest of the chunk is
+        re-batched, and encoded again, at the smaller size."""
+        pending = group
+        while pending:
+            size, chunk = self.batch_size, self.fitted.chunk_images
+            batches = [pending[j : j + size] for j in range(0, min(len(pending), max(chunk, size)), size)]
+            pending = pending[sum(map(len, batches)) :]
+            self.fitted.encode(batches)
+            for k, batch in enumerate(batches):
+                yield batch
+                if self.batch_size < size:  # stepped down
+                    pending = [im for b in batches[k + 1 :] for im in b] + pending
+                    break
 
     def _batch(self, at: _Attempt, asked: list[WorkItem], prefetch: Prefetcher, rows: float) -> BatchDone:
         """One pipeline call: the batch's inputs (an unreadable one fails its row only), the call,

@@ -79,6 +79,9 @@ class Family:
     # The pipeline's output carries an audio track per clip (`audio`, from its vocoder), stored as the
     # clip's sound (LTX-2).
     audio: bool = False
+    # Why its images cannot be made phased (offload/phasing.py: the text encoders a chunk of prompts at a
+    # time, then the denoiser), or "": tested equal to the per-batch images (tests/workers/pipeline/test_phases.py).
+    phased: str = ""
 
     def __post_init__(self) -> None:
         if not self.tasks and self.pipelines:

@@ -26,6 +26,7 @@ from fleetgen.workers.pipeline.attention import choose_attention, reset_attentio
 from fleetgen.workers.pipeline.caching import AppliedCache, cache_refusal, names_contexts
 from fleetgen.workers.pipeline.calls import as_task, call_kwargs, generators, prepare_call, task_kwargs, warm_up_input
 from fleetgen.workers.pipeline.compiling import AppliedCompile, is_compile_error
+from fleetgen.workers.pipeline.phases import Phases
 from fleetgen.workers.pipeline.load import (
     activate_adapters,
     load_adapters,
@@ -58,14 +59,16 @@ class FittedPipeline:
         """`pipe`: a pipeline already built (bench/gpu_check.py's random weights at real sizes)
         instead of loading `source.model`; `close()` leaves it as it came (no offloading hooks)."""
         self.source, self.settings, self.fit, self.tag = source, settings, fit or Fit(), tag
-        self.workload = settings.workload(self.fit.max_batch, self.fit.offload, self.fit.plan_size)
+        self.workload = settings.workload(
+            self.fit.max_batch, self.fit.offload, self.fit.plan_size, phases=self.fit.phases
+        )
         self.family: Family = FAMILIES.get(settings.family, GENERIC)
         self.task = settings.task_spec()
         self.device = resolve_device(source.device)
         self.dtype = resolve_dtype(source.dtype, self.device, self.family.dtype)
         self._given = pipe is not None
         self._call_args = {f.name: f.call_arg for f in extra_settings()}  # per-row settings the look carries
-        self.placed = self.cache = self.compiled = self.attention = self.offload_stats = None
+        self.placed = self.cache = self.compiled = self.attention = self.offload_stats = self.phases = None
         self.step_downs: list[dict] = []
         self.seconds = 0.0  # wall time in pipeline calls
         at_load = self._formats_at_load()
@@ -176,8 +179,7 @@ class FittedPipeline:
         """Offloading, the step cache, the attention kernel and compilation, in that order; then the
         warm-up, where kernels, graphs, the allocator and prefetch order settle."""
         w = self.workload
-        self.placed = apply(self.pipe, self.plan, self.profile, self.device, tag=self.tag)
-        self.offload_stats = OffloadStats(pipeline_modules(self.pipe), self.device)
+        self._place(self.plan)
         self._apply_cache()
         tokens = self.profile.image_tokens(w.width, w.height, w.frames)  # `auto` measures kernels at them
         self.attention = choose_attention(self.fit.attention.backend, self._denoisers, self.device, self.dtype, tokens)
@@ -188,6 +190,42 @@ class FittedPipeline:
             # compiled: batch 1 and any larger batch are a graph each (workers/pipeline/compiling.py), both made here
             for images in (1, 2) if self.compiled and self.plan.batch_size > 1 and self.task.batched else (1,):
                 self._warm_up(Look(w.width, w.height, 1, self.settings.guidance, extra=frames), images)
+
+    def _place(self, plan: OffloadPlan) -> None:
+        """The plan's placements applied, its transfers counted; a phased plan's phases set up, with
+        what the phases it replaces encoded (workers/pipeline/phases.py)."""
+        self.placed = apply(self.pipe, plan, self.profile, self.device, tag=self.tag)
+        modules = pipeline_modules(self.pipe)
+        self.offload_stats = OffloadStats(modules, self.device)
+        old, self.phases = self.phases, None
+        if plan.phases:
+            swapped = lambda name, size: self.offload_stats.swapped(name, size)  # noqa: E731 - the live stats
+            self.phases = Phases(self.pipe, plan, modules, self.device, swapped).carry(old)
+
+    @property
+    def chunk_images(self) -> int:
+        """Images the worker hands `encode` at a time: a phased plan's chunk, else one batch."""
+        return self.plan.chunk if self.phases is not None else self.batch_size
+
+    def encode(self, batches: list[list[WorkItem]]) -> None:
+        """Phase 1 of a phased plan for a chunk of `batches` (one look): their prompts encoded, the
+        text encoders alone on the device; nothing per batch. Tasks that take images are not phased."""
+        if self.phases is None or not batches:
+            return
+        self._activate(batches[0][0].look)
+        calls = {_key(b): self._batch_call(b) for b in batches}
+        self.phases.encode(list(calls), lambda key: self._capture(key, calls[key]))
+
+    def _capture(self, key: tuple, call) -> None:
+        with components_dtypes_kept(self.pipe), self.phases.capturing(key):
+            self.pipe(**call())
+
+    def _run(self, key: tuple, call):
+        """One pipeline call (`call()`: its arguments): whole per batch; phased, answered from phase 1."""
+        if self.phases is None:
+            return self.pipe(**call())
+        with self.phases.replaying(key, lambda k: self._capture(k, call)):
+            return self.pipe(**call())
 
     def _quantize(self, formats: dict[str, str]) -> None:
         """Apply the plan's after-load formats not applied yet (a step-down under `auto` may add one)."""
@@ -240,10 +278,13 @@ class FittedPipeline:
             oom = None
             try:
                 blank = [[warm_up_input(r, look.width, look.height) for r in self._roles()]] * images
+                call = lambda: self._kwargs(["warm up"] * images, [None] * images, look, generator=None, inputs=blank)  # noqa: E731
                 with components_dtypes_kept(self.pipe), self._cache_context():
-                    self.pipe(**self._kwargs(["warm up"] * images, [None] * images, look, generator=None, inputs=blank))
+                    self._run(("warm up",) * images, call)
                 if self.cache is not None:
                     self.cache.take()  # the warm-up's skips are no image's
+                if self.phases is not None:
+                    self.phases.reset()  # nor its encodes
                 if self.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(self.device)
                 return
@@ -316,8 +357,7 @@ class FittedPipeline:
         self._take_off(offload=False)
         unapply(self.pipe, self.placed)  # every hook, the stream ones included
         self._quantize(new_plan.formats)  # a format `auto` adds to lean further
-        self.placed = apply(self.pipe, new_plan, self.profile, self.device, tag=self.tag)
-        self.offload_stats = OffloadStats(pipeline_modules(self.pipe), self.device)
+        self._place(new_plan)
         self._apply_cache(cached)
         self._apply_compile(compiled)
 
@@ -362,19 +402,9 @@ class FittedPipeline:
         """`inputs`: {image id: its loaded inputs} (workers/rows/inputs.py), for tasks that take images."""
         look = batch[0].look
         started = time.perf_counter()
-        if look.adapters != self._active:  # between batches only: a batch shares its look
-            activate_adapters(self.pipe, self.adapters, look.adapters)
-            self._active = look.adapters
+        self._activate(look)
         with components_dtypes_kept(self.pipe), self._cache_context():
-            out = self.pipe(
-                **self._kwargs(
-                    [im.prompt for im in batch],
-                    [im.negative_prompt for im in batch],
-                    look,
-                    generators([im.seed for im in batch]),
-                    [[(x.picture, x.ref.role) for x in (inputs or {}).get(im.id, ())] for im in batch],
-                )
-            )
+            out = self._run(_key(batch), self._batch_call(batch, inputs))
         extra = dict(look.extra)
         pictures = self._clips(out, extra) if self.task.video else out.images
         made = {getattr(p, "size", None) for p in pictures}
@@ -401,6 +431,23 @@ class FittedPipeline:
             for im, picture, flagged in zip(batch, pictures, flags, strict=True)
         ]
 
+    def _activate(self, look: Look) -> None:
+        if look.adapters != self._active:  # between batches only: a batch shares its look
+            activate_adapters(self.pipe, self.adapters, look.adapters)
+            self._active = look.adapters
+
+    def _batch_call(self, batch: list[WorkItem], inputs: dict | None = None):
+        """The arguments of `batch`'s pipeline call, made afresh by each call of the function returned
+        (its generators start at the images' seeds every time)."""
+        look = batch[0].look
+        return lambda: self._kwargs(
+            [im.prompt for im in batch],
+            [im.negative_prompt for im in batch],
+            look,
+            generators([im.seed for im in batch]),
+            [[(x.picture, x.ref.role) for x in (inputs or {}).get(im.id, ())] for im in batch],
+        )
+
     def _clips(self, out, extra: dict) -> list:
         """A video pipeline's output as clips (LTX-2's with their sound, at its vocoder's rate)."""
         audio = out.audio if self.family.audio else None
@@ -414,3 +461,7 @@ class FittedPipeline:
     def close(self) -> None:
         self._take_off()
         self.pipe = None
+
+
+def _key(batch: list[WorkItem]) -> tuple[str, ...]:
+    return tuple(im.id for im in batch)

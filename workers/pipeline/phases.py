@@ -1,0 +1,201 @@
+"""Phased generation on the worker (the plan's side: offload/phasing.py). For a chunk of a shard's
+batches: phase 1 runs each batch's pipeline call only up to its prompt encoding — the text encoders
+alone on the device — and keeps what `encode_prompt` returned in host memory; phase 2 runs each
+batch's call whole, its `encode_prompt` answered from phase 1, the denoiser and the VAE alone on
+the device. Components resident in a phase move on at its start and off at its end: once per chunk.
+
+Nothing family-specific: the pipeline's own `__call__` decides what to encode and how to use it
+(masks, pooled embeddings, negatives, lists of embeddings), so a batch made in phase 2 is the same
+call as per batch — the same pixels. Within a chunk a call seen already (a negative prompt every
+row shares, a batch of the same prompts again) is answered from the first; and where a call's
+prompts come in equal runs (N images per row), the pipeline encodes each once and repeats them
+itself (its `num_images_per_prompt`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from fleetgen.errors import FleetgenError
+
+REPEAT_ARGS = ("num_images_per_prompt", "num_videos_per_prompt")  # what encode_prompt repeats each prompt by
+
+
+class _Stop(Exception):
+    """Raised where the pipeline call leaves its prompt encoding (`prepare_latents`): phase 1 ends there."""
+
+
+def call_key(value) -> object:
+    """A hashable stand-in for an `encode_prompt` call's arguments: strings and numbers as they are,
+    tensors by shape and dtype (never their values: phase 1 and phase 2 pass the same ones)."""
+    if isinstance(value, dict):
+        return tuple(sorted((k, call_key(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, *map(call_key, value))
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), str(value.dtype))
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return (type(value).__name__, str(value) if isinstance(value, (torch.device, torch.dtype)) else "")
+
+
+def moved(value, device):
+    """`value` (tensors, nested in tuples, lists and dicts) with every tensor on `device`."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (list, tuple)):
+        return type(value)(moved(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: moved(v, device) for k, v in value.items()}
+    return value
+
+
+def runs(kwargs: dict) -> tuple[dict, int] | None:
+    """Where every list of prompts in an `encode_prompt` call is made of equal runs of the same
+    (prompt, negative, ...) — N images per row — the call with each run once and the run length;
+    None where that does not hold or the call takes no repeat count."""
+    repeat = next((a for a in REPEAT_ARGS if isinstance(kwargs.get(a), int)), None)
+    lists = {k: v for k, v in kwargs.items() if isinstance(v, list) and v and all(isinstance(s, str) for s in v)}
+    if repeat is None or not lists or len({len(v) for v in lists.values()}) != 1:
+        return None
+    rows = list(zip(*lists.values(), strict=True))
+    first = rows[0]
+    r = next((i for i, row in enumerate(rows) if row != first), len(rows))
+    if r < 2 or len(rows) % r or any(rows[i] != rows[i - i % r] for i in range(len(rows))):
+        return None
+    return {**kwargs, **{k: v[::r] for k, v in lists.items()}, repeat: kwargs[repeat] * r}, r
+
+
+class Phases:
+    """The phases of a phased plan on one pipeline: which resident components each puts on the
+    device, what phase 1 encoded for each batch, and counts for the worker's stats."""
+
+    def __init__(self, pipe, plan, modules: dict[str, torch.nn.Module], device: torch.device, on_swap=None):
+        self.pipe, self.device, self.modules = pipe, device, modules
+        self.resident = [[n for n in phase if plan.placements[n].mode == "resident"] for phase in plan.phases]
+        self.on_swap = on_swap  # (component, bytes) per move onto the device: the offload stats count it
+        self.current: int | None = None
+        self.encoded: dict[tuple[str, ...], list] = {}  # image ids of a batch -> its encode_prompt calls
+        self.seen: dict = {}  # call key -> what it returned (host memory), this chunk
+        self.reset()
+
+    def reset(self) -> None:
+        """Counts from zero (after the warm-up)."""
+        self.counts = {
+            "chunks": 0,
+            "encode_calls": 0,  # encode_prompt calls run (phase 1)
+            "prompts_encoded": 0,  # prompts those calls encoded
+            "calls_reused": 0,  # calls answered from an earlier one of the chunk
+            "encoded_again": 0,  # batches encoded in phase 2 (re-batched after an OOM, or retried one by one)
+        }
+
+    def enter(self, phase: int) -> None:
+        """Phase `phase`'s resident components on the device, the others' off it."""
+        if self.current == phase:
+            return
+        for i, names in enumerate(self.resident):
+            if i != phase:
+                for name in names:
+                    self.modules[name].to("cpu")
+        for name in self.resident[phase]:
+            module = self.modules[name]
+            module.to(self.device)
+            if self.on_swap is not None:
+                self.on_swap(name, sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()]))
+        self.current = phase
+
+    def carry(self, old: Phases | None) -> Phases:
+        """What `old` (the phases of the plan this one replaces) encoded and counted, kept."""
+        if old is not None:
+            self.encoded, self.seen, self.counts = old.encoded, old.seen, old.counts
+        return self
+
+    def encode(self, keys: list[tuple], capture: Callable[[tuple], None]) -> None:
+        """Phase 1 for a chunk: `capture(key)` runs the pipeline call of the batch `key` names up to
+        its encoding (under `self.capturing(key)`). A call that fails here is left to phase 2, where
+        its error is its rows'."""
+        self.encoded, self.seen = {}, {}
+        self.counts["chunks"] += 1
+        self.enter(0)
+        for key in keys:
+            try:
+                capture(key)
+            except Exception:  # noqa: BLE001 - made again in phase 2, where a row's failure is recorded
+                self.encoded.pop(key, None)
+        self.enter(1)
+
+    def capturing(self, batch_key: tuple):
+        """While the pipeline runs the call of the batch `batch_key` names (its image ids): its
+        `encode_prompt` calls recorded, the call stopped before its latents."""
+        calls = self.encoded[batch_key] = []
+        real = self.pipe.encode_prompt
+
+        def encode_prompt(*args, **kwargs):
+            key = call_key((args, kwargs))
+            if key in self.seen:
+                self.counts["calls_reused"] += 1
+            else:
+                once = runs(kwargs) if not args else None
+                call = once[0] if once else kwargs
+                self.counts["encode_calls"] += 1
+                self.counts["prompts_encoded"] += max(len(_prompts(args, call)), 1)
+                self.seen[key] = moved(real(*args, **call), "cpu")
+            calls.append((key, self.seen[key]))
+            return moved(self.seen[key], self.device)
+
+        def prepare_latents(*args, **kwargs):
+            raise _Stop
+
+        return _Patched(self.pipe, encode_prompt=encode_prompt, prepare_latents=prepare_latents, stop=_Stop)
+
+    def replaying(self, batch_key: tuple, capture: Callable[[tuple], None]):
+        """While the pipeline runs a batch's call in phase 2: `encode_prompt` answered from phase 1.
+        A batch phase 1 did not encode (re-batched after an OOM, retried row by row) is encoded now,
+        the phases swapped for it."""
+        if batch_key not in self.encoded:
+            self.counts["encoded_again"] += 1
+            self.enter(0)
+            try:
+                capture(batch_key)
+            finally:
+                self.enter(1)
+        self.enter(1)
+        calls = list(self.encoded[batch_key])
+
+        def encode_prompt(*args, **kwargs):
+            if not calls:
+                raise FleetgenError("phase 2 called encode_prompt more often than phase 1 did")
+            key, out = calls.pop(0)
+            if key != call_key((args, kwargs)):
+                raise FleetgenError("phase 2 called encode_prompt with other arguments than phase 1 did")
+            return moved(out, self.device)
+
+        return _Patched(self.pipe, encode_prompt=encode_prompt)
+
+    def snapshot(self) -> dict:
+        return {"phases": [list(p) for p in self.resident], **self.counts}
+
+
+def _prompts(args: tuple, kwargs: dict) -> list:
+    prompt = kwargs.get("prompt", args[0] if args else None)
+    return prompt if isinstance(prompt, list) else [prompt] if prompt is not None else []
+
+
+class _Patched:
+    """The pipeline's methods replaced for one call (instance attributes shadow the class's); `stop`:
+    an exception that ends the call quietly."""
+
+    def __init__(self, pipe, stop: type[BaseException] | None = None, **methods):
+        self.pipe, self.stop, self.methods = pipe, stop, methods
+
+    def __enter__(self):
+        for name, fn in self.methods.items():
+            setattr(self.pipe, name, fn)
+        return self
+
+    def __exit__(self, kind, err, tb) -> bool:
+        for name in self.methods:
+            self.pipe.__dict__.pop(name, None)
+        return self.stop is not None and kind is not None and issubclass(kind, self.stop)
