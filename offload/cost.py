@@ -88,6 +88,8 @@ class Workload:
     # whether the text encoders run in a phase of their own, a chunk of prompts at a time (offload/phasing.py):
     # auto (where predicted faster) | on (wherever the family can) | off (the whole pipeline per call)
     phases: str = "auto"
+    # a phase's plan (offload/phasing.py): a resident component moves on and off once per this many images
+    swap_chunk: int = 0
 
 
 @dataclass(frozen=True)
@@ -276,6 +278,9 @@ def _options(
         state, share = cache_state_bytes(c, prof, w, batch), computed_share(c, w)
         forwards = _forwards(c, w, prof) * share
         load = 0 if w.loaded else c.bytes if fmt != NONE and spec(fmt).at_load else prof.components[name].bytes
+        # phased: resident in its phase, it moves on and off the device once per chunk (this call's share)
+        swapped = c.bytes * batch // w.swap_chunk if w.swap_chunk else 0
+        swap = 2 * swapped / device.bandwidth
         for p in _candidates(c, device, w.offload):
             off = p.mode != "resident"
             pinned = (c.pinned or c.bytes) if p.stream else 0  # the pinned copy is the host copy with streams
@@ -284,10 +289,11 @@ def _options(
                     placement=p,
                     resident=(0 if off else c.bytes) + state,
                     phase=_floor(c, p) + acts,
-                    host=pinned or (c.bytes if off and not p.disk else 0),
+                    # a phase's resident component keeps its host copy while it is off the device
+                    host=pinned or (c.bytes if (off and not p.disk) or (not off and w.swap_chunk) else 0),
                     pinned=pinned,
-                    seconds=(seconds := _call_seconds(c, p, prof, w, device, batch) * share),
-                    moved=int(c.bytes * forwards) if off else 0,
+                    seconds=(seconds := _call_seconds(c, p, prof, w, device, batch) * share + swap * (not off)),
+                    moved=int(c.bytes * forwards) if off else swapped,
                     load=load,
                     fmt=fmt,
                     cost=seconds + (penalty if fmt != NONE else 0.0),

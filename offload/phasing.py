@@ -57,73 +57,71 @@ def phased_plan(prof: PipelineProfile, device: DeviceSpec, w: Workload, plan) ->
     """The fastest phased plan (`plan`: the per-batch planner, called on each phase's components);
     `OffloadError` when none fits. Its `phases` name each phase's components; `chunk` the images
     one swap is spread over."""
+    from fleetgen.offload.planner import OffloadPlan
+
     parts = split(prof)
     if parts is None:
         raise OffloadError("nothing to phase: the pipeline has no text encoder apart from its denoiser")
     encoders, rest = parts
-    # the loading peak is the whole pipeline's, the same phased or not: the per-batch planner checks it
+    if not w.loaded and prof.total_bytes > device.host_budget:  # formats applied at load are not phased
+        raise OffloadError(f"Nothing loads (host RAM binds): {format_size(prof.total_bytes)} of weights")
+    # The loading peak is the whole pipeline's, the same phased or not: the per-batch planner checks it.
+    # A component moves on and off the device each chunk: formats applied at load (bitsandbytes) are not offered.
     work = replace(w, phases="off", loaded=True)
-    # a component moves on and off the device each chunk: formats applied at load (bitsandbytes) are not offered
     device = replace(device, formats=tuple(f for f in device.formats if not spec(f).at_load))
-    denoise = plan(prof.only(rest), device, work)
-
-    def left(p: OffloadPlan) -> DeviceSpec:  # the host RAM phase 2's copies leave phase 1
-        swapped = sum(prof.variant(n, p.formats.get(n, NONE)).bytes for n, m in p.modes.items() if m == "resident")
-        return replace(device, host_budget=max(device.host_budget - p.host_bytes - swapped, 0))
-
-    while True:  # phase 1 encodes each of phase 2's batches as it will be made (the same pixels)
-        encode = plan(prof.only(encoders), left(denoise), replace(work, max_batch=denoise.batch_size))
-        if encode.batch_size == denoise.batch_size:
+    per_image, chunk = embed_bytes(prof, w), CHUNK_IMAGES
+    while True:  # the swaps' cost is spread over the chunk, which the host RAM the plans leave bounds
+        encode, denoise = _phase_plans(prof, encoders, rest, device, replace(work, swap_chunk=chunk), plan)
+        placements = {**encode.placements, **denoise.placements}
+        formats = {**encode.formats, **denoise.formats}
+        swap = sum(prof.variant(n, formats.get(n, NONE)).bytes for n, p in placements.items() if p.mode == "resident")
+        held = encode.host_bytes + denoise.host_bytes  # a swapped component's host copy counted in its phase's
+        fits = min(CHUNK_IMAGES, (device.host_budget - held) // per_image if per_image else CHUNK_IMAGES)
+        if fits < denoise.batch_size:
+            raise OffloadError(
+                f"host RAM binds: the phases' host copies ({format_size(held)}) leave no room for a batch's embeddings"
+            )
+        if fits >= chunk:
             break
-        denoise = plan(prof.only(rest), device, replace(work, max_batch=encode.batch_size))
-    placements = {**encode.placements, **denoise.placements}
-    formats = {**encode.formats, **denoise.formats}
-    swapped = [n for n, p in placements.items() if p.mode == "resident"]
-    for name in swapped:
-        fmt = formats.get(name, NONE)
-        if fmt != NONE and spec(fmt).at_load:
-            raise OffloadError(f"{name} {fmt} would be resident in its phase: {fmt} weights are not moved between devices")
-    swap = sum(prof.variant(n, formats.get(n, NONE)).bytes for n in swapped)
-    held = encode.host_bytes + denoise.host_bytes + swap  # a swapped-out component's copy is in host RAM
-    per_image = embed_bytes(prof, w)
-    room = device.host_budget - held
-    chunk = min(CHUNK_IMAGES, room // per_image if per_image else CHUNK_IMAGES)
-    chunk -= chunk % denoise.batch_size
-    if chunk < denoise.batch_size:
-        raise OffloadError(
-            f"host RAM binds: the phases' host copies ({format_size(held)}) leave no room for a batch's embeddings"
-        )
-    swap_seconds = 2 * swap / device.bandwidth / chunk  # on, and off again, once per chunk
-    seconds = encode.seconds_per_image + denoise.seconds_per_image + swap_seconds
-    moved = encode.moved_per_image + denoise.moved_per_image + swap // chunk
-    from fleetgen.offload.planner import OffloadPlan
-
+        chunk = fits
+    seconds = encode.seconds_per_image + denoise.seconds_per_image  # each phase's plan counts its swaps
     return OffloadPlan(
         placements={n: placements[n] for n in prof.components},
         batch_size=denoise.batch_size,
         peak_bytes=max(encode.peak_bytes, denoise.peak_bytes),
         host_bytes=held + chunk * per_image,
         pinned_bytes=encode.pinned_bytes + denoise.pinned_bytes,
-        moved_per_image=moved,
+        moved_per_image=encode.moved_per_image + denoise.moved_per_image,
         seconds_per_image=seconds,
         relative_speed=_ideal(prof, device, w) / seconds,
         budget=device.budget,
-        reason=_reason(encoders, encode, denoise, chunk, swapped, prof, formats),
+        reason=_reason(encoders, encode, denoise, chunk, swap),
         binds=tuple(dict.fromkeys(encode.binds + denoise.binds)),
         formats=formats,
-        load_bytes=prof.total_bytes if not w.loaded else 0,
-        cost_per_image=encode.cost_per_image + denoise.cost_per_image + swap_seconds,
+        load_bytes=0 if w.loaded else prof.total_bytes,
+        cost_per_image=encode.cost_per_image + denoise.cost_per_image,
         phases=(encoders, rest),
         chunk=chunk,
     )
 
 
-def _reason(encoders, encode, denoise, chunk, swapped, prof, formats) -> str:
-    def where(p) -> str:
-        return "; ".join(f"{n} {'resident in its phase' if m == 'resident' else m}" for n, m in p.modes.items())
+def _phase_plans(prof, encoders, rest, device: DeviceSpec, work: Workload, plan):
+    """(phase 1's plan, phase 2's), each with the whole device; phase 1 encodes each of phase 2's
+    batches as it will be made (the same pixels), in the host RAM phase 2's copies leave."""
+    denoise = plan(prof.only(rest), device, work)
+    while True:
+        left = replace(device, host_budget=max(device.host_budget - denoise.host_bytes, 0))
+        encode = plan(prof.only(encoders), left, replace(work, max_batch=denoise.batch_size))
+        if encode.batch_size == denoise.batch_size:
+            return encode, denoise
+        denoise = plan(prof.only(rest), device, replace(work, max_batch=encode.batch_size))
 
-    moved = format_size(sum(prof.variant(n, formats.get(n, NONE)).bytes for n in swapped))
+
+def _reason(encoders, encode, denoise, chunk: int, swap: int) -> str:
+    def where(p) -> str:
+        return ", ".join(f"{n} {'resident in its phase' if m == 'resident' else m}" for n, m in p.modes.items())
+
     return (
         f"phased: {', '.join(encoders)} once per {chunk} images ({where(encode)}), then the rest "
-        f"({where(denoise)}); {moved} swapped per chunk; batch {denoise.batch_size}; {DECODE_IN_DENOISE}"
+        f"({where(denoise)}); {format_size(swap)} swapped per chunk; {DECODE_IN_DENOISE}; phase 2: {denoise.reason}"
     )

@@ -191,7 +191,9 @@ def plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> OffloadPlan:
         return replace(phased, reason=f"{phased.reason}; per batch nothing fits")
     ratio = per_batch.seconds_per_image / phased.seconds_per_image
     if w.phases == "on" or phased.cost_per_image < per_batch.cost_per_image:
-        moved = f"{format_size(phased.moved_per_image)} moved per image instead of {format_size(per_batch.moved_per_image)}"
+        moved = (
+            f"{format_size(phased.moved_per_image)} moved per image instead of {format_size(per_batch.moved_per_image)}"
+        )
         return replace(phased, reason=f"{phased.reason}; {moved}; predicted {ratio:.2f}x per batch's images/s")
     return replace(per_batch, reason=f"{per_batch.reason}; not phased: predicted {ratio:.2f}x these images/s")
 

@@ -201,8 +201,9 @@ class Worker:
         re-batched, and encoded again, at the smaller size."""
         pending = group
         while pending:
-            size, chunk = self.batch_size, self.fitted.chunk_images
-            batches = [pending[j : j + size] for j in range(0, min(len(pending), max(chunk, size)), size)]
+            size = self.batch_size
+            chunk = max(self.fitted.chunk_images // size, 1) * size  # whole batches
+            batches = [pending[j : j + size] for j in range(0, min(len(pending), chunk), size)]
             pending = pending[sum(map(len, batches)) :]
             self.fitted.encode(batches)
             for k, batch in enumerate(batches):

@@ -66,7 +66,8 @@ def test_auto_never_predicts_slower_and_more_memory_never_slows_it(arch, profile
 @pytest.mark.parametrize("arch", ["sd-1.5", "flux.2-dev", "qwen-image", "flux.1-dev"])
 def test_auto_finds_what_the_exhaustive_search_finds(arch, profiles):
     prof = profiles[arch]
-    w = Workload(width=1024, height=1024, steps=20, max_batch=2, quantize=parse_quantize("auto"))
+    # the per-batch search (phased plans are made of two of them: tests/offload/test_phasing.py)
+    w = Workload(width=1024, height=1024, steps=20, max_batch=2, quantize=parse_quantize("auto"), phases="off")
     grid = [(16, 32), (24, 64), (48, 256)] if len(prof.components) > 3 else itertools.product(BUDGETS, HOSTS)
     for gib, host in grid:
         device = DeviceSpec(budget=gib * GIB, host_budget=host * GIB)

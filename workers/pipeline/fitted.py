@@ -26,7 +26,6 @@ from fleetgen.workers.pipeline.attention import choose_attention, reset_attentio
 from fleetgen.workers.pipeline.caching import AppliedCache, cache_refusal, names_contexts
 from fleetgen.workers.pipeline.calls import as_task, call_kwargs, generators, prepare_call, task_kwargs, warm_up_input
 from fleetgen.workers.pipeline.compiling import AppliedCompile, is_compile_error
-from fleetgen.workers.pipeline.phases import Phases
 from fleetgen.workers.pipeline.load import (
     activate_adapters,
     load_adapters,
@@ -35,6 +34,7 @@ from fleetgen.workers.pipeline.load import (
     resolve_device,
     resolve_dtype,
 )
+from fleetgen.workers.pipeline.phases import Phases
 from fleetgen.workers.pipeline.plans import (
     choose_plan,
     components_dtypes_kept,
@@ -278,7 +278,10 @@ class FittedPipeline:
             oom = None
             try:
                 blank = [[warm_up_input(r, look.width, look.height) for r in self._roles()]] * images
-                call = lambda: self._kwargs(["warm up"] * images, [None] * images, look, generator=None, inputs=blank)  # noqa: E731
+
+                def call(blank=blank):
+                    return self._kwargs(["warm up"] * images, [None] * images, look, generator=None, inputs=blank)
+
                 with components_dtypes_kept(self.pipe), self._cache_context():
                     self._run(("warm up",) * images, call)
                 if self.cache is not None:
