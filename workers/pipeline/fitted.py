@@ -321,7 +321,7 @@ class FittedPipeline:
             )
             return True
         try:
-            leaner = leaner_plan(self.profile, self.plan, self._work(), self._device_spec())
+            leaner = self._leaner()
         except FleetgenError:
             return False
         self._reapply(leaner)
@@ -334,6 +334,17 @@ class FittedPipeline:
         )
         self.plan = leaner
         return True
+
+    def _leaner(self) -> OffloadPlan:
+        """The next plan down the ladder. Phased: one whose phase that ran out is placed leaner, else
+        (where the other phase's floor is reached first) the per-batch ladder from here."""
+        work, device = self._work(), self._device_spec()
+        if self.phases is None:
+            return leaner_plan(self.profile, self.plan, work, device)
+        try:
+            return leaner_plan(self.profile, self.plan, work, device, self.plan.phases[self.phases.failed])
+        except FleetgenError:
+            return leaner_plan(self.profile, self.plan, replace(work, phases="off"), device)
 
     def _apply_cache(self, carried: AppliedCache | None = None) -> None:
         """The job's step cache, after offloading (workers/pipeline/caching.py: so that skipped blocks stay

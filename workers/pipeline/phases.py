@@ -77,6 +77,8 @@ class Phases:
         self.resident = [[n for n in phase if plan.placements[n].mode == "resident"] for phase in plan.phases]
         self.on_swap = on_swap  # (component, bytes) per move onto the device: the offload stats count it
         self.current: int | None = None
+        self.peaks = [0] * len(self.resident)  # the device's peak bytes in each phase (CUDA)
+        self.failed = 1  # the phase the last error was raised in
         self.encoded: dict[tuple[str, ...], list] = {}  # image ids of a batch -> its encode_prompt calls
         self.seen: dict = {}  # call key -> what it returned (host memory), this chunk
         self.reset()
@@ -92,9 +94,15 @@ class Phases:
         }
 
     def enter(self, phase: int) -> None:
-        """Phase `phase`'s resident components on the device, the others' off it."""
+        """Phase `phase`'s resident components on the device, the others' off it. On CUDA the device's
+        peak is read per phase (`peak_device_bytes`)."""
         if self.current == phase:
             return
+        if self.device.type == "cuda":
+            if self.current is not None:
+                peak = torch.cuda.max_memory_allocated(self.device)
+                self.peaks[self.current] = max(self.peaks[self.current], peak)
+            torch.cuda.reset_peak_memory_stats(self.device)
         for i, names in enumerate(self.resident):
             if i != phase:
                 for name in names:
@@ -109,7 +117,7 @@ class Phases:
     def carry(self, old: Phases | None) -> Phases:
         """What `old` (the phases of the plan this one replaces) encoded and counted, kept."""
         if old is not None:
-            self.encoded, self.seen, self.counts = old.encoded, old.seen, old.counts
+            self.encoded, self.seen, self.counts, self.peaks = old.encoded, old.seen, old.counts, old.peaks
         return self
 
     def encode(self, keys: list[tuple], capture: Callable[[tuple], None]) -> None:
@@ -159,8 +167,12 @@ class Phases:
             self.enter(0)
             try:
                 capture(batch_key)
+            except BaseException:
+                self.failed = 0
+                raise
             finally:
                 self.enter(1)
+        self.failed = 1
         self.enter(1)
         calls = list(self.encoded[batch_key])
 
@@ -175,7 +187,8 @@ class Phases:
         return _Patched(self.pipe, encode_prompt=encode_prompt)
 
     def snapshot(self) -> dict:
-        return {"phases": [list(p) for p in self.resident], **self.counts}
+        peaks = {"peak_device_bytes": list(self.peaks)} if self.device.type == "cuda" else {}
+        return {"phases": [list(p) for p in self.resident], **self.counts, **peaks}
 
 
 def _prompts(args: tuple, kwargs: dict) -> list:

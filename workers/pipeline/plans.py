@@ -135,18 +135,31 @@ def choose_plan(profile: PipelineProfile, work: Workload, device: DeviceSpec | N
     return plan(profile, device, work)
 
 
-def leaner_plan(profile: PipelineProfile, current: OffloadPlan, work: Workload, device: DeviceSpec) -> OffloadPlan:
+def leaner_plan(
+    profile: PipelineProfile,
+    current: OffloadPlan,
+    work: Workload,
+    device: DeviceSpec,
+    failed: tuple[str, ...] | None = None,
+) -> OffloadPlan:
     """After an out-of-memory error at batch 1: plan for ever smaller budgets until the placement
     changes; `OffloadError` when even the leanest plan does not fit. A step that goes from the
     current placement straight to "nothing fits" (where activations, not weights, fill the budget)
-    is bisected for the budgets between, where a leaner placement may still fit."""
+    is bisected for the budgets between, where a leaner placement may still fit. `failed`: under a
+    phased plan, the components of the phase that ran out, whose placements must change (leaning
+    another phase frees nothing there)."""
     high, work = current.budget or device.budget, replace(work, max_batch=1)
 
     def at(budget: int) -> OffloadPlan:
         return plan(profile, replace(device, budget=budget), work)
 
     def changed(p: OffloadPlan) -> bool:
-        return (p.placements, p.formats) != (current.placements, current.formats)
+        if failed:
+            return any(
+                (p.placements[n], p.formats.get(n)) != (current.placements[n], current.formats.get(n)) for n in failed
+            )
+        # phased with the same placements is leaner too: one phase on the device at a time
+        return (p.placements, p.formats, p.phases) != (current.placements, current.formats, current.phases)
 
     while True:
         budget = int(high * STEP_DOWN)
