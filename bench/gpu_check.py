@@ -15,7 +15,10 @@
      resident, and any step-down;
   3. a real out-of-memory error: a worker planned all resident at batch 8, then held to what its
      weights take plus 512 MiB: it must step down (batch, then a leaner plan re-applied with
-     streams) and still make every image.
+     streams) and still make every image;
+  4. phased beside per batch (`PHASED`: FLUX.2 klein 4B at 12 GiB, Z-Image-Turbo and FLUX.1-dev at
+     16 GiB, where a model runs): the same shard with `--phases off`, then `on`, each row with the
+     device's measured peak per phase.
 
 Each row is written to the JSON file as soon as it is measured (put it under `$OUT` on a lent
 machine: only that comes back), and each row and each model is guarded: a failure is recorded
@@ -76,6 +79,7 @@ MODELS = {
     "flux.2-dev": ("flux.2-dev", "flux2", torch.bfloat16, "build_tiny_flux2", torch.float32),
     "qwen-image": ("qwen-image", "qwen-image", torch.bfloat16, "build_tiny_qwen_image", torch.float32),
     "flux.2-klein-4b": ("flux.2-klein-4b", "flux2-klein", torch.bfloat16, "build_tiny_flux2_klein", torch.float32),
+    "z-image-turbo": ("z-image-turbo", "z-image-turbo", torch.bfloat16, "build_tiny_z_image", torch.float32),
     # video: clips of VIDEO frames at VIDEO_SIZE (a 16x VAE and a patch of 2: sides multiples of 32)
     "wan2.2-ti2v-5b": ("wan2.2-ti2v-5b", "wan-ti2v", torch.bfloat16, "build_tiny_wan", torch.float32),
 }
@@ -83,6 +87,9 @@ MODELS = {
 # then moved to host RAM as a loaded checkpoint starts): FLUX.2 dev needs ~105 GiB of each.
 FRONTIER = ("flux.2-dev", "qwen-image", "flux.2-klein-4b")
 VIDEO = {"wan2.2-ti2v-5b": (41, 832, 480)}  # frames, width, height of the measured clips (tiny: 5 at 64x64)
+# The phased rows (#40), each beside the per-batch plan at the same budget: the measured peak per phase.
+PHASED = {"flux.2-klein-4b": 12, "z-image-turbo": 16, "flux.1-dev": 16}  # GiB
+DEFAULT_MODELS = "flux.1-dev,sdxl,frontier,z-image-turbo,wan2.2-ti2v-5b"
 OOM_HEADROOM = 512 * 2**20  # the forced OOM holds a worker to its weights plus this
 HOST_SHARE = 0.7  # of MemTotal, the default host budget on CUDA (MemAvailable reads low on a VM that grows on use)
 
@@ -296,6 +303,7 @@ class Run:
             cache_counts=info["cache"],
             compiled=info["compile"],  # modes, compile seconds, graphs, breaks; why taken off if it was
             attention_kernel=info["attention"],  # the kernel and, under auto, each one measured
+            phased=info["phases"],  # chunks, prompts encoded, the device's peak per phase (CUDA)
         )
         if predicted_peak and allocated:
             row["measured_over_predicted_peak"] = round(allocated / predicted_peak, 3)
@@ -374,6 +382,23 @@ SPEEDS = {
     "compile": ("compile", {"compile": True}),
     "attention": ("attention auto", {"attention": "auto"}),
 }
+
+
+def phased_rows(run: Run, results, started: float) -> None:
+    """Per batch, then phased, at the model's PHASED budget (scaled in a dry run)."""
+    if run.model not in PHASED:
+        return
+    ((label, budget),) = budgets_for(run, [PHASED[run.model]])
+    for phases, name in (("off", "per batch"), ("on", "phased")):
+        if time.perf_counter() - started > run.args.time_limit:
+            results.add({"model": run.model, "run": name, "skipped": f"--time-limit {run.args.time_limit:g} s reached"})
+            continue
+        try:
+            row = run.measure(f"{name} {label}", "auto", budget, phases=phases)
+        except Exception as err:  # noqa: BLE001 - recorded; the next row runs
+            row = {"model": run.model, "run": f"{name} {label}", "budget_bytes": budget, **failure(err)}
+            run.limit(None)
+        results.add(row)
 
 
 def speed_rows(run: Run, jobs: list, results, started: float) -> None:
@@ -568,7 +593,7 @@ def main() -> None:
     parser.add_argument("--dry", action="store_true", help="tiny models on CPU: checks the script, not the GPU")
     parser.add_argument(
         "--models",
-        default="flux.1-dev,sdxl,frontier,wan2.2-ti2v-5b",
+        default=DEFAULT_MODELS,
         help="in this order (the headline model first); frontier: the largest of "
         f"{', '.join(FRONTIER)} that fits this machine's device and host RAM",
     )
@@ -599,6 +624,8 @@ def main() -> None:
     for handler in logging.getLogger("diffusers").handlers:
         handler.addFilter(_Once())
     if args.dry:
+        if args.models == DEFAULT_MODELS:  # the dry run checks the code paths: one phased model is enough
+            args.models = DEFAULT_MODELS.replace("z-image-turbo,", "")
         args.images = min(args.images, 2)
         args.budgets = args.budgets if args.budgets != "8,16,24" else "8,16,24,48"  # 48: resident, scaled
     cuda = torch.cuda.is_available() and not args.dry
@@ -670,6 +697,7 @@ def main() -> None:
                 elif resident.get("images_per_second") and row.get("images_per_second"):
                     row["vs_resident"] = round(row["images_per_second"] / resident["images_per_second"], 3)
                 results.add(row)
+            phased_rows(run, results, started)
             speed_rows(run, jobs, results, started)
             quantized_rows(run, jobs, denoiser, resident, results, started)
             del run

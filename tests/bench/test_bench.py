@@ -95,6 +95,11 @@ def test_gpu_check_dry_run_takes_every_path_on_cpu(tmp_path):
         oom = rows["forced OOM"]
         assert oom["ok"] and oom["images"] == 8 and oom["hooks_after_close"] == 0
         assert set(oom["final_modes"].values()) != {"resident"}
+    # the phased rows: FLUX.1 per batch, then phased, at its (scaled) 16 GiB budget
+    phased = {r["run"].split(" ")[0]: r for r in result["rows"] if r["model"] == "flux.1-dev" and "phases" in r}
+    assert set(phased) == {"per", "phased"} and not any("error" in r for r in phased.values()), phased
+    assert phased["per"]["phased"] is None and phased["phased"]["phased"]["chunks"] >= 1
+    assert phased["phased"]["images"] == 2
     # SDXL in float16 with the OOM raised in its upcast VAE decode: the VAE is float16 again after
     sdxl_oom = next(r for r in result["rows"] if r["model"] == "sdxl" and r["run"] == "forced OOM")
     assert sdxl_oom["vae_dtype"] == "float16"
