@@ -73,7 +73,10 @@ def _run(pipe, settings, tmp_path, name, rows: list[str], **spec):
     return info, {r["id"]: (out / r["image"]).read_bytes() for r in manifest}
 
 
-@pytest.mark.parametrize("family", ["flux", "flux2-klein", "qwen-image", "z-image-turbo", "wan"])
+@pytest.mark.parametrize(
+    "family",
+    ["flux", *(pytest.param(f, marks=pytest.mark.slow) for f in ("flux2-klein", "qwen-image", "z-image-turbo", "wan"))],
+)
 def test_the_text_encoder_moves_once_per_chunk_and_the_images_are_the_per_batch_ones(family, tmp_path):
     pipe, settings = _pipeline(family), _settings(family)
     # batch 1, between both phases' peak and the whole's: per batch the text encoder (moved once per call)
