@@ -121,7 +121,9 @@ def _reason(encoders, encode, denoise, chunk: int, swap: int) -> str:
     def where(p) -> str:
         return ", ".join(f"{n} {'resident in its phase' if m == 'resident' else m}" for n, m in p.modes.items())
 
-    return (
+    # a quantized component's why first, as a per-batch plan says it (each phase's plan begins with it)
+    lead = "".join(p.reason.split("; ")[0] + "; " for p in (encode, denoise) if p.formats)
+    return lead + (
         f"phased: {', '.join(encoders)} once per {chunk} images ({where(encode)}), then the rest "
         f"({where(denoise)}); {format_size(swap)} swapped per chunk; {DECODE_IN_DENOISE}; phase 2: {denoise.reason}"
     )
