@@ -90,6 +90,8 @@ class Workload:
     phases: str = "auto"
     # a phase's plan (offload/phasing.py): a resident component moves on and off once per this many images
     swap_chunk: int = 0
+    # phased: the VAE decodes in a phase of its own (the family's decode is called apart from the pipeline)
+    decode_apart: bool = False
 
 
 @dataclass(frozen=True)

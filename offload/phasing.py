@@ -3,11 +3,12 @@
 Per batch, one pipeline call runs the text encoders, the denoiser and the VAE, so all of them
 share the device (or are moved again at every call). Phased, a worker takes a chunk of a shard's
 images at a time: (1) the text encoders encode every batch's prompts, alone on the device, into
-embeddings kept in host memory; (2) the denoiser and the VAE make the images from them, alone on
-the device. Each phase is planned by the per-batch planner on its own components with the whole
-device budget; a component resident in its phase is moved on at the phase's start and off at its
-end — once per chunk, not per batch. Decoding stays in phase 2: the families' latent-to-image steps
-are not called apart from the pipeline (`DECODE_IN_DENOISE`).
+embeddings kept in host memory; (2) the denoiser makes every batch's latents, kept in host memory;
+(3) the VAE decodes them, alone on the device. Where a family's decode is not called apart from
+its pipeline (`Workload.decode_apart` false: the family table's `decode_apart` says why), the VAE
+decodes in phase 2 beside the denoiser. Each phase is planned by the per-batch planner on its own
+components with the whole device budget; a component resident in its phase is moved on at the
+phase's start and off at its end — once per chunk, not per batch.
 
 Pure, like the planner: no torch. The worker's side is workers/pipeline/phases.py.
 """
@@ -32,14 +33,18 @@ CHUNK_IMAGES = 256  # images per chunk at most: what one swap of the components 
 # Hidden layers an encoder's embeddings concatenate (FLUX.2 dev: three of Mistral's, 3 x 5,120 = 15,360
 # wide; klein: three of Qwen3's); else the last one.
 EMBED_LAYERS = {"Mistral3ForConditionalGeneration": 3, "Qwen3ForCausalLM": 3}
-DECODE_IN_DENOISE = "decode stays in phase 2 (the VAE beside the denoiser): the families' latent-to-image steps are not called apart from the pipeline"
+DECODER = "vae"
 
 
-def split(prof: PipelineProfile) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
-    """(the text encoders, everything else) in the profile's order; None when there is nothing to split."""
+def split(prof: PipelineProfile, decode_apart: bool = False) -> tuple[tuple[str, ...], ...] | None:
+    """The phases' components in the profile's order: (the text encoders, the rest) or, with
+    `decode_apart`, (the text encoders, the rest, the VAE); None when there is nothing to split."""
     encoders = tuple(n for n in prof.components if n.startswith(ENCODER_PREFIX))
-    rest = tuple(n for n in prof.components if n not in encoders)
-    return (encoders, rest) if encoders and rest else None
+    apart = decode_apart and DECODER in prof.components and len(prof.components) > len(encoders) + 1
+    rest = tuple(n for n in prof.components if n not in encoders and not (apart and n == DECODER))
+    if not encoders or not rest:
+        return None
+    return (encoders, rest, (DECODER,)) if apart else (encoders, rest)
 
 
 def embed_bytes(prof: PipelineProfile, w: Workload) -> int:
@@ -53,29 +58,38 @@ def embed_bytes(prof: PipelineProfile, w: Workload) -> int:
     return per * (2 if w.cfg or w.cfg_calls else 1)
 
 
+def latent_bytes(prof: PipelineProfile, w: Workload) -> int:
+    """Host bytes one image's (or clip's) latents take between denoising and decoding, at float32."""
+    side = max(prof.vae_scale, 1)
+    frames = 1 + (max(w.frames, 1) - 1) // max(prof.vae_temporal, 1)
+    return prof.latent_channels * (w.width // side) * (w.height // side) * frames * 4
+
+
 def phased_plan(prof: PipelineProfile, device: DeviceSpec, w: Workload, plan) -> OffloadPlan:
     """The fastest phased plan (`plan`: the per-batch planner, called on each phase's components);
     `OffloadError` when none fits. Its `phases` name each phase's components; `chunk` the images
     one swap is spread over."""
     from fleetgen.offload.planner import OffloadPlan
 
-    parts = split(prof)
+    parts = split(prof, w.decode_apart)
     if parts is None:
         raise OffloadError("nothing to phase: the pipeline has no text encoder apart from its denoiser")
-    encoders, rest = parts
+    encoders, rest, *decoder = parts
     if not w.loaded and prof.total_bytes > device.host_budget:  # formats applied at load are not phased
         raise OffloadError(f"Nothing loads (host RAM binds): {format_size(prof.total_bytes)} of weights")
     # The loading peak is the whole pipeline's, the same phased or not: the per-batch planner checks it.
     # A component moves on and off the device each chunk: formats applied at load (bitsandbytes) are not offered.
     work = replace(w, phases="off", loaded=True)
     device = replace(device, formats=tuple(f for f in device.formats if not spec(f).at_load))
-    per_image, chunk = embed_bytes(prof, w), CHUNK_IMAGES
+    per_image = embed_bytes(prof, w) + (latent_bytes(prof, w) if decoder else 0)
+    chunk = CHUNK_IMAGES
     while True:  # the swaps' cost is spread over the chunk, which the host RAM the plans leave bounds
-        encode, denoise = _phase_plans(prof, encoders, rest, device, replace(work, swap_chunk=chunk), plan)
-        placements = {**encode.placements, **denoise.placements}
-        formats = {**encode.formats, **denoise.formats}
+        plans = _phase_plans(prof, parts, device, replace(work, swap_chunk=chunk), plan)
+        denoise = plans[1]
+        placements = {n: p for each in plans for n, p in each.placements.items()}
+        formats = {n: f for each in plans for n, f in each.formats.items()}
         swap = sum(prof.variant(n, formats.get(n, NONE)).bytes for n, p in placements.items() if p.mode == "resident")
-        held = encode.host_bytes + denoise.host_bytes  # a swapped component's host copy counted in its phase's
+        held = sum(p.host_bytes for p in plans)  # a swapped component's host copy counted in its phase's
         fits = min(CHUNK_IMAGES, (device.host_budget - held) // per_image if per_image else CHUNK_IMAGES)
         if fits < denoise.batch_size:
             raise OffloadError(
@@ -84,46 +98,57 @@ def phased_plan(prof: PipelineProfile, device: DeviceSpec, w: Workload, plan) ->
         if fits >= chunk:
             break
         chunk = fits
-    seconds = encode.seconds_per_image + denoise.seconds_per_image  # each phase's plan counts its swaps
+    seconds = sum(p.seconds_per_image for p in plans)  # each phase's plan counts its swaps
     return OffloadPlan(
         placements={n: placements[n] for n in prof.components},
         batch_size=denoise.batch_size,
-        peak_bytes=max(encode.peak_bytes, denoise.peak_bytes),
+        peak_bytes=max(p.peak_bytes for p in plans),
         host_bytes=held + chunk * per_image,
-        pinned_bytes=encode.pinned_bytes + denoise.pinned_bytes,
-        moved_per_image=encode.moved_per_image + denoise.moved_per_image,
+        pinned_bytes=sum(p.pinned_bytes for p in plans),
+        moved_per_image=sum(p.moved_per_image for p in plans),
         seconds_per_image=seconds,
         relative_speed=_ideal(prof, device, w) / seconds,
         budget=device.budget,
-        reason=_reason(encoders, encode, denoise, chunk, swap),
-        binds=tuple(dict.fromkeys(encode.binds + denoise.binds)),
+        reason=_reason(encoders, plans, chunk, swap),
+        binds=tuple(dict.fromkeys(b for p in plans for b in p.binds)),
         formats=formats,
         load_bytes=0 if w.loaded else prof.total_bytes,
-        cost_per_image=encode.cost_per_image + denoise.cost_per_image,
-        phases=(encoders, rest),
+        cost_per_image=sum(p.cost_per_image for p in plans),
+        phases=parts,
         chunk=chunk,
     )
 
 
-def _phase_plans(prof, encoders, rest, device: DeviceSpec, work: Workload, plan):
-    """(phase 1's plan, phase 2's), each with the whole device; phase 1 encodes each of phase 2's
-    batches as it will be made (the same pixels), in the host RAM phase 2's copies leave."""
+def _phase_plans(prof, parts, device: DeviceSpec, work: Workload, plan) -> list:
+    """Each phase's plan, with the whole device: phase 2's first; phases 1 and 3 encode and decode
+    each of phase 2's batches as it is made (the same pixels), in the host RAM the others' copies leave."""
+    encoders, rest, *decoder = parts
     denoise = plan(prof.only(rest), device, work)
     while True:
-        left = replace(device, host_budget=max(device.host_budget - denoise.host_bytes, 0))
-        encode = plan(prof.only(encoders), left, replace(work, max_batch=denoise.batch_size))
-        if encode.batch_size == denoise.batch_size:
-            return encode, denoise
-        denoise = plan(prof.only(rest), device, replace(work, max_batch=encode.batch_size))
+        others, held = [], denoise.host_bytes
+        for names in (encoders, *decoder):
+            left = replace(device, host_budget=max(device.host_budget - held, 0))
+            others.append(plan(prof.only(names), left, replace(work, max_batch=denoise.batch_size)))
+            held += others[-1].host_bytes
+        smallest = min(p.batch_size for p in others)
+        if smallest == denoise.batch_size:
+            return [others[0], denoise, *others[1:]]
+        denoise = plan(prof.only(rest), device, replace(work, max_batch=smallest))
 
 
-def _reason(encoders, encode, denoise, chunk: int, swap: int) -> str:
+def _reason(encoders, plans: list, chunk: int, swap: int) -> str:
     def where(p) -> str:
         return ", ".join(f"{n} {'resident in its phase' if m == 'resident' else m}" for n, m in p.modes.items())
 
     # a quantized component's why first, as a per-batch plan says it (each phase's plan begins with it)
-    lead = "".join(p.reason.split("; ")[0] + "; " for p in (encode, denoise) if p.formats)
+    lead = "".join(p.reason.split("; ")[0] + "; " for p in plans if p.formats)
+    decode = (
+        f"then the VAE decodes ({where(plans[2])})"
+        if len(plans) > 2
+        else "the VAE decoding in phase 2 (the family's decode is not called apart: its table's `decode_apart`)"
+    )
     return lead + (
-        f"phased: {', '.join(encoders)} once per {chunk} images ({where(encode)}), then the rest "
-        f"({where(denoise)}); {format_size(swap)} swapped per chunk; {DECODE_IN_DENOISE}; phase 2: {denoise.reason}"
+        f"phased: {', '.join(encoders)} once per {chunk} images ({where(plans[0])}), then the denoiser "
+        f"({where(plans[1])}), {decode}; {format_size(swap)} swapped per chunk; phase 2: {plans[1].reason}"
+        + (f"; phase 3: {plans[2].reason}" if len(plans) > 2 else "")
     )

@@ -177,7 +177,11 @@ def plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> OffloadPlan:
         per_batch = per_batch_plan(prof, device, w)
     except OffloadError as err:
         failed = err
-    if w.phases == "off" or split(prof) is None or (failed is not None and str(failed).startswith("Nothing loads")):
+    if (
+        w.phases == "off"
+        or split(prof, w.decode_apart) is None
+        or (failed is not None and str(failed).startswith("Nothing loads"))
+    ):
         if failed is not None:
             raise failed
         return per_batch

@@ -86,6 +86,7 @@ class GenerationSettings:
             in_sequence=task.in_sequence,
             frames=(self.num_frames or 0) if task.video else 0,
             phases="off" if self.phase_refusal() else phases,
+            decode_apart=not family.decode_apart,
         )
 
     def phase_refusal(self) -> str:

@@ -59,6 +59,7 @@ class _Attempt:
     started: float = field(default_factory=time.perf_counter)
     failures: int = 0  # images the pipeline failed
     counts: dict | None = None  # the committed manifest's counts
+    pending: list = field(default_factory=list)  # phased with a decode phase: (made, inputs) awaiting it
 
     def result(self, worker: str, ok: int = 0, errors: int = 0, **kw) -> ShardResult:
         return ShardResult(self.shard.id, worker, ok, errors, time.perf_counter() - self.started, **kw)
@@ -184,21 +185,23 @@ class Worker:
         groups = group_items(at.todo)
         with Prefetcher([im for g in groups for im in g], self.spec.settings.resize) as prefetch:
             for group in groups:
-                for batch in self._batches(group):
+                for batch, chunk_done in self._batches(group):
                     if committed_since(self.output, at.shard.id, at.base):
                         yield None
                         return
                     yield self._batch(at, batch, prefetch, sum(1 / counts[im.row] for im in batch))
+                    if chunk_done and at.pending:
+                        yield self._decoded(at)
         if at.todo and at.failures == len(at.todo) and at.base is None:
             raise ShardError(
                 f"Shard {at.shard.id}: every row failed in the pipeline; first error: "
                 f"{at.records[at.todo[0].id]['error']}"
             )
 
-    def _batches(self, group: list[WorkItem]) -> Iterator[list[WorkItem]]:
-        """`group`'s batches (one look) at the current batch size, a chunk's prompts encoded before
-        its first (nothing per batch unless phased); after an OOM step-down the rest of the chunk is
-        re-batched, and encoded again, at the smaller size."""
+    def _batches(self, group: list[WorkItem]) -> Iterator[tuple[list[WorkItem], bool]]:
+        """`group`'s batches (one look) at the current batch size, each with whether it ends its chunk;
+        a chunk's prompts encoded before its first (nothing per batch unless phased); after an OOM
+        step-down the rest of the chunk is re-batched, and encoded again, at the smaller size."""
         pending = group
         while pending:
             size = self.batch_size
@@ -207,7 +210,7 @@ class Worker:
             pending = pending[sum(map(len, batches)) :]
             self.fitted.encode(batches)
             for k, batch in enumerate(batches):
-                yield batch
+                yield batch, k == len(batches) - 1
                 if self.batch_size < size:  # stepped down
                     pending = [im for b in batches[k + 1 :] for im in b] + pending
                     break
@@ -220,17 +223,42 @@ class Worker:
         made, failed, filtered, frames = [], {}, 0, 0
         if batch:
             made, failed = self.fitted.generate(batch, inputs)
-            for m in made:
-                self._records.fill(m, at.records[m.id], inputs.get(m.id))
-            # Counted before the writer thread takes the batch: it drops each picture once encoded.
-            filtered = sum(m.picture is None for m in made)  # flagged by a safety checker: not stored
-            frames = sum(len(m.picture.frames) for m in made if isinstance(m.picture, Clip))
+            if self.fitted.deferred:  # decoded at the chunk's end (`_decoded`)
+                at.pending.append((made, inputs))
+            else:
+                filtered, frames = self._store(at, made, inputs)
+        self._failed(at, failed)
+        errors = len(failed) + filtered + len(unreadable)
+        return BatchDone(at.shard.id, self.spec.name, len(made) - filtered, errors, rows=rows, frames=frames)
+
+    def _decoded(self, at: _Attempt) -> BatchDone:
+        """A phased plan's decode phase for the chunk's batches: their pictures stored, an image whose
+        decode failed an error row. Progress: its images were counted as their batches were made."""
+        failed = self.fitted.decode()
+        filtered = frames = 0
+        for made, inputs in at.pending:
+            f, n = self._store(at, [m for m in made if m.id not in failed], inputs)
+            filtered, frames = filtered + f, frames + n
+        at.pending = []
+        self._failed(at, failed)
+        return BatchDone(at.shard.id, self.spec.name, 0, len(failed) + filtered, frames=frames)
+
+    def _store(self, at: _Attempt, made: list[Made], inputs: dict) -> tuple[int, int]:
+        """Records filled, pictures handed to the writer thread; (filtered, frames) counted first (the
+        writer drops each picture once encoded)."""
+        for m in made:
+            self._records.fill(m, at.records[m.id], inputs.get(m.id))
+        filtered = sum(m.picture is None for m in made)  # flagged by a safety checker: not stored
+        frames = sum(len(m.picture.frames) for m in made if isinstance(m.picture, Clip))
+        if made:
             self._writer.submit(self._encode_and_store, at.sink, made, at.records, at.table)
+        return filtered, frames
+
+    @staticmethod
+    def _failed(at: _Attempt, failed: dict[str, str]) -> None:
         for image_id, error in failed.items():
             at.records[image_id].update(status="error", error=error)
         at.failures += len(failed)
-        errors = len(failed) + filtered + len(unreadable)
-        return BatchDone(at.shard.id, self.spec.name, len(made) - filtered, errors, rows=rows, frames=frames)
 
     def _commit(self, at: _Attempt) -> tuple[bool, str | None]:
         """Wait for the writer, commit the manifest, move the objects to their keys. Returns (won,

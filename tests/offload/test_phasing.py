@@ -65,7 +65,7 @@ def test_klein_at_12_gib_is_phased_and_moves_less_than_per_batch():
     prof, work = _case("flux.2-klein-4b")
     device = _device("RTX-4090", 12, host_gib=64)
     chosen, per_batch = plan(prof, device, work), per_batch_plan(prof, device, work)
-    assert chosen.phases == (("text_encoder",), ("transformer", "vae"))
+    assert chosen.phases == (("text_encoder",), ("transformer",), ("vae",))  # klein decodes apart
     assert chosen.moved_per_image < per_batch.moved_per_image
     assert chosen.seconds_per_image < per_batch.seconds_per_image
     assert plan(prof, device, replace(work, phases="off")) == per_batch

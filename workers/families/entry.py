@@ -82,6 +82,9 @@ class Family:
     # Why its images cannot be made phased (offload/phasing.py: the text encoders a chunk of prompts at a
     # time, then the denoiser), or "": tested equal to the per-batch images (tests/workers/pipeline/test_phases.py).
     phased: str = ""
+    # Why its VAE cannot decode in a phase of its own (phase 3: the call's `vae.decode` recorded in phase 2,
+    # run with the VAE alone on the device), or "": tested equal to the per-batch images.
+    decode_apart: str = "its decode is not checked apart from the pipeline"
 
     def __post_init__(self) -> None:
         if not self.tasks and self.pipelines:

@@ -8,6 +8,8 @@ of its own and workers/families/detect.py tells them apart. No torch here: the d
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fleetgen.workers.families.entry import GUIDANCE_ARGS, Family  # noqa: F401 - the table's words
 from fleetgen.workers.families.table_video import VIDEO_TABLE
 from fleetgen.workers.families.tasks import (  # noqa: F401 - TASKS, TEXT and Task are this table's words too
@@ -326,6 +328,24 @@ TABLE = (
     Family("hidream-dev", steps=28, guidance=0.0, note="HiDream-I1-Dev: distilled, 28 steps, no CFG", **_HIDREAM),
     Family("hidream-fast", steps=16, guidance=0.0, note="HiDream-I1-Fast: distilled, 16 steps, no CFG", **_HIDREAM),
     *VIDEO_TABLE,  # workers/families/table_video.py
+)
+# Phased plans decode in a phase of their own (workers/pipeline/phases.py) where the pipeline's tail is
+# `vae.decode(...)`, then its image or video processor, and nothing between reads the decoded pixels:
+# tested equal to per batch (tests/workers/pipeline/test_phases.py). Elsewhere the VAE decodes beside the
+# denoiser, and the entry says why.
+DECODE_APART = frozenset(
+    {"sd3", "flux", "flux-schnell", "flux2", "flux2-klein", "flux2-klein-base", "qwen-image", "z-image-turbo"}
+    | {"z-image", "chroma", "wan", "wan2.2"}
+)
+_DECODE_IN_PHASE_2 = {
+    "sd": "its safety checker reads the decoded images before they are post-processed",
+    "sdxl": "it casts its VAE to float32 around the decode and watermarks the decoded images",
+    "ltx-video": "its decode takes a timestep and adds noise to the latents first",
+    "ltx-2": "its decode takes a timestep and adds noise to the latents first; its audio decodes beside",
+}
+TABLE = tuple(
+    replace(f, decode_apart="" if f.name in DECODE_APART else _DECODE_IN_PHASE_2.get(f.name, f.decode_apart))
+    for f in TABLE
 )
 
 GENERIC = Family(

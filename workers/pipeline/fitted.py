@@ -70,6 +70,7 @@ class FittedPipeline:
         self._call_args = {f.name: f.call_arg for f in extra_settings()}  # per-row settings the look carries
         self.placed = self.cache = self.compiled = self.attention = self.offload_stats = self.phases = None
         self.step_downs: list[dict] = []
+        self._pending: list[tuple] = []  # (phases, batch, its Made records): deferred to `decode()`
         self.seconds = 0.0  # wall time in pipeline calls
         at_load = self._formats_at_load()
         self.pipe = pipe if pipe is not None else self._load(at_load)
@@ -221,11 +222,64 @@ class FittedPipeline:
             self.pipe(**call())
 
     def _run(self, key: tuple, call):
-        """One pipeline call (`call()`: its arguments): whole per batch; phased, answered from phase 1."""
+        """One pipeline call (`call()`: its arguments): whole per batch; phased, answered from phase 1,
+        and with a decode phase, its decode recorded for phase 3 (the call's pictures are placeholders)."""
         if self.phases is None:
             return self.pipe(**call())
-        with self.phases.replaying(key, lambda k: self._capture(k, call)):
+        deferred = self.phases.deferring(key) if self.phases.decode_apart else contextlib.nullcontext()
+        with self.phases.replaying(key, lambda k: self._capture(k, call)), deferred:
             return self.pipe(**call())
+
+    @property
+    def deferred(self) -> bool:
+        """Whether pictures come from `decode()` (a phased plan's decode phase), not from `generate`."""
+        return self.phases is not None and self.phases.decode_apart
+
+    def decode(self) -> dict[str, str]:
+        """Phase 3: every batch `generate` deferred, decoded with the VAE alone on the device, its
+        pictures set on its `Made` records. A batch whose decode fails is decoded an image at a time
+        (an out-of-memory error included); returns {image id: error} for those that still fail."""
+        if not self._pending:
+            return {}
+        if self.phases is not None:
+            self.phases.enter(len(self.phases.resident) - 1)
+        failed: dict[str, str] = {}
+        for phases, batch, made in self._pending:
+            started = time.perf_counter()
+            failed.update(self._decode_batch(phases, batch, made))
+            seconds = time.perf_counter() - started
+            self.seconds += seconds
+            for m in made:
+                m.seconds += seconds / len(made)
+        for phases, _, _ in self._pending:
+            phases.pending.clear()
+        self._pending = []
+        return failed
+
+    def _decode_batch(self, phases: Phases, batch: list[WorkItem], made: list[Made]) -> dict[str, str]:
+        key, look, error = _key(batch), batch[0].look, None
+        try:
+            self._set_pictures(made, self._pictures(phases.decoded(key), look))
+            return {}
+        except Exception as err:  # noqa: BLE001 - decoded again an image at a time, outside the `except`
+            error = one_line(err) if is_out_of_memory(err) else f"{type(err).__name__}: {err}"
+        gc.collect()  # the failed decode's tensors, held by its traceback until here
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if len(batch) == 1:
+            return {batch[0].id: error}
+        failed = {}
+        for i, m in enumerate(made):
+            try:
+                self._set_pictures([m], self._pictures(phases.decoded(key, slice(i, i + 1)), look))
+            except Exception as err:  # noqa: BLE001 - this image's error, the others' pictures kept
+                failed[m.id] = f"{type(err).__name__}: {err}"
+        return failed
+
+    @staticmethod
+    def _set_pictures(made: list[Made], pictures: list) -> None:
+        for m, picture in zip(made, pictures, strict=True):
+            m.picture = picture
 
     def _quantize(self, formats: dict[str, str]) -> None:
         """Apply the plan's after-load formats not applied yet (a step-down under `auto` may add one)."""
@@ -284,6 +338,10 @@ class FittedPipeline:
 
                 with components_dtypes_kept(self.pipe), self._cache_context():
                     self._run(("warm up",) * images, call)
+                    if self.deferred:  # its decode too, with the VAE alone on the device
+                        self.phases.enter(len(self.phases.resident) - 1)
+                        self.phases.decoded(("warm up",) * images)
+                        self.phases.pending.clear()
                 if self.cache is not None:
                     self.cache.take()  # the warm-up's skips are no image's
                 if self.phases is not None:
@@ -419,19 +477,17 @@ class FittedPipeline:
         self._activate(look)
         with components_dtypes_kept(self.pipe), self._cache_context():
             out = self._run(_key(batch), self._batch_call(batch, inputs))
-        extra = dict(look.extra)
-        pictures = self._clips(out, extra) if self.task.video else out.images
-        made = {getattr(p, "size", None) for p in pictures}
-        if made != {(look.width, look.height)}:  # a pipeline that rescales: its records would say otherwise
-            sizes = ", ".join(sorted(f"{w}x{h}" for w, h in made if w) or ["no images"])
-            raise FleetgenError(f"{type(self.pipe).__name__} made {sizes} where {look.width}x{look.height} was asked")
-        # A safety checker (SD 1.x) blacks out what it flags: such pictures are None.
-        flags = getattr(out, "nsfw_content_detected", None) or [None] * len(batch)
+        if self.deferred:  # pictures from `decode()`, the chunk's phase 3
+            pictures, flags = [None] * len(batch), [None] * len(batch)
+        else:
+            pictures = self._pictures(out, look)
+            # A safety checker (SD 1.x) blacks out what it flags: such pictures are None.
+            flags = getattr(out, "nsfw_content_detected", None) or [None] * len(batch)
         seconds = time.perf_counter() - started
         self.seconds += seconds
         quantized = describe(self.quantized)
         skipped = self.cache.take() if self.cache is not None else None
-        return [
+        made = [
             Made(
                 im.id,
                 im.row,
@@ -444,6 +500,21 @@ class FittedPipeline:
             )
             for im, picture, flagged in zip(batch, pictures, flags, strict=True)
         ]
+        if self.deferred:
+            self._pending.append((self.phases, batch, made))
+        return made
+
+    def _pictures(self, out, look: Look) -> list:
+        """A call's pictures (a decode phase's post-processed output alike): images, or clips; a
+        pipeline that rescales is an error, as its records would say otherwise."""
+        if isinstance(out, list):  # phase 3: the processor's output, as the call would have returned it
+            out = _Output(images=out, frames=out)
+        pictures = self._clips(out, dict(look.extra)) if self.task.video else out.images
+        made = {getattr(p, "size", None) for p in pictures}
+        if made != {(look.width, look.height)}:
+            sizes = ", ".join(sorted(f"{w}x{h}" for w, h in made if w) or ["no images"])
+            raise FleetgenError(f"{type(self.pipe).__name__} made {sizes} where {look.width}x{look.height} was asked")
+        return pictures
 
     def _activate(self, look: Look) -> None:
         if look.adapters != self._active:  # between batches only: a batch shares its look
@@ -479,3 +550,13 @@ class FittedPipeline:
 
 def _key(batch: list[WorkItem]) -> tuple[str, ...]:
     return tuple(im.id for im in batch)
+
+
+class _Output:
+    """A decode phase's pictures as a pipeline's output holds them (`images`; a video's `frames`)."""
+
+    audio = None
+    nsfw_content_detected = None
+
+    def __init__(self, images: list, frames: list):
+        self.images, self.frames = images, frames

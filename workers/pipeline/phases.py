@@ -6,7 +6,10 @@ the device. Components resident in a phase move on at its start and off at its e
 
 Nothing family-specific: the pipeline's own `__call__` decides what to encode and how to use it
 (masks, pooled embeddings, negatives, lists of embeddings), so a batch made in phase 2 is the same
-call as per batch — the same pixels. Within a chunk a call seen already (a negative prompt every
+call as per batch — the same pixels. Where the plan has a third phase (the family's decode called
+apart: its table's `decode_apart`), phase 2's `vae.decode` records its latents (in host memory) and
+answers an empty tensor, its processor's post-processing is recorded and skipped, and phase 3 runs
+both on the recorded latents with the VAE alone on the device. Within a chunk a call seen already (a negative prompt every
 row shares, a batch of the same prompts again) is answered from the first; and where a call's
 prompts come in equal runs (N images per row), the pipeline encodes each once and repeats them
 itself (its `num_images_per_prompt`).
@@ -80,6 +83,7 @@ class Phases:
         self.peaks = [0] * len(self.resident)  # the device's peak bytes in each phase (CUDA)
         self.failed = 1  # the phase the last error was raised in
         self.encoded: dict[tuple[str, ...], list] = {}  # image ids of a batch -> its encode_prompt calls
+        self.pending: dict[tuple[str, ...], dict] = {}  # image ids of a batch -> its recorded decode (phase 3)
         self.seen: dict = {}  # call key -> what it returned (host memory), this chunk
         self.reset()
 
@@ -118,6 +122,7 @@ class Phases:
         """What `old` (the phases of the plan this one replaces) encoded and counted, kept."""
         if old is not None:
             self.encoded, self.seen, self.counts, self.peaks = old.encoded, old.seen, old.counts, old.peaks
+            self.pending = old.pending
         return self
 
     def encode(self, keys: list[tuple], capture: Callable[[tuple], None]) -> None:
@@ -186,6 +191,56 @@ class Phases:
 
         return _Patched(self.pipe, encode_prompt=encode_prompt)
 
+    @property
+    def decode_apart(self) -> bool:
+        return len(self.resident) > 2
+
+    def deferring(self, batch_key: tuple):
+        """While phase 2 runs a batch's call: its `vae.decode` recorded (the latents to host memory) and
+        answered with an empty tensor; its processor's post-processing recorded and skipped (the call's
+        pictures are placeholders, never used)."""
+        from diffusers.models.autoencoders.vae import DecoderOutput
+
+        record = self.pending[batch_key] = {}
+        vae = self.pipe.vae
+
+        def decode(z, *args, **kwargs):
+            record["decode"] = (moved(z, "cpu"), args, kwargs)
+            empty = z.new_empty((z.shape[0], 0, *z.shape[2:]))  # no memory: nothing reads it but the post-processing
+            record["ndim"] = empty.ndim
+            return (empty,) if kwargs.get("return_dict") is False else DecoderOutput(sample=empty)
+
+        patches = {}
+        for holder in ("image_processor", "video_processor"):
+            processor = getattr(self.pipe, holder, None)
+            for name in ("postprocess", "postprocess_video"):
+                real = getattr(processor, name, None) if processor is not None else None
+                if real is None:
+                    continue
+
+                def post(image, *args, _real=real, _holder=holder, _name=name, **kwargs):
+                    record["post"] = (_holder, _name, args, kwargs, image.ndim)
+                    return [None] * image.shape[0]
+
+                patches[(holder, name)] = post
+        return _Deferred(self.pipe, vae, decode, patches)
+
+    def decoded(self, batch_key: tuple, rows: slice | None = None):
+        """Phase 3 for one batch (`rows`: some of its images): its recorded latents decoded, post-processed
+        as the call would have; the call's pictures (images, or each clip's frames)."""
+        record = self.pending[batch_key]
+        if "post" not in record:
+            raise FleetgenError("phase 2 recorded no decode for this batch")
+        z, args, kwargs = record["decode"]
+        z = z if rows is None else z[rows]
+        with torch.no_grad():
+            out = self.pipe.vae.decode(z.to(self.device), *args, **kwargs)
+            image = out[0] if isinstance(out, tuple) else out.sample
+            holder, name, pargs, pkwargs, ndim = record["post"]
+            if ndim == record["ndim"] - 1:  # the call took the only frame of an image VAE's clip (Qwen-Image)
+                image = image[:, :, 0]
+            return getattr(getattr(self.pipe, holder), name)(image, *pargs, **pkwargs)
+
     def snapshot(self) -> dict:
         peaks = {"peak_device_bytes": list(self.peaks)} if self.device.type == "cuda" else {}
         return {"phases": [list(p) for p in self.resident], **self.counts, **peaks}
@@ -212,3 +267,22 @@ class _Patched:
         for name in self.methods:
             self.pipe.__dict__.pop(name, None)
         return self.stop is not None and kind is not None and issubclass(kind, self.stop)
+
+
+class _Deferred:
+    """`vae.decode` and the processors' post-processing replaced for one call (instance attributes)."""
+
+    def __init__(self, pipe, vae, decode, patches: dict):
+        self.pipe, self.vae, self.decode, self.patches = pipe, vae, decode, patches
+
+    def __enter__(self):
+        self.vae.decode = self.decode
+        for (holder, name), fn in self.patches.items():
+            setattr(getattr(self.pipe, holder), name, fn)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.vae.__dict__.pop("decode", None)
+        for holder, name in self.patches:
+            getattr(self.pipe, holder).__dict__.pop(name, None)
+        return False

@@ -11,6 +11,7 @@ import torch
 
 from fleetgen.jobs.sharding import plan_shards, read_footer, resolve_columns
 from fleetgen.offload import DeviceSpec, plan, profile_pipeline
+from fleetgen.workers.families.table import DECODE_APART
 from fleetgen.workers.rows.shard import Columns
 from fleetgen.workers.spec import GenerationSettings, WorkerSpec
 from fleetgen.workers.tiny.registry import TINY_FAMILIES
@@ -20,11 +21,13 @@ from tests.conftest import FAST, write_prompts
 # bytes given to the tiny text encoder and denoiser (as the 2026 models' are, both large beside the rest),
 # so that where they live matters to the plan
 BALLAST = {"text_encoder": 64 << 20, "transformer": 48 << 20}
-VIDEO = {"task": "text-to-video", "num_frames": 5, "height": 48, "fps": 16.0}
+# a clip's frames stored as PNG too: they are what phasing must keep (its H.264 bytes are compared by
+# frames: x264 has been seen to encode the same frames differently once in a while on the writer thread)
+VIDEO = {"task": "text-to-video", "num_frames": 5, "height": 48, "fps": 16.0, "store_frames": True}
 
 
 def _settings(family: str, **over) -> GenerationSettings:
-    video = VIDEO if family.startswith("wan") else {}
+    video = VIDEO if family.startswith("wan") or family.startswith("hunyuanvideo") else {}
     base = {k: FAST[k] for k in ("steps", "guidance", "width", "height")}
     return GenerationSettings(family=family, output_format="files", **{**base, **video, **over})
 
@@ -70,7 +73,8 @@ def _run(pipe, settings, tmp_path, name, rows: list[str], **spec):
         worker.close()
     manifest = pq.read_table(out / "shards").to_pylist()
     assert all(r["status"] == "ok" for r in manifest)
-    return info, {r["id"]: (out / r["image"]).read_bytes() for r in manifest}
+    # every image, and every frame of a clip (PNG), by its key
+    return info, {str(p.relative_to(out)): p.read_bytes() for p in sorted((out / "images").rglob("*.png"))}
 
 
 @pytest.mark.parametrize(
@@ -98,7 +102,10 @@ def test_the_text_encoder_moves_once_per_chunk_and_the_images_are_the_per_batch_
     assert phased["offload"]["components"]["text_encoder"]["swaps"] == 1
     assert phased["plan"]["moved_bytes_per_image"] < per_batch["plan"]["moved_bytes_per_image"]
     assert phased["phases"]["encoded_again"] == 0
-    assert phased_images == per_batch_images  # the same calls: the same bytes
+    # the VAE decodes in a phase of its own (the family's table: `decode_apart`), moved on once too
+    assert len(phased["plan"]["phases"]) == 3 and phased["plan"]["phases"][2] == ["vae"]
+    assert phased["offload"]["components"]["vae"]["swaps"] == 1
+    assert phased_images == per_batch_images  # the same calls, the same decodes: the same bytes
 
 
 def test_repeated_prompts_are_encoded_once_per_chunk(tmp_path):
@@ -149,3 +156,22 @@ def test_an_oom_mid_chunk_rebatches_and_encodes_the_rest_again(tmp_path):
     assert info["phases"]["encoded_again"] == 2 and info["phases"]["chunks"] == 2
     _, per_batch = _run(pipe, settings, tmp_path, "per-batch", rows, phases="off", max_batch=2, gpu_memory=1 << 30)
     assert phased == per_batch  # after the step-down: batches of 2, the same as a run at batch 2
+
+
+FIVE = {"flux", "flux2-klein", "qwen-image", "z-image-turbo", "wan"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(DECODE_APART - FIVE) + ["sd"])
+def test_every_family_that_decodes_apart_makes_the_per_batch_images(family, tmp_path):
+    """The rest of the families the table lets decode in a phase of their own, phased against per
+    batch; SD decodes beside its UNet (its safety checker reads the decoded images) and says so."""
+    pipe, settings = TINY_FAMILIES[family](0), _settings(family)
+    rows = [f"a lighthouse at dusk, number {i % 3}" for i in range(5)]
+    common = {"max_batch": 2, "gpu_memory": 1 << 30}
+    phased, phased_images = _run(pipe, settings, tmp_path, "phased", rows, phases="on", **common)
+    _, per_batch = _run(pipe, settings, tmp_path, "per-batch", rows, phases="off", **common)
+    assert phased_images == per_batch and len(per_batch) >= 5
+    apart = family in DECODE_APART
+    assert (phased["plan"]["phases"][-1] == ["vae"]) is apart
+    assert ("the VAE decoding in phase 2" in phased["plan"]["reason"]) is not apart
