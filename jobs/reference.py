@@ -153,6 +153,24 @@ def families_page() -> str:
     ]
     for f in TABLE:
         lines.append(f"| `{f.name}` | {'; '.join(_task_cell(t) for t in f.tasks)} |")
+    lines += [
+        "",
+        "## Phases",
+        "",
+        "How a phased plan runs each family (`--phases`, docs/fitting.md): the text encoders, then the denoiser,",
+        "then the VAE, each alone on the device; or the VAE beside the denoiser, and why.",
+        "",
+        "| family | phases |",
+        "|---|---|",
+    ]
+    for f in TABLE:
+        if f.phased:
+            phases = f"per batch only: {_cell(f.phased)}"
+        elif f.decode_apart:
+            phases = f"encode; denoise and decode: {_cell(f.decode_apart)}"
+        else:
+            phases = "encode; denoise; decode"
+        lines.append(f"| `{f.name}` | {phases} |")
     lines += ["", "## Notes", ""]
     lines += [f"- `{f.name}`: {_cell(f.note)}" for f in TABLE if f.note]
     return "\n".join(lines) + "\n"
