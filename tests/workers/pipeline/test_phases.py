@@ -108,6 +108,7 @@ def test_the_text_encoder_moves_once_per_chunk_and_the_images_are_the_per_batch_
     assert phased_images == per_batch_images  # the same calls, the same decodes: the same bytes
 
 
+@pytest.mark.slow
 def test_repeated_prompts_are_encoded_once_per_chunk(tmp_path):
     """4 prompts x 8 images: each prompt encoded once (the pipeline repeats it for its images), each
     batch of one prompt answered once; the images as per batch, within the rounding of an encoder run
@@ -133,6 +134,7 @@ def test_repeated_prompts_are_encoded_once_per_chunk(tmp_path):
     assert max(np.abs(pixels(phased[i]) - pixels(per_batch[i])).max() for i in phased) <= 2
 
 
+@pytest.mark.slow
 def test_an_oom_mid_chunk_rebatches_and_encodes_the_rest_again(tmp_path):
     """An out-of-memory error in phase 2 halves the batch; the chunk's remaining images are re-batched
     at the new size and encoded again in phase 1, never run with another batch's embeddings."""
