@@ -32,6 +32,7 @@ def test_defaults_and_cli_over_file(tmp_path):
         ({"dtype": "int8"}, "`--dtype` must be one of auto, float32, float16, bfloat16; got `int8`."),
         ({"id_column": "prompt"}, "Column options must name different columns"),
         ({"offload": "gpu"}, "`--offload` must be one of auto, none, block, leaf, disk; got `gpu`."),
+        ({"phases": "sometimes"}, "`--phases` must be one of auto, on, off; got `sometimes`."),
         ({"gpu_memory": "24"}, "`--gpu-memory` must be a size like `24GiB`, got `24`."),
         ({"host_memory": "lots"}, "`--host-memory` must be a size like `24GiB`, got `lots`."),
         ({"cpu_threads": 0}, "`--cpu-threads` must be 1 or more, got `0`."),
@@ -98,3 +99,22 @@ def test_sizes_the_model_cannot_take_are_refused(tiny_model, tmp_path):
     ):
         make_config({**BASE, "model": tiny_model, "width": 68})
     assert make_config({**BASE, "model": tiny_model, "width": 72}).width == 72
+
+
+def test_phases_reach_every_worker_and_stay_out_of_the_fingerprint(tmp_path):
+    """`--phases` (a TOML key too) is each worker's own choice: in its WorkerSpec, not in the settings
+    every image shares."""
+    from dataclasses import replace
+
+    from fleetgen.jobs.driver import worker_spec
+    from fleetgen.workers.rows.shard import Columns
+    from fleetgen.workers.spec import GenerationSettings
+
+    f = tmp_path / "job.toml"
+    f.write_text('phases = "off"\n')
+    c = make_config(BASE, str(f))
+    assert c.phases == "off" and make_config({**BASE, "phases": "on"}, str(f)).phases == "on"
+    assert "phases" not in GenerationSettings.__dataclass_fields__  # what job.json's fingerprint holds
+    resolved = replace(c, family="sd", steps=2, guidance=5.0, width=64, height=64)  # the family's defaults
+    spec = worker_spec(resolved, "w0", Columns())
+    assert spec.phases == "off" and spec.fit().phases == "off"
