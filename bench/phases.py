@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fleetgen.errors import OffloadError  # noqa: E402
 from fleetgen.offload import DeviceSpec, plan  # noqa: E402
+from fleetgen.offload.cost import MARGIN  # noqa: E402
 from fleetgen.offload.devices import gpu  # noqa: E402
 from fleetgen.offload.planner import per_batch_plan  # noqa: E402
 from fleetgen.units import format_size, parse_size  # noqa: E402
@@ -80,6 +81,7 @@ def _plans(prof, device, work):
 def cpu_run(rows: int, steps: int) -> None:
     import tempfile
 
+    import pyarrow as pa
     import pyarrow.parquet as pq
     import torch
 
@@ -99,12 +101,10 @@ def cpu_run(rows: int, steps: int) -> None:
     prof = profile_pipeline(pipe, "tiny")
     whole = plan(prof, roomy, replace(work, phases="off")).peak_bytes
     phased = plan(prof, roomy, replace(work, phases="on")).peak_bytes
-    budget = int((whole + phased) / 2 / 0.9)
+    budget = int((whole + phased) / 2 / (1 - MARGIN))  # between the two: per batch must offload
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "p.parquet"
-        pq.write_table(
-            __import__("pyarrow").table({"prompt": [f"a lighthouse, number {i}" for i in range(rows)]}), path
-        )
+        pq.write_table(pa.table({"prompt": [f"a lighthouse, number {i}" for i in range(rows)]}), path)
         files = [read_footer(str(path))]
         print(f"tiny FLUX.1, {rows} images at 64x64, {steps} steps, batch 1, budget {format_size(budget)}, CPU\n")
         print("| phases | plan | images/s | onloaded/img | text encoder onloads | prompts encoded |")

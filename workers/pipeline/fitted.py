@@ -34,7 +34,7 @@ from fleetgen.workers.pipeline.load import (
     resolve_device,
     resolve_dtype,
 )
-from fleetgen.workers.pipeline.phases import Phases
+from fleetgen.workers.pipeline.phases import Phases, decode_all
 from fleetgen.workers.pipeline.plans import (
     choose_plan,
     components_dtypes_kept,
@@ -70,7 +70,7 @@ class FittedPipeline:
         self._call_args = {f.name: f.call_arg for f in extra_settings()}  # per-row settings the look carries
         self.placed = self.cache = self.compiled = self.attention = self.offload_stats = self.phases = None
         self.step_downs: list[dict] = []
-        self._pending: list[tuple] = []  # (phases, batch, its Made records): deferred to `decode()`
+        self._pending: list[tuple] = []  # (phases, batch key, its Made records, to pictures): for `decode()`
         self.seconds = 0.0  # wall time in pipeline calls
         at_load = self._formats_at_load()
         self.pipe = pipe if pipe is not None else self._load(at_load)
@@ -237,49 +237,21 @@ class FittedPipeline:
 
     def decode(self) -> dict[str, str]:
         """Phase 3: every batch `generate` deferred, decoded with the VAE alone on the device, its
-        pictures set on its `Made` records. A batch whose decode fails is decoded an image at a time
-        (an out-of-memory error included); returns {image id: error} for those that still fail."""
+        pictures set on its `Made` records (workers/pipeline/phases.py `decode_all`); {image id: error}
+        for those whose decode failed."""
         if not self._pending:
             return {}
         if self.phases is not None:
             self.phases.enter(len(self.phases.resident) - 1)
-        failed: dict[str, str] = {}
-        for phases, batch, made in self._pending:
-            started = time.perf_counter()
-            failed.update(self._decode_batch(phases, batch, made))
-            seconds = time.perf_counter() - started
-            self.seconds += seconds
-            for m in made:
-                m.seconds += seconds / len(made)
-        for phases, _, _ in self._pending:
-            phases.pending.clear()
+        started = time.perf_counter()
+        failed = decode_all(self._pending, self.device)
+        seconds = time.perf_counter() - started
+        self.seconds += seconds
+        made = [m for *_, ms, _ in self._pending for m in ms]
+        for m in made:
+            m.seconds += seconds / len(made)
         self._pending = []
         return failed
-
-    def _decode_batch(self, phases: Phases, batch: list[WorkItem], made: list[Made]) -> dict[str, str]:
-        key, look, error = _key(batch), batch[0].look, None
-        try:
-            self._set_pictures(made, self._pictures(phases.decoded(key), look))
-            return {}
-        except Exception as err:  # noqa: BLE001 - decoded again an image at a time, outside the `except`
-            error = one_line(err) if is_out_of_memory(err) else f"{type(err).__name__}: {err}"
-        gc.collect()  # the failed decode's tensors, held by its traceback until here
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        if len(batch) == 1:
-            return {batch[0].id: error}
-        failed = {}
-        for i, m in enumerate(made):
-            try:
-                self._set_pictures([m], self._pictures(phases.decoded(key, slice(i, i + 1)), look))
-            except Exception as err:  # noqa: BLE001 - this image's error, the others' pictures kept
-                failed[m.id] = f"{type(err).__name__}: {err}"
-        return failed
-
-    @staticmethod
-    def _set_pictures(made: list[Made], pictures: list) -> None:
-        for m, picture in zip(made, pictures, strict=True):
-            m.picture = picture
 
     def _quantize(self, formats: dict[str, str]) -> None:
         """Apply the plan's after-load formats not applied yet (a step-down under `auto` may add one)."""
@@ -501,14 +473,12 @@ class FittedPipeline:
             for im, picture, flagged in zip(batch, pictures, flags, strict=True)
         ]
         if self.deferred:
-            self._pending.append((self.phases, batch, made))
+            self._pending.append((self.phases, _key(batch), made, lambda out: self._pictures(out, look)))
         return made
 
     def _pictures(self, out, look: Look) -> list:
-        """A call's pictures (a decode phase's post-processed output alike): images, or clips; a
+        """A call's pictures (a decode phase's output alike): images, or clips; a
         pipeline that rescales is an error, as its records would say otherwise."""
-        if isinstance(out, list):  # phase 3: the processor's output, as the call would have returned it
-            out = _Output(images=out, frames=out)
         pictures = self._clips(out, dict(look.extra)) if self.task.video else out.images
         made = {getattr(p, "size", None) for p in pictures}
         if made != {(look.width, look.height)}:
@@ -550,13 +520,3 @@ class FittedPipeline:
 
 def _key(batch: list[WorkItem]) -> tuple[str, ...]:
     return tuple(im.id for im in batch)
-
-
-class _Output:
-    """A decode phase's pictures as a pipeline's output holds them (`images`; a video's `frames`)."""
-
-    audio = None
-    nsfw_content_detected = None
-
-    def __init__(self, images: list, frames: list):
-        self.images, self.frames = images, frames

@@ -17,6 +17,7 @@ itself (its `num_images_per_prompt`).
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 
 import torch
@@ -161,7 +162,9 @@ class Phases:
         def prepare_latents(*args, **kwargs):
             raise _Stop
 
-        return _Patched(self.pipe, encode_prompt=encode_prompt, prepare_latents=prepare_latents, stop=_Stop)
+        return _Patched(
+            [(self.pipe, "encode_prompt", encode_prompt), (self.pipe, "prepare_latents", prepare_latents)], _Stop
+        )
 
     def replaying(self, batch_key: tuple, capture: Callable[[tuple], None]):
         """While the pipeline runs a batch's call in phase 2: `encode_prompt` answered from phase 1.
@@ -189,7 +192,7 @@ class Phases:
                 raise FleetgenError("phase 2 called encode_prompt with other arguments than phase 1 did")
             return moved(out, self.device)
 
-        return _Patched(self.pipe, encode_prompt=encode_prompt)
+        return _Patched([(self.pipe, "encode_prompt", encode_prompt)])
 
     @property
     def decode_apart(self) -> bool:
@@ -202,7 +205,6 @@ class Phases:
         from diffusers.models.autoencoders.vae import DecoderOutput
 
         record = self.pending[batch_key] = {}
-        vae = self.pipe.vae
 
         def decode(z, *args, **kwargs):
             record["decode"] = (moved(z, "cpu"), args, kwargs)
@@ -210,7 +212,7 @@ class Phases:
             record["ndim"] = empty.ndim
             return (empty,) if kwargs.get("return_dict") is False else DecoderOutput(sample=empty)
 
-        patches = {}
+        patches = [(self.pipe.vae, "decode", decode)]
         for holder in ("image_processor", "video_processor"):
             processor = getattr(self.pipe, holder, None)
             for name in ("postprocess", "postprocess_video"):
@@ -218,16 +220,16 @@ class Phases:
                 if real is None:
                     continue
 
-                def post(image, *args, _real=real, _holder=holder, _name=name, **kwargs):
+                def post(image, *args, _holder=holder, _name=name, **kwargs):
                     record["post"] = (_holder, _name, args, kwargs, image.ndim)
                     return [None] * image.shape[0]
 
-                patches[(holder, name)] = post
-        return _Deferred(self.pipe, vae, decode, patches)
+                patches.append((processor, name, post))
+        return _Patched(patches)
 
-    def decoded(self, batch_key: tuple, rows: slice | None = None):
+    def decoded(self, batch_key: tuple, rows: slice | None = None) -> Output:
         """Phase 3 for one batch (`rows`: some of its images): its recorded latents decoded, post-processed
-        as the call would have; the call's pictures (images, or each clip's frames)."""
+        as the call would have; the call's output (its images, or each clip's frames)."""
         record = self.pending[batch_key]
         if "post" not in record:
             raise FleetgenError("phase 2 recorded no decode for this batch")
@@ -239,7 +241,7 @@ class Phases:
             holder, name, pargs, pkwargs, ndim = record["post"]
             if ndim == record["ndim"] - 1:  # the call took the only frame of an image VAE's clip (Qwen-Image)
                 image = image[:, :, 0]
-            return getattr(getattr(self.pipe, holder), name)(image, *pargs, **pkwargs)
+            return Output(getattr(getattr(self.pipe, holder), name)(image, *pargs, **pkwargs))
 
     def snapshot(self) -> dict:
         peaks = {"peak_device_bytes": list(self.peaks)} if self.device.type == "cuda" else {}
@@ -252,37 +254,62 @@ def _prompts(args: tuple, kwargs: dict) -> list:
 
 
 class _Patched:
-    """The pipeline's methods replaced for one call (instance attributes shadow the class's); `stop`:
-    an exception that ends the call quietly."""
+    """Methods replaced for one call, as instance attributes shadowing the class's (`patches`:
+    (object, attribute, function)); `stop`: an exception that ends the call quietly."""
 
-    def __init__(self, pipe, stop: type[BaseException] | None = None, **methods):
-        self.pipe, self.stop, self.methods = pipe, stop, methods
+    def __init__(self, patches: list[tuple[object, str, Callable]], stop: type[BaseException] | None = None):
+        self.patches, self.stop = patches, stop
 
     def __enter__(self):
-        for name, fn in self.methods.items():
-            setattr(self.pipe, name, fn)
+        for holder, name, fn in self.patches:
+            setattr(holder, name, fn)
         return self
 
     def __exit__(self, kind, err, tb) -> bool:
-        for name in self.methods:
-            self.pipe.__dict__.pop(name, None)
+        for holder, name, _ in self.patches:
+            holder.__dict__.pop(name, None)
         return self.stop is not None and kind is not None and issubclass(kind, self.stop)
 
 
-class _Deferred:
-    """`vae.decode` and the processors' post-processing replaced for one call (instance attributes)."""
+class Output:
+    """A decode phase's pictures as a pipeline's output holds them (`images`; a video's `frames`)."""
 
-    def __init__(self, pipe, vae, decode, patches: dict):
-        self.pipe, self.vae, self.decode, self.patches = pipe, vae, decode, patches
+    audio = None
+    nsfw_content_detected = None
 
-    def __enter__(self):
-        self.vae.decode = self.decode
-        for (holder, name), fn in self.patches.items():
-            setattr(getattr(self.pipe, holder), name, fn)
-        return self
+    def __init__(self, pictures: list):
+        self.images = self.frames = pictures
 
-    def __exit__(self, *exc) -> bool:
-        self.vae.__dict__.pop("decode", None)
-        for holder, name in self.patches:
-            getattr(self.pipe, holder).__dict__.pop(name, None)
-        return False
+
+def decode_all(pending: list[tuple[Phases, tuple, list, Callable]], device: torch.device) -> dict[str, str]:
+    """Phase 3 for a chunk: each deferred batch — (its phases, its key, its `Made` records, `pictures`:
+    the call's output to its pictures) — decoded, its pictures set on its records. A batch whose decode
+    fails is decoded again an image at a time, outside the `except` (an OOM's tensors freed first);
+    returns {image id: error} for those that still fail."""
+    failed: dict[str, str] = {}
+    for phases, key, made, pictures in pending:
+        error = None
+        try:
+            _set_pictures(made, pictures(phases.decoded(key)))
+            continue
+        except Exception as err:  # noqa: BLE001 - decoded again an image at a time, below
+            error = f"{type(err).__name__}: {err}"
+        gc.collect()  # the failed decode's tensors, held by its traceback until here
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if len(made) == 1:
+            failed[made[0].id] = error
+            continue
+        for i, m in enumerate(made):
+            try:
+                _set_pictures([m], pictures(phases.decoded(key, slice(i, i + 1))))
+            except Exception as err:  # noqa: BLE001 - this image's error, the others' pictures kept
+                failed[m.id] = f"{type(err).__name__}: {err}"
+    for phases, *_ in pending:
+        phases.pending.clear()
+    return failed
+
+
+def _set_pictures(made: list, pictures: list) -> None:
+    for m, picture in zip(made, pictures, strict=True):
+        m.picture = picture
