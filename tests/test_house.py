@@ -153,6 +153,7 @@ TORCH_FREE = (  # modules whose docstrings say they load no torch: the driver, `
     "fleetgen.workers.families.model_dir",
     "fleetgen.workers.spec",
     "fleetgen.jobs.config",
+    "fleetgen.jobs.validate",
     "fleetgen.jobs.status",
     "fleetgen.jobs.verify",
     "fleetgen.cluster",  # the driver: the workers' modules load in the actors' processes
