@@ -1,5 +1,6 @@
 """What differs between the object stores behind `Output` (workers/output/storage.py): which
-backends fleetgen knows to create atomically, and the Azure copy a move waits for."""
+backends fleetgen knows to create atomically, the Azure copy a move waits for, and S3's removal of a
+prefix page by page."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import posixpath
 
 import fsspec
 
+S3_PAGE = 1000  # keys per listing page, and the most one DeleteObjects request takes
 # The object stores whose fsspec backend creates an object only if absent, atomically (`mode="create"`).
 _STORES = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
 
@@ -41,3 +43,30 @@ async def azure_copy(fs, src: str, dst: str) -> None:
     if status != "success":
         raise OSError(f"the copy of {src} to {dst} ended {status!r}")
     fs.invalidate_cache(posixpath.dirname(dst))
+
+
+def remove_s3_prefix(fs, path: str) -> None:
+    """An S3 object and every object under it as a prefix, 1,000 keys per listing page, deleted in one
+    request each (memory does not grow with the prefix); a key one DeleteObjects refused raises."""
+    bucket, key, _ = fs.split_path(path)
+    page: dict = {"NextContinuationToken": None}
+    while "NextContinuationToken" in page:
+        token = page["NextContinuationToken"]
+        page = fs.call_s3(
+            "list_objects_v2",
+            Bucket=bucket,
+            Prefix=f"{key}/",
+            MaxKeys=S3_PAGE,
+            **({"ContinuationToken": token} if token else {}),
+        )
+        objects = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if objects:
+            done = fs.call_s3("delete_objects", Bucket=bucket, Delete={"Objects": objects, "Quiet": True})
+            if done.get("Errors"):  # per-key failures come back in a 200 answer, not as an exception
+                first = done["Errors"][0]
+                raise PermissionError(
+                    f"{len(done['Errors'])} key(s) not deleted, e.g. {first.get('Key')}: "
+                    f"{first.get('Code')} {first.get('Message')}"
+                )
+    fs.call_s3("delete_object", Bucket=bucket, Key=key)  # the object at the key itself (absent: a no-op)
+    fs.invalidate_cache(path)

@@ -33,10 +33,8 @@ import pyarrow as pa
 
 from fleetgen.errors import StorageError, one_line
 from fleetgen.workers.output.arrow_io import TMP_MARK, RenameOnClose, parquet_schema, read_parquet
-from fleetgen.workers.output.backends import azure_copy, store_kind
+from fleetgen.workers.output.backends import azure_copy, remove_s3_prefix, store_kind
 from fleetgen.workers.output.policy import STORAGE_ENV, T, guarded
-
-S3_PAGE = 1000  # keys per listing page, and the most one DeleteObjects request takes
 
 _BACKEND_PACKAGES = {
     "s3": "s3fs",
@@ -398,7 +396,7 @@ class Output:
                 elif os.path.lexists(path):
                     os.remove(path)
             elif self.s3:
-                self._remove_s3(path)
+                remove_s3_prefix(self.fs, path)
             elif self.fs.exists(path):
                 self.fs.rm(path, recursive=True)
 
@@ -406,30 +404,6 @@ class Output:
             self._retry("remove", key, remove)
         except FileNotFoundError:
             pass
-
-    def _remove_s3(self, path: str) -> None:
-        bucket, key, _ = self.fs.split_path(path)
-        page: dict = {"NextContinuationToken": None}
-        while "NextContinuationToken" in page:
-            token = page["NextContinuationToken"]
-            page = self.fs.call_s3(
-                "list_objects_v2",
-                Bucket=bucket,
-                Prefix=f"{key}/",
-                MaxKeys=S3_PAGE,
-                **({"ContinuationToken": token} if token else {}),
-            )
-            objects = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-            if objects:
-                done = self.fs.call_s3("delete_objects", Bucket=bucket, Delete={"Objects": objects, "Quiet": True})
-                if done.get("Errors"):  # per-key failures come back in a 200 answer, not as an exception
-                    first = done["Errors"][0]
-                    raise PermissionError(
-                        f"{len(done['Errors'])} key(s) not deleted, e.g. {first.get('Key')}: "
-                        f"{first.get('Code')} {first.get('Message')}"
-                    )
-        self.fs.call_s3("delete_object", Bucket=bucket, Key=key)  # the object at the key itself (absent: a no-op)
-        self.fs.invalidate_cache(path)
 
 
 __all__ = [

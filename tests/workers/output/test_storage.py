@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from fleetgen.errors import StorageError
-from fleetgen.workers.output import policy, storage
+from fleetgen.workers.output import backends, policy
 from fleetgen.workers.output.storage import Output
 
 
@@ -44,7 +44,7 @@ def test_removing_a_prefix_on_s3_goes_page_by_page(s3_server, monkeypatch):
     out.put("images", b"an object at the prefix's own key")
     out.put("images2/keep.png", b"y")
     out.put("data/keep.tar", b"z")
-    monkeypatch.setattr(storage, "S3_PAGE", 5)
+    monkeypatch.setattr(backends, "S3_PAGE", 5)
     calls = []
     real = out.fs.call_s3
 
