@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 PHASES_CHOICES = ("auto", "on", "off")
 ENCODER_PREFIX = "text_encoder"  # text_encoder, text_encoder_2, ... (HiDream has four)
+IMAGE_ENCODER = "image_encoder"  # Wan 2.1 image-to-video's CLIP: its call (`encode_image`) is phase 1's too
 CHUNK_IMAGES = 256  # images per chunk at most: what one swap of the components is spread over
 # Hidden layers an encoder's embeddings concatenate (FLUX.2 dev: three of Mistral's, 3 x 5,120 = 15,360
 # wide; klein: three of Qwen3's); else the last one.
@@ -38,8 +39,9 @@ DECODER = "vae"
 
 def split(prof: PipelineProfile, decode_apart: bool = False) -> tuple[tuple[str, ...], ...] | None:
     """The phases' components in the profile's order: (the text encoders, the rest) or, with
-    `decode_apart`, (the text encoders, the rest, the VAE); None when there is nothing to split."""
-    encoders = tuple(n for n in prof.components if n.startswith(ENCODER_PREFIX))
+    `decode_apart`, (the text encoders, the rest, the VAE); None when there is nothing to split.
+    An image encoder is phase 1's, beside the text encoders."""
+    encoders = tuple(n for n in prof.components if n.startswith(ENCODER_PREFIX) or n == IMAGE_ENCODER)
     apart = decode_apart and DECODER in prof.components and len(prof.components) > len(encoders) + 1
     rest = tuple(n for n in prof.components if n not in encoders and not (apart and n == DECODER))
     if not encoders or not rest:
@@ -56,6 +58,11 @@ def embed_bytes(prof: PipelineProfile, w: Workload) -> int:
         if n.startswith(ENCODER_PREFIX)
     )
     return per * (2 if w.cfg or w.cfg_calls else 1)
+
+
+def input_bytes(w: Workload) -> int:
+    """Host bytes one image's input pictures take while its chunk is made (RGB, at the image's size)."""
+    return w.input_images * w.width * w.height * 3
 
 
 def latent_bytes(prof: PipelineProfile, w: Workload) -> int:
@@ -81,7 +88,7 @@ def phased_plan(prof: PipelineProfile, device: DeviceSpec, w: Workload, plan) ->
     # A component moves on and off the device each chunk: formats applied at load (bitsandbytes) are not offered.
     work = replace(w, phases="off", loaded=True)
     device = replace(device, formats=tuple(f for f in device.formats if not spec(f).at_load))
-    per_image = embed_bytes(prof, w) + (latent_bytes(prof, w) if decoder else 0)
+    per_image = embed_bytes(prof, w) + input_bytes(w) + (latent_bytes(prof, w) if decoder else 0)
     chunk = CHUNK_IMAGES
     while True:  # the swaps' cost is spread over the chunk, which the host RAM the plans leave bounds
         plans = _phase_plans(prof, parts, device, replace(work, swap_chunk=chunk), plan)
@@ -109,7 +116,7 @@ def phased_plan(prof: PipelineProfile, device: DeviceSpec, w: Workload, plan) ->
         seconds_per_image=seconds,
         relative_speed=_ideal(prof, device, w) / seconds,
         budget=device.budget,
-        reason=_reason(encoders, plans, chunk, swap),
+        reason=_reason(encoders, plans, chunk, swap, w.input_images > 0),
         binds=tuple(dict.fromkeys(b for p in plans for b in p.binds)),
         formats=formats,
         load_bytes=0 if w.loaded else prof.total_bytes,
@@ -136,7 +143,7 @@ def _phase_plans(prof, parts, device: DeviceSpec, work: Workload, plan) -> list:
         denoise = plan(prof.only(rest), device, replace(work, max_batch=smallest))
 
 
-def _reason(encoders, plans: list, chunk: int, swap: int) -> str:
+def _reason(encoders, plans: list, chunk: int, swap: int, inputs: bool = False) -> str:
     def where(p) -> str:
         return ", ".join(f"{n} {'resident in its phase' if m == 'resident' else m}" for n, m in p.modes.items())
 
@@ -145,6 +152,8 @@ def _reason(encoders, plans: list, chunk: int, swap: int) -> str:
     decode = (
         f"then the VAE decodes ({where(plans[2])})"
         if len(plans) > 2
+        else "the VAE encoding the input images and decoding in phase 2"
+        if inputs
         else "the VAE decoding in phase 2 (the family's decode is not called apart: its table's `decode_apart`)"
     )
     return lead + (

@@ -86,17 +86,13 @@ class GenerationSettings:
             in_sequence=task.in_sequence,
             frames=(self.num_frames or 0) if task.video else 0,
             phases="off" if self.phase_refusal() else phases,
-            decode_apart=not family.decode_apart,
+            # a task that takes images has the VAE encode them in phase 2: it decodes there too
+            decode_apart=not family.decode_apart and not task.takes_images,
         )
 
     def phase_refusal(self) -> str:
         """Why this job's images cannot be made phased (offload/phasing.py), or ""."""
-        family, task = FAMILIES.get(self.family, GENERIC), self.task_spec()
-        if family.phased:
-            return family.phased
-        if task.takes_images:
-            return f"{task.name} reads each batch's input images as it is made: run per batch"
-        return ""
+        return FAMILIES.get(self.family, GENERIC).phased
 
     def media_format(self) -> str:
         """What each object of the job is encoded as: the video format for video tasks, else the image format."""

@@ -65,6 +65,32 @@ class _Attempt:
         return ShardResult(self.shard.id, worker, ok, errors, time.perf_counter() - self.started, **kw)
 
 
+@dataclass
+class _Loaded:
+    """One batch as asked, with its input images loaded: `batch` the images whose inputs loaded (all,
+    for a task without inputs), `inputs` {id: its loaded inputs}, `unreadable` {id: why not}."""
+
+    asked: list[WorkItem]
+    batch: list[WorkItem]
+    inputs: dict
+    unreadable: dict[str, str]
+
+    @classmethod
+    def of(cls, asked: list[WorkItem], prefetch: Prefetcher, records: dict, have: dict) -> _Loaded:
+        """`asked`'s inputs, read by `prefetch` unless `have` ({id: (inputs, why not)}: a chunk loaded
+        before a step-down re-batched it) holds them already."""
+        new = [im for im in asked if im.id not in have]
+        _, inputs, unreadable = prefetch.batch(new, records)
+        have.update({im.id: (inputs.get(im.id), unreadable.get(im.id)) for im in new})
+        batch = [im for im in asked if have[im.id][1] is None]
+        return cls(
+            asked,
+            batch,
+            {im.id: have[im.id][0] for im in batch if have[im.id][0]},
+            {im.id: have[im.id][1] for im in asked if have[im.id][1]},
+        )
+
+
 class _CommitUnknown(ShardError):
     """The manifest's write failed without saying whether it landed: its staging must stay."""
 
@@ -185,11 +211,11 @@ class Worker:
         groups = group_items(at.todo)
         with Prefetcher([im for g in groups for im in g], self.spec.settings.resize) as prefetch:
             for group in groups:
-                for batch, chunk_done in self._batches(group):
+                for loaded, chunk_done in self._batches(at, group, prefetch):
                     if committed_since(self.output, at.shard.id, at.base):
                         yield None
                         return
-                    yield self._batch(at, batch, prefetch, sum(1 / counts[im.row] for im in batch))
+                    yield self._batch(at, loaded, sum(1 / counts[im.row] for im in loaded.asked))
                     if chunk_done and at.pending:
                         yield self._decoded(at)
         if at.todo and at.failures == len(at.todo) and at.base is None:
@@ -198,28 +224,32 @@ class Worker:
                 f"{at.records[at.todo[0].id]['error']}"
             )
 
-    def _batches(self, group: list[WorkItem]) -> Iterator[tuple[list[WorkItem], bool]]:
-        """`group`'s batches (one look) at the current batch size, each with whether it ends its chunk;
-        a chunk's prompts encoded before its first (nothing per batch unless phased); after an OOM
-        step-down the rest of the chunk is re-batched, and encoded again, at the smaller size."""
-        pending = group
+    def _batches(self, at: _Attempt, group: list[WorkItem], prefetch: Prefetcher) -> Iterator[tuple[_Loaded, bool]]:
+        """`group`'s batches (one look) at the current batch size, their input images loaded, each with
+        whether it ends its chunk; a chunk's inputs loaded and its prompts encoded before its first batch
+        (a chunk is one batch unless phased); after an OOM step-down the rest of the chunk is re-batched,
+        and encoded again, at the smaller size."""
+        pending, have = group, {}
         while pending:
             size = self.batch_size
             chunk = max(self.fitted.chunk_images // size, 1) * size  # whole batches
             batches = [pending[j : j + size] for j in range(0, min(len(pending), chunk), size)]
             pending = pending[sum(map(len, batches)) :]
-            self.fitted.encode(batches)
-            for k, batch in enumerate(batches):
-                yield batch, k == len(batches) - 1
+            loaded = [_Loaded.of(b, prefetch, at.records, have) for b in batches]
+            self.fitted.encode([(b.batch, b.inputs) for b in loaded if b.batch])
+            for k, batch in enumerate(loaded):
+                yield batch, k == len(loaded) - 1
+                for im in batch.asked:
+                    have.pop(im.id, None)
                 if self.batch_size < size:  # stepped down
                     pending = [im for b in batches[k + 1 :] for im in b] + pending
                     break
 
-    def _batch(self, at: _Attempt, asked: list[WorkItem], prefetch: Prefetcher, rows: float) -> BatchDone:
+    def _batch(self, at: _Attempt, loaded: _Loaded, rows: float) -> BatchDone:
         """One pipeline call: the batch's inputs (an unreadable one fails its row only), the call,
         its pictures handed to the writer thread, which encodes, hashes and stores them while the
         device makes the next batch."""
-        batch, inputs, unreadable = prefetch.batch(asked, at.records)
+        batch, inputs, unreadable = loaded.batch, loaded.inputs, loaded.unreadable
         made, failed, filtered, frames = [], {}, 0, 0
         if batch:
             made, failed = self.fitted.generate(batch, inputs)

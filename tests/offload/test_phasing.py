@@ -90,3 +90,19 @@ def test_off_never_phases_and_on_phases_wherever_it_fits():
     assert plan(prof, device, replace(work, phases="on")).phases
     with pytest.raises(OffloadError, match="--phases"):
         plan(prof, device, replace(work, phases="sometimes"))
+
+
+def test_an_edit_is_phased_with_the_vae_encoding_and_decoding_beside_the_denoiser():
+    """FLUX.2 klein edits from two references at 12 GiB: the text encoder in a phase of its own; the VAE,
+    which encodes the references as the call makes its latents, with the transformer; each image's
+    input pictures held in host memory for the chunk beside its embeddings."""
+    from fleetgen.offload.phasing import input_bytes
+
+    prof, _ = _case("flux.2-klein-4b")
+    edit, _ = plan_workload("flux.2-klein-4b", task="edit", references=2, max_batch=4)
+    assert edit.input_images == 2 and not edit.decode_apart
+    chosen = plan(prof, _device("RTX-4090", 12, host_gib=64), replace(edit, phases="on"))
+    assert chosen.phases == (("text_encoder",), ("transformer", "vae"))
+    assert "the VAE encoding the input images and decoding in phase 2" in chosen.reason
+    assert input_bytes(edit) == 2 * 1024 * 1024 * 3
+    assert chosen.host_bytes > chosen.chunk * (embed_bytes(prof, edit) + input_bytes(edit))  # and the host copies

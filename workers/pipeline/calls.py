@@ -132,7 +132,7 @@ def task_kwargs(task: Task, width: int, height: int, inputs: list | None) -> dic
         extra[task.pins_area] = width * height
     if task.takes_images:
         images = [[p for p, role in one if role == "image"] for one in inputs]
-        if task.video:  # image-to-video: one row per call, its image the first frame
+        if task.video and not task.batched:  # image-to-video one row per call (Wan): its image the first frame
             extra["image"] = images[0][0]
         else:
             extra["image"] = [one[0] for one in images] if task.images == 1 else images[0]

@@ -208,13 +208,14 @@ class FittedPipeline:
         """Images the worker hands `encode` at a time: a phased plan's chunk, else one batch."""
         return self.plan.chunk if self.phases is not None else self.batch_size
 
-    def encode(self, batches: list[list[WorkItem]]) -> None:
-        """Phase 1 of a phased plan for a chunk of `batches` (one look): their prompts encoded, the
-        text encoders alone on the device; nothing per batch. Tasks that take images are not phased."""
+    def encode(self, batches: list[tuple[list[WorkItem], dict]]) -> None:
+        """Phase 1 of a phased plan for a chunk of batches (one look; each with its loaded inputs, as
+        `generate` takes them): their prompts (and an image encoder's images) encoded, the encoders
+        alone on the device; nothing per batch."""
         if self.phases is None or not batches:
             return
-        self._activate(batches[0][0].look)
-        calls = {_key(b): self._batch_call(b) for b in batches}
+        self._activate(batches[0][0][0].look)
+        calls = {_key(b): self._batch_call(b, inputs) for b, inputs in batches}
         self.phases.encode(list(calls), lambda key: self._capture(key, calls[key]))
 
     def _capture(self, key: tuple, call) -> None:

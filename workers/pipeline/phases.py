@@ -1,8 +1,10 @@
 """Phased generation on the worker (the plan's side: offload/phasing.py). For a chunk of a shard's
-batches: phase 1 runs each batch's pipeline call only up to its prompt encoding — the text encoders
-alone on the device — and keeps what `encode_prompt` returned in host memory; phase 2 runs each
-batch's call whole, its `encode_prompt` answered from phase 1, the denoiser and the VAE alone on
-the device. Components resident in a phase move on at its start and off at its end: once per chunk.
+batches: phase 1 runs each batch's pipeline call only up to its latents — the text encoders (and an
+image encoder: Wan 2.1 image-to-video's CLIP) alone on the device — and keeps what `encode_prompt`
+(and `encode_image`) returned in host memory; phase 2 runs each batch's call whole, those answered
+from phase 1, the denoiser and the VAE alone on the device. A task that takes images passes them
+through the same calls: an edit model's vision-language encoder reads them in phase 1 (Qwen-Image-Edit),
+the VAE encodes them into latents in phase 2, beside the denoiser, as the call makes its latents. Components resident in a phase move on at its start and off at its end: once per chunk.
 
 Nothing family-specific: the pipeline's own `__call__` decides what to encode and how to use it
 (masks, pooled embeddings, negatives, lists of embeddings), so a batch made in phase 2 is the same
@@ -18,30 +20,36 @@ itself (its `num_images_per_prompt`).
 from __future__ import annotations
 
 import gc
+import hashlib
 from collections.abc import Callable
 
 import torch
+from PIL.Image import Image as PILImage
 
 from fleetgen.errors import FleetgenError
 
 REPEAT_ARGS = ("num_images_per_prompt", "num_videos_per_prompt")  # what encode_prompt repeats each prompt by
+ENCODERS = ("encode_prompt", "encode_image")  # the pipeline methods phase 1 runs and phase 2 is answered from
 
 
 class _Stop(Exception):
-    """Raised where the pipeline call leaves its prompt encoding (`prepare_latents`): phase 1 ends there."""
+    """Raised where the pipeline call leaves its encoding (`prepare_latents`): phase 1 ends there."""
 
 
 def call_key(value) -> object:
-    """A hashable stand-in for an `encode_prompt` call's arguments: strings and numbers as they are,
-    tensors by shape and dtype (never their values: phase 1 and phase 2 pass the same ones)."""
+    """A hashable stand-in for an encoder call's arguments: strings and numbers as they are, tensors
+    and pictures (an edit model's input image) by shape and a digest of their values."""
     if isinstance(value, dict):
         return tuple(sorted((k, call_key(v)) for k, v in value.items()))
     if isinstance(value, (list, tuple)):
         return (type(value).__name__, *map(call_key, value))
     if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), str(value.dtype))
+        data = value.detach().to("cpu").contiguous().flatten().view(torch.uint8).numpy()
+        return ("tensor", tuple(value.shape), str(value.dtype), hashlib.blake2b(data, digest_size=16).digest())
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
+    if isinstance(value, PILImage):
+        return ("picture", value.mode, value.size, hashlib.blake2b(value.tobytes(), digest_size=16).digest())
     return (type(value).__name__, str(value) if isinstance(value, (torch.device, torch.dtype)) else "")
 
 
@@ -59,10 +67,10 @@ def moved(value, device):
 def runs(kwargs: dict) -> tuple[dict, int] | None:
     """Where every list of prompts in an `encode_prompt` call is made of equal runs of the same
     (prompt, negative, ...) — N images per row — the call with each run once and the run length;
-    None where that does not hold or the call takes no repeat count."""
+    None where that does not hold, the call takes no repeat count or reads more than text (an image)."""
     repeat = next((a for a in REPEAT_ARGS if isinstance(kwargs.get(a), int)), None)
     lists = {k: v for k, v in kwargs.items() if isinstance(v, list) and v and all(isinstance(s, str) for s in v)}
-    if repeat is None or not lists or len({len(v) for v in lists.values()}) != 1:
+    if repeat is None or not lists or len({len(v) for v in lists.values()}) != 1 or _reads_pictures(kwargs):
         return None
     rows = list(zip(*lists.values(), strict=True))
     first = rows[0]
@@ -141,33 +149,35 @@ class Phases:
         self.enter(1)
 
     def capturing(self, batch_key: tuple):
-        """While the pipeline runs the call of the batch `batch_key` names (its image ids): its
-        `encode_prompt` calls recorded, the call stopped before its latents."""
+        """While the pipeline runs the call of the batch `batch_key` names (its image ids): its encoder
+        calls (`ENCODERS`) recorded, the call stopped before its latents."""
         calls = self.encoded[batch_key] = []
-        real = self.pipe.encode_prompt
 
-        def encode_prompt(*args, **kwargs):
-            key = call_key((args, kwargs))
-            if key in self.seen:
-                self.counts["calls_reused"] += 1
-            else:
-                once = runs(kwargs) if not args else None
-                call = once[0] if once else kwargs
-                self.counts["encode_calls"] += 1
-                self.counts["prompts_encoded"] += max(len(_prompts(args, call)), 1)
-                self.seen[key] = moved(real(*args, **call), "cpu")
-            calls.append((key, self.seen[key]))
-            return moved(self.seen[key], self.device)
+        def recorder(method: str, real: Callable) -> Callable:
+            def encode(*args, **kwargs):
+                key = (method, call_key((args, kwargs)))
+                if key in self.seen:
+                    self.counts["calls_reused"] += 1
+                else:
+                    once = runs(kwargs) if not args and method == "encode_prompt" else None
+                    call = once[0] if once else kwargs
+                    self.counts["encode_calls"] += 1
+                    if method == "encode_prompt":
+                        self.counts["prompts_encoded"] += max(len(_prompts(args, call)), 1)
+                    self.seen[key] = moved(real(*args, **call), "cpu")
+                calls.append((key, self.seen[key]))
+                return moved(self.seen[key], self.device)
+
+            return encode
 
         def prepare_latents(*args, **kwargs):
             raise _Stop
 
-        return _Patched(
-            [(self.pipe, "encode_prompt", encode_prompt), (self.pipe, "prepare_latents", prepare_latents)], _Stop
-        )
+        patches = [(self.pipe, m, recorder(m, getattr(self.pipe, m))) for m in ENCODERS if hasattr(self.pipe, m)]
+        return _Patched([*patches, (self.pipe, "prepare_latents", prepare_latents)], _Stop)
 
     def replaying(self, batch_key: tuple, capture: Callable[[tuple], None]):
-        """While the pipeline runs a batch's call in phase 2: `encode_prompt` answered from phase 1.
+        """While the pipeline runs a batch's call in phase 2: its encoder calls answered from phase 1.
         A batch phase 1 did not encode (re-batched after an OOM, retried row by row) is encoded now,
         the phases swapped for it."""
         if batch_key not in self.encoded:
@@ -184,15 +194,18 @@ class Phases:
         self.enter(1)
         calls = list(self.encoded[batch_key])
 
-        def encode_prompt(*args, **kwargs):
-            if not calls:
-                raise FleetgenError("phase 2 called encode_prompt more often than phase 1 did")
-            key, out = calls.pop(0)
-            if key != call_key((args, kwargs)):
-                raise FleetgenError("phase 2 called encode_prompt with other arguments than phase 1 did")
-            return moved(out, self.device)
+        def answer(method: str) -> Callable:
+            def encode(*args, **kwargs):
+                if not calls:
+                    raise FleetgenError(f"phase 2 called {method} more often than phase 1 did")
+                key, out = calls.pop(0)
+                if key != (method, call_key((args, kwargs))):
+                    raise FleetgenError(f"phase 2 called {method} with other arguments than phase 1 did")
+                return moved(out, self.device)
 
-        return _Patched([(self.pipe, "encode_prompt", encode_prompt)])
+            return encode
+
+        return _Patched([(self.pipe, m, answer(m)) for m in ENCODERS if hasattr(self.pipe, m)])
 
     @property
     def decode_apart(self) -> bool:
@@ -248,6 +261,14 @@ class Phases:
         return {"phases": [list(p) for p in self.resident], **self.counts, **peaks}
 
 
+def _reads_pictures(value) -> bool:
+    if isinstance(value, dict):
+        return any(map(_reads_pictures, value.values()))
+    if isinstance(value, (list, tuple)):
+        return any(map(_reads_pictures, value))
+    return isinstance(value, (torch.Tensor, PILImage))
+
+
 def _prompts(args: tuple, kwargs: dict) -> list:
     prompt = kwargs.get("prompt", args[0] if args else None)
     return prompt if isinstance(prompt, list) else [prompt] if prompt is not None else []
@@ -261,14 +282,21 @@ class _Patched:
         self.patches, self.stop = patches, stop
 
     def __enter__(self):
+        self.before = [(holder, name, holder.__dict__.get(name, _ABSENT)) for holder, name, _ in self.patches]
         for holder, name, fn in self.patches:
             setattr(holder, name, fn)
         return self
 
     def __exit__(self, kind, err, tb) -> bool:
-        for holder, name, _ in self.patches:
-            holder.__dict__.pop(name, None)
+        for holder, name, was in reversed(self.before):  # an instance attribute set before (a hook's) restored
+            if was is _ABSENT:
+                holder.__dict__.pop(name, None)
+            else:
+                setattr(holder, name, was)
         return self.stop is not None and kind is not None and issubclass(kind, self.stop)
+
+
+_ABSENT = object()
 
 
 class Output:

@@ -9,7 +9,7 @@ import torch
 from fleetgen.workers.tiny.parts import _byt5, _evaluated, _t5, _tokenizer
 
 
-def _wan_parts(seed: int, in_channels: int = 16, experts: int = 1) -> dict:
+def _wan_parts(seed: int, in_channels: int = 16, experts: int = 1, image_dim: int | None = None) -> dict:
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
 
     tokenizer = _tokenizer(model_max_length=512)
@@ -34,6 +34,7 @@ def _wan_parts(seed: int, in_channels: int = 16, experts: int = 1) -> dict:
                 cross_attn_norm=True,
                 qk_norm="rms_norm_across_heads",
                 rope_max_seq_len=32,
+                image_dim=image_dim,
             )
         )
     # the published schedulers: UniPC on flow sigmas, shift 3 (480p)
@@ -59,12 +60,32 @@ def build_tiny_wan(seed: int = 0, experts: int = 1):
 
 
 @_evaluated
-def build_tiny_wan_i2v(seed: int = 0):
+def build_tiny_wan_i2v(seed: int = 0, image_encoder: bool = False):
     """Wan image-to-video as Wan 2.2 I2V has it: no CLIP image encoder; the first frame's latents
-    and a mask join the noise channels (16 + 4 + 16 = 36 in)."""
+    and a mask join the noise channels (16 + 4 + 16 = 36 in). `image_encoder`: as Wan 2.1 I2V has
+    it, a CLIP vision encoder whose embeddings the transformer also reads (its `image_dim`)."""
     from diffusers import WanImageToVideoPipeline
 
-    return WanImageToVideoPipeline(**_wan_parts(seed, in_channels=36), image_encoder=None, image_processor=None)
+    parts = _wan_parts(seed, in_channels=36, image_dim=4 if image_encoder else None)
+    if not image_encoder:
+        return WanImageToVideoPipeline(**parts, image_encoder=None, image_processor=None)
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    torch.manual_seed(seed + 20)
+    config = CLIPVisionConfig(
+        hidden_size=4,
+        projection_dim=4,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=32,
+        intermediate_size=16,
+        patch_size=1,
+    )
+    return WanImageToVideoPipeline(
+        **parts,
+        image_encoder=CLIPVisionModelWithProjection(config),
+        image_processor=CLIPImageProcessor(crop_size=32, size=32),
+    )
 
 
 @_evaluated

@@ -17,7 +17,7 @@ from fleetgen.workers.rows.shard import Columns
 from fleetgen.workers.spec import GenerationSettings, WorkerSpec
 from fleetgen.workers.tiny.registry import TINY_FAMILIES
 from fleetgen.workers.worker import Worker
-from tests.conftest import FAST, write_prompts
+from tests.conftest import FAST, png, write_prompts
 
 # bytes given to the tiny text encoder and denoiser (as the 2026 models' are, both large beside the rest),
 # so that where they live matters to the plan
@@ -54,16 +54,18 @@ def _budget(pipe, settings: GenerationSettings, max_batch: int) -> int:
     return int((whole + phased) / 2 / (1 - MARGIN))
 
 
-def _run(pipe, settings, tmp_path, name, rows: list[str], **spec):
+def _run(pipe, settings, tmp_path, name, rows: list[str], inputs: dict | None = None, **spec):
+    """`inputs`: columns of input pictures (`input_image`, `mask_image`) beside the prompts."""
     path = tmp_path / "prompts.parquet"
     if not path.exists():
-        write_prompts(path, rows, id=[f"r{i}" for i in range(len(rows))])
+        write_prompts(path, rows, id=[f"r{i}" for i in range(len(rows))], **(inputs or {}))
     files = [read_footer(str(path))]
+    columns = Columns(
+        image="input_image" if inputs else None, mask="mask_image" if "mask_image" in (inputs or {}) else None
+    )
     out = tmp_path / name
     worker = Worker(
-        WorkerSpec(
-            "w0", "tiny", str(out), settings, resolve_columns(files, Columns()), device="cpu", threads=1, **spec
-        ),
+        WorkerSpec("w0", "tiny", str(out), settings, resolve_columns(files, columns), device="cpu", threads=1, **spec),
         pipe,
     )
     try:
@@ -73,7 +75,7 @@ def _run(pipe, settings, tmp_path, name, rows: list[str], **spec):
     finally:
         worker.close()
     manifest = pq.read_table(out / "shards").to_pylist()
-    assert all(r["status"] == "ok" for r in manifest)
+    assert [r["error"] for r in manifest if r["status"] != "ok"] == []
     # every image, and every frame of a clip (PNG), by its key
     return info, {str(p.relative_to(out)): p.read_bytes() for p in sorted((out / "images").rglob("*.png"))}
 
@@ -209,3 +211,91 @@ def test_a_decode_that_runs_out_of_memory_is_decoded_an_image_at_a_time(tmp_path
 
     assert phased.keys() == per_batch.keys()
     assert max(np.abs(pixels(phased[k]) - pixels(per_batch[k])).max() for k in phased) <= 2
+
+
+IMAGE_TASKS = [
+    ("flux", "image-to-image"),
+    *(
+        pytest.param(family, task, marks=pytest.mark.slow)
+        for family, task in [
+            ("flux", "inpaint"),
+            ("flux-kontext", "edit"),
+            ("flux2-klein", "edit"),
+            ("qwen-image", "image-to-image"),
+            ("sd", "inpaint"),
+            ("sdxl", "image-to-image"),
+            ("wan-i2v", "image-to-video"),
+            ("wan2.1-i2v", "image-to-video"),  # with its CLIP image encoder: `encode_image` in phase 1
+            ("ltx-video", "image-to-video"),
+        ]
+    ),
+]
+
+
+@pytest.mark.parametrize(("family", "task"), IMAGE_TASKS)
+def test_tasks_that_take_images_are_phased_and_make_the_per_batch_images(family, task, tmp_path):
+    """Each row's input picture (and mask) loaded for the whole chunk before phase 1; the prompts
+    encoded in phase 1, the VAE encoding the inputs beside the denoiser in phase 2 (where it decodes
+    too): the per-batch images, byte for byte."""
+    if family == "wan2.1-i2v":
+        from fleetgen.workers.tiny.video import build_tiny_wan_i2v
+
+        family, pipe = "wan-i2v", build_tiny_wan_i2v(0, image_encoder=True)
+    else:
+        pipe = TINY_FAMILIES[family](0)
+    ltx = family == "ltx-video"  # frames 8k+1, sides multiples of 32
+    video = {"num_frames": 9 if ltx else 5, "height": 64 if ltx else 48, "fps": 16.0, "store_frames": True}
+    # at least one step: SDXL's default strength (0.3) of 2 steps denoises none
+    settings = _settings(
+        family,
+        task=task,
+        strength=0.6 if task != "edit" and "video" not in task else None,
+        **(video if "video" in task else {}),
+    )
+    colors = ["red", "green", "blue", "yellow", "red"]  # two rows share a picture
+    size = (settings.width, settings.height)
+    inputs = {"input_image": [png(c, size) for c in colors]}
+    if task == "inpaint":
+        inputs["mask_image"] = [png(c, size) for c in ("white", "black", "white", "white", "black")]
+    rows = [f"a lighthouse at dusk, number {i % 2}" for i in range(5)]
+    common = {"max_batch": 2, "gpu_memory": 1 << 30, "inputs": inputs}
+    seen = []  # the image encoder's runs (Wan 2.1): once per picture in phase 1, none in phase 2
+    encoder = getattr(pipe, "image_encoder", None)
+    hook = encoder.register_forward_pre_hook(lambda *_: seen.append(1)) if encoder is not None else None
+    phased, phased_images = _run(pipe, settings, tmp_path, "phased", rows, phases="on", **common)
+    if hook is not None:
+        hook.remove()
+        assert len(seen) == 4  # 4 pictures, one of them in two rows: phase 2 ran it for none
+    _, per_batch = _run(pipe, settings, tmp_path, "per-batch", rows, phases="off", **common)
+    assert phased["phases"]["chunks"] == 1 and phased["phases"]["encoded_again"] == 0
+    assert phased["offload"]["components"]["text_encoder"]["swaps"] == 1  # once for the chunk
+    if hasattr(pipe, "image_encoder") and pipe.image_encoder is not None:
+        assert "image_encoder" in phased["plan"]["phases"][0] and phased["phases"]["encode_calls"] == 2 + 4
+    assert "vae" in phased["plan"]["phases"][1] and len(phased["plan"]["phases"]) == 2
+    assert "the VAE encoding the input images and decoding in phase 2" in phased["plan"]["reason"]
+    assert phased_images == per_batch and len(per_batch) >= 5
+    # rows batched as the task allows (LTX's image-to-video takes a batch of first frames), never
+    # retried one by one after a failed call
+    batched = settings.task_spec().batched
+    for name in ("phased", "per-batch"):
+        sizes = sorted(r["batch"] for r in pq.read_table(tmp_path / name / "shards").to_pylist())
+        assert sizes == ([1, 2, 2, 2, 2] if batched else [1] * 5)
+
+
+def test_an_encoder_call_is_known_by_its_pictures_values_not_only_their_shape():
+    """Two calls with the same prompt and other input pictures (an edit model's vision-language
+    encoder reads them) are two calls; the same values are one."""
+    from PIL import Image
+
+    from fleetgen.workers.pipeline.phases import call_key, runs
+
+    red, blue = Image.new("RGB", (8, 8), "red"), Image.new("RGB", (8, 8), "blue")
+    assert call_key({"prompt": "x", "image": red}) != call_key({"prompt": "x", "image": blue})
+    assert call_key({"prompt": "x", "image": red}) == call_key({"prompt": "x", "image": red.copy()})
+    a, b = torch.zeros(2, 3), torch.zeros(2, 3)
+    b[1, 2] = 1
+    assert call_key((a,)) != call_key((b,)) and call_key((a,)) == call_key((a.clone(),))
+    # equal runs of prompts are encoded once each, unless the call reads pictures too
+    text = {"prompt": ["a", "a", "b", "b"], "num_images_per_prompt": 1}
+    assert runs(text) == ({"prompt": ["a", "b"], "num_images_per_prompt": 2}, 2)
+    assert runs({**text, "image": [red, red, blue, blue]}) is None
