@@ -62,6 +62,12 @@ def _add_tiny_model(t: argparse.ArgumentParser) -> None:
         default="sd",
         help="the pipeline family to build (real diffusers classes, random weights)",
     )
+    t.add_argument(
+        "--scorer",
+        metavar="NAME",
+        help="write a tiny scorer instead (clip, pickscore, aesthetic or nsfw), for `--score NAME=DIR`: a "
+        "random-weight CLIP, LAION's aesthetic head over it, or an image classifier",
+    )
 
 
 def _add_calibrate(c: argparse.ArgumentParser) -> None:
@@ -132,6 +138,12 @@ def _add_plan(pl: argparse.ArgumentParser) -> None:
         help="none | first-block[:THRESHOLD] | taylorseer[:interval=N,warmup=W,order=K] | magcache[:...]: a step "
         "cache to plan with",
     )
+    pl.add_argument(
+        "--score",
+        default="none",
+        metavar="NAME[=MODEL],...",
+        help="scorers that sit on the device beside the pipeline (`fleetgen run --score`): planned in what they leave",
+    )
     pl.add_argument("--bandwidth", type=float, help="host→device GB/s to assume (default: the --gpu's, else 20)")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -154,7 +166,7 @@ def _add_verify(v: argparse.ArgumentParser) -> None:
 
 
 def _print_summary(summary) -> int:
-    filtered = f", {summary.images_filtered} filtered by the safety checker" if summary.images_filtered else ""
+    filtered = f", {summary.images_filtered} filtered, not stored" if summary.images_filtered else ""
     print(
         f"{summary.images_ok} {summary.unit}s ({summary.images_error} row errors{filtered}) in {summary.output} "
         f"— {summary.shards_committed}/{summary.shards_total} shards committed in {summary.seconds:.1f} s"
@@ -201,6 +213,15 @@ def _tiny_model(args) -> int:
     from fleetgen.workers.families.detect import identify_dir
     from fleetgen.workers.tiny import write_tiny_model
 
+    if args.scorer:
+        from fleetgen.workers.tiny.scorers import write_tiny_scorer
+
+        try:
+            print(f"wrote {write_tiny_scorer(args.dir, args.scorer, args.seed)} (a tiny {args.scorer} scorer)")
+        except ValueError as err:
+            print(f"fleetgen tiny-model: {err}", file=sys.stderr)
+            return 2
+        return 0
     path = write_tiny_model(args.dir, seed=args.seed, size=args.size, family=args.family)
     detected, why = identify_dir(path)
     hint = "" if detected.name == args.family else f"; run it with `--family {args.family}`"

@@ -13,8 +13,9 @@ from fleetgen.attention import AttentionSpec, parse_attention
 from fleetgen.caches import CacheSpec, parse_cache
 from fleetgen.errors import ConfigError
 from fleetgen.offload.weight_formats import QuantizeSpec, parse_quantize
+from fleetgen.scores import KeepRule, ScoreSpec, parse_keep, parse_scores
 from fleetgen.units import parse_size
-from fleetgen.workers.families.model_dir import is_hub_id
+from fleetgen.workers.families.model_dir import HUB_ID, is_hub_id
 from fleetgen.workers.families.table import TEXT
 from fleetgen.workers.output.fields import default_column
 from fleetgen.workers.output.storage import resolve_url
@@ -24,7 +25,6 @@ from fleetgen.workers.spec import DTYPE_NAMES, GenerationSettings
 
 DEVICES = re.compile(r"auto|cpu|cuda(:\d+)?")
 DTYPES = ("auto", *DTYPE_NAMES)
-HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # org/name
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,10 @@ class _Job:
         CacheSpec()
     )  # none | first-block[:THRESHOLD] | taylorseer[:...] | magcache[:...] (fleetgen/caches.py)
     attention: AttentionSpec = AttentionSpec()  # native | auto | a backend; only an inexact one (sage) is fingerprinted
+    # scorers run on every image after decoding, NAME[=MODEL],... (fleetgen/scores.py); and which images
+    # are stored by their scores, e.g. 'clip>=0.26 and nsfw<0.5': both decide what the output holds
+    score: ScoreSpec = ScoreSpec()
+    keep: KeepRule = KeepRule()
     task: str | None = None  # text-to-image | image-to-image | inpaint | edit; default: the model's pipeline class's
     strength: float | None = None  # image-to-image, inpaint: how far from the input (default: the task's)
     resize: str = "crop"  # crop | pad | fit: how input images become the job's size (workers/rows/inputs.py)
@@ -102,6 +106,8 @@ class _Job:
     def __post_init__(self) -> None:
         for name, parse in (("quantize", parse_quantize), ("cache", parse_cache), ("attention", parse_attention)):
             object.__setattr__(self, name, parse(getattr(self, name)))
+        object.__setattr__(self, "score", parse_scores(self.score))
+        object.__setattr__(self, "keep", parse_keep(self.keep, self.score))
 
     def settings(self) -> GenerationSettings:
         """What every image shares, once the family's defaults are resolved (jobs/models.py)."""
@@ -128,6 +134,8 @@ class _Job:
             crf=self.crf,
             cache=self.cache,
             attention=self.attention,
+            scores=self.score,
+            keep=self.keep,
         )
 
     def budgets(self) -> tuple[int | None, int | None]:
@@ -228,6 +236,8 @@ def _coerce(name: str, value: object, source: str) -> object:
         "QuantizeSpec": str,  # parsed by JobConfig itself
         "CacheSpec": str,
         "AttentionSpec": str,
+        "ScoreSpec": str,
+        "KeepRule": str,
     }[kind]
     if (
         isinstance(value, bool)

@@ -65,8 +65,9 @@ def write_card(
         "",
         f"{what.capitalize()} generated with fleetgen from `{config.input}` by `{model}`.",
         "",
-        f"**{ok} {what}**, {errors} error rows, {filtered} filtered by the safety checker; "
-        f"{summary.shards_committed} of {summary.shards_total} shards committed"
+        f"**{ok} {what}**, {errors} error rows, {filtered} filtered "
+        + ("(by the safety checker or `--keep`); " if config.keep else "by the safety checker; ")
+        + f"{summary.shards_committed} of {summary.shards_total} shards committed"
         + (" (complete)." if summary.complete else " (incomplete: rerun the job to finish it)."),
         "",
         "## Settings",
@@ -116,6 +117,9 @@ def _settings(config: JobConfig, family: Family, output_format: str) -> dict:
         "image format": None if config.num_frames else config.image_format,
         "clips": clips,
         "output format": output_format,
+        # each scorer's `score_<name>` column, and the rule the stored images passed
+        "scores": ", ".join(f"{n} ({m})" for n, m in config.score.scorers) or None,
+        "keep": config.keep.text or None,
     }
 
 

@@ -16,6 +16,7 @@ from fleetgen.offload.devices import ASSUMED_BANDWIDTH, ASSUMED_FLOPS, host_avai
 from fleetgen.offload.devices import gpu as device_table
 from fleetgen.offload.profiles import DTYPE_BYTES, PipelineProfile, stored_profile
 from fleetgen.offload.weight_formats import CHOOSABLE, QuantizeSpec, check_components, parse_quantize
+from fleetgen.scores import ScoreSpec, parse_scores
 from fleetgen.units import format_size, parse_size
 from fleetgen.workers.families.detect import Family, choose_task, identify_dir
 from fleetgen.workers.spec import GenerationSettings
@@ -40,10 +41,12 @@ class PlanRequest:
     num_frames: int | None = None  # video families: frames per clip
     cache: CacheSpec = CacheSpec()
     quantize: QuantizeSpec = QuantizeSpec()
+    score: ScoreSpec = ScoreSpec()  # scorers beside the pipeline on the device (fleetgen/scores.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cache", parse_cache(self.cache))
         object.__setattr__(self, "quantize", parse_quantize(self.quantize))
+        object.__setattr__(self, "score", parse_scores(self.score))
 
 
 def plan_workload(request: PlanRequest | str, **options) -> tuple[Workload, Family]:
@@ -102,9 +105,11 @@ def plan_rows(
     bandwidth: float = ASSUMED_BANDWIDTH,
     flops: float = ASSUMED_FLOPS,
     vae_upcast: bool = False,
+    scores: ScoreSpec | None = None,
 ) -> tuple[dict, list[dict]]:
     """(the profile summary, one row per budget: the plan or the reason nothing fits). `vae_upcast`:
-    the family's pipeline decodes in float32 (SDXL): its VAE is counted so."""
+    the family's pipeline decodes in float32 (SDXL): its VAE is counted so. `scores`: scorers held on
+    the device beside the pipeline, planned in what they leave (as a worker does)."""
     mapping = work.quantize.mapping
     formats = CHOOSABLE if work.quantize.auto else tuple(sorted(set(mapping.values())))
     profile = pipeline_profile(model, dtype, vae_upcast, formats)
@@ -113,11 +118,13 @@ def plan_rows(
     loading = profile.total_bytes
     host = parse_size(host_memory, "--host-memory") if host_memory else int(host_available_bytes() * 0.8)
     work = dataclasses.replace(work, quantize=work.quantize.pinned())
+    scores = scores or ScoreSpec()
+    scorers = scores.reserved_bytes(profile.dtype_bytes)
     rows = []
     for text in budgets:
         budget = parse_size(text, "--gpu-memory")
         device = DeviceSpec(
-            budget=budget,
+            budget=max(budget - scorers, 0),
             host_budget=host,
             bandwidth=bandwidth,
             flops=flops,
@@ -138,6 +145,10 @@ def plan_rows(
         "quantize": work.quantize.label,
         "bandwidth_bytes_per_s": bandwidth,
         "flops": flops,
+        # each image's scoring: its scorers' weights (and an image's activations) held, their forward passes
+        "scorers": {"names": list(scores.names), "bytes": scorers, "seconds_per_image": scores.seconds_per_image(flops)}
+        if scores
+        else None,
         "components": {
             n: {
                 "class": c.cls,
@@ -197,7 +208,15 @@ def plan_budgets(
     if dtype not in DTYPE_BYTES:
         raise ConfigError(f"`--dtype` must be one of {', '.join(DTYPE_BYTES)}; got `{dtype}`.")
     summary, rows = plan_rows(
-        request.model, budgets, host_memory, dtype, work, bandwidth, flops, vae_upcast=family.upcasts_vae
+        request.model,
+        budgets,
+        host_memory,
+        dtype,
+        work,
+        bandwidth,
+        flops,
+        vae_upcast=family.upcasts_vae,
+        scores=request.score,
     )
     summary["family"] = family.name
     summary["gpu"] = card.name if card else None
@@ -227,8 +246,15 @@ def print_plans(summary: dict, rows: list[dict], as_json: bool, out=None) -> Non
             if summary.get("gpu")
             else " (defaults; `--gpu NAME` for a card's)"
         )
-        + "\n\n"
+        + "\n"
     )
+    scoring = summary.get("scorers")
+    if scoring:
+        out.write(
+            f"scorers {', '.join(scoring['names'])}: {format_size(scoring['bytes'])} held on the device beside the "
+            f"pipeline (each budget plans in the rest), about {scoring['seconds_per_image'] * 1e3:.1f} ms per image\n"
+        )
+    out.write("\n")
     names = list(comps)
     clips = bool(summary.get("frames"))  # a video model: per clip, and clips per hour
     rate = "clips/h" if clips else "rel img/s"

@@ -176,6 +176,21 @@ def _synthesis(p: argparse.ArgumentParser) -> None:
         help="carry only these input columns into the outputs, e.g. label,style (default: every column)",
     )
     g.add_argument("--drop-columns", help="carry every input column but these")
+    from fleetgen.scores import SCORERS
+
+    g.add_argument(
+        "--score",
+        metavar="NAME[=MODEL],...",
+        help="score every image on its worker right after decoding, into `score_<name>` fields: "
+        + "; ".join(f"{s.name} ({s.doc})" for s in SCORERS.values())
+        + ". MODEL: a hub id or a local directory (default: each scorer's published model)",
+    )
+    g.add_argument(
+        "--keep",
+        metavar="RULE",
+        help="store only the images whose scores pass, e.g. 'clip>=0.26 and nsfw<0.5' (the rest are `filtered` "
+        "rows with their scores)",
+    )
     from fleetgen.workers.output.fields import roles
 
     for f in (f for f in roles() if f.setting):  # one per per-row role of the field table (workers/output/fields.py)

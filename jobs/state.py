@@ -91,6 +91,11 @@ def fingerprint(config: JobConfig, files: list[InputFile], columns: Columns) -> 
         # replaced model is another job, never mixed into this one's images
         "weights": None if is_hub_id(config.model) else weights_digest(config.model),
         "generation": {**settings, "rows_per_shard": config.rows_per_shard},
+        # each scorer's model as the pipeline's is: a local one by its path and weights, a hub one by its id
+        "scorers": {
+            name: {"model": model_identity(m), "weights": None if is_hub_id(m) else weights_digest(m)}
+            for name, m in config.score.scorers
+        },
         "columns": asdict(columns),
     }
     return json.loads(json.dumps(record))  # as job.json holds it (tuples are lists there), to compare
@@ -110,14 +115,18 @@ _NEW_DEFAULTS = {
         "crf": 18,
         "cache": "none",
         "attention": "exact",
+        "scores": "none",
+        "keep": "none",
     }
 }  # settings newer than some jobs' job.json, as those made them
 
 
 def _differences(old: dict, new: dict) -> list[str]:
     out = []
-    for part in ("input", "model", "weights", "generation", "columns"):
+    for part in ("input", "model", "weights", "generation", "columns", "scorers"):
         a, b = old.get(part), new.get(part)
+        if part == "scorers":  # a job from before scorers scored with none
+            a, b = a or {}, b or {}
         if a == b:
             continue
         if part == "weights":

@@ -110,7 +110,7 @@ def status_text(state: JobStatus) -> str:
         f"state: {now}",
         f"shards {state.shards_committed}/{state.shards_total} committed, rows {state.rows_done}/"
         f"{state.rows_total}: {state.images_ok} {unit}, {state.images_error} row errors"
-        + (f", {state.images_filtered} filtered by the safety checker" if state.images_filtered else ""),
+        + (f", {state.images_filtered} filtered {_filtered_by(fp)}" if state.images_filtered else ""),
     ]
     if state.eta_seconds:
         lines.append(f"ETA {state.eta_seconds / 60:.1f} min at the workers' current rates")
@@ -129,3 +129,9 @@ def status_text(state: JobStatus) -> str:
             f"plan: {', '.join(f'{k} {v}' for k, v in w['plan']['modes'].items())}"
         )
     return "\n".join(lines)
+
+
+def _filtered_by(fp: dict) -> str:
+    """What filters a job's images: the pipeline's safety checker, and its `--keep` rule where it has one."""
+    keep = fp["generation"].get("keep", "none")
+    return "by the safety checker" if keep == "none" else f"by the safety checker or --keep '{keep}'"

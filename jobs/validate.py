@@ -10,8 +10,9 @@ from fleetgen.jobs.config import _REQUIRED, DEVICES, DTYPES, JobConfig, _option,
 from fleetgen.offload.phasing import PHASES_CHOICES
 from fleetgen.offload.planner import OFFLOAD_CHOICES
 from fleetgen.offload.weight_formats import refusal
+from fleetgen.scores import SCORERS
 from fleetgen.units import parse_size
-from fleetgen.workers.families.model_dir import size_multiple
+from fleetgen.workers.families.model_dir import HUB_ID, size_multiple
 from fleetgen.workers.families.table import TASKS
 from fleetgen.workers.output.fields import MAX_FPS, MAX_FRAMES, MAX_IMAGES_PER_ROW
 from fleetgen.workers.output.formats import format_names
@@ -67,6 +68,24 @@ def _check_generation(c: JobConfig) -> None:
             ) from err
     for value in c.lora:
         parse_lora(value)
+    _check_scorers(c)
+
+
+def _check_scorers(c: JobConfig) -> None:
+    """Each scorer's library is installed (else what to install) and its model a hub id or a path that exists."""
+    import importlib.util
+
+    for name, model in c.score.scorers:
+        scorer = SCORERS[name]
+        _check(
+            importlib.util.find_spec(scorer.module) is not None,
+            f"`--score {name}` needs the {scorer.package} package: pip install {scorer.package}.",
+        )
+        local = model.startswith(("/", "./", "../", "~")) or not HUB_ID.fullmatch(model)
+        _check(
+            not local or Path(model).expanduser().exists(),
+            f"`--score {name}={model}`: no such file or directory (nor a hub id like org/name).",
+        )
 
 
 def _check_model_sizes(c: JobConfig) -> None:

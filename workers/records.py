@@ -3,6 +3,7 @@ sidecar record stored beside the image (parquet rows, webdataset JSON)."""
 
 from __future__ import annotations
 
+from fleetgen.scores import ERROR_COLUMN, SCORERS
 from fleetgen.workers.output.fields import records, sidecar_names
 from fleetgen.workers.output.made import Made
 from fleetgen.workers.rows.batches import WorkItem
@@ -57,7 +58,12 @@ class Records:
             "seconds": m.seconds,
             "quantized": m.quantized,
             "cache_skipped": m.cache_skipped,
+            **{SCORERS[name].column: value for name, value in m.scores.items()},
+            ERROR_COLUMN: m.score_error,
         }
+        if m.kept_out:  # `--keep` rejected its scores: `filtered`, not stored
+            m.record = {**made, "status": "filtered", "error": m.kept_out}
+            return
         if m.picture is None:  # the safety checker blacked it out: `filtered`, not stored
             m.record = {
                 **made,

@@ -11,6 +11,7 @@ from fleetgen.attention import AttentionSpec
 from fleetgen.caches import CacheSpec
 from fleetgen.offload.cost import Workload
 from fleetgen.offload.weight_formats import QuantizeSpec
+from fleetgen.scores import KeepRule, ScoreSpec
 from fleetgen.workers.families.table import FAMILIES, GENERIC, TEXT, Task
 from fleetgen.workers.output.formats import get_format
 from fleetgen.workers.rows.batches import Adapter, Look, Recipe
@@ -47,12 +48,15 @@ class GenerationSettings:
     crf: int = 18  # video tasks: the encoder's constant rate factor (lower: larger, closer to the frames made)
     cache: CacheSpec = CacheSpec()  # step cache on the denoiser (fleetgen/caches.py): changes pixels
     attention: AttentionSpec = AttentionSpec()  # the kernel asked for; the fingerprint holds only an inexact one
+    scores: ScoreSpec = ScoreSpec()  # scorers run on every image after decoding (fleetgen/scores.py)
+    keep: KeepRule = KeepRule()  # which images are stored, by their scores
 
     def record(self) -> dict:
         """The settings as job.json's fingerprint holds them: each parsed setting by its one spelling
         (an exact attention kernel as `exact`: each worker's own choice)."""
         out = asdict(self)
         out.update(quantize=self.quantize.label, cache=self.cache.label, attention=self.attention.label)
+        out.update(scores=self.scores.label, keep=self.keep.label)
         return out
 
     def workload(

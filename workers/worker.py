@@ -36,6 +36,7 @@ from fleetgen.workers.output.video import Clip
 from fleetgen.workers.output.writer import Writer, encode_and_store
 from fleetgen.workers.pipeline.calls import prompt_note
 from fleetgen.workers.pipeline.fitted import FittedPipeline
+from fleetgen.workers.pipeline.scoring import Scoring
 from fleetgen.workers.records import Records
 from fleetgen.workers.rows.batches import WorkItem, group_items, shard_items
 from fleetgen.workers.rows.inputs import Prefetcher
@@ -105,6 +106,8 @@ class Worker:
             torch.set_num_threads(spec.threads)
         self.output = Output(spec.output)
         self.fitted = FittedPipeline(spec.source(), spec.settings, spec.fit(), spec.name, pipe)
+        scores = spec.settings.scores
+        self.scoring = Scoring(scores, self.fitted.device, self.fitted.dtype) if scores else None
         self.recipe = spec.settings.recipe(self.fitted.size_multiple)
         self._writer = Writer()
         self.stats = {"shards": 0, "images": 0, "errors": 0}
@@ -129,7 +132,8 @@ class Worker:
     step_downs = property(lambda self: self.fitted.step_downs)
 
     def describe(self) -> dict:
-        return describe(self.info, self.fitted, self.stats)
+        scoring = {"scoring": self.scoring.snapshot()} if self.scoring is not None else {}
+        return {**describe(self.info, self.fitted, self.stats), **scoring}
 
     def write_info(self) -> None:
         """`OUT/workers/<w>.json`. A status record: when the store does not take it, the work goes
@@ -276,6 +280,8 @@ class Worker:
     def _store(self, at: _Attempt, made: list[Made], inputs: dict) -> tuple[int, int]:
         """Records filled, pictures handed to the writer thread; (filtered, frames) counted first (the
         writer drops each picture once encoded)."""
+        if self.scoring is not None:
+            self._score(at, [m for m in made if m.picture is not None])
         for m in made:
             self._records.fill(m, at.records[m.id], inputs.get(m.id))
         filtered = sum(m.picture is None for m in made)  # flagged by a safety checker: not stored
@@ -283,6 +289,16 @@ class Worker:
         if made:
             self._writer.submit(self._encode_and_store, at.sink, made, at.records, at.table)
         return filtered, frames
+
+    def _score(self, at: _Attempt, made: list[Made]) -> None:
+        """Each decoded picture scored (`--score`) and, where `--keep` rejects its scores, let go: a
+        filtered row. A picture a scorer failed on keeps its other scores and is stored."""
+        keep = self.spec.settings.keep
+        prompts = [at.records[m.id]["prompt"] or "" for m in made]
+        for m, (scores, error) in zip(made, self.scoring.score([m.picture for m in made], prompts), strict=True):
+            m.scores, m.score_error = scores, error
+            if keep.keeps(scores) is False:
+                m.kept_out, m.picture = keep.why(scores), None
 
     @staticmethod
     def _failed(at: _Attempt, failed: dict[str, str]) -> None:

@@ -79,6 +79,7 @@ def test_synthesising_a_dataset_runs_as_written(user_env, tmp_path):
     assert (first["id"], first["row_id"], first["prompt"]) == ("cat-photo-0", "cat-photo", "a photo of a cat")
     assert (first["label"], first["style"], first["class_id"]) == ("cat", "photo", 0)
     assert first["image"].size == (64, 64) and len(namespace["ds"]) == 18
+    assert all(-1 <= r["score_clip"] <= 1 for r in namespace["ds"])  # `--score clip=./tiny-clip`, every image
 
 
 def test_editing_a_folder_of_images_runs_as_written(user_env, tmp_path):

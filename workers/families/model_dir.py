@@ -7,9 +7,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from pathlib import Path
 
 from fleetgen.latents import denoiser_patch, vae_scale
+
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # org/name
 
 
 def is_hub_id(model: str) -> bool:
@@ -49,14 +52,16 @@ WEIGHT_BLOCK = 1 << 16  # bytes per block
 
 
 def weights_digest(directory: str) -> str:
-    """A cheap fingerprint of a local pipeline directory's weights: every file's name and size,
+    """A cheap fingerprint of a local pipeline directory's weights (or of one weights file, a
+    scorer's head): every file's name and size,
     configs and indexes whole, each safetensors file's header (names, dtypes, shapes, offsets) and a
     few 64 KiB blocks of every weights file's data. Rebuilding or replacing the weights changes it
     (random or retrained weights differ in every block), at a few reads per file whatever its size."""
     root = Path(directory).expanduser().resolve()
     digest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        rel = path.relative_to(root)
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())  # a file: itself
+    for path in files:
+        rel = path.relative_to(root.parent if root.is_file() else root)
         if any(part.startswith(".") for part in rel.parts):
             continue  # caches and lock files of the hub client, editors' files
         size = path.stat().st_size

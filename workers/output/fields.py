@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from fleetgen.scores import ERROR_COLUMN, SCORERS
 from fleetgen.workers.output.plugins import PLUGINS_ENV, load_plugins
 
 # What a role's input column holds: text (a string column), string (also an all-null column), int,
@@ -82,7 +83,11 @@ FIELDS: list[Field] = [
     ),
     Field("negative_prompt", pa.string(), "", role="negative_prompt", kind="string", setting=False, sidecar=True),
     Field("seed", pa.int64(), "", role="seed", kind="int", setting=False, sidecar=True),
-    Field("status", pa.string(), '"ok" | "error" | "filtered" (flagged by the pipeline\'s safety checker)'),
+    Field(
+        "status",
+        pa.string(),
+        '"ok" | "error" | "filtered" (flagged by the pipeline\'s safety checker, or kept out by `--keep`: not stored)',
+    ),
     Field("error", pa.string()),
     Field("warning", pa.string(), "e.g. the prompt was truncated to what the text encoder takes"),
     Field("image", pa.string(), "the object holding the image"),
@@ -217,6 +222,13 @@ FIELDS: list[Field] = [
         pa.float32(),
         "share of the denoiser's block evaluations the step cache skipped in the call that made it (null: no cache)",
         sidecar=True,
+    ),
+    *(
+        Field(s.column, pa.float32(), f"`--score {s.name}`: {s.doc} (null: not scored)", sidecar=True)
+        for s in SCORERS.values()
+    ),
+    Field(
+        ERROR_COLUMN, pa.string(), "why a scorer could not score the image (it is stored all the same)", sidecar=True
     ),
     Field("batch", pa.int32(), "images in the pipeline call that made this one"),
     Field("worker", pa.string()),

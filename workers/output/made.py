@@ -2,6 +2,7 @@
 the worker's records fill in, the writer thread encodes and a format's sink stores.
 
     FittedPipeline._call   id, row, picture, and how it was made (batch, seconds, formats, cache)
+    Worker._score          its scores (`--score`), and whether `--keep` keeps it (else its picture is let go)
     Records.fill           its sidecar record (`meta`), what its manifest row gains (`record`), its inputs
     writer                 `data` (the encoded picture; the decoded one is let go), `companions`, sha256
     sink.add               stores `data` and `companions` under the format's keys, `meta` beside them
@@ -56,6 +57,9 @@ class Made:
     quantized: str = "none"  # the storage formats its components had (offload/weight_formats.py `describe`)
     cache_skipped: float | None = None  # share of the denoiser's block evaluations its call's step cache skipped
     inputs: list = field(default_factory=list)  # `--store-inputs`: (role, picture) to store beside it, until encoded
+    scores: dict = field(default_factory=dict)  # `--score`: {scorer: its score, None where it failed}
+    score_error: str | None = None  # why a scorer failed on it
+    kept_out: str | None = None  # `--keep` rejected it (why): a filtered row, not stored
     meta: dict = field(default_factory=dict)  # its sidecar record: webdataset JSON, parquet row
     record: dict = field(default_factory=dict)  # what its manifest row gains once made
     data: bytes | None = None  # the encoded picture (set by the writer)

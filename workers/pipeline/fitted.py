@@ -174,7 +174,10 @@ class FittedPipeline:
         return self._device_spec()
 
     def _device_spec(self) -> DeviceSpec:
-        return device_spec(self.device, self.probe, self.fit.gpu_memory, self.fit.host_memory, self._formats)
+        """The device as the plans see it: less what the job's scorers hold beside the pipeline (`--score`)."""
+        found = device_spec(self.device, self.probe, self.fit.gpu_memory, self.fit.host_memory, self._formats)
+        scorers = self.settings.scores.reserved_bytes(self.profile.dtype_bytes)
+        return replace(found, budget=max(found.budget - scorers, 0)) if scorers else found
 
     def _apply(self) -> None:
         """Offloading, the step cache, the attention kernel and compilation, in that order; then the

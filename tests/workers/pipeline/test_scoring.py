@@ -1,0 +1,139 @@
+"""Scores in the generating pass (workers/pipeline/scoring.py), with tiny random-weight scorers of
+the real classes (a CLIP model, LAION's aesthetic MLP over it, a ViT classifier with an `nsfw` label):
+each image scored right after decoding, its scores in the manifest and in the stored records of every
+output format (read back by `datasets` and `webdataset`); `--keep` stores exactly what its rule
+passes; a scorer's failure on one image is that image's error field, never a lost image."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+
+from fleetgen.jobs.sharding import plan_shards, read_footer, resolve_columns
+from fleetgen.scores import parse_keep, parse_scores
+from fleetgen.workers.pipeline.scoring import Scoring
+from fleetgen.workers.rows.shard import Columns
+from fleetgen.workers.spec import GenerationSettings, WorkerSpec
+from fleetgen.workers.tiny.scorers import write_tiny_scorer
+from fleetgen.workers.worker import Worker
+
+ROWS = {"id": [f"r{i}" for i in range(6)], "prompt": [f"a red fox, number {i}" for i in range(6)]}
+SCORED = ("score_clip", "score_aesthetic", "score_nsfw")
+
+
+@pytest.fixture(scope="module")
+def scorers(tmp_path_factory) -> str:
+    """`--score` for the three tiny scorers."""
+    root = tmp_path_factory.mktemp("scorers")
+    dirs = {k: write_tiny_scorer(root / k, k) for k in ("clip", "aesthetic", "nsfw")}
+    return ",".join(f"{k}={d}" for k, d in dirs.items())
+
+
+def run(model, tmp_path, score: str, keep: str | None = None, name="out", worker_hook=None, **settings):
+    """One shard of ROWS through a worker (no Ray); returns (manifest rows by id, output dir, worker info)."""
+    path = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table(ROWS), path)
+    files = [read_footer(str(path))]
+    spec = parse_scores(score)
+    base = {"steps": 2, "guidance": 5.0, "width": 64, "height": 64, "output_format": "files"}
+    s = GenerationSettings(family="sd", scores=spec, keep=parse_keep(keep, spec), **{**base, **settings})
+    out = tmp_path / name
+    worker = Worker(
+        WorkerSpec("w0", str(model), str(out), s, resolve_columns(files, Columns()), device="cpu", threads=1)
+    )
+    if worker_hook is not None:
+        worker_hook(worker)
+    try:
+        worker.run_shard(plan_shards(files, 100)[0])
+        info = worker.describe()
+    finally:
+        worker.close()
+    manifest = pq.read_table(out / "shards" / "shard-00000.parquet").to_pylist()
+    return {r["id"]: r for r in manifest}, out, info
+
+
+@pytest.mark.parametrize("output_format", ["files", "webdataset", "parquet"])
+def test_every_image_is_scored_and_its_scores_are_in_every_output(output_format, tiny_model, scorers, tmp_path):
+    import datasets
+
+    manifest, out, info = run(tiny_model, tmp_path, scorers, output_format=output_format)
+    assert all(r["status"] == "ok" and r["score_error"] is None for r in manifest.values())
+    for column in SCORED:
+        values = [r[column] for r in manifest.values()]
+        assert all(isinstance(v, float) for v in values) and len(set(values)) > 1, column  # one per image
+    assert all(0 <= r["score_nsfw"] <= 1 and -1 <= r["score_clip"] <= 1 for r in manifest.values())
+    assert manifest["r0"]["score_pickscore"] is None  # not asked: null
+    assert info["scoring"]["images"] == 6 and set(info["scoring"]["scorers"]) == {"clip", "aesthetic", "nsfw"}
+    stored: dict[str, dict] = {}
+    if output_format == "parquet":
+        ds = datasets.load_dataset("parquet", data_files=str(out / "data" / "*.parquet"), split="train")
+        stored = {r["id"]: r for r in ds}
+    elif output_format == "webdataset":
+        import webdataset as wds
+
+        tars = str(out / "data" / "shard-00000.tar")
+        stored = {s["__key__"]: json.loads(s["json"]) for s in wds.WebDataset(tars, shardshuffle=False)}
+    if stored:
+        assert stored.keys() == manifest.keys()
+        for i, r in stored.items():
+            assert {c: r[c] for c in SCORED} == pytest.approx({c: manifest[i][c] for c in SCORED})
+
+
+def test_scores_are_the_scorers_own_on_the_stored_pixels(tiny_model, scorers, tmp_path):
+    """What the pass recorded is what the scorer says of the stored PNG (lossless: the same pixels)."""
+    manifest, out, _ = run(tiny_model, tmp_path, scorers)
+    scoring = Scoring(parse_scores(scorers), torch.device("cpu"), torch.float32)
+    for i in ("r0", "r3"):
+        picture = Image.open(out / manifest[i]["image"])
+        ((again, error),) = scoring.score([picture], [manifest[i]["prompt"]])
+        assert error is None
+        assert again == pytest.approx({c.removeprefix("score_"): manifest[i][c] for c in SCORED}, abs=1e-5)
+
+
+def test_a_keep_rule_stores_exactly_what_it_passes(tiny_model, scorers, tmp_path):
+    everything, _, _ = run(tiny_model, tmp_path, scorers, name="all")
+    clips = sorted(r["score_clip"] for r in everything.values())
+    bound = (clips[2] + clips[3]) / 2  # half of the images pass
+    rule = f"clip >= {bound!r} and nsfw < 0.99"
+    manifest, out, _ = run(tiny_model, tmp_path, scorers, keep=rule, name="kept")
+    passing = {i for i, r in everything.items() if r["score_clip"] >= bound and r["score_nsfw"] < 0.99}
+    assert len(passing) == 3
+    assert {i for i, r in manifest.items() if r["status"] == "ok"} == passing
+    for i, r in manifest.items():
+        assert r["score_clip"] == pytest.approx(everything[i]["score_clip"])  # scores recorded either way
+        if i in passing:
+            assert (out / r["image"]).exists()
+        else:
+            assert r["status"] == "filtered" and r["image"] is None and f"--keep '{rule}'" in r["error"]
+            assert "not stored" in r["error"] and r["nsfw"] is None  # not the safety checker's verdict
+    stored = {p.stem for p in (out / "images").rglob("*.png")}
+    assert stored == passing
+
+
+def test_a_scorer_that_fails_on_one_image_records_its_error_and_stores_the_image(tiny_model, scorers, tmp_path):
+    """A scorer raising on one picture (injected: a picture the tiny CLIP cannot read) costs that
+    picture its score, not its place: stored, `score_error` said, the other scores kept."""
+
+    def break_clip_on_r2(worker):
+        real = worker.scoring.runs["clip"]
+        r2 = []
+
+        def run_clip(pictures, prompts):
+            if any(p.endswith("number 2") for p in prompts):
+                r2.append(1)
+                raise ValueError("this picture cannot be read")
+            return real(pictures, prompts)
+
+        worker.scoring.runs["clip"] = run_clip
+
+    manifest, out, _ = run(tiny_model, tmp_path, scorers, keep="clip > -2", worker_hook=break_clip_on_r2)
+    bad = manifest["r2"]
+    assert bad["status"] == "ok" and (out / bad["image"]).exists()
+    assert bad["score_clip"] is None and bad["score_error"] == "clip: ValueError: this picture cannot be read"
+    assert bad["score_aesthetic"] is not None and bad["score_nsfw"] is not None
+    assert all(r["score_clip"] is not None and r["score_error"] is None for i, r in manifest.items() if i != "r2")
