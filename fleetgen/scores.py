@@ -88,6 +88,7 @@ SCORERS: dict[str, Scorer] = {
 }
 NSFW_LABELS = ("nsfw", "porn", "hentai", "sexy", "unsafe", "explicit")  # a classifier's labels that count as NSFW
 ERROR_COLUMN = "score_error"
+MAX_CANDIDATES = 64  # `--best-of`: candidates per image at most
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,8 @@ class _Job:
     # are stored by their scores, e.g. 'clip>=0.26 and nsfw<0.5': both decide what the output holds
     score: ScoreSpec = ScoreSpec()
     keep: KeepRule = KeepRule()
+    best_of: int = 1  # candidates per image, the best by `rank_by` stored (the others: filtered rows with their scores)
+    rank_by: str | None = None  # a score (`-name`: the lowest wins)
     task: str | None = None  # text-to-image | image-to-image | inpaint | edit; default: the model's pipeline class's
     strength: float | None = None  # image-to-image, inpaint: how far from the input (default: the task's)
     resize: str = "crop"  # crop | pad | fit: how input images become the job's size (workers/rows/inputs.py)
@@ -136,6 +138,8 @@ class _Job:
             attention=self.attention,
             scores=self.score,
             keep=self.keep,
+            best_of=self.best_of,
+            rank_by=self.rank_by,
         )
 
     def budgets(self) -> tuple[int | None, int | None]:

@@ -191,6 +191,16 @@ def _synthesis(p: argparse.ArgumentParser) -> None:
         help="store only the images whose scores pass, e.g. 'clip>=0.26 and nsfw<0.5' (the rest are `filtered` "
         "rows with their scores)",
     )
+    g.add_argument(
+        "--best-of",
+        type=int,
+        metavar="N",
+        help="make N candidates per image (each its own seed) and store the best by --rank-by; every candidate's "
+        "scores stay in the manifest",
+    )
+    g.add_argument(
+        "--rank-by", metavar="NAME", help="the score --best-of ranks by, highest first (`-NAME`: lowest first)"
+    )
     from fleetgen.workers.output.fields import roles
 
     for f in (f for f in roles() if f.setting):  # one per per-row role of the field table (workers/output/fields.py)

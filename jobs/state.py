@@ -117,6 +117,8 @@ _NEW_DEFAULTS = {
         "attention": "exact",
         "scores": "none",
         "keep": "none",
+        "best_of": 1,
+        "rank_by": None,
     }
 }  # settings newer than some jobs' job.json, as those made them
 

@@ -10,7 +10,7 @@ from fleetgen.jobs.config import _REQUIRED, DEVICES, DTYPES, JobConfig, _option,
 from fleetgen.offload.phasing import PHASES_CHOICES
 from fleetgen.offload.planner import OFFLOAD_CHOICES
 from fleetgen.offload.weight_formats import refusal
-from fleetgen.scores import SCORERS
+from fleetgen.scores import MAX_CANDIDATES, SCORERS
 from fleetgen.units import parse_size
 from fleetgen.workers.families.model_dir import HUB_ID, size_multiple
 from fleetgen.workers.families.table import TASKS
@@ -69,6 +69,23 @@ def _check_generation(c: JobConfig) -> None:
     for value in c.lora:
         parse_lora(value)
     _check_scorers(c)
+    _check(1 <= c.best_of <= MAX_CANDIDATES, f"`--best-of` must be 1 to {MAX_CANDIDATES}, got `{c.best_of}`.")
+    ranked = (c.rank_by or "").removeprefix("-")
+    if c.best_of > 1 or c.rank_by:
+        _check(
+            c.best_of > 1 and bool(c.rank_by),
+            "`--best-of N` (N > 1) and `--rank-by NAME` go together: N candidates per image, the best by NAME kept.",
+        )
+        _check(
+            ranked in c.score.names,
+            f"`--rank-by {c.rank_by}` names a score the job does not compute; it scores: "
+            f"{', '.join(c.score.names) or 'none (add --score)'}.",
+        )
+        _check(
+            not c.retry_errors,
+            "`--retry-errors` does not take `--best-of` yet: an image's candidates are chosen among in one attempt; "
+            "rerun the job to a new `--output`.",
+        )
 
 
 def _check_scorers(c: JobConfig) -> None:

@@ -79,6 +79,13 @@ def test_keep_without_scores_and_a_missing_package_or_model_are_refused_before_a
     base = ["run", "--input", str(tmp_path / "p.parquet"), "--output", str(tmp_path / "out"), "--model", "org/m"]
     assert main([*base, "--keep", "clip>0.2"]) == 2
     assert "`--keep` reads clip, which the job does not score; it scores: none (add --score)" in capsys.readouterr().err
+    for bad, said in [
+        (["--best-of", "3"], "`--best-of N` (N > 1) and `--rank-by NAME` go together"),
+        (["--best-of", "3", "--rank-by", "clip"], "`--rank-by clip` names a score the job does not compute"),
+        (["--best-of", "0"], "`--best-of` must be 1 to 64, got `0`"),
+    ]:
+        assert main([*base, *bad]) == 2
+        assert said in capsys.readouterr().err
     assert main([*base, "--score", "clip=./no-such-dir"]) == 2
     assert "`--score clip=./no-such-dir`: no such file or directory" in capsys.readouterr().err
     if importlib.util.find_spec("open_clip") is not None:

@@ -39,6 +39,7 @@ class Records:
             "prompt": im.prompt,
             "negative_prompt": im.negative_prompt,
             "seed": im.seed,
+            "candidate": im.candidate,
             "status": "error" if im.error else "ok",
             "error": im.error,
             **im.look.record(),

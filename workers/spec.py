@@ -50,6 +50,8 @@ class GenerationSettings:
     attention: AttentionSpec = AttentionSpec()  # the kernel asked for; the fingerprint holds only an inexact one
     scores: ScoreSpec = ScoreSpec()  # scorers run on every image after decoding (fleetgen/scores.py)
     keep: KeepRule = KeepRule()  # which images are stored, by their scores
+    best_of: int = 1  # candidates made per image, the best stored (by `rank_by`, a score; `-name`: the lowest)
+    rank_by: str | None = None
 
     def record(self) -> dict:
         """The settings as job.json's fingerprint holds them: each parsed setting by its one spelling
@@ -130,6 +132,7 @@ class GenerationSettings:
             input_images=task.images,
             mask=task.mask,
             frame_step=family.frame_step if family is not None and task.video else 0,
+            candidates=self.best_of,
         )
 
 

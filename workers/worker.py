@@ -16,6 +16,7 @@ import pyarrow as pa
 import torch
 
 from fleetgen.errors import ShardError, StorageError
+from fleetgen.workers.best_of import BestOf
 from fleetgen.workers.info import describe, worker_info
 from fleetgen.workers.output.commit import (
     check_fence,
@@ -61,6 +62,7 @@ class _Attempt:
     failures: int = 0  # images the pipeline failed
     counts: dict | None = None  # the committed manifest's counts
     pending: list = field(default_factory=list)  # phased with a decode phase: (made, inputs) awaiting it
+    best_of: BestOf | None = None  # `--best-of`: each image's candidates, held until all are made
 
     def result(self, worker: str, ok: int = 0, errors: int = 0, **kw) -> ShardResult:
         return ShardResult(self.shard.id, worker, ok, errors, time.perf_counter() - self.started, **kw)
@@ -202,9 +204,10 @@ class Worker:
         base, kept = keep_committed(self.output, shard.id, records) if shard.retry_errors else (None, set())
         todo = [im for im in images if records[im.id]["status"] == "ok" and im.id not in kept]
         attempt = uuid.uuid4().hex[:12]
-        return _Attempt(
-            shard, attempt, table, images, records, todo, kept, base, self._open_sink(shard, table, base, attempt)
-        )
+        settings = self.spec.settings
+        best_of = BestOf(settings.best_of, settings.rank_by) if settings.best_of > 1 else None
+        sink = self._open_sink(shard, table, base, attempt)
+        return _Attempt(shard, attempt, table, images, records, todo, kept, base, sink, best_of=best_of)
 
     def _make(self, at: _Attempt) -> Iterator[BatchDone | None]:
         """Every image to make, a batch at a time: a `BatchDone` per pipeline call, None (and
@@ -257,10 +260,11 @@ class Worker:
         made, failed, filtered, frames = [], {}, 0, 0
         if batch:
             made, failed = self.fitted.generate(batch, inputs)
-            if self.fitted.deferred:  # decoded at the chunk's end (`_decoded`)
-                at.pending.append((made, inputs))
-            else:
-                filtered, frames = self._store(at, made, inputs)
+        if self.fitted.deferred:  # decoded at the chunk's end (`_decoded`)
+            at.pending.append((made, inputs))
+            filtered, frames = self._store(at, [], {}, [*failed, *unreadable])
+        else:
+            filtered, frames = self._store(at, made, inputs, [*failed, *unreadable])
         self._failed(at, failed)
         errors = len(failed) + filtered + len(unreadable)
         return BatchDone(at.shard.id, self.spec.name, len(made) - filtered, errors, rows=rows, frames=frames)
@@ -271,19 +275,25 @@ class Worker:
         failed = self.fitted.decode()
         filtered = frames = 0
         for made, inputs in at.pending:
-            f, n = self._store(at, [m for m in made if m.id not in failed], inputs)
+            ok = [m for m in made if m.id not in failed]
+            f, n = self._store(at, ok, inputs, [m.id for m in made if m.id in failed])
             filtered, frames = filtered + f, frames + n
         at.pending = []
         self._failed(at, failed)
         return BatchDone(at.shard.id, self.spec.name, 0, len(failed) + filtered, frames=frames)
 
-    def _store(self, at: _Attempt, made: list[Made], inputs: dict) -> tuple[int, int]:
-        """Records filled, pictures handed to the writer thread; (filtered, frames) counted first (the
-        writer drops each picture once encoded)."""
+    def _store(self, at: _Attempt, made: list[Made], inputs: dict, failed=()) -> tuple[int, int]:
+        """Pictures scored, records filled, pictures handed to the writer thread; (filtered, frames)
+        counted first (the writer drops each picture once encoded). `--best-of`: the candidates of the
+        images `made` and `failed` (ids that failed) complete, the best of each the image."""
         if self.scoring is not None:
             self._score(at, [m for m in made if m.picture is not None])
-        for m in made:
-            self._records.fill(m, at.records[m.id], inputs.get(m.id))
+        pairs = [(m, inputs.get(m.id)) for m in made]
+        if at.best_of is not None:
+            pairs = at.best_of.settle(made, inputs, failed, at.records)
+        made = [m for m, _ in pairs]
+        for m, given in pairs:
+            self._records.fill(m, at.records[m.record_id or m.id], given)
         filtered = sum(m.picture is None for m in made)  # flagged by a safety checker: not stored
         frames = sum(len(m.picture.frames) for m in made if isinstance(m.picture, Clip))
         if made:

@@ -230,6 +230,12 @@ FIELDS: list[Field] = [
     Field(
         ERROR_COLUMN, pa.string(), "why a scorer could not score the image (it is stored all the same)", sidecar=True
     ),
+    Field(
+        "candidate",
+        pa.int32(),
+        "`--best-of`: which of its image's candidates (`<id>~<j>`; the best is stored under its image's id; "
+        "null: no best-of)",
+    ),
     Field("batch", pa.int32(), "images in the pipeline call that made this one"),
     Field("worker", pa.string()),
     Field("device", pa.string()),

@@ -59,7 +59,8 @@ class Made:
     inputs: list = field(default_factory=list)  # `--store-inputs`: (role, picture) to store beside it, until encoded
     scores: dict = field(default_factory=dict)  # `--score`: {scorer: its score, None where it failed}
     score_error: str | None = None  # why a scorer failed on it
-    kept_out: str | None = None  # `--keep` rejected it (why): a filtered row, not stored
+    kept_out: str | None = None  # `--keep` rejected it, or `--best-of` chose another (why): a filtered row, not stored
+    record_id: str | None = None  # `--best-of`'s best: its manifest row's key (its candidate id; `id` is the image's)
     meta: dict = field(default_factory=dict)  # its sidecar record: webdataset JSON, parquet row
     record: dict = field(default_factory=dict)  # what its manifest row gains once made
     data: bytes | None = None  # the encoded picture (set by the writer)

@@ -66,10 +66,10 @@ def encode_and_store(
         rows = carried.take(kept) if carried is not None else None
         stored = sink.add([made[i] for i in kept], rows)
         for i, (key, member) in zip(kept, stored, strict=True):
-            records[made[i].id].update(made[i].record, image=key, member=member)
+            records[made[i].record_id or made[i].id].update(made[i].record, image=key, member=member)
     for m in made:
         if m.data is None:
-            records[m.id].update(m.record)
+            records[m.record_id or m.id].update(m.record)
 
 
 class Writer:

@@ -74,6 +74,15 @@ class WorkItem:
     look: Look
     error: str | None  # why it cannot be generated; None when it can
     inputs: tuple[InputRef, ...] = ()  # its input images (image-to-image, inpaint, edit), the mask last
+    candidate: int | None = None  # best-of-N: which of its image's candidates (its id `<image id>~<j>`)
+
+    @property
+    def image_id(self) -> str:
+        """The image it is made for: its own id, or a candidate's image's."""
+        return self.id.split(CANDIDATE, 1)[0]
+
+
+CANDIDATE = "~"  # best-of-N: a candidate's id is `<image id>~<j>` (`~` is in no image id: never an object key)
 
 
 @dataclass(frozen=True)
@@ -89,6 +98,7 @@ class Recipe:
     input_images: int = 0  # the task's input images per image: 0 none (text-to-image), N at most N
     mask: bool = False  # the task takes a mask (inpaint)
     frame_step: int = 0  # video tasks: clips are frame_step x k + 1 frames (Wan: 4); 0: makes images
+    candidates: int = 1  # best-of-N: candidates made per image (`<image id>~<j>`), the best stored as the image
 
     def suffixed(self, columns: Columns) -> bool:
         """Whether image ids carry `-<k>`: in any job that can make several images per row."""
@@ -265,10 +275,16 @@ def shard_items(shard: Shard, table: pa.Table, columns: Columns, recipe: Recipe)
         for k in range(count if error is None or count else 1):
             image_id = f"{row_id}-{k}" if suffixed else row_id
             image_error = row_error or (unsafe_id_reason(image_id) if suffixed else None)
-            image_seed = None
-            if image_error is None:
-                image_seed = (seed + k) & MAX_SEED if seed is not None else derive_seed(recipe.seed, image_id)
-            images.append(WorkItem(image_id, row_id, k, i, prompt, negative, image_seed, look, image_error, inputs))
+            for j in range(recipe.candidates) if recipe.candidates > 1 and image_error is None else (None,):
+                # a candidate: its own id (never an object key: the best is stored as its image) and seed
+                item_id = image_id if j is None else f"{image_id}{CANDIDATE}{j}"
+                n = k if j is None else k * recipe.candidates + j
+                image_seed = None
+                if image_error is None:
+                    image_seed = (seed + n) & MAX_SEED if seed is not None else derive_seed(recipe.seed, item_id)
+                images.append(
+                    WorkItem(item_id, row_id, k, i, prompt, negative, image_seed, look, image_error, inputs, j)
+                )
     return images
 
 

@@ -54,6 +54,8 @@ def run(model, tmp_path, score: str, keep: str | None = None, name="out", worker
     finally:
         worker.close()
     manifest = pq.read_table(out / "shards" / "shard-00000.parquet").to_pylist()
+    # `fleetgen verify` reads the job record for the output format (the driver writes it in a job)
+    (out / "job.json").write_text(json.dumps({"fingerprint": {"generation": {"output_format": s.output_format}}}))
     return {r["id"]: r for r in manifest}, out, info
 
 
@@ -95,6 +97,7 @@ def test_scores_are_the_scorers_own_on_the_stored_pixels(tiny_model, scorers, tm
         assert again == pytest.approx({c.removeprefix("score_"): manifest[i][c] for c in SCORED}, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_a_keep_rule_stores_exactly_what_it_passes(tiny_model, scorers, tmp_path):
     everything, _, _ = run(tiny_model, tmp_path, scorers, name="all")
     clips = sorted(r["score_clip"] for r in everything.values())
@@ -137,3 +140,56 @@ def test_a_scorer_that_fails_on_one_image_records_its_error_and_stores_the_image
     assert bad["score_clip"] is None and bad["score_error"] == "clip: ValueError: this picture cannot be read"
     assert bad["score_aesthetic"] is not None and bad["score_nsfw"] is not None
     assert all(r["score_clip"] is not None and r["score_error"] is None for i, r in manifest.items() if i != "r2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank_by", ["clip", "-nsfw"])
+def test_best_of_n_stores_the_best_candidate_and_records_every_one(rank_by, tiny_model, scorers, tmp_path):
+    """3 candidates per image, each its own seed: the best by the score (highest; `-nsfw`: lowest) is the
+    image, stored under its id; the others are filtered rows with their scores; verify --deep is clean."""
+    from fleetgen.jobs.verify import verify
+
+    manifest, out, _ = run(tiny_model, tmp_path, scorers, best_of=3, rank_by=rank_by, output_format="webdataset")
+    name, sign = rank_by.removeprefix("-"), -1 if rank_by.startswith("-") else 1
+    assert len(manifest) == 18 and len({r["seed"] for r in manifest.values()}) == 18
+    for i in ROWS["id"]:
+        candidates = [r for r in manifest.values() if r["row_id"] == i]
+        assert sorted(r["candidate"] for r in candidates) == [0, 1, 2]
+        (best,) = [r for r in candidates if r["status"] == "ok"]
+        assert best["id"] == i and best["image"] is not None  # stored under the image's id
+        assert sign * best[f"score_{name}"] == max(sign * r[f"score_{name}"] for r in candidates)
+        for r in candidates:
+            if r is not best:
+                assert r["status"] == "filtered" and r["id"] == f"{i}~{r['candidate']}" and r["image"] is None
+                assert f"not the best of 3 by {rank_by}" in r["error"]
+    import webdataset as wds
+
+    samples = {
+        s["__key__"]: json.loads(s["json"])
+        for s in wds.WebDataset(str(out / "data" / "shard-00000.tar"), shardshuffle=False)
+    }
+    assert sorted(samples) == sorted(ROWS["id"])  # one sample per image, its best candidate
+    assert all(
+        samples[i]["id"] == i and samples[i][f"score_{name}"] == pytest.approx(manifest[i][f"score_{name}"])
+        for i in samples
+    )
+    assert verify(str(out), deep=True).clean
+
+
+@pytest.mark.slow
+def test_best_of_chooses_among_what_keep_keeps(tiny_model, scorers, tmp_path):
+    everything, _, _ = run(tiny_model, tmp_path, scorers, best_of=3, rank_by="clip", name="all")
+    nsfw = sorted(r["score_nsfw"] for r in everything.values())
+    bound = (nsfw[8] + nsfw[9]) / 2
+    manifest, _, _ = run(
+        tiny_model, tmp_path, scorers, keep=f"nsfw < {bound!r}", best_of=3, rank_by="clip", name="kept"
+    )
+    for i in ROWS["id"]:
+        candidates = {r["candidate"]: r for r in manifest.values() if r["row_id"] == i}
+        passing = [r for r in candidates.values() if r["score_nsfw"] < bound]
+        stored = [r for r in candidates.values() if r["status"] == "ok"]
+        if not passing:
+            assert not stored and all("kept out by --keep" in r["error"] for r in candidates.values())
+        else:
+            (best,) = stored
+            assert best["score_clip"] == max(r["score_clip"] for r in passing) and best["id"] == i
