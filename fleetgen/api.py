@@ -110,9 +110,10 @@ def verify(
     return verify_output(output, deep=deep, fix=fix, force=force, progress=progress)
 
 
-def report(output: str) -> str:
+def report(output: str, group_by: str | None = None, sort_by: str | None = None) -> str:
     """`fleetgen report`: writes OUT/report.html (a contact sheet, the per-worker table and charts,
-    the failures); returns its URL."""
+    the failures; a scored job's histograms, by `group_by`'s values, its sheet ordered by the score
+    `sort_by`); returns its URL."""
     from fleetgen.jobs.report import write_report
 
-    return write_report(output)
+    return write_report(output, group_by, sort_by)

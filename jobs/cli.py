@@ -39,9 +39,16 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("status", help="progress of a running or finished job, from its output location").add_argument(
         "output", metavar="OUT", help=OUT_HELP
     )
-    sub.add_parser(
-        "report", help="write OUT/report.html: sample images, per-worker table and charts, failures"
-    ).add_argument("output", metavar="OUT", help=OUT_HELP)
+    r = sub.add_parser(
+        "report", help="write OUT/report.html: sample images, per-worker table and charts, scores, failures"
+    )
+    r.add_argument("output", metavar="OUT", help=OUT_HELP)
+    r.add_argument(
+        "--group-by", metavar="COLUMN", help="a scored job: each score's mean and spread per value of COLUMN"
+    )
+    r.add_argument(
+        "--sort-by", metavar="NAME", help="a scored job: the contact sheet by this score (`-NAME`: lowest first)"
+    )
     _add_verify(
         sub.add_parser("verify", help="check every stored image against the manifests; find orphans and leftovers")
     )
@@ -290,7 +297,7 @@ def _verify(args) -> int:
 
 
 def _report(args) -> int:
-    print(f"wrote {fleetgen.report(args.output)}")
+    print(f"wrote {fleetgen.report(args.output, group_by=args.group_by, sort_by=args.sort_by)}")
     return 0
 
 

@@ -9,6 +9,7 @@ import html
 import string
 from pathlib import Path
 
+from fleetgen.jobs.report_scores import check_columns, scorer_names, scores_section
 from fleetgen.jobs.state import read_manifests
 from fleetgen.jobs.status import job_state
 from fleetgen.units import format_size
@@ -142,13 +143,16 @@ def _bars(title: str, items: list[tuple[str, float, str]], limit: list[float] | 
     )
 
 
-def sample_images(out: Output, counts: dict[str, dict], n: int = SAMPLE) -> list[dict]:
+def sample_images(
+    out: Output, counts: dict[str, dict], n: int = SAMPLE, columns: list[str] | None = None
+) -> list[dict]:
     """About `n` ok images spread over the job: the manifests of at most `n` committed shards,
-    evenly spaced, are read (never every manifest), and ok rows taken evenly from each."""
+    evenly spaced, are read (never every manifest), and ok rows taken evenly from each (with `columns`
+    besides the sheet's own)."""
     shards = [s for s in sorted(counts) if counts[s]["ok"]]
     k = min(n, len(shards))
     picked = [shards[round(i * (len(shards) - 1) / max(1, k - 1))] for i in range(k)]  # first to last
-    manifests = read_manifests(out, picked, list(_COLUMNS))
+    manifests = read_manifests(out, picked, [*_COLUMNS, *(columns or [])])
     per = -(-n // len(picked)) if picked else 0
     rows = []
     for shard in picked:
@@ -172,12 +176,15 @@ def not_ok_rows(out: Output, counts: dict[str, dict], n: int = ERRORS, batch: in
 TEMPLATE = Path(__file__).with_name("templates") / "report.html"  # the page, with $fields filled in here
 
 
-def write_report(url: str) -> str:
-    """Write OUT/report.html; returns its URL. Reads a sample of manifests, not all of them."""
+def write_report(url: str, group_by: str | None = None, sort_by: str | None = None) -> str:
+    """Write OUT/report.html; returns its URL. Reads a sample of manifests, not all of them. A job with
+    scores gets their histograms (grouped by the column `group_by`), and its contact sheet ordered by
+    the score `sort_by` (highest first; `-NAME`: lowest first)."""
     state = job_state(url)
     out = Output(url)
     fp = state.job["fingerprint"]
     generation = fp["generation"]
+    check_columns(out, state.counts, generation, group_by, sort_by)
     errors = not_ok_rows(out, state.counts)
     page = string.Template(TEMPLATE.read_text()).substitute(
         url=html.escape(state.url),
@@ -192,7 +199,8 @@ def write_report(url: str) -> str:
         images_ok=state.images_ok,
         images_error=state.images_error,
         failed_shards=len(state.failures),
-        cards=_cards(out, state, generation) or "<p>No images yet.</p>",
+        cards=_cards(out, state, generation, sort_by) or "<p>No images yet.</p>",
+        scores=scores_section(out, state.counts, generation, group_by),
         workers="".join(_worker_row(w) for w in state.workers),
         charts=_charts(state.workers),
         failures="".join(
@@ -210,9 +218,14 @@ def write_report(url: str) -> str:
     return out.key_url("report.html")
 
 
-def _cards(out: Output, state, generation: dict) -> str:
-    """The contact sheet: a sample of images (a clip's poster), each with its inputs, id, seed and prompt."""
-    sample = sample_images(out, state.counts)
+def _cards(out: Output, state, generation: dict, sort_by: str | None = None) -> str:
+    """The contact sheet: a sample of images (a clip's poster), each with its inputs, id, seed, prompt and
+    scores; ordered by `sort_by` where given."""
+    names = scorer_names(generation)
+    sample = sample_images(out, state.counts, columns=[f"score_{n}" for n in names])
+    if sort_by:
+        name, sign = sort_by.removeprefix("-"), 1 if sort_by.startswith("-") else -1
+        sample.sort(key=lambda r: (r.get(f"score_{name}") is None, sign * (r.get(f"score_{name}") or 0.0)))
     video = makes_clips(generation)
     fmt = get_format(generation["output_format"])
     sources = _sources(out, fmt, sample, IMAGE_FORMATS.get(generation["image_format"], "png"), video)
@@ -226,9 +239,14 @@ def _cards(out: Output, state, generation: dict) -> str:
 
     return "".join(
         f'<figure class="card">{_input_note(r, thumbs)}{picture(r)}<figcaption><b>{html.escape(r["id"])}</b> '
-        f"seed {r['seed']}{_clip_note(r)}<br>{html.escape(r['prompt'] or '')}</figcaption></figure>"
+        f"seed {r['seed']}{_clip_note(r)}{_score_note(r, names)}<br>{html.escape(r['prompt'] or '')}</figcaption></figure>"
         for r in sample
     )
+
+
+def _score_note(r: dict, names: list[str]) -> str:
+    scored = [f"{n} {r[f'score_{n}']:.3g}" for n in names if r.get(f"score_{n}") is not None]
+    return f'<br><span class="scores">{html.escape(", ".join(scored))}</span>' if scored else ""
 
 
 def _moved(w: dict) -> int:

@@ -175,6 +175,14 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_clip(tmp_path_factory) -> str:
+    """A tiny random-weight CLIP (`--score clip=DIR`)."""
+    from fleetgen.workers.tiny.scorers import write_tiny_scorer
+
+    return str(write_tiny_scorer(tmp_path_factory.mktemp("scorers") / "clip", "clip"))
+
+
+@pytest.fixture(scope="session")
 def tiny_flux(tmp_path_factory) -> str:
     """The tiny FLUX.1 [dev] (its transformer takes step caches and attention backends)."""
     from fleetgen.workers.tiny import write_tiny_model

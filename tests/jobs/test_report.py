@@ -57,12 +57,23 @@ def _browse(page: Path, *extra: str) -> str:
 
 
 @pytest.mark.parametrize("output_format", ["files", "parquet"])
-def test_report_renders_with_every_image_loaded(ray_cluster, tiny_model, tmp_path, capsys, output_format):
-    prompts = write_prompts(tmp_path / "p.parquet", [f"report <prompt> {i}" for i in range(30)] + [None])
+def test_report_renders_with_every_image_loaded(ray_cluster, tiny_model, tiny_clip, tmp_path, capsys, output_format):
+    styles = ["oil", "ink", "pencil"]
+    prompts = write_prompts(
+        tmp_path / "p.parquet",
+        [f"report <prompt> {i}" for i in range(30)] + [None],
+        style=[styles[i % 3] for i in range(31)],
+    )
     out = tmp_path / "out"
     config = validate(
         JobConfig(
-            input=str(prompts), output=str(out), model=tiny_model, rows_per_shard=8, output_format=output_format, **FAST
+            input=str(prompts),
+            output=str(out),
+            model=tiny_model,
+            rows_per_shard=8,
+            output_format=output_format,
+            score=f"clip={tiny_clip}",
+            **FAST,
         )
     )
     assert run_job(config, progress_stream=io.StringIO()).complete
@@ -78,6 +89,20 @@ def test_report_renders_with_every_image_loaded(ray_cluster, tiny_model, tmp_pat
     assert "report &lt;prompt&gt; 0" in text  # prompts are escaped
     assert "prompt is null or empty" in text and "<th>img/s</th>" in text
     assert text.count('<figure class="card">') == 24
+    # scored: the histogram over every image; grouped by a carried column; the sheet by the score
+    import pyarrow.parquet as pq
+
+    scores = {r["id"]: r for r in pq.read_table(out / "shards").to_pylist() if r["status"] == "ok"}
+    assert "score_clip: mean" in text and "30 scored images (30 stored, 0 filtered) from 4 of 4 shards" in text
+    assert main(["report", str(out), "--group-by", "style", "--sort-by", "clip"]) == 0
+    text = page.read_text()
+    assert "<h3>By style</h3>" in text and all(f"<tr><td>{s}</td><td>10</td>" in text for s in styles)
+    shown = re.findall(r'<figure class="card">.*?<b>([^<]+)</b>', text)
+    assert len(shown) == 24 and [scores[i]["score_clip"] for i in shown] == sorted(
+        (scores[i]["score_clip"] for i in shown), reverse=True
+    )
+    assert main(["report", str(out), "--group-by", "nope"]) == 2
+    assert "`--group-by nope` is not a column of the job's manifests" in capsys.readouterr().err
     dom = _browse(page, "--dump-dom")
     assert 'data-images-total="24"' in dom and 'data-images-loaded="24"' in dom
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
