@@ -27,7 +27,7 @@ if not _os.path.isdir(_os.path.join(_HERE, "jobs")) and all(
 ):
     __path__.append(_TREE)
 
-from fleetgen.api import plan, report, run, status, verify  # noqa: E402 - after the rooms are reachable
+from fleetgen.api import plan, report, run, score, status, verify  # noqa: E402 - after the rooms are reachable
 
 __all__ = [
     "ClusterError",
@@ -41,6 +41,7 @@ __all__ = [
     "plan",
     "report",
     "run",
+    "score",
     "status",
     "verify",
 ]

@@ -110,6 +110,17 @@ def verify(
     return verify_output(output, deep=deep, fix=fix, force=force, progress=progress)
 
 
+def score(
+    output: str, score: str, device: str = "auto", batch: int = 16, progress: Callable[[str], None] | None = None
+):
+    """`fleetgen score`: a finished (or running) job's stored images scored after the fact into
+    `OUT/scores/<name>/<shard>.parquet`, shard by shard, resumable (jobs/score.py); returns a summary
+    (`.complete`, counts, `.text()`)."""
+    from fleetgen.jobs.score import score_job
+
+    return score_job(output, score, device=device, batch=batch, say=progress or (lambda _: None))
+
+
 def report(output: str, group_by: str | None = None, sort_by: str | None = None) -> str:
     """`fleetgen report`: writes OUT/report.html (a contact sheet, the per-worker table and charts,
     the failures; a scored job's histograms, by `group_by`'s values, its sheet ordered by the score

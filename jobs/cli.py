@@ -49,6 +49,13 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--sort-by", metavar="NAME", help="a scored job: the contact sheet by this score (`-NAME`: lowest first)"
     )
+    sc = sub.add_parser(
+        "score", help="score a job's stored images after the fact into OUT/scores/<name>/<shard>.parquet (resumable)"
+    )
+    sc.add_argument("output", metavar="OUT", help=OUT_HELP)
+    sc.add_argument("--score", required=True, metavar="NAME[=MODEL],...", help="the scorers, as `fleetgen run --score`")
+    sc.add_argument("--device", default="auto", help="auto (a GPU when there is one) | cpu | cuda | cuda:N")
+    sc.add_argument("--batch", type=int, default=16, help="images scored per call (default 16)")
     _add_verify(
         sub.add_parser("verify", help="check every stored image against the manifests; find orphans and leftovers")
     )
@@ -296,6 +303,12 @@ def _verify(args) -> int:
     return 0 if report.clean else EXIT_INCOMPLETE
 
 
+def _score(args) -> int:
+    summary = fleetgen.score(args.output, args.score, device=args.device, batch=args.batch, progress=_say)
+    print(summary.text())
+    return 0 if summary.complete else EXIT_INCOMPLETE
+
+
 def _report(args) -> int:
     print(f"wrote {fleetgen.report(args.output, group_by=args.group_by, sort_by=args.sort_by)}")
     return 0
@@ -310,6 +323,7 @@ COMMANDS = {
     "status": _status,
     "verify": _verify,
     "report": _report,
+    "score": _score,
 }
 
 

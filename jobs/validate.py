@@ -10,7 +10,7 @@ from fleetgen.jobs.config import _REQUIRED, DEVICES, DTYPES, JobConfig, _option,
 from fleetgen.offload.phasing import PHASES_CHOICES
 from fleetgen.offload.planner import OFFLOAD_CHOICES
 from fleetgen.offload.weight_formats import refusal
-from fleetgen.scores import MAX_CANDIDATES, SCORERS
+from fleetgen.scores import MAX_CANDIDATES, SCORERS, ScoreSpec
 from fleetgen.units import parse_size
 from fleetgen.workers.families.model_dir import HUB_ID, size_multiple
 from fleetgen.workers.families.table import TASKS
@@ -68,7 +68,7 @@ def _check_generation(c: JobConfig) -> None:
             ) from err
     for value in c.lora:
         parse_lora(value)
-    _check_scorers(c)
+    check_scorers(c.score)
     _check(1 <= c.best_of <= MAX_CANDIDATES, f"`--best-of` must be 1 to {MAX_CANDIDATES}, got `{c.best_of}`.")
     ranked = (c.rank_by or "").removeprefix("-")
     if c.best_of > 1 or c.rank_by:
@@ -88,11 +88,12 @@ def _check_generation(c: JobConfig) -> None:
         )
 
 
-def _check_scorers(c: JobConfig) -> None:
-    """Each scorer's library is installed (else what to install) and its model a hub id or a path that exists."""
+def check_scorers(spec: ScoreSpec) -> None:
+    """Each scorer's library is installed (else what to install) and its model a hub id or a path that
+    exists: `ConfigError` naming the first that is not (`fleetgen run` and `fleetgen score` alike)."""
     import importlib.util
 
-    for name, model in c.score.scorers:
+    for name, model in spec.scorers:
         scorer = SCORERS[name]
         _check(
             importlib.util.find_spec(scorer.module) is not None,

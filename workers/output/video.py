@@ -189,6 +189,13 @@ def read_clip(data: bytes, decode: bool = True) -> ClipInfo:
         raise ValueError(f"not a readable clip: {err}") from err
 
 
+def decode_frames(data: bytes) -> list:
+    """Every frame of a stored clip as a PIL image, in order (`fleetgen score` reads clips so)."""
+    av = _av()
+    with av.open(io.BytesIO(data), mode="r") as f:
+        return [frame.to_image() for frame in f.decode(video=0)]
+
+
 def first_frame(data: bytes):
     """The first frame of a stored clip as a PIL image (for clips stored without a poster)."""
     av = _av()

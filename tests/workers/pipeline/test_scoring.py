@@ -59,7 +59,9 @@ def run(model, tmp_path, score: str, keep: str | None = None, name="out", worker
     return {r["id"]: r for r in manifest}, out, info
 
 
-@pytest.mark.parametrize("output_format", ["files", "webdataset", "parquet"])
+@pytest.mark.parametrize(
+    "output_format", ["parquet", *(pytest.param(f, marks=pytest.mark.slow) for f in ("files", "webdataset"))]
+)
 def test_every_image_is_scored_and_its_scores_are_in_every_output(output_format, tiny_model, scorers, tmp_path):
     import datasets
 
@@ -86,6 +88,7 @@ def test_every_image_is_scored_and_its_scores_are_in_every_output(output_format,
             assert {c: r[c] for c in SCORED} == pytest.approx({c: manifest[i][c] for c in SCORED})
 
 
+@pytest.mark.slow
 def test_scores_are_the_scorers_own_on_the_stored_pixels(tiny_model, scorers, tmp_path):
     """What the pass recorded is what the scorer says of the stored PNG (lossless: the same pixels)."""
     manifest, out, _ = run(tiny_model, tmp_path, scorers)
