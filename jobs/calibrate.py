@@ -28,6 +28,7 @@ from fleetgen.jobs.config import JobConfig, resolve_paths, validate
 from fleetgen.jobs.driver import read_input, worker_spec
 from fleetgen.jobs.models import MAX_ADAPTERS, resolve_adapters, resolve_defaults
 from fleetgen.jobs.sharding import distinct_strings, plan_shards
+from fleetgen.scores import KeepRule
 
 KINDS = ("attention", "compile", "cache", "quantize")  # what `--try` may name
 FIRST_BLOCK_THRESHOLDS = (FIRST_BLOCK_THRESHOLD, 0.1, 0.2)  # diffusers' default and two that skip more
@@ -79,13 +80,16 @@ class Result:
     note: str = ""  # what the worker chose (the attention kernel under auto), or why it did not run
     failed: bool = False
     speedup: float | None = None  # images/s over the reference's
+    scores: dict = field(default_factory=dict)  # the job's scorers (`--score`): each one's mean over the sample
+    drops: dict = field(default_factory=dict)  # each one's mean below the reference's
 
-    def passes(self, min_psnr: float, min_ssim: float | None) -> bool:
+    def passes(self, min_psnr: float, min_ssim: float | None, max_drop: dict | None = None) -> bool:
         return (
             not self.failed
             and self.psnr is not None
             and self.psnr >= min_psnr
             and (min_ssim is None or (self.ssim or 0) >= min_ssim)
+            and all(self.drops.get(n, math.inf) <= d for n, d in (max_drop or {}).items())
         )
 
 
@@ -99,25 +103,36 @@ class Calibration:
     results: list[Result] = field(default_factory=list)
     noise: float = 0.0  # |1 - images/s of the reference measured again over its first|: gains within it are noise
     chosen: Result | None = None
+    max_drop: dict = field(
+        default_factory=dict
+    )  # a third floor: {scorer: how far its mean may fall below the reference's}
 
     def choose(self) -> Result:
         """The fastest result within the floor that beats the reference by more than the noise (else the reference)."""
         ref = self.results[0]
-        faster = [r for r in self.results if r.passes(self.min_psnr, self.min_ssim) and r.speedup > 1 + self.noise]
+        faster = [
+            r
+            for r in self.results
+            if r.passes(self.min_psnr, self.min_ssim, self.max_drop) and r.speedup > 1 + self.noise
+        ]
         self.chosen = max(faster, key=lambda r: r.images_per_second, default=ref)
         return self.chosen
 
     def table(self) -> str:
         w = max(len(r.name) for r in self.results)
+        names = list(self.results[0].scores)
         head = (
-            f"{'setting':<{w}} {'img/s':>8} {'x ref':>6} {'PSNR dB':>8} {'SSIM':>6} {'peak':>9} {'compile s':>9}  note"
+            f"{'setting':<{w}} {'img/s':>8} {'x ref':>6} {'PSNR dB':>8} {'SSIM':>6} "
+            + "".join(f"{n:>10} " for n in names)
+            + f"{'peak':>9} {'compile s':>9}  note"
         )
         lines = [head]
         for r in self.results:
             peak = f"{r.peak_bytes / 2**30:.2f}GiB" if r.peak_bytes else "-"
+            scores = "".join(f"{_num(r.scores.get(n), '.4g'):>10} " for n in names)
             lines.append(
                 f"{r.name:<{w}} {r.images_per_second:>8.3f} {_num(r.speedup, '.2f'):>6} {_num(r.psnr, '.1f'):>8} "
-                f"{_num(r.ssim, '.3f'):>6} {peak:>9} {_num(r.compile_seconds, '.1f'):>9}  "
+                f"{_num(r.ssim, '.3f'):>6} {scores}{peak:>9} {_num(r.compile_seconds, '.1f'):>9}  "
                 f"{'FAILED: ' if r.failed else ''}{r.note}"
             )
         lines.append(
@@ -129,6 +144,7 @@ class Calibration:
     def snippet(self) -> str:
         """The chosen settings as TOML for `fleetgen run --config` (the job's own options beside it)."""
         floor = f"PSNR >= {self.min_psnr:g} dB" + (f", SSIM >= {self.min_ssim:g}" if self.min_ssim else "")
+        floor += "".join(f", {n} at most {d:g} below the reference" for n, d in self.max_drop.items())
         lines = [
             f"# fleetgen calibrate: {self.chosen.name} on {self.device}, {self.images} images of the job, {floor}",
             f"# {self.chosen.speedup:.2f}x the reference's images/s, PSNR {_num(self.chosen.psnr, '.1f')} dB",
@@ -172,14 +188,30 @@ REFERENCE = {"quantize": "none", "cache": "none", "attention": "native", "compil
 
 
 def calibrate(
-    config: JobConfig, sample: int = 4, min_psnr: float = 30.0, min_ssim: float | None = None, kinds=KINDS, say=print
+    config: JobConfig,
+    sample: int = 4,
+    min_psnr: float = 30.0,
+    min_ssim: float | None = None,
+    kinds=KINDS,
+    say=print,
+    max_drop: dict[str, float] | None = None,
 ) -> Calibration:
-    """Measure each candidate on the job's first `sample` rows; `say` reports progress."""
+    """Measure each candidate on the job's first `sample` rows; `say` reports progress. `max_drop`: a
+    floor on the job's scores (`--score`): {scorer: how far its mean may fall below the reference's}."""
     if sample < 1:
         raise ConfigError(f"`--sample` must be 1 or more, got `{sample}`.")
+    max_drop = dict(max_drop or {})
+    unscored = [n for n in max_drop if n not in config.score.names]
+    if unscored:
+        raise ConfigError(
+            f"`--max-drop {unscored[0]}=...` names a score the job does not compute; it scores: "
+            f"{', '.join(config.score.names) or 'none (add --score)'}."
+        )
     unknown = set(kinds) - set(KINDS)
     if unknown:
         raise ConfigError(f"`--try` takes {', '.join(KINDS)}; got `{', '.join(sorted(unknown))}`.")
+    # every candidate stores what it makes (no keep rule, no best-of: the pixels are compared one for one)
+    config = replace(config, keep=KeepRule(), best_of=1, rank_by=None)
     config = resolve_paths(replace(config, **REFERENCE, output_format="files", image_format="png"))
     files, columns = read_input(config)
     config, family, _ = resolve_defaults(config, columns)
@@ -189,7 +221,10 @@ def calibrate(
     say(f"calibrating {config.model} ({family.name}) on {shard.length} rows of {config.input}")
     adapters = resolve_adapters(config, columns, distinct_strings(files, columns.lora, MAX_ADAPTERS))
     with tempfile.TemporaryDirectory(prefix="fleetgen-calibrate-") as work:
-        return _calibrate(_Sample(config, columns, shard, adapters, Path(work)), min_psnr, min_ssim, kinds, say)
+        cal = _calibrate(
+            _Sample(config, columns, shard, adapters, Path(work)), min_psnr, min_ssim, kinds, say, max_drop
+        )
+    return cal
 
 
 @dataclass(frozen=True)
@@ -203,7 +238,7 @@ class _Sample:
     work: Path  # each candidate writes its output below
 
 
-def _calibrate(sample: _Sample, min_psnr, min_ssim, kinds, say) -> Calibration:
+def _calibrate(sample: _Sample, min_psnr, min_ssim, kinds, say, max_drop: dict) -> Calibration:
     config, columns, shard, work = sample.config, sample.columns, sample.shard, sample.work
     done: list[Result] = []
 
@@ -234,9 +269,13 @@ def _calibrate(sample: _Sample, min_psnr, min_ssim, kinds, say) -> Calibration:
     _compare(again, images, ref, ref_images)
     done.append(again)
     noise = abs(1 - again.images_per_second / ref.images_per_second) if not again.failed else 0.0
-    cal = Calibration(config.model, shard.length, ref.device, min_psnr, min_ssim, done, noise)
+    cal = Calibration(config.model, shard.length, ref.device, min_psnr, min_ssim, done, noise, max_drop=max_drop)
     combined = _combined(
-        [r for r in done if r.settings != REFERENCE and r.passes(min_psnr, min_ssim) and r.speedup > 1 + noise]
+        [
+            r
+            for r in done
+            if r.settings != REFERENCE and r.passes(min_psnr, min_ssim, max_drop) and r.speedup > 1 + noise
+        ]
     )
     if combined is not None:
         result, images, _ = measure("combined: " + ", ".join(combined[0]), combined[1])
@@ -267,6 +306,7 @@ def _compare(result: Result, images: dict, ref: Result, ref_images: dict) -> Non
         return
     result.psnr = float(np.mean([psnr(a, b) for a, b in pairs]))
     result.ssim = float(np.mean([ssim(a, b) for a, b in pairs]))
+    result.drops = {n: ref.scores[n] - v for n, v in result.scores.items() if n in ref.scores}
     result.speedup = result.images_per_second / ref.images_per_second if ref.images_per_second else None
 
 
@@ -307,4 +347,8 @@ def _run(config: JobConfig, columns, shard, adapters, result: Result) -> tuple[R
         first = next(r["error"] for r in rows if r["status"] == "error")
         result.failed, result.note = True, f"{outcome.errors} error rows: {first[:160]}"
     images = {r["id"]: np.asarray(Image.open(out / r["image"]).convert("RGB")) for r in rows if r["status"] == "ok"}
+    for name in config.score.names:  # each scorer's mean over the sample (`--max-drop`)
+        values = [r[f"score_{name}"] for r in rows if r["status"] == "ok" and r[f"score_{name}"] is not None]
+        if values:
+            result.scores[name] = float(np.mean(values))
     return result, images, worker

@@ -90,6 +90,12 @@ def _add_calibrate(c: argparse.ArgumentParser) -> None:
     c.add_argument("--min-psnr", type=float, default=30.0, help="quality floor, dB against the reference (default 30)")
     c.add_argument("--min-ssim", type=float, help="a second floor: SSIM against the reference, 0..1 (default none)")
     c.add_argument(
+        "--max-drop",
+        metavar="NAME=X,...",
+        help="a floor on the job's scores (--score): each one's mean may fall at most X below the reference's, "
+        "e.g. clip=0.01",
+    )
+    c.add_argument(
         "--try",
         dest="kinds",
         default="attention,compile,cache,quantize",
@@ -243,6 +249,20 @@ def _tiny_model(args) -> int:
     return 0
 
 
+def _drops(text: str | None) -> dict[str, float]:
+    """`--max-drop clip=0.01,aesthetic=0.2` as {scorer: drop}."""
+    from fleetgen.errors import ConfigError
+
+    out = {}
+    for part in filter(None, (p.strip() for p in (text or "").split(","))):
+        name, _, value = part.partition("=")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            raise ConfigError(f"`--max-drop` takes NAME=NUMBER,... (e.g. clip=0.01); got `{part}`.") from None
+    return out
+
+
 def _calibrate(args) -> int:
     import tempfile
     from pathlib import Path
@@ -250,7 +270,7 @@ def _calibrate(args) -> int:
     from fleetgen.jobs.calibrate import calibrate
     from fleetgen.jobs.config import make_config
 
-    options = _options(args, "config", "sample", "min_psnr", "min_ssim", "kinds", "write")
+    options = _options(args, "config", "sample", "min_psnr", "min_ssim", "kinds", "write", "max_drop")
     options["output"] = options["output"] or tempfile.gettempdir()  # nothing is written there: each setting has its own
     cal = calibrate(
         make_config(options, args.config),
@@ -259,6 +279,7 @@ def _calibrate(args) -> int:
         min_ssim=args.min_ssim,
         kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()),
         say=_say,
+        max_drop=_drops(args.max_drop),
     )
     print(cal.table())
     print()

@@ -8,7 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from fleetgen.jobs.calibrate import Calibration, Result, calibrate, psnr, ssim
+from fleetgen.errors import ConfigError
+from fleetgen.jobs.calibrate import REFERENCE, Calibration, Result, calibrate, psnr, ssim
 from fleetgen.jobs.config import make_config
 from fleetgen.jobs.models import resolve_defaults
 from fleetgen.jobs.sharding import read_footer, resolve_columns
@@ -38,6 +39,33 @@ def test_the_choice_is_the_fastest_within_the_floor_that_beats_the_noise():
     results = [r("reference", 1.0, math.inf), r("a", 3.0, 25.0), r("b", 2.0, 40.0), r("c", 1.04, 60.0)]
     assert Calibration("m", 4, "cpu", 30.0, None, results, noise=0.05).choose().name == "b"  # a is under the floor
     assert Calibration("m", 4, "cpu", 50.0, None, results, noise=0.05).choose().name == "reference"  # c: noise
+
+
+def test_a_score_floor_counts_beside_psnr():
+    def r(name, speed, drop):
+        return Result(
+            name, dict(REFERENCE), images_per_second=speed, psnr=60.0, ssim=1.0, speedup=speed, drops={"clip": drop}
+        )
+
+    results = [r("reference", 1.0, 0.0), r("a", 3.0, 0.05), r("b", 2.0, 0.005)]
+    assert Calibration("m", 4, "cpu", 30.0, None, results).choose().name == "a"  # no score floor
+    floored = Calibration("m", 4, "cpu", 30.0, None, results, max_drop={"clip": 0.01})
+    assert floored.choose().name == "b" and "clip at most 0.01 below the reference" in floored.snippet()
+
+
+@pytest.mark.slow
+def test_a_run_scores_every_candidate_against_the_reference(tiny_flux, tiny_clip, tmp_path):
+    prompts = write_prompts(tmp_path / "p.parquet", [f"a photo of thing {i}" for i in range(2)])
+    args = {"input": str(prompts), "model": tiny_flux, "output": str(tmp_path / "unused"), **FLUX}
+    config = make_config({**args, "score": f"clip={tiny_clip}", "keep": "clip > 0.9"})
+    cal = calibrate(config, sample=2, min_psnr=0.0, kinds=("cache",), say=lambda _: None, max_drop={"clip": -1.0})
+    ref = cal.results[0]
+    assert set(ref.scores) == {"clip"} and -1 <= ref.scores["clip"] <= 1  # every image made (no keep rule here)
+    for r in cal.results[1:]:
+        assert r.drops["clip"] == pytest.approx(ref.scores["clip"] - r.scores["clip"])
+    assert cal.chosen is ref  # no candidate's CLIP score rises by 1: none passes the floor
+    with pytest.raises(ConfigError, match="`--max-drop pickscore=...` names a score the job does not compute"):
+        calibrate(config, sample=1, kinds=("cache",), max_drop={"pickscore": 0.1})
 
 
 def test_a_run_keeps_the_floor_it_was_given(tiny_flux, tmp_path):
