@@ -54,7 +54,7 @@ def _budget(pipe, settings: GenerationSettings, max_batch: int) -> int:
     return int((whole + phased) / 2 / (1 - MARGIN))
 
 
-def _run(pipe, settings, tmp_path, name, rows: list[str], inputs: dict | None = None, **spec):
+def _run(pipe, settings, tmp_path, name, rows: list[str], inputs: dict | None = None, device="cpu", **spec):
     """`inputs`: columns of input pictures (`input_image`, `mask_image`) beside the prompts."""
     path = tmp_path / "prompts.parquet"
     if not path.exists():
@@ -65,7 +65,7 @@ def _run(pipe, settings, tmp_path, name, rows: list[str], inputs: dict | None = 
     )
     out = tmp_path / name
     worker = Worker(
-        WorkerSpec("w0", "tiny", str(out), settings, resolve_columns(files, columns), device="cpu", threads=1, **spec),
+        WorkerSpec("w0", "tiny", str(out), settings, resolve_columns(files, columns), device=device, threads=1, **spec),
         pipe,
     )
     try:
@@ -299,3 +299,31 @@ def test_an_encoder_call_is_known_by_its_pictures_values_not_only_their_shape():
     text = {"prompt": ["a", "a", "b", "b"], "num_images_per_prompt": 1}
     assert runs(text) == ({"prompt": ["a", "b"], "num_images_per_prompt": 2}, 2)
     assert runs({**text, "image": [red, red, blue, blue]}) is None
+
+
+@pytest.mark.gpu
+def test_a_phased_image_to_image_on_cuda_makes_the_per_batch_images(tmp_path):
+    """The CUDA path (`make gpu-check`): FLUX.1 image-to-image phased on the device — the chunk's input
+    pictures read before phase 1, the text encoder resident in phase 1 and off the device in phase 2, the
+    VAE encoding the inputs beside the transformer — against per batch at the same batches."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pipe, settings = _pipeline("flux"), _settings("flux", task="image-to-image", strength=0.6)
+    inputs = {"input_image": [png(c, (64, 64)) for c in ("red", "green", "blue", "red")]}
+    rows = [f"a lighthouse at dusk, number {i % 2}" for i in range(4)]
+    common = {"max_batch": 2, "gpu_memory": 1 << 30, "inputs": inputs, "device": "cuda"}
+    phased, phased_images = _run(pipe, settings, tmp_path, "phased", rows, phases="on", **common)
+    _, per_batch = _run(pipe, settings, tmp_path, "per-batch", rows, phases="off", **common)
+    assert phased["phases"]["chunks"] == 1 and phased["offload"]["components"]["text_encoder"]["swaps"] == 1
+    assert len(phased["phases"]["peak_device_bytes"]) == 2  # measured per phase on CUDA
+
+    def pixels(data: bytes):
+        return np.asarray(Image.open(io.BytesIO(data)), dtype=np.int16)
+
+    assert phased_images.keys() == per_batch.keys() and len(per_batch) == 4
+    assert max(np.abs(pixels(phased_images[k]) - pixels(per_batch[k])).max() for k in per_batch) <= 2

@@ -196,3 +196,19 @@ def test_best_of_chooses_among_what_keep_keeps(tiny_model, scorers, tmp_path):
         else:
             (best,) = stored
             assert best["score_clip"] == max(r["score_clip"] for r in passing) and best["id"] == i
+
+
+@pytest.mark.gpu
+def test_scorers_on_cuda_score_as_on_the_cpu(tmp_path):
+    """The CUDA path (`make gpu-check`): the tiny scorers at bfloat16 on the device, the same pictures and
+    prompts as float32 on the CPU, within bfloat16's rounding."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    spec = parse_scores(",".join(f"{k}={write_tiny_scorer(tmp_path / k, k)}" for k in ("clip", "aesthetic", "nsfw")))
+    pictures = [Image.new("RGB", (64, 64), c) for c in ("red", "blue", "green")]
+    prompts = ["a red square", "a blue square", "a green square"]
+    cpu = Scoring(spec, torch.device("cpu"), torch.float32).score(pictures, prompts)
+    cuda = Scoring(spec, torch.device("cuda"), torch.bfloat16).score(pictures, prompts)
+    for (a, a_error), (b, b_error) in zip(cpu, cuda, strict=True):
+        assert a_error is None and b_error is None and a.keys() == b.keys() == {"clip", "aesthetic", "nsfw"}
+        assert all(abs(a[n] - b[n]) < 0.05 for n in a), (a, b)
