@@ -6,11 +6,13 @@ import re
 import shutil
 import subprocess
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 import fleetgen.jobs.report
+from fleetgen.errors import StorageError
 from fleetgen.jobs.cli import main
 from fleetgen.jobs.config import JobConfig, validate
 from fleetgen.jobs.driver import run_job
@@ -103,6 +105,11 @@ def test_report_renders_with_every_image_loaded(ray_cluster, tiny_model, tiny_cl
     )
     assert main(["report", str(out), "--group-by", "nope"]) == 2
     assert "`--group-by nope` is not a column of the job's manifests" in capsys.readouterr().err
+    # the scored job again: it resumes (nothing to make); with another scorer model it is another job
+    again = run_job(config, progress_stream=io.StringIO())
+    assert again.complete and again.shards_skipped == 4
+    with pytest.raises(StorageError, match="scorers.clip differs"):
+        run_job(replace(config, score=f"clip={tiny_model}"), progress_stream=io.StringIO())
     dom = _browse(page, "--dump-dom")
     assert 'data-images-total="24"' in dom and 'data-images-loaded="24"' in dom
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
