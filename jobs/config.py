@@ -177,6 +177,8 @@ class _Job:
             "quantize": self.quantize.label,
             "cache": self.cache.label,
             "attention": self.attention.backend,
+            "score": self.score.label,
+            "keep": self.keep.label,
         }
 
 

@@ -368,7 +368,6 @@ def ray_cluster(_stores_env):
 RAY_FIXTURES = {"ray_cluster"}
 CLUSTER_FIXTURES = {"ray_head", "autoscaling_head"}
 CLUSTER_GROUP = "cluster"  # the xdist_group of the tests marked `cluster`
-RAY_GROUP = "ray"  # the xdist_group of the other tests that run jobs on Ray (`ray`, `chaos`)
 # Module fixtures that run whole jobs (10-20 s of CPU each): the tests sharing one go to one pytest
 # worker, so that it is made once, not once on each.
 SHARED_JOBS = {"chaos_input", "finished", "reference"}
@@ -382,16 +381,13 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.ray)
         if names & CLUSTER_FIXTURES:
             item.add_marker(pytest.mark.cluster)
-        # `make test` runs two pytest workers (`-n 2 --dist loadgroup`) on 2 cores. The tests that start
-        # Ray heads of their own (1.5-1.7 cores each, minutes long) go to one worker, one after the
-        # other; every other test that runs jobs on Ray (the session's `ray_cluster`, chaos) to one
-        # worker too, so that one session Ray runs, never two beside a cluster test's head (three Rays
-        # thrash 2 cores: a job that takes 77 s alone took 339 s so). Tests without Ray go to
-        # whichever worker is free. Measured: BENCHMARKS.md "The test suite".
+        # `make test` runs two pytest workers (`-n 2 --dist loadgroup`), each with a session Ray of
+        # its own (`ray_cluster`) when it runs a `ray` test. The tests that start Ray heads of their
+        # own (1.5-1.7 cores each, minutes long) go to one worker, one after the other, first (the
+        # largest group starts first); every other test goes to whichever worker is free. Measured:
+        # see README.
         if item.get_closest_marker("cluster"):
             item.add_marker(pytest.mark.xdist_group(CLUSTER_GROUP))
-        elif item.get_closest_marker("ray") or item.get_closest_marker("chaos"):
-            item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
         elif names & SHARED_JOBS:
             item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}:{min(names & SHARED_JOBS)}"))
 

@@ -93,3 +93,22 @@ def test_keep_without_scores_and_a_missing_package_or_model_are_refused_before_a
     assert main([*base, "--score", "hpsv2"]) == 2
     err = capsys.readouterr().err.strip()
     assert "`--score hpsv2` needs the open_clip_torch package: pip install open_clip_torch" in err and "\n" not in err
+
+
+def test_a_scored_jobs_config_round_trips_through_its_record(tmp_path):
+    """`JobConfig.to_dict()` (job.json's `config`, what `--retry-errors` rebuilds a job from) holds the
+    scorers and the rule by their one spelling, and builds the same job again."""
+    from fleetgen.jobs.config import JobConfig
+
+    head = tmp_path / "head.pth"
+    head.write_bytes(b"x")
+    config = JobConfig(
+        input="p", output="o", model="m/m", score=f"clip,aesthetic={head}", keep="clip > 0.2 and aesthetic >= 5"
+    )
+    record = config.to_dict()
+    assert record["score"] == f"clip=openai/clip-vit-large-patch14,aesthetic={head}"
+    assert record["keep"] == "clip > 0.2 and aesthetic >= 5"
+    assert (
+        JobConfig(**record) == config
+        and JobConfig(**JobConfig(input="p", output="o", model="m/m").to_dict()).keep == KeepRule()
+    )
