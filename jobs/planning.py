@@ -104,44 +104,36 @@ def plan_rows(
     work: Workload,
     bandwidth: float = ASSUMED_BANDWIDTH,
     flops: float = ASSUMED_FLOPS,
-    vae_upcast: bool = False,
-    scores: ScoreSpec | None = None,
+    *,
+    extra: PlanExtras | None = None,
 ) -> tuple[dict, list[dict]]:
-    """(the profile summary, one row per budget: the plan or the reason nothing fits). `vae_upcast`:
-    the family's pipeline decodes in float32 (SDXL): its VAE is counted so. `scores`: scorers held on
-    the device beside the pipeline, planned in what they leave (as a worker does)."""
+    """(the profile summary, one row per budget: the plan or the reason nothing fits). `extra`: the
+    family's VAE upcast and the job's scorers (held beside the pipeline: planned in what they leave)."""
+    extra = extra or PlanExtras()
     mapping = work.quantize.mapping
     formats = CHOOSABLE if work.quantize.auto else tuple(sorted(set(mapping.values())))
-    profile = pipeline_profile(model, dtype, vae_upcast, formats)
+    profile = pipeline_profile(model, dtype, extra.vae_upcast, formats)
     check_components(mapping, list(profile.components), model)
-    # from_pretrained loads every component to host RAM, at the run dtype unless its format applies at load
-    loading = profile.total_bytes
     host = parse_size(host_memory, "--host-memory") if host_memory else int(host_available_bytes() * 0.8)
     work = dataclasses.replace(work, quantize=work.quantize.pinned())
-    scores = scores or ScoreSpec()
-    scorers = scores.reserved_bytes(profile.dtype_bytes)
+    scorers = extra.scores.reserved_bytes(profile.dtype_bytes)
     rows = []
     for text in budgets:
         budget = parse_size(text, "--gpu-memory")
-        device = DeviceSpec(
-            budget=max(budget - scorers, 0),
-            host_budget=host,
-            bandwidth=bandwidth,
-            flops=flops,
-            streams=True,
-            name=f"a {format_size(budget)} GPU",
-        )
+        device = DeviceSpec(max(budget - scorers, 0), host, bandwidth, flops, True, name=f"a {format_size(budget)} GPU")
         try:
             rows.append({"gpu_memory": text, **plan(profile, device, work).to_dict()})
         except OffloadError as err:
             binds = "host RAM" if "(host RAM binds)" in str(err) else "device memory"
             rows.append({"gpu_memory": text, "binds": [binds], "error": str(err)})
+    scores = extra.scores
     summary = {
         "model": model,
         "frames": work.frames,
         "dtype": dtype,
         "host_memory_bytes": host,
-        "load_host_bytes": loading,
+        # from_pretrained loads every component to host RAM, at the run dtype unless its format applies at load
+        "load_host_bytes": profile.total_bytes,
         "quantize": work.quantize.label,
         "bandwidth_bytes_per_s": bandwidth,
         "flops": flops,
@@ -149,19 +141,32 @@ def plan_rows(
         "scorers": {"names": list(scores.names), "bytes": scorers, "seconds_per_image": scores.seconds_per_image(flops)}
         if scores
         else None,
-        "components": {
-            n: {
-                "class": c.cls,
-                "params": c.params,
-                "bytes": c.bytes,
-                "per_step": c.per_step,
-                "blocks": len(c.blocks),
-                **({"bytes_as": {f: v.bytes for f, v in profile.variants[n].items()}} if n in profile.variants else {}),
-            }
-            for n, c in profile.components.items()
-        },
+        "components": _components(profile),
     }
     return summary, rows
+
+
+@dataclass(frozen=True)
+class PlanExtras:
+    """What `plan_rows` plans beside the workload: the family's VAE decoding in float32 (SDXL), and the
+    job's scorers on the device."""
+
+    vae_upcast: bool = False
+    scores: ScoreSpec = ScoreSpec()
+
+
+def _components(profile) -> dict:
+    return {
+        n: {
+            "class": c.cls,
+            "params": c.params,
+            "bytes": c.bytes,
+            "per_step": c.per_step,
+            "blocks": len(c.blocks),
+            **({"bytes_as": {f: v.bytes for f, v in profile.variants[n].items()}} if n in profile.variants else {}),
+        }
+        for n, c in profile.components.items()
+    }
 
 
 @dataclass(frozen=True)
@@ -215,12 +220,20 @@ def plan_budgets(
         work,
         bandwidth,
         flops,
-        vae_upcast=family.upcasts_vae,
-        scores=request.score,
+        extra=PlanExtras(family.upcasts_vae, request.score),
     )
     summary["family"] = family.name
     summary["gpu"] = card.name if card else None
     return Plans(summary, rows)
+
+
+def _scorers_line(scoring: dict | None) -> str:
+    if not scoring:
+        return ""
+    return (
+        f"scorers {', '.join(scoring['names'])}: {format_size(scoring['bytes'])} held on the device beside the "
+        f"pipeline (each budget plans in the rest), about {scoring['seconds_per_image'] * 1e3:.1f} ms per image\n"
+    )
 
 
 def print_plans(summary: dict, rows: list[dict], as_json: bool, out=None) -> None:
@@ -248,13 +261,7 @@ def print_plans(summary: dict, rows: list[dict], as_json: bool, out=None) -> Non
         )
         + "\n"
     )
-    scoring = summary.get("scorers")
-    if scoring:
-        out.write(
-            f"scorers {', '.join(scoring['names'])}: {format_size(scoring['bytes'])} held on the device beside the "
-            f"pipeline (each budget plans in the rest), about {scoring['seconds_per_image'] * 1e3:.1f} ms per image\n"
-        )
-    out.write("\n")
+    out.write(_scorers_line(summary.get("scorers")) + "\n")
     names = list(comps)
     clips = bool(summary.get("frames"))  # a video model: per clip, and clips per hour
     rate = "clips/h" if clips else "rel img/s"

@@ -87,3 +87,16 @@ def test_an_unknown_gpu_or_no_budget_is_one_line_with_exit_2(capsys):
     assert "\n" not in err and "`--gpu H1OO` is not a GPU fleetgen knows" in err and "Did you mean H100" in err, err
     assert main(["plan", "--model", "flux.1-dev"]) == 2
     assert "Give `--gpu-memory`" in capsys.readouterr().err
+
+
+def test_scorers_are_planned_beside_the_pipeline():
+    """`fleetgen plan --score`: the scorers' bytes come off each budget, as a worker plans; the summary says
+    what they hold and cost."""
+    import fleetgen
+
+    alone = fleetgen.plan("flux.1-dev", ["24GiB"], host_memory="64GiB", gpu="H100")
+    scored = fleetgen.plan("flux.1-dev", ["24GiB"], host_memory="64GiB", gpu="H100", score="clip,pickscore")
+    held = scored.summary["scorers"]["bytes"]
+    assert held == int((428_000_000 + 986_000_000) * 2 * 1.25) and alone.summary["scorers"] is None
+    assert scored.rows[0]["budget_bytes"] == alone.rows[0]["budget_bytes"] - held
+    assert "scorers clip, pickscore: 3.3 GiB held on the device" in scored.text()
