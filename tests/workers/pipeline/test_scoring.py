@@ -212,3 +212,21 @@ def test_scorers_on_cuda_score_as_on_the_cpu(tmp_path):
     for (a, a_error), (b, b_error) in zip(cpu, cuda, strict=True):
         assert a_error is None and b_error is None and a.keys() == b.keys() == {"clip", "aesthetic", "nsfw"}
         assert all(abs(a[n] - b[n]) < 0.05 for n in a), (a, b)
+
+
+@pytest.mark.slow
+def test_hpsv2_loads_open_clips_vit_h_14_from_a_checkpoint_as_hps_ships_it(tmp_path):
+    """`hpsv2` against the real open_clip ViT-H-14 (random weights, saved as HPS v2.1's checkpoint is: a dict
+    with `state_dict`): each picture scored, a batch as each alone. Needs open_clip_torch and torchvision,
+    which do not install beside CI's CPU torch: run by hand in a venv with torch 2.14.1 + torchvision 0.29.1
+    (`PYTHONPATH=. pytest -m slow -k hpsv2`; 2026-12-03: open_clip 3.3.0, 54 s, 8 GiB)."""
+    open_clip = pytest.importorskip("open_clip")
+    model, _, _ = open_clip.create_model_and_transforms("ViT-H-14", pretrained=None)
+    torch.save({"state_dict": model.state_dict()}, tmp_path / "HPS_v2.1_compressed.pt")
+    del model
+    scoring = Scoring(parse_scores(f"hpsv2={tmp_path / 'HPS_v2.1_compressed.pt'}"), torch.device("cpu"), torch.float32)
+    pictures = [Image.new("RGB", (64, 64), c) for c in ("red", "blue")]
+    batch = scoring.score(pictures, ["a red square", "a blue square"])
+    ((alone, _),) = scoring.score(pictures[:1], ["a red square"])
+    assert all(error is None and -1 <= scores["hpsv2"] <= 1 for scores, error in batch)
+    assert batch[0][0]["hpsv2"] == pytest.approx(alone["hpsv2"], abs=1e-4)
