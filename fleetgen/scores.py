@@ -24,6 +24,7 @@ Built in (`--score NAME[=MODEL],...`; MODEL a hub id or a local directory, as fo
 from __future__ import annotations
 
 import ast
+import functools
 import math
 import operator
 from dataclasses import dataclass
@@ -212,6 +213,7 @@ def parse_keep(value: str | KeepRule | None, scores: ScoreSpec) -> KeepRule:
     return rule
 
 
+@functools.lru_cache(maxsize=64)  # a job has one rule, read for every image: parsed once
 def _tree(text: str) -> ast.Expression:
     return ast.parse(text.strip(), mode="eval")
 

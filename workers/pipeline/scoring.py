@@ -6,6 +6,7 @@ a lost image. A clip is scored on a few of its frames (evenly spaced), their mea
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,8 +40,6 @@ class Scoring:
         self.images = 0
 
     def score(self, pictures: list, prompts: list[str]) -> list[tuple[dict[str, float | None], str | None]]:
-        import time
-
         started = time.perf_counter()
         out: list[tuple[dict, list[str]]] = [({}, []) for _ in pictures]
         for name, run in self.runs.items():
