@@ -8,7 +8,9 @@ per image. Scores keep pixels, but the scorers chosen and their models decide wh
 so they are job-level (in the fingerprint, their models pinned there); so is a keep rule, which
 decides which images are stored at all.
 
-Built in (`--score NAME[=MODEL],...`; MODEL a hub id or a local directory, as for the pipeline):
+Built in (`--score NAME[=MODEL],...`; MODEL a hub id or a local directory, as for the pipeline; a
+hub id may name a revision, `clip=ORG/NAME@REV`, and is pinned to a commit by the driver as the
+pipeline's model is):
 - `clip`: the cosine similarity of CLIP's image and prompt embeddings (Hessel et al. 2021's CLIP
   score without its x100 and clamp; about 0.2-0.35 for a matching pair on ViT-L/14).
 - `pickscore`: PickScore (Kirstain et al. 2023), a CLIP-H fine-tuned on human preferences: its logit
@@ -94,9 +96,12 @@ MAX_CANDIDATES = 64  # `--best-of`: candidates per image at most
 
 @dataclass(frozen=True)
 class ScoreSpec:
-    """The job's scorers: (name, model) in the order asked; model as given (hub id or directory)."""
+    """The job's scorers: (name, model) in the order asked; model as given (hub id or directory).
+    `revisions`: (hub id, revision) for the hub models the scorers read — as asked (`@REV`), then, once
+    the driver has pinned them (jobs/models.py `pin_scorers`), each a commit."""
 
     scorers: tuple[tuple[str, str], ...] = ()
+    revisions: tuple[tuple[str, str], ...] = ()
 
     @property
     def label(self) -> str:
@@ -109,6 +114,19 @@ class ScoreSpec:
 
     def __bool__(self) -> bool:
         return bool(self.scorers)
+
+    def revision(self, model: str) -> str | None:
+        """The revision (once pinned: the commit) a hub model is read at; None: the hub's main."""
+        return dict(self.revisions).get(model)
+
+    def hub_models(self, name: str) -> tuple[str, ...]:
+        """The hub ids scorer `name` reads: its model; PickScore's processor (its repository has none);
+        an aesthetic head given as a file reads CLIP ViT-L/14 from the hub."""
+        model = dict(self.scorers)[name]
+        if Path(model).is_absolute():  # a local path (parse_scores makes them absolute)
+            return (CLIP_L14,) if name == "aesthetic" and not Path(model).is_dir() else ()
+        processor = SCORERS[name].processor
+        return (model, processor) if processor and model == SCORERS[name].model else (model,)
 
     def reserved_bytes(self, dtype_bytes: int = 2) -> int:
         """Device bytes the scorers hold beside the pipeline (weights at the run dtype, and a quarter
@@ -132,6 +150,7 @@ def parse_scores(value: str | ScoreSpec | None) -> ScoreSpec:
     if text.lower() in ("", "none"):
         return ScoreSpec()
     out: dict[str, str] = {}
+    revisions: dict[str, str] = {}
     for part in (p.strip() for p in text.split(",")):
         name, eq, model = part.partition("=")
         name, model = name.strip().lower(), model.strip()
@@ -146,13 +165,18 @@ def parse_scores(value: str | ScoreSpec | None) -> ScoreSpec:
         model = model or SCORERS[name].model
         if model and Path(model).expanduser().exists():  # one spelling, absolute: workers start elsewhere
             model = str(Path(model).expanduser().resolve())
+        elif "@" in model:  # ORG/NAME@REV: a hub model at a branch, tag or commit
+            model, _, rev = model.rpartition("@")
+            if not model or not rev:
+                raise ConfigError(f"`--score {part}`: write a hub model's revision as NAME=ORG/MODEL@REV.")
+            revisions[model] = rev
         if not model:
             raise ConfigError(
                 f"`--score {name}` needs its weights: `{name}=PATH` (LAION's sac+logos+ava1-l14-linearMSE.pth, "
                 "or a directory holding it and the CLIP model it reads)."
             )
         out[name] = model
-    return ScoreSpec(tuple(out.items()))
+    return ScoreSpec(tuple(out.items()), tuple(revisions.items()))
 
 
 # --- keep rules -------------------------------------------------------------------------------------

@@ -23,7 +23,15 @@ from fleetgen.jobs.dataset import describe_columns, write_card
 from fleetgen.jobs.fleet import FleetRecord, follow
 from fleetgen.jobs.inputs import check_unchanged
 from fleetgen.jobs.lock import OutputLock
-from fleetgen.jobs.models import HUB_ENV, MAX_ADAPTERS, describe, pin_revision, resolve_adapters, resolve_defaults
+from fleetgen.jobs.models import (
+    HUB_ENV,
+    MAX_ADAPTERS,
+    describe,
+    pin_revision,
+    pin_scorers,
+    resolve_adapters,
+    resolve_defaults,
+)
 from fleetgen.jobs.progress import Progress
 from fleetgen.jobs.sharding import (
     distinct_strings,
@@ -33,7 +41,15 @@ from fleetgen.jobs.sharding import (
     read_footers,
     resolve_columns,
 )
-from fleetgen.jobs.state import claim_output, fingerprint, list_manifests, pinned_revision, shard_counts, sweep
+from fleetgen.jobs.state import (
+    claim_output,
+    fingerprint,
+    list_manifests,
+    pinned_revision,
+    pinned_scorer_models,
+    shard_counts,
+    sweep,
+)
 from fleetgen.jobs.summary import JobSummary, Run, finish
 from fleetgen.workers.families.table import TEXT
 from fleetgen.workers.output.formats import PLUGINS_ENV
@@ -118,6 +134,9 @@ def resolve_job(config: JobConfig) -> Job:
     output.check()  # a file in the way, no permission, no credentials, no endpoint: one line, before anything
     files, columns = read_input(config)
     config, pin_note = pin_revision(config, pinned_revision(output, config.model))
+    score, score_notes = pin_scorers(config.score, pinned_scorer_models(output))
+    config = replace(config, score=score)
+    pin_note = "; ".join(n for n in (pin_note, *score_notes) if n) or None
     config, family, sources = resolve_defaults(config, columns)
     adapters = resolve_adapters(config, columns, distinct_strings(files, columns.lora, MAX_ADAPTERS))
     plan_size = (

@@ -16,6 +16,7 @@ from fleetgen.errors import ConfigError, one_line
 from fleetgen.jobs.config import JobConfig, parse_lora
 from fleetgen.offload.architectures import torch_components
 from fleetgen.offload.weight_formats import check_components as check_quantized
+from fleetgen.scores import ScoreSpec
 from fleetgen.workers.families.detect import (
     GENERIC,
     READS_SCHEDULER,
@@ -42,36 +43,61 @@ def pin_revision(config: JobConfig, pinned: str | None) -> tuple[JobConfig, str 
     Returns the config and a note for the log. Errors name the model and what to do."""
     if not is_hub_id(config.model):
         return config, None
+    m = config.model
+    sha = hub_commit(m, config.revision or pinned or "main", f"`--model` `{m}`", "`--revision`")
+    note = f"{m} pinned to commit {sha}"
+    if pinned and not config.revision:
+        note = f"{m}: using commit {sha}, pinned in job.json by the first run of this job"
+    return replace(config, revision=sha), note
+
+
+def pin_scorers(spec: ScoreSpec, pinned: dict[str, str]) -> tuple[ScoreSpec, list[str]]:
+    """Each hub model the scorers read pinned to a commit as the pipeline's is: the revision asked
+    (`--score clip=ORG/NAME@REV`), else the commit `pinned` holds for it (this output's job, or its
+    scores' claim), else main. Returns the spec with `revisions` all commits, and notes for the log."""
+    revisions, notes = {}, []
+    for name, _ in spec.scorers:
+        for m in spec.hub_models(name):
+            if m in revisions:
+                continue
+            asked = spec.revision(m)
+            revisions[m] = hub_commit(
+                m, asked or pinned.get(m) or "main", f"`--score {name}` model `{m}`", "the revision"
+            )
+            kept = not asked and m in pinned
+            notes.append(
+                f"{m}: using commit {revisions[m]}, pinned by the first run"
+                if kept
+                else f"{m} pinned to commit {revisions[m]}"
+            )
+    return replace(spec, revisions=tuple(revisions.items())), notes
+
+
+def hub_commit(model: str, wanted: str, what: str, flag: str) -> str:
+    """The commit `wanted` (a branch, tag or commit) names in hub repository `model`; a `ConfigError`
+    naming `what` (the option that asked for it) and what to do where the hub says no."""
     from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
-    wanted = config.revision or pinned or "main"
-    m = config.model
     try:
-        sha = HfApi().model_info(m, revision=wanted).sha
+        return HfApi().model_info(model, revision=wanted).sha
     except GatedRepoError as err:
         raise ConfigError(
-            f"`--model` `{m}` is gated on the hub and this token cannot read it: accept its terms on "
+            f"{what} is gated on the hub and this token cannot read it: accept its terms on "
             "its page, then set HF_TOKEN (a read token) where you run fleetgen; workers get it from "
             "the driver."
         ) from err
     except RepositoryNotFoundError as err:
         raise ConfigError(
-            f"`--model` `{m}` was not found on the hub ({constants.ENDPOINT}). Check the id; a private "
-            "repo needs HF_TOKEN."
+            f"{what} was not found on the hub ({constants.ENDPOINT}). Check the id; a private repo needs HF_TOKEN."
         ) from err
     except RevisionNotFoundError as err:
-        raise ConfigError(f"`--revision` `{wanted}` does not exist in `{m}`.") from err
+        raise ConfigError(f"{flag} `{wanted}` does not exist in `{model}`.") from err
     except Exception as err:  # noqa: BLE001 - no network, a proxy, a timeout: one clear message
         raise ConfigError(
-            f"Could not reach the hub ({constants.ENDPOINT}) to resolve `--model` `{m}`: "
-            f"{one_line(err)}. Check the network, "
-            "or pass a local pipeline directory."
+            f"Could not reach the hub ({constants.ENDPOINT}) to resolve {what}: {one_line(err)}. Check the "
+            "network, or pass a local directory."
         ) from err
-    note = f"{m} pinned to commit {sha}"
-    if pinned and not config.revision:
-        note = f"{m}: using commit {sha}, pinned in job.json by the first run of this job"
-    return replace(config, revision=sha), note
 
 
 def model_family(model: str, revision: str | None = None) -> tuple[Family, str, str]:

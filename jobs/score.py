@@ -3,8 +3,8 @@ render can be scored by several models later. Each scorer's scores of a committe
 `OUT/scores/<name>/<shard>.parquet` (`id`, `score_<name>`, `score_error`; the manifest version it read
 in its metadata), committed create-if-absent as the shards are: a rerun skips the tables there, scores
 a shard whose manifest was replaced since (`--retry-errors`) again, and never keeps two. Each scorer's
-model is claimed in `OUT/scores/<name>/scorer.json`: another model's scores under the same name are
-refused (one line, exit 2). Any output format, any store: the images are read back as `verify` reads them.
+model is claimed in `OUT/scores/<name>/scorer.json` (a hub model at the commit it was pinned to, which
+a rerun keeps): another model's scores under the same name are refused (one line, exit 2). Any output format, any store: the images are read back as `verify` reads them.
 
 Runs in this process, on its device (`--device`), a batch of images at a time; a clip is scored on
 frames evenly spaced over it, as in the pass.
@@ -15,16 +15,15 @@ from __future__ import annotations
 import io
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fleetgen.errors import ConfigError, StorageError
-from fleetgen.jobs.state import list_manifests, model_identity, read_manifests
+from fleetgen.jobs.state import commits, list_manifests, read_manifests, scorer_identity
 from fleetgen.jobs.validate import check_scorers
 from fleetgen.scores import ERROR_COLUMN, SCORERS, ScoreSpec, parse_scores
-from fleetgen.workers.families.model_dir import is_hub_id, weights_digest
 from fleetgen.workers.output.formats import Unreadable, get_format
 from fleetgen.workers.output.layout import JOB
 from fleetgen.workers.output.storage import Output
@@ -68,6 +67,7 @@ def score_job(url: str, score: str | ScoreSpec, device: str = "auto", batch: int
     """Score every committed shard of the job at `url` not scored yet by each of `score`'s scorers."""
     import torch
 
+    from fleetgen.jobs.models import pin_scorers
     from fleetgen.workers.pipeline.load import resolve_device
     from fleetgen.workers.pipeline.scoring import Scoring
 
@@ -80,8 +80,14 @@ def score_job(url: str, score: str | ScoreSpec, device: str = "auto", batch: int
         generation = json.loads(output.get(JOB))["fingerprint"]["generation"]
     except FileNotFoundError:
         raise ConfigError(f"{output.url} holds no fleetgen job (no {JOB}).") from None
-    for name, model in spec.scorers:
-        _claim(output, name, model)
+    held = {name: _held(output, name) for name in spec.names}
+    spec, notes = pin_scorers(
+        spec, commits([m for c in held.values() if c for m in (c.get("model", ""), *c.get("reads", ()))])
+    )
+    for line in notes:
+        say(line)
+    for name in spec.names:
+        _claim(output, spec, name, held[name])
     started = time.perf_counter()
     summary = ScoreSummary(output.url, list(spec.names))
     committed = list_manifests(output)
@@ -98,7 +104,7 @@ def score_job(url: str, score: str | ScoreSpec, device: str = "auto", batch: int
         return summary
     dev = resolve_device(device)
     scoring = Scoring(
-        ScoreSpec(tuple((n, m) for n, m in spec.scorers if any(n in v for v in todo.values()))),
+        replace(spec, scorers=tuple((n, m) for n, m in spec.scorers if any(n in v for v in todo.values()))),
         dev,
         torch.float32 if dev.type == "cpu" else torch.bfloat16,
     )
@@ -116,22 +122,32 @@ def score_job(url: str, score: str | ScoreSpec, device: str = "auto", batch: int
     return summary
 
 
-def _claim(output: Output, name: str, model: str) -> None:
+def _held(output: Output, name: str) -> dict | None:
+    """The claim `scores/<name>/scorer.json` holds, if any."""
+    try:
+        return json.loads(output.get(f"{SCORES}/{name}/scorer.json"))
+    except FileNotFoundError:
+        return None
+
+
+def _claim(output: Output, spec: ScoreSpec, name: str, held: dict | None) -> None:
     """`scores/<name>/scorer.json`: the model this name's scores come from, written once."""
-    claim = {
-        "scorer": name,
-        "model": model_identity(model),
-        "weights": None if is_hub_id(model) else weights_digest(model),
-    }
+    claim = {"scorer": name, **scorer_identity(spec, name)}
     key = f"{SCORES}/{name}/scorer.json"
-    if output.create(key, json.dumps(claim, indent=2).encode()):
+    if held is None and output.create(key, json.dumps(claim, indent=2).encode()):
         return
-    held = json.loads(output.get(key))
+    held = held or json.loads(output.get(key))
     if held != claim:
         raise ConfigError(
-            f"{output.url}/{key} holds {name} scores by {held.get('model')} (weights {held.get('weights')}), not "
-            f"{claim['model']} (weights {claim['weights']}): remove {output.url}/{SCORES}/{name} to score again."
+            f"{output.url}/{key} holds {name} scores by {_by(held)}, not {_by(claim)}: remove "
+            f"{output.url}/{SCORES}/{name} to score again."
         )
+
+
+def _by(claim: dict) -> str:
+    """A claim's model as its error says it: a hub model at its commit; a local one with its weights digest."""
+    weights = claim.get("weights")
+    return f"{claim.get('model')}" + (f" (weights {weights})" if weights else "")
 
 
 def _stale(output: Output, name: str, shard: str, version: str) -> bool:

@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 
 from fleetgen import __version__
 from fleetgen.errors import StorageError
+from fleetgen.scores import ScoreSpec
 from fleetgen.workers.families.model_dir import is_hub_id, weights_digest
 from fleetgen.workers.output.commit import COUNTS_KEY, finish_attempts
 from fleetgen.workers.output.layout import (
@@ -80,6 +81,32 @@ def pinned_revision(output: Output, model: str) -> str | None:
     return config.get("revision") if config.get("model") == model else None
 
 
+def pinned_scorer_models(output: Output) -> dict[str, str]:
+    """{hub id: commit} for the hub models this output's job pinned its scorers to (job.json)."""
+    try:
+        scorers = json.loads(output.get(JOB)).get("fingerprint", {}).get("scorers") or {}
+    except (FileNotFoundError, ValueError):
+        return {}
+    return commits([v for entry in scorers.values() for v in (entry.get("model", ""), *entry.get("reads", ()))])
+
+
+def commits(identities: list[str]) -> dict[str, str]:
+    """{hub id: commit} from `model_identity` spellings (`org/name@sha`); local paths have none."""
+    return dict(i.rsplit("@", 1) for i in identities if "@" in i and not i.startswith("/"))
+
+
+def scorer_identity(spec: ScoreSpec, name: str) -> dict:
+    """A scorer's model as job.json and a score table's claim record it: a local one by its path and
+    weights, a hub one by its id at its pinned commit; the other hub models it reads (`reads`)."""
+    model = dict(spec.scorers)[name]
+    record = {
+        "model": model_identity(model, spec.revision(model)),
+        "weights": None if is_hub_id(model) else weights_digest(model),
+    }
+    others = [model_identity(m, spec.revision(m)) for m in spec.hub_models(name) if m != model]
+    return {**record, "reads": others} if others else record
+
+
 def fingerprint(config: JobConfig, files: list[InputFile], columns: Columns) -> dict:
     """Everything that changes which images a job makes. Execution settings (workers, batch,
     device) are left out: a job may resume on other hardware."""
@@ -91,11 +118,8 @@ def fingerprint(config: JobConfig, files: list[InputFile], columns: Columns) -> 
         # replaced model is another job, never mixed into this one's images
         "weights": None if is_hub_id(config.model) else weights_digest(config.model),
         "generation": {**settings, "rows_per_shard": config.rows_per_shard},
-        # each scorer's model as the pipeline's is: a local one by its path and weights, a hub one by its id
-        "scorers": {
-            name: {"model": model_identity(m), "weights": None if is_hub_id(m) else weights_digest(m)}
-            for name, m in config.score.scorers
-        },
+        # each scorer's model as the pipeline's is: a local one by its path and weights, a hub one by its commit
+        "scorers": {name: scorer_identity(config.score, name) for name in config.score.names},
         "columns": asdict(columns),
     }
     return json.loads(json.dumps(record))  # as job.json holds it (tuples are lists there), to compare

@@ -22,6 +22,15 @@ def test_scorers_are_parsed_once_with_their_default_models(tmp_path, monkeypatch
     # as typed, relative: one absolute spelling (workers start in other directories)
     for typed in ("./head.pth", "../heads/head.pth", "head.pth"):
         assert parse_scores(f"aesthetic={typed}").scorers == (("aesthetic", str(tmp_path / "heads" / "head.pth")),)
+    # the hub models each scorer reads, which the driver pins: a head file reads CLIP L/14 from the hub;
+    # PickScore's processor comes from CLIP-H's repository; a revision asked with @ is the hub id's
+    head = parse_scores("aesthetic=head.pth,pickscore")
+    assert head.hub_models("aesthetic") == ("openai/clip-vit-large-patch14",)
+    assert head.hub_models("pickscore") == ("yuvalkirstain/PickScore_v1", "laion/CLIP-ViT-H-14-laion2B-s32B-b79K")
+    at = parse_scores("clip=Org/clip@v2,aesthetic=../heads")
+    assert at.scorers == (("clip", "Org/clip"), ("aesthetic", str(tmp_path / "heads")))
+    assert at.revision("Org/clip") == "v2" and at.label == f"clip=Org/clip,aesthetic={tmp_path / 'heads'}"
+    assert at.hub_models("aesthetic") == ()  # a directory holds its CLIP
 
 
 @pytest.mark.parametrize(
@@ -34,6 +43,7 @@ def test_scorers_are_parsed_once_with_their_default_models(tmp_path, monkeypatch
         ("clip,clip", "`--score` names `clip` twice"),
         ("clip=", "`--score clip=` names no model"),
         ("aesthetic", "`--score aesthetic` needs its weights"),
+        ("clip=Org/clip@", "`--score clip=Org/clip@`: write a hub model's revision as NAME=ORG/MODEL@REV"),
     ],
 )
 def test_a_bad_scorer_is_one_message(value, message):

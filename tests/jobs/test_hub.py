@@ -40,29 +40,57 @@ def _shas(out) -> dict:
     return {r["id"]: r["sha256"] for r in pq.read_table(out / "shards", columns=["id", "sha256"]).to_pylist()}
 
 
-def test_the_pinned_commit_holds_across_a_resume_after_the_repo_moves_on(hub, ray_cluster, tmp_path):
+def _clip_repo(hub, name: str) -> Repo:
+    """A repo on the server holding a tiny CLIP scorer (`--score clip=ORG/NAME`)."""
+    from fleetgen.workers.tiny.scorers import write_tiny_scorer
+
     server, root = hub
-    repo = _repo(hub, root, "org/tiny-pin")
-    first = repo.refs["main"]
+    repo = server.repos[name] = Repo()
+    repo.push(write_tiny_scorer(root / name.replace("/", "--") / "v1", "clip", seed=0))
+    return repo
+
+
+def _scores(out) -> dict:
+    return {r["id"]: r["score_clip"] for r in pq.read_table(out / "shards", columns=["id", "score_clip"]).to_pylist()}
+
+
+def test_the_pinned_commit_holds_across_a_resume_after_the_repo_moves_on(hub, ray_cluster, tmp_path):
+    """The pipeline and a scorer's model, both on the hub, each pinned to its commit by the first run;
+    both repos move on, and the shard redone by a rerun is made and scored by the first commits."""
+    from fleetgen.workers.tiny.scorers import write_tiny_scorer
+
+    server, root = hub
+    repo, clip = _repo(hub, root, "org/tiny-pin"), _clip_repo(hub, "org/tiny-pin-clip")
+    first, clip_first = repo.refs["main"], clip.refs["main"]
     prompts = write_prompts(tmp_path / "p.parquet", [f"pinned {i}" for i in range(4)], id=[f"r{i}" for i in range(4)])
     out = tmp_path / "out"
+    job = functools.partial(_job, prompts, "org/tiny-pin", out, workers=1, score="clip=org/tiny-pin-clip")
     log = io.StringIO()
-    assert run_job(_job(prompts, "org/tiny-pin", out, workers=1), progress_stream=log).complete
+    assert run_job(job(), progress_stream=log).complete
     assert f"org/tiny-pin pinned to commit {first}" in log.getvalue()
-    job = json.loads((out / "job.json").read_text())
-    assert job["config"]["revision"] == first and job["fingerprint"]["model"] == f"org/tiny-pin@{first}"
-    before = _shas(out)
+    assert f"org/tiny-pin-clip pinned to commit {clip_first}" in log.getvalue()
+    record = json.loads((out / "job.json").read_text())
+    assert record["config"]["revision"] == first and record["fingerprint"]["model"] == f"org/tiny-pin@{first}"
+    assert record["fingerprint"]["scorers"]["clip"] == {"model": f"org/tiny-pin-clip@{clip_first}", "weights": None}
+    before, scores = _shas(out), _scores(out)
 
-    # The repo moves on (other weights on main); a shard of the job is lost and the job rerun as it was.
+    # Both repos move on (other weights on main); a shard of the job is lost and the job rerun as it was.
     second = repo.push(write_tiny_model(root / "tiny-pin-v2", seed=7))
-    assert second != first and repo.refs["main"] == second
+    clip_second = clip.push(write_tiny_scorer(root / "tiny-pin-clip-v2", "clip", seed=7))
+    assert second != first and repo.refs["main"] == second and clip.refs["main"] == clip_second
     (out / "shards" / "shard-00001.parquet").unlink()
     (out / "_SUCCESS").unlink()
     log = io.StringIO()
-    again = run_job(_job(prompts, "org/tiny-pin", out, workers=1), progress_stream=log)
+    again = run_job(job(), progress_stream=log)
     assert again.complete and again.shards_skipped == 1
     assert f"using commit {first}, pinned in job.json" in log.getvalue()
+    assert f"org/tiny-pin-clip: using commit {clip_first}, pinned by the first run" in log.getvalue()
     assert _shas(out) == before  # the redone shard was made with the first commit's weights
+    assert _scores(out) == scores  # and scored by the first commit's CLIP (the second's scores differ)
+
+    # The scorer's new commit asked for by name is another job.
+    with pytest.raises(Exception, match="already holds a different job"):
+        run_job(job(score=f"clip=org/tiny-pin-clip@{clip_second}"), progress_stream=io.StringIO())
 
     # Asking for the new commit explicitly is a different job.
     with pytest.raises(Exception, match="already holds a different job"):
@@ -140,3 +168,40 @@ def test_a_hub_model_is_planned_from_its_configs_before_its_weights_are_fetched(
     fetched = {path for (name, _, path), _ in server.downloads.items() if name == "org/tiny-weights"}
     assert "unet/config.json" in fetched and all(p.endswith(".json") for p in fetched), fetched
     assert model_configs(Source("org/no-such-model")) is None  # the full download says what is wrong
+
+
+def test_fleetgen_score_pins_a_hub_scorer_and_a_rerun_keeps_its_commit(hub, tiny_model, tiny_clip, tmp_path, capsys):
+    """`fleetgen score OUT --score clip=ORG/NAME`: the model pinned to main's commit in the scores' claim;
+    after the repo moves on, a rescored shard uses the claimed commit; another commit, or a revision
+    the repo lacks, is one line and exit 2."""
+    from fleetgen.jobs.cli import main
+    from fleetgen.workers.tiny.scorers import write_tiny_scorer
+    from tests.workers.pipeline.test_scoring import run
+
+    clip = _clip_repo(hub, "org/tiny-score-clip")  # the weights of `tiny_clip` (seed 0)
+    first = clip.refs["main"]
+    manifest, out, _ = run(tiny_model, tmp_path, f"clip={tiny_clip}")
+    args = ["score", str(out), "--score", "clip=org/tiny-score-clip", "--device", "cpu"]
+    assert main(args) == 0
+    said = capsys.readouterr()
+    assert f"org/tiny-score-clip pinned to commit {first}" in said.out + said.err
+    claim = json.loads((out / "scores" / "clip" / "scorer.json").read_text())
+    assert claim["model"] == f"org/tiny-score-clip@{first}"
+    table = out / "scores" / "clip" / "shard-00000.parquet"
+    scored = {r["id"]: r["score_clip"] for r in pq.read_table(table).to_pylist()}
+    assert scored == pytest.approx({i: r["score_clip"] for i, r in manifest.items()}, abs=1e-5)  # same weights
+
+    second = clip.push(write_tiny_scorer(hub[1] / "tiny-score-clip-v2", "clip", seed=7))
+    table.unlink()
+    assert main(args) == 0
+    said = capsys.readouterr()
+    assert f"org/tiny-score-clip: using commit {first}, pinned by the first run" in said.out + said.err
+    assert {r["id"]: r["score_clip"] for r in pq.read_table(table).to_pylist()} == scored
+    for model, said in [
+        (f"org/tiny-score-clip@{second}", f"holds clip scores by org/tiny-score-clip@{first}"),
+        ("org/tiny-score-clip@v9", "the revision `v9` does not exist in `org/tiny-score-clip`"),
+        ("org/no-such-clip", "`--score clip` model `org/no-such-clip` was not found on the hub"),
+    ]:
+        assert main(["score", str(out), "--score", f"clip={model}", "--device", "cpu"]) == 2
+        error = capsys.readouterr().err.strip().splitlines()[-1]  # after the pin's note, one line
+        assert error.startswith("fleetgen: error:") and said in error, error

@@ -20,6 +20,7 @@ CLIP_FRAMES = 4  # frames of a clip scored (first, last, evenly between)
 HEAD_NAMES = ("aesthetic.safetensors", "aesthetic.pth")  # an aesthetic directory's head beside its CLIP model
 
 Run = Callable[[list, list[str]], list[float]]  # (images, prompts) -> one score per image
+Pins = Callable[[str], str | None]  # a hub id -> the commit the driver pinned it to (ScoreSpec.revision)
 
 
 class Scoring:
@@ -31,7 +32,7 @@ class Scoring:
         self.runs: dict[str, Run] = {}
         for name, model in spec.scorers:
             try:
-                self.runs[name] = LOADERS[name](model, device, dtype)
+                self.runs[name] = LOADERS[name](model, device, dtype, spec.revision)
             except (ConfigError, FleetgenError):
                 raise
             except Exception as err:  # noqa: BLE001 - said as the scorer's, in one line
@@ -96,7 +97,7 @@ def _means(values: list[float], frames: list[list]) -> list[float]:
     return out
 
 
-# --- loaders: (model, device, dtype) -> Run ---------------------------------------------------------
+# --- loaders: (model, device, dtype, pins) -> Run ---------------------------------------------------------
 
 
 def _pooled(out) -> torch.Tensor:
@@ -104,15 +105,15 @@ def _pooled(out) -> torch.Tensor:
     return out.pooler_output if hasattr(out, "pooler_output") else out
 
 
-def _clip_parts(model: str, device, dtype, processor: str = ""):
+def _clip_parts(model: str, device, dtype, pins: Pins, processor: str = ""):
     from transformers import AutoTokenizer, CLIPImageProcessor, CLIPModel
 
-    clip = CLIPModel.from_pretrained(model, torch_dtype=dtype).to(device).eval()
+    clip = CLIPModel.from_pretrained(model, torch_dtype=dtype, revision=pins(model)).to(device).eval()
     source = model
     if processor and is_hub_id(model) and model == SCORERS["pickscore"].model:
         source = processor  # PickScore's repository has no processor of its own; its paper's is CLIP-H's
-    images = CLIPImageProcessor.from_pretrained(source)
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    images = CLIPImageProcessor.from_pretrained(source, revision=pins(source))
+    tokenizer = AutoTokenizer.from_pretrained(source, revision=pins(source))
     return clip, images, tokenizer
 
 
@@ -125,8 +126,8 @@ def _image_embeddings(clip, images, pictures: list, device, dtype) -> torch.Tens
 def _alignment(scale: bool, processor: str = "") -> Callable[[str, torch.device, torch.dtype], Run]:
     """CLIP score (the cosine) or PickScore (its logit scale x the cosine)."""
 
-    def load(model: str, device, dtype) -> Run:
-        clip, images, tokenizer = _clip_parts(model, device, dtype, processor)
+    def load(model: str, device, dtype, pins: Pins) -> Run:
+        clip, images, tokenizer = _clip_parts(model, device, dtype, pins, processor)
         limit = clip.config.text_config.max_position_embeddings
 
         @torch.no_grad()
@@ -142,7 +143,7 @@ def _alignment(scale: bool, processor: str = "") -> Callable[[str, torch.device,
     return load
 
 
-def _aesthetic(model: str, device, dtype) -> Run:
+def _aesthetic(model: str, device, dtype, pins: Pins) -> Run:
     """LAION's aesthetic predictor v2: its MLP (Linear layers with dropout between, as the published
     `layers.N` state dict has them) over CLIP's normalized image embedding. `model`: the head's weights
     file (CLIP ViT-L/14 from the hub), or a directory with `aesthetic.pth|safetensors` and the CLIP model."""
@@ -163,7 +164,7 @@ def _aesthetic(model: str, device, dtype) -> Run:
         {f"{j}.{p}": state[f"layers.{i}.{p}"] for j, i in enumerate(layers) for p in ("weight", "bias")}
     )
     mlp = mlp.to(device, torch.float32).eval()
-    clip, images, _ = _clip_parts(base, device, dtype)
+    clip, images, _ = _clip_parts(base, device, dtype, pins)
     if clip.config.projection_dim != mlp[0].in_features:
         raise ConfigError(
             f"`--score aesthetic={model}`: the head reads {mlp[0].in_features}-wide embeddings, "
@@ -186,18 +187,19 @@ def _load_state(path: Path) -> dict:
     return state.get("state_dict", state)
 
 
-def _nsfw(model: str, device, dtype) -> Run:
+def _nsfw(model: str, device, dtype, pins: Pins) -> Run:
     """An image classifier's probability of its NSFW labels (`NSFW_LABELS`)."""
     from transformers import AutoImageProcessor, AutoModelForImageClassification
 
-    classifier = AutoModelForImageClassification.from_pretrained(model, torch_dtype=dtype).to(device).eval()
+    classifier = AutoModelForImageClassification.from_pretrained(model, torch_dtype=dtype, revision=pins(model))
+    classifier = classifier.to(device).eval()
     labels = {i: str(label) for i, label in classifier.config.id2label.items()}
     flagged = [i for i, label in labels.items() if label.lower() in NSFW_LABELS]
     if not flagged:
         raise ConfigError(
             f"`--score nsfw={model}`: none of its labels ({', '.join(labels.values())}) is one of {', '.join(NSFW_LABELS)}"
         )
-    processor = AutoImageProcessor.from_pretrained(model, use_fast=False)
+    processor = AutoImageProcessor.from_pretrained(model, use_fast=False, revision=pins(model))
 
     @torch.no_grad()
     def run(pictures: list, prompts: list[str]) -> list[float]:
@@ -208,7 +210,7 @@ def _nsfw(model: str, device, dtype) -> Run:
     return run
 
 
-def _hpsv2(model: str, device, dtype) -> Run:
+def _hpsv2(model: str, device, dtype, pins: Pins) -> Run:
     """HPS v2.1: open_clip's ViT-H-14 with HPS's checkpoint (`model`: the checkpoint file, or the hub
     repository holding HPS_v2.1_compressed.pt)."""
     import open_clip
@@ -217,7 +219,7 @@ def _hpsv2(model: str, device, dtype) -> Run:
     if not path.exists():
         from huggingface_hub import hf_hub_download
 
-        path = Path(hf_hub_download(model, "HPS_v2.1_compressed.pt"))
+        path = Path(hf_hub_download(model, "HPS_v2.1_compressed.pt", revision=pins(model)))
     clip, _, preprocess = open_clip.create_model_and_transforms("ViT-H-14", pretrained=None, device="cpu")
     clip.load_state_dict(_load_state(path))
     clip = clip.to(device, dtype).eval()
@@ -233,7 +235,7 @@ def _hpsv2(model: str, device, dtype) -> Run:
     return run
 
 
-LOADERS: dict[str, Callable[[str, torch.device, torch.dtype], Run]] = {
+LOADERS: dict[str, Callable[[str, torch.device, torch.dtype, Pins], Run]] = {
     "clip": _alignment(scale=False),
     "pickscore": _alignment(scale=True, processor=SCORERS["pickscore"].processor),
     "hpsv2": _hpsv2,
