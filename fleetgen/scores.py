@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import json
 import math
 import operator
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from fleetgen.errors import ConfigError
 
 CLIP_L14 = "openai/clip-vit-large-patch14"
 IMAGE_TOKENS = 257  # a 224-pixel image through a ViT with 14-pixel patches, and its class token
+CLIP_PARAMS = 428_000_000  # CLIP ViT-L/14, which an aesthetic head given as a file reads
 
 
 @dataclass(frozen=True)
@@ -128,15 +130,47 @@ class ScoreSpec:
         processor = SCORERS[name].processor
         return (model, processor) if processor and model == SCORERS[name].model else (model,)
 
+    def params(self, name: str) -> int:
+        """Scorer `name`'s parameters: a local model's counted from its weights files (safetensors headers;
+        other files at 4 bytes each), a hub model's the registry's figure for the default model's size."""
+        model = dict(self.scorers)[name]
+        hub = sum(
+            SCORERS[name].params if m == model else CLIP_PARAMS
+            for m in self.hub_models(name)
+            if m != SCORERS[name].processor
+        )
+        return hub + (local_params(Path(model)) if Path(model).is_absolute() else 0)
+
     def reserved_bytes(self, dtype_bytes: int = 2) -> int:
-        """Device bytes the scorers hold beside the pipeline (weights at the run dtype, and a quarter
+        """Device bytes the scorers hold once on the device (weights at the run dtype, and a quarter
         again for one image's activations)."""
-        return int(sum(SCORERS[n].params for n in self.names) * dtype_bytes * 1.25)
+        return int(sum(self.params(n) for n in self.names) * dtype_bytes * 1.25)
 
     def seconds_per_image(self, flops: float) -> float:
         """Predicted compute per image at `flops`: each scorer's forward pass, 2 FLOPs per parameter per
         token over a ViT-L/14-sized image (257 tokens; the prompt's 77 on the smaller text tower, not counted)."""
-        return sum(2 * SCORERS[n].params * IMAGE_TOKENS for n in self.names) / flops
+        return sum(2 * self.params(n) * IMAGE_TOKENS for n in self.names) / flops
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt")
+
+
+def local_params(path: Path) -> int:
+    """Parameters in a local weights file or directory: each safetensors file's header (its tensors'
+    shapes), any other weights file at 4 bytes a parameter (float32; beside safetensors files only an
+    aesthetic head, the rest being the same weights in another format)."""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in WEIGHT_SUFFIXES)
+    if any(f.suffix == ".safetensors" for f in files):  # a repo with both formats: the same weights twice
+        files = [f for f in files if f.suffix == ".safetensors" or f.name.startswith("aesthetic")]
+    total = 0
+    for f in files:
+        if f.suffix == ".safetensors":
+            with open(f, "rb") as fh:
+                header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+            total += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+        elif f.suffix in WEIGHT_SUFFIXES:
+            total += f.stat().st_size // 4
+    return total
 
 
 USAGE = "`--score` takes NAME[=MODEL],... with NAME one of " + ", ".join(SCORERS)

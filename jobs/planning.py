@@ -120,7 +120,7 @@ def plan_rows(
     rows = []
     for text in budgets:
         budget = parse_size(text, "--gpu-memory")
-        device = DeviceSpec(max(budget - scorers, 0), host, bandwidth, flops, True, name=f"a {format_size(budget)} GPU")
+        device = DeviceSpec(budget, host, bandwidth, flops, True, name=f"a {format_size(budget)} GPU", beside=scorers)
         try:
             rows.append({"gpu_memory": text, **plan(profile, device, work).to_dict()})
         except OffloadError as err:
@@ -231,8 +231,9 @@ def _scorers_line(scoring: dict | None) -> str:
     if not scoring:
         return ""
     return (
-        f"scorers {', '.join(scoring['names'])}: {format_size(scoring['bytes'])} held on the device beside the "
-        f"pipeline (each budget plans in the rest), about {scoring['seconds_per_image'] * 1e3:.1f} ms per image\n"
+        f"scorers {', '.join(scoring['names'])}: {format_size(scoring['bytes'])} on the device once the pipeline has "
+        "decoded (beside a per-batch plan throughout; beside a phased plan's decode phase only), about "
+        f"{scoring['seconds_per_image'] * 1e3:.1f} ms per image\n"
     )
 
 

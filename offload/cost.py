@@ -62,6 +62,9 @@ class DeviceSpec:
     disk_bandwidth: float = 2e9  # bytes/s reading offloaded groups back from local disk
     name: str = ""
     formats: tuple[str, ...] = CHOOSABLE  # storage formats it can run (`--quantize auto` chooses among them)
+    # device bytes other models hold beside the pipeline once it has decoded (the job's scorers, `--score`):
+    # off the whole budget of a per-batch plan, only off the last phase's of a phased one (offload/phasing.py)
+    beside: int = 0
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ images at a time: (1) the text encoders encode every batch's prompts, alone on t
 embeddings kept in host memory; (2) the denoiser makes every batch's latents, kept in host memory;
 (3) the VAE decodes them, alone on the device. Where a family's decode is not called apart from
 its pipeline (`Workload.decode_apart` false: the family table's `decode_apart` says why), the VAE
-decodes in phase 2 beside the denoiser. Each phase is planned by the per-batch planner on its own
+decodes in phase 2 beside the denoiser. The job's scorers (`--score`, `DeviceSpec.beside`) score a chunk
+after its decode phase, alone on the device (a phase of their own); without one, beside phase 2. Each phase is planned by the per-batch planner on its own
 components with the whole device budget; a component resident in its phase is moved on at the
 phase's start and off at its end — once per chunk, not per batch.
 
@@ -19,7 +20,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from fleetgen.errors import OffloadError
-from fleetgen.offload.cost import TEXT_TOKENS, DeviceSpec, Workload, _ideal
+from fleetgen.offload.cost import MARGIN, TEXT_TOKENS, DeviceSpec, Workload, _ideal
 from fleetgen.offload.weight_formats import NONE, spec
 from fleetgen.units import format_size
 
@@ -106,6 +107,13 @@ def phased_plan(prof: PipelineProfile, device: DeviceSpec, w: Workload, plan) ->
             break
         chunk = fits
     seconds = sum(p.seconds_per_image for p in plans)  # each phase's plan counts its swaps
+    if decoder and device.beside:  # the scorers' phase: moved on after each chunk's decode, and off again
+        if device.beside > device.budget * (1 - MARGIN):
+            raise OffloadError(
+                f"the scorers need {format_size(device.beside)} on the device, more than the "
+                f"{format_size(device.budget * (1 - MARGIN))} usable of {format_size(device.budget)}"
+            )
+        seconds += 2 * device.beside / device.bandwidth / chunk
     return OffloadPlan(
         placements={n: placements[n] for n in prof.components},
         batch_size=denoise.batch_size,
@@ -116,7 +124,7 @@ def phased_plan(prof: PipelineProfile, device: DeviceSpec, w: Workload, plan) ->
         seconds_per_image=seconds,
         relative_speed=_ideal(prof, device, w) / seconds,
         budget=device.budget,
-        reason=_reason(encoders, plans, chunk, swap, w.input_images > 0),
+        reason=_reason(encoders, plans, chunk, swap, w.input_images > 0, device.beside),
         binds=tuple(dict.fromkeys(b for p in plans for b in p.binds)),
         formats=formats,
         load_bytes=0 if w.loaded else prof.total_bytes,
@@ -130,20 +138,23 @@ def _phase_plans(prof, parts, device: DeviceSpec, work: Workload, plan) -> list:
     """Each phase's plan, with the whole device: phase 2's first; phases 1 and 3 encode and decode
     each of phase 2's batches as it is made (the same pixels), in the host RAM the others' copies leave."""
     encoders, rest, *decoder = parts
-    denoise = plan(prof.only(rest), device, work)
+    # The scorers (`DeviceSpec.beside`): with a decode phase, a phase of their own after it (the worker
+    # moves the VAE off, then them on); else beside the denoiser's phase, where the pictures are made.
+    alone = replace(device, beside=0)
+    denoise = plan(prof.only(rest), alone if decoder else device, work)
     while True:
         others, held = [], denoise.host_bytes
         for names in (encoders, *decoder):
-            left = replace(device, host_budget=max(device.host_budget - held, 0))
+            left = replace(alone, host_budget=max(device.host_budget - held, 0))
             others.append(plan(prof.only(names), left, replace(work, max_batch=denoise.batch_size)))
             held += others[-1].host_bytes
         smallest = min(p.batch_size for p in others)
         if smallest == denoise.batch_size:
             return [others[0], denoise, *others[1:]]
-        denoise = plan(prof.only(rest), device, replace(work, max_batch=smallest))
+        denoise = plan(prof.only(rest), alone if decoder else device, replace(work, max_batch=smallest))
 
 
-def _reason(encoders, plans: list, chunk: int, swap: int, inputs: bool = False) -> str:
+def _reason(encoders, plans: list, chunk: int, swap: int, inputs: bool = False, scorers: int = 0) -> str:
     def where(p) -> str:
         return ", ".join(f"{n} {'resident in its phase' if m == 'resident' else m}" for n, m in p.modes.items())
 
@@ -151,6 +162,7 @@ def _reason(encoders, plans: list, chunk: int, swap: int, inputs: bool = False) 
     lead = "".join(p.reason.split("; ")[0] + "; " for p in plans if p.formats)
     decode = (
         f"then the VAE decodes ({where(plans[2])})"
+        + (f", then the scorers ({format_size(scorers)}) alone on the device score the chunk" if scorers else "")
         if len(plans) > 2
         else "the VAE encoding the input images and decoding in phase 2"
         if inputs

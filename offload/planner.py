@@ -206,6 +206,10 @@ def per_batch_plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> Of
     """The fastest plan calling the whole pipeline per batch (`plan`'s per-batch half)."""
     if w.offload not in OFFLOAD_CHOICES:
         raise OffloadError(f"`--offload` must be one of {', '.join(OFFLOAD_CHOICES)}; got `{w.offload}`.")
+    beside = device.beside  # the scorers: resident beside the pipeline in every call
+    if beside:
+        name = f"{device.name or 'the device'} less {format_size(beside)} for the scorers"
+        device = replace(device, budget=max(device.budget - beside, 0), beside=0, name=name)
     names = list(prof.components)
     limit, inf = device.budget * (1 - MARGIN), float("inf")
     resident_ref = _ideal(prof, device, w)
@@ -226,6 +230,8 @@ def per_batch_plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> Of
     reason = _reason(prof, device, w, best, placements, formats, resident_peak, binds)
     if formats:
         reason = _why_quantized(prof, device, w, formats, placements, best.seconds) + "; " + reason
+    if beside:
+        reason += f"; the scorers hold {format_size(beside)} beside the pipeline"
     return OffloadPlan(
         placements=placements,
         batch_size=best.batch,
@@ -235,7 +241,8 @@ def per_batch_plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> Of
         moved_per_image=best.moved,
         seconds_per_image=best.seconds,
         relative_speed=resident_ref / best.seconds,
-        budget=device.budget,
+        budget=device.budget
+        + beside,  # the whole budget: a leaner plan (workers/pipeline/plans.py) takes the scorers off it again
         reason=reason,
         binds=binds,
         formats=formats,

@@ -273,12 +273,16 @@ class Worker:
         """A phased plan's decode phase for the chunk's batches: their pictures stored, an image whose
         decode failed an error row. Progress: its images were counted as their batches were made."""
         failed = self.fitted.decode()
+        if self.scoring is not None:  # the scorers' phase: the device theirs, the VAE's weights off it
+            self.fitted.leave_phases()
         filtered = frames = 0
         for made, inputs in at.pending:
             ok = [m for m in made if m.id not in failed]
             f, n = self._store(at, ok, inputs, [m.id for m in made if m.id in failed])
             filtered, frames = filtered + f, frames + n
         at.pending = []
+        if self.scoring is not None:  # and off it again: the next chunk's encoders need it
+            self.scoring.release()
         self._failed(at, failed)
         return BatchDone(at.shard.id, self.spec.name, 0, len(failed) + filtered, frames=frames)
 

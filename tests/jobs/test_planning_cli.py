@@ -90,13 +90,28 @@ def test_an_unknown_gpu_or_no_budget_is_one_line_with_exit_2(capsys):
 
 
 def test_scorers_are_planned_beside_the_pipeline():
-    """`fleetgen plan --score`: the scorers' bytes come off each budget, as a worker plans; the summary says
-    what they hold and cost."""
+    """`fleetgen plan --score`: per batch the scorers' bytes come off the budget (they are resident beside
+    the pipeline, as on a worker); phased with a decode phase they are a phase of their own after it, so
+    no phase gives anything up; the summary says what they hold and cost."""
     import fleetgen
 
-    alone = fleetgen.plan("flux.1-dev", ["24GiB"], host_memory="64GiB", gpu="H100")
-    scored = fleetgen.plan("flux.1-dev", ["24GiB"], host_memory="64GiB", gpu="H100", score="clip,pickscore")
+    def at(phases: str, score: str | None):
+        kw = {"score": score} if score else {}
+        return fleetgen.plan("flux.1-dev", ["24GiB"], host_memory="64GiB", gpu="H100", phases=phases, **kw)
+
+    alone, scored = at("off", None), at("off", "clip,pickscore")
     held = scored.summary["scorers"]["bytes"]
     assert held == int((428_000_000 + 986_000_000) * 2 * 1.25) and alone.summary["scorers"] is None
-    assert scored.rows[0]["budget_bytes"] == alone.rows[0]["budget_bytes"] - held
-    assert "scorers clip, pickscore: 3.3 GiB held on the device" in scored.text()
+    a, s = alone.rows[0], scored.rows[0]
+    assert a["budget_bytes"] == s["budget_bytes"] == 24 * 2**30  # the whole card's, as a leaner plan steps down from
+    assert s["batch_size"] < a["batch_size"] and s["peak_bytes"] <= 24 * 2**30 * 0.9 - held
+    assert f"the scorers hold {held / 2**30:.1f} GiB beside the pipeline" in s["reason"]
+    assert "scorers clip, pickscore: 3.3 GiB on the device once the pipeline has decoded" in scored.text()
+
+    phased, phased_scored = at("on", None).rows[0], at("on", "clip,pickscore").rows[0]
+    assert len(phased_scored["phases"]) == 3 and phased_scored["batch_size"] == phased["batch_size"]
+    assert phased_scored["peak_bytes"] == phased["peak_bytes"]
+    assert "then the scorers (3.3 GiB) alone on the device score the chunk" in phased_scored["reason"]
+    # their moves, twice per chunk over the host link, are the only cost phased
+    extra = phased_scored["predicted_seconds_per_image"] - phased["predicted_seconds_per_image"]
+    assert 0 < extra < 0.001  # 6.5 GiB over a ~50 GB/s link per 256 images: about 0.5 ms per image

@@ -174,10 +174,10 @@ class FittedPipeline:
         return self._device_spec()
 
     def _device_spec(self) -> DeviceSpec:
-        """The device as the plans see it: less what the job's scorers hold beside the pipeline (`--score`)."""
+        """The device as the plans see it, with what the job's scorers hold once the pipeline has decoded
+        (`--score`: beside a per-batch plan throughout, beside a phased plan's decode phase only)."""
         found = device_spec(self.device, self.probe, self.fit.gpu_memory, self.fit.host_memory, self._formats)
-        scorers = self.settings.scores.reserved_bytes(self.profile.dtype_bytes)
-        return replace(found, budget=max(found.budget - scorers, 0)) if scorers else found
+        return replace(found, beside=self.settings.scores.reserved_bytes(self.profile.dtype_bytes))
 
     def _apply(self) -> None:
         """Offloading, the step cache, the attention kernel and compilation, in that order; then the
@@ -256,6 +256,11 @@ class FittedPipeline:
             m.seconds += seconds / len(made)
         self._pending = []
         return failed
+
+    def leave_phases(self) -> None:
+        """A phased plan's components all off the device (after a chunk's decode phase): the scorers' turn."""
+        if self.phases is not None:
+            self.phases.enter(None)
 
     def _quantize(self, formats: dict[str, str]) -> None:
         """Apply the plan's after-load formats not applied yet (a step-down under `auto` may add one)."""

@@ -106,9 +106,10 @@ class Phases:
             "encoded_again": 0,  # batches encoded in phase 2 (re-batched after an OOM, or retried one by one)
         }
 
-    def enter(self, phase: int) -> None:
-        """Phase `phase`'s resident components on the device, the others' off it. On CUDA the device's
-        peak is read per phase (`peak_device_bytes`)."""
+    def enter(self, phase: int | None) -> None:
+        """Phase `phase`'s resident components on the device, the others' off it (None: every phase's
+        off, the device left to the job's scorers). On CUDA the device's peak is read per phase
+        (`peak_device_bytes`)."""
         if self.current == phase:
             return
         if self.device.type == "cuda":
@@ -120,7 +121,7 @@ class Phases:
             if i != phase:
                 for name in names:
                     self.modules[name].to("cpu")
-        for name in self.resident[phase]:
+        for name in self.resident[phase] if phase is not None else ():
             module = self.modules[name]
             module.to(self.device)
             if self.on_swap is not None:

@@ -1,7 +1,12 @@
 """Scorers on the worker's device (fleetgen/scores.py says which and what each reads): each loaded
-once beside the pipeline, each image scored right after it is decoded — a batch at a time, and an
-image alone where its batch fails, so that a scorer's failure is that image's `score_error`, never
-a lost image. A clip is scored on a few of its frames (evenly spaced), their mean.
+once, each image scored right after it is decoded — a batch at a time, and an image alone where its
+batch fails, so that a scorer's failure is that image's `score_error`, never a lost image. A clip is
+scored on a few of its frames (evenly spaced), their mean.
+
+Where the scorers live is the plan's (offload/cost.py `DeviceSpec.beside`): loaded into host memory,
+moved onto the device for their first score; beside a per-batch plan they stay there, under a phased
+plan with a decode phase the worker `release`s them after each chunk's decode, so the encoders' and the
+denoiser's phases have the whole device.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ CLIP_FRAMES = 4  # frames of a clip scored (first, last, evenly between)
 HEAD_NAMES = ("aesthetic.safetensors", "aesthetic.pth")  # an aesthetic directory's head beside its CLIP model
 
 Run = Callable[[list, list[str]], list[float]]  # (images, prompts) -> one score per image
+Loaded = tuple[Run, list[torch.nn.Module]]  # a scorer's run and the modules it holds (moved on and off the device)
 Pins = Callable[[str], str | None]  # a hub id -> the commit the driver pinned it to (ScoreSpec.revision)
 
 
@@ -30,9 +36,13 @@ class Scoring:
     def __init__(self, spec: ScoreSpec, device: torch.device, dtype: torch.dtype):
         self.spec, self.device, self.dtype = spec, device, dtype
         self.runs: dict[str, Run] = {}
+        self.modules: list[torch.nn.Module] = []  # in host memory until the first score
+        self.on_device = False  # loaded into host memory; on the device from the first score
+        self.moves = 0  # times the scorers were moved onto the device
         for name, model in spec.scorers:
             try:
-                self.runs[name] = LOADERS[name](model, device, dtype, spec.revision)
+                self.runs[name], modules = LOADERS[name](model, device, dtype, spec.revision)
+                self.modules += modules
             except (ConfigError, FleetgenError):
                 raise
             except Exception as err:  # noqa: BLE001 - said as the scorer's, in one line
@@ -42,6 +52,9 @@ class Scoring:
 
     def score(self, pictures: list, prompts: list[str]) -> list[tuple[dict[str, float | None], str | None]]:
         started = time.perf_counter()
+        if not self.on_device:
+            self._move(self.device)  # (a CPU worker's scorers stay where they are: counted all the same)
+            self.moves += 1
         out: list[tuple[dict, list[str]]] = [({}, []) for _ in pictures]
         for name, run in self.runs.items():
             for i, value in enumerate(_each(run, pictures, prompts, name)):
@@ -55,8 +68,24 @@ class Scoring:
         self.images += len(pictures)
         return [(scores, "; ".join(errors) or None) for scores, errors in out]
 
+    def release(self) -> None:
+        """The scorers back in host memory (a phased plan's decode phase is over), until the next score."""
+        if self.on_device:
+            self._move(torch.device("cpu"))
+            self.on_device = False
+
+    def _move(self, device: torch.device) -> None:
+        for module in self.modules:
+            module.to(device)
+        self.on_device = True
+
     def snapshot(self) -> dict:
-        return {"scorers": dict(self.spec.scorers), "images": self.images, "seconds": round(self.seconds, 3)}
+        return {
+            "scorers": dict(self.spec.scorers),
+            "images": self.images,
+            "seconds": round(self.seconds, 3),
+            "moved_on": self.moves,
+        }
 
 
 def _each(run: Run, pictures: list, prompts: list[str], name: str) -> list[float | str]:
@@ -108,7 +137,7 @@ def _pooled(out) -> torch.Tensor:
 def _clip_parts(model: str, device, dtype, pins: Pins, processor: str = ""):
     from transformers import AutoTokenizer, CLIPImageProcessor, CLIPModel
 
-    clip = CLIPModel.from_pretrained(model, torch_dtype=dtype, revision=pins(model)).to(device).eval()
+    clip = CLIPModel.from_pretrained(model, torch_dtype=dtype, revision=pins(model)).eval()  # host memory
     source = model
     if processor and is_hub_id(model) and model == SCORERS["pickscore"].model:
         source = processor  # PickScore's repository has no processor of its own; its paper's is CLIP-H's
@@ -126,7 +155,7 @@ def _image_embeddings(clip, images, pictures: list, device, dtype) -> torch.Tens
 def _alignment(scale: bool, processor: str = "") -> Callable[[str, torch.device, torch.dtype], Run]:
     """CLIP score (the cosine) or PickScore (its logit scale x the cosine)."""
 
-    def load(model: str, device, dtype, pins: Pins) -> Run:
+    def load(model: str, device, dtype, pins: Pins) -> Loaded:
         clip, images, tokenizer = _clip_parts(model, device, dtype, pins, processor)
         limit = clip.config.text_config.max_position_embeddings
 
@@ -138,12 +167,12 @@ def _alignment(scale: bool, processor: str = "") -> Callable[[str, torch.device,
             cos = (img * (txt / txt.norm(dim=-1, keepdim=True))).sum(-1)
             return (cos * clip.logit_scale.exp().float() if scale else cos).tolist()
 
-        return run
+        return run, [clip]
 
     return load
 
 
-def _aesthetic(model: str, device, dtype, pins: Pins) -> Run:
+def _aesthetic(model: str, device, dtype, pins: Pins) -> Loaded:
     """LAION's aesthetic predictor v2: its MLP (Linear layers with dropout between, as the published
     `layers.N` state dict has them) over CLIP's normalized image embedding. `model`: the head's weights
     file (CLIP ViT-L/14 from the hub), or a directory with `aesthetic.pth|safetensors` and the CLIP model."""
@@ -163,7 +192,7 @@ def _aesthetic(model: str, device, dtype, pins: Pins) -> Run:
     mlp.load_state_dict(
         {f"{j}.{p}": state[f"layers.{i}.{p}"] for j, i in enumerate(layers) for p in ("weight", "bias")}
     )
-    mlp = mlp.to(device, torch.float32).eval()
+    mlp = mlp.to(torch.float32).eval()
     clip, images, _ = _clip_parts(base, device, dtype, pins)
     if clip.config.projection_dim != mlp[0].in_features:
         raise ConfigError(
@@ -175,7 +204,7 @@ def _aesthetic(model: str, device, dtype, pins: Pins) -> Run:
     def run(pictures: list, prompts: list[str]) -> list[float]:
         return mlp(_image_embeddings(clip, images, pictures, device, dtype)).squeeze(-1).tolist()
 
-    return run
+    return run, [mlp, clip]
 
 
 def _load_state(path: Path) -> dict:
@@ -187,12 +216,12 @@ def _load_state(path: Path) -> dict:
     return state.get("state_dict", state)
 
 
-def _nsfw(model: str, device, dtype, pins: Pins) -> Run:
+def _nsfw(model: str, device, dtype, pins: Pins) -> Loaded:
     """An image classifier's probability of its NSFW labels (`NSFW_LABELS`)."""
     from transformers import AutoImageProcessor, AutoModelForImageClassification
 
     classifier = AutoModelForImageClassification.from_pretrained(model, torch_dtype=dtype, revision=pins(model))
-    classifier = classifier.to(device).eval()
+    classifier = classifier.eval()
     labels = {i: str(label) for i, label in classifier.config.id2label.items()}
     flagged = [i for i, label in labels.items() if label.lower() in NSFW_LABELS]
     if not flagged:
@@ -207,10 +236,10 @@ def _nsfw(model: str, device, dtype, pins: Pins) -> Run:
         logits = classifier(pixel_values=pixels.to(device, dtype)).logits.float()
         return logits.softmax(-1)[:, flagged].sum(-1).tolist()
 
-    return run
+    return run, [classifier]
 
 
-def _hpsv2(model: str, device, dtype, pins: Pins) -> Run:
+def _hpsv2(model: str, device, dtype, pins: Pins) -> Loaded:
     """HPS v2.1: open_clip's ViT-H-14 with HPS's checkpoint (`model`: the checkpoint file, or the hub
     repository holding HPS_v2.1_compressed.pt)."""
     import open_clip
@@ -222,7 +251,7 @@ def _hpsv2(model: str, device, dtype, pins: Pins) -> Run:
         path = Path(hf_hub_download(model, "HPS_v2.1_compressed.pt", revision=pins(model)))
     clip, _, preprocess = open_clip.create_model_and_transforms("ViT-H-14", pretrained=None, device="cpu")
     clip.load_state_dict(_load_state(path))
-    clip = clip.to(device, dtype).eval()
+    clip = clip.to(dtype).eval()
     tokenizer = open_clip.get_tokenizer("ViT-H-14")
 
     @torch.no_grad()
@@ -232,10 +261,10 @@ def _hpsv2(model: str, device, dtype, pins: Pins) -> Run:
         txt = clip.encode_text(tokenizer(prompts).to(device), normalize=True).float()
         return (img * txt).sum(-1).tolist()
 
-    return run
+    return run, [clip]
 
 
-LOADERS: dict[str, Callable[[str, torch.device, torch.dtype, Pins], Run]] = {
+LOADERS: dict[str, Callable[[str, torch.device, torch.dtype, Pins], Loaded]] = {
     "clip": _alignment(scale=False),
     "pickscore": _alignment(scale=True, processor=SCORERS["pickscore"].processor),
     "hpsv2": _hpsv2,

@@ -54,8 +54,9 @@ def _budget(pipe, settings: GenerationSettings, max_batch: int) -> int:
     return int((whole + phased) / 2 / (1 - MARGIN))
 
 
-def _run(pipe, settings, tmp_path, name, rows: list[str], inputs: dict | None = None, device="cpu", **spec):
-    """`inputs`: columns of input pictures (`input_image`, `mask_image`) beside the prompts."""
+def _run(pipe, settings, tmp_path, name, rows: list[str], inputs: dict | None = None, device="cpu", hook=None, **spec):
+    """`inputs`: columns of input pictures (`input_image`, `mask_image`) beside the prompts; `hook`: called
+    with the worker once its shards are made."""
     path = tmp_path / "prompts.parquet"
     if not path.exists():
         write_prompts(path, rows, id=[f"r{i}" for i in range(len(rows))], **(inputs or {}))
@@ -72,6 +73,8 @@ def _run(pipe, settings, tmp_path, name, rows: list[str], inputs: dict | None = 
         for shard in plan_shards(files, 100):
             worker.run_shard(shard)
         info = worker.describe()
+        if hook is not None:
+            hook(worker)
     finally:
         worker.close()
     manifest = pq.read_table(out / "shards").to_pylist()
@@ -109,6 +112,39 @@ def test_the_text_encoder_moves_once_per_chunk_and_the_images_are_the_per_batch_
     assert len(phased["plan"]["phases"]) == 3 and phased["plan"]["phases"][2] == ["vae"]
     assert phased["offload"]["components"]["vae"]["swaps"] == 1
     assert phased_images == per_batch_images  # the same calls, the same decodes: the same bytes
+
+
+def test_the_scorers_are_a_phase_of_their_own_after_the_decode(tiny_clip, tmp_path):
+    """Phased with a decode phase, the scorers move onto the device once per chunk, after the VAE has left
+    it, and off again before the next chunk's encoders; per batch they stay. The scores are the same."""
+    from fleetgen.scores import parse_scores
+
+    pipe = _pipeline("flux")
+    settings = _settings("flux", scores=parse_scores(f"clip={tiny_clip}"))
+    budget = _budget(pipe, settings, max_batch=2)
+    rows = [f"a lighthouse at dusk, number {i}" for i in range(5)]
+    seen = {}
+
+    def state(worker):
+        seen[worker.fitted.phases is not None] = (worker.scoring.on_device, worker.fitted.phases)
+
+    common = {"max_batch": 2, "gpu_memory": budget, "hook": state}
+    phased, _ = _run(pipe, settings, tmp_path, "phased", rows, phases="on", **common)
+    per_batch, _ = _run(pipe, settings, tmp_path, "per-batch", rows, phases="off", **common)
+    assert phased["plan"]["phases"][-1] == ["vae"]
+    assert (
+        "then the scorers" in phased["plan"]["reason"]
+        and "alone on the device score the chunk" in phased["plan"]["reason"]
+    )
+    assert phased["scoring"]["moved_on"] == phased["phases"]["chunks"] >= 1 and phased["scoring"]["images"] == 5
+    on_device, phases = seen[True]
+    assert not on_device and phases.current is None  # released after the chunk; the VAE moved off before them
+    assert per_batch["scoring"]["moved_on"] == 1 and seen[False][0]  # resident from the first score on
+    scores = {
+        run: {r["id"]: r["score_clip"] for r in pq.read_table(tmp_path / run / "shards").to_pylist()}
+        for run in ("phased", "per-batch")
+    }
+    assert scores["phased"] == pytest.approx(scores["per-batch"], abs=1e-6) and len(scores["phased"]) == 5
 
 
 @pytest.mark.slow

@@ -208,10 +208,28 @@ def test_scorers_on_cuda_score_as_on_the_cpu(tmp_path):
     pictures = [Image.new("RGB", (64, 64), c) for c in ("red", "blue", "green")]
     prompts = ["a red square", "a blue square", "a green square"]
     cpu = Scoring(spec, torch.device("cpu"), torch.float32).score(pictures, prompts)
-    cuda = Scoring(spec, torch.device("cuda"), torch.bfloat16).score(pictures, prompts)
+    before = torch.cuda.memory_allocated()
+    scoring = Scoring(spec, torch.device("cuda"), torch.bfloat16)
+    assert torch.cuda.memory_allocated() == before  # loaded into host memory
+    cuda = scoring.score(pictures, prompts)
+    weights = sum(p.numel() * p.element_size() for m in scoring.modules for p in m.parameters())
+    assert torch.cuda.memory_allocated() - before >= weights  # on the device for their first score
+    scoring.release()  # a phased plan's decode phase over: off it again
+    assert torch.cuda.memory_allocated() - before < weights and scoring.snapshot()["moved_on"] == 1
     for (a, a_error), (b, b_error) in zip(cpu, cuda, strict=True):
         assert a_error is None and b_error is None and a.keys() == b.keys() == {"clip", "aesthetic", "nsfw"}
         assert all(abs(a[n] - b[n]) < 0.05 for n in a), (a, b)
+
+
+def test_a_local_scorers_size_is_counted_from_its_weights(scorers):
+    """The planner's figure for a local scorer (`ScoreSpec.params`, from its files' headers) is the
+    parameters the worker loads; a hub model's is the registry's."""
+    spec = parse_scores(scorers)
+    scoring = Scoring(spec, torch.device("cpu"), torch.float32)
+    loaded = sum(p.numel() for m in scoring.modules for p in m.parameters())
+    assert sum(spec.params(n) for n in spec.names) == loaded > 0
+    assert spec.reserved_bytes(4) == int(loaded * 4 * 1.25)
+    assert parse_scores("clip").params("clip") == 428_000_000
 
 
 @pytest.mark.slow
