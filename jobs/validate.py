@@ -81,11 +81,6 @@ def _check_generation(c: JobConfig) -> None:
             f"`--rank-by {c.rank_by}` names a score the job does not compute; it scores: "
             f"{', '.join(c.score.names) or 'none (add --score)'}.",
         )
-        _check(
-            not c.retry_errors,
-            "`--retry-errors` does not take `--best-of` yet: an image's candidates are chosen among in one attempt; "
-            "rerun the job to a new `--output`.",
-        )
 
 
 def check_scorers(spec: ScoreSpec) -> None:

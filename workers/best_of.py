@@ -20,6 +20,13 @@ def image_of(candidate_id: str) -> str:
     return candidate_id.split(CANDIDATE, 1)[0]
 
 
+def place(row: dict) -> tuple[str, str]:
+    """A committed manifest row's candidate id and image (`keep_committed`'s `place`): the stored best
+    is recorded under its image's id with its `candidate` index."""
+    key = row["id"] if row.get("candidate") is None or CANDIDATE in row["id"] else f"{row['id']}{CANDIDATE}{row['candidate']}"
+    return key, image_of(key)
+
+
 class BestOf:
     def __init__(self, n: int, rank_by: str):
         self.n, self.rank_by = n, rank_by

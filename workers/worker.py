@@ -16,7 +16,7 @@ import pyarrow as pa
 import torch
 
 from fleetgen.errors import ShardError, StorageError
-from fleetgen.workers.best_of import BestOf
+from fleetgen.workers.best_of import BestOf, place
 from fleetgen.workers.info import describe, worker_info
 from fleetgen.workers.output.commit import (
     check_fence,
@@ -201,11 +201,12 @@ class Worker:
                 records[im.id].update(
                     prompt_note(self.pipe, self.fitted.family, im.prompt, im.negative_prompt, self.spec.strict_prompts)
                 )
-        base, kept = keep_committed(self.output, shard.id, records) if shard.retry_errors else (None, set())
-        todo = [im for im in images if records[im.id]["status"] == "ok" and im.id not in kept]
-        attempt = uuid.uuid4().hex[:12]
         settings = self.spec.settings
         best_of = BestOf(settings.best_of, settings.rank_by) if settings.best_of > 1 else None
+        where = place if best_of is not None else None  # a stored best is its candidate's record
+        base, kept = keep_committed(self.output, shard.id, records, where) if shard.retry_errors else (None, set())
+        todo = [im for im in images if records[im.id]["status"] == "ok" and im.id not in kept]
+        attempt = uuid.uuid4().hex[:12]
         sink = self._open_sink(shard, table, base, attempt)
         return _Attempt(shard, attempt, table, images, records, todo, kept, base, sink, best_of=best_of)
 

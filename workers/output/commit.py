@@ -63,19 +63,31 @@ def manifest_bytes(
     return buf.getvalue()
 
 
-def keep_committed(output: Output, shard_id: str, records: dict) -> tuple[bytes, set[str]]:
+def keep_committed(output: Output, shard_id: str, records: dict, place=None) -> tuple[bytes, set[str]]:
     """For a retry of a committed shard's error rows: take every committed record that is not an
     error as it is (its image stays where it is stored). Returns the committed manifest's bytes (if
-    they change meanwhile, another attempt committed first) and the ids kept."""
+    they change meanwhile, another attempt committed first) and the ids kept.
+
+    `place(row)`: (the key of `records` a committed row is, the image it is made for) where those differ
+    from its id (`--best-of`: candidates, workers/best_of.py). An image is redone whole — every row of
+    it — where it has an error row and no stored (ok) row; else all its rows are kept, errors too."""
     try:
         base = output.get(manifest_key(shard_id))
     except FileNotFoundError as err:
         raise ShardError(f"Shard {shard_id} has no committed manifest to retry the error rows of.") from err
-    kept = set()
+    images: dict[str, list[tuple[str, dict]]] = {}
     for old in read_parquet(base, columns=MANIFEST_SCHEMA.names).to_pylist():
-        if old["id"] in records and old["status"] != "error":
-            records[old["id"]] = old
-            kept.add(old["id"])
+        key, image = place(old) if place is not None else (old["id"], old["id"])
+        if key in records:
+            images.setdefault(image, []).append((key, old))
+    kept = set()
+    for rows in images.values():
+        statuses = {old["status"] for _, old in rows}
+        if "error" in statuses and "ok" not in statuses:
+            continue  # made again, whole
+        for key, old in rows:
+            records[key] = old
+            kept.add(key)
     return base, kept
 
 

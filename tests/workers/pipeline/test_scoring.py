@@ -6,6 +6,7 @@ passes; a scorer's failure on one image is that image's error field, never a los
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pyarrow as pa
@@ -34,8 +35,9 @@ def scorers(tmp_path_factory) -> str:
     return ",".join(f"{k}={d}" for k, d in dirs.items())
 
 
-def run(model, tmp_path, score: str, keep: str | None = None, name="out", worker_hook=None, **settings):
-    """One shard of ROWS through a worker (no Ray); returns (manifest rows by id, output dir, worker info)."""
+def run(model, tmp_path, score: str, keep: str | None = None, name="out", worker_hook=None, retry=False, **settings):
+    """One shard of ROWS through a worker (no Ray); returns (manifest rows by id, output dir, worker info).
+    `retry`: the shard is committed already, its error rows made again (`--retry-errors`)."""
     path = tmp_path / "prompts.parquet"
     pq.write_table(pa.table(ROWS), path)
     files = [read_footer(str(path))]
@@ -49,7 +51,8 @@ def run(model, tmp_path, score: str, keep: str | None = None, name="out", worker
     if worker_hook is not None:
         worker_hook(worker)
     try:
-        worker.run_shard(plan_shards(files, 100)[0])
+        shard = plan_shards(files, 100)[0]
+        worker.run_shard(dataclasses.replace(shard, retry_errors=True) if retry else shard)
         info = worker.describe()
     finally:
         worker.close()
@@ -176,6 +179,47 @@ def test_best_of_n_stores_the_best_candidate_and_records_every_one(rank_by, tiny
         samples[i]["id"] == i and samples[i][f"score_{name}"] == pytest.approx(manifest[i][f"score_{name}"])
         for i in samples
     )
+    assert verify(str(out), deep=True).clean
+
+
+def test_retry_errors_with_best_of_remakes_only_the_images_without_a_stored_best(tiny_model, scorers, tmp_path):
+    """Every candidate of r1 fails, and one of r2's (r2 still has its best): `--retry-errors` makes r1's
+    three candidates again and stores its best; r2 and every other image keep their rows and bytes."""
+    from fleetgen.jobs.verify import verify
+
+    doomed = {"r1~0", "r1~1", "r1~2", "r2~1"}
+
+    def fail(worker):
+        real = worker.fitted.generate
+
+        def generate(batch, inputs):
+            made, failed = real(batch, inputs)
+            for m in [m for m in made if m.id in doomed]:
+                made.remove(m)
+                failed[m.id] = "RuntimeError: injected"
+            return made, failed
+
+        worker.fitted.generate = generate
+
+    common = {"best_of": 3, "rank_by": "clip"}
+    first, out, _ = run(tiny_model, tmp_path, scorers, worker_hook=fail, **common)
+    assert {i for i, r in first.items() if r["status"] == "error"} == doomed and "r1" not in first
+
+    def images():
+        return {str(p.relative_to(out)): p.read_bytes() for p in (out / "images").rglob("*.png")}
+
+    stored = images()
+    again, _, _ = run(tiny_model, tmp_path, scorers, retry=True, **common)
+    r1 = [r for r in again.values() if r["row_id"] == "r1"]
+    (best,) = [r for r in r1 if r["status"] == "ok"]
+    assert best["id"] == "r1" and sorted(r["candidate"] for r in r1) == [0, 1, 2]
+    assert best["score_clip"] == max(r["score_clip"] for r in r1)
+    assert all(r["status"] == "filtered" for r in r1 if r is not best)
+    for i, r in first.items():  # every other row as committed, r2's failed candidate too
+        if r["row_id"] != "r1":
+            assert again[i] == r, i
+    after = images()
+    assert len(after) == len(stored) + 1 and all(after[k] == data for k, data in stored.items())  # and r1's best
     assert verify(str(out), deep=True).clean
 
 
