@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import json
+import posixpath
 import time
 from dataclasses import dataclass, field, replace
 
@@ -93,8 +94,9 @@ def score_job(url: str, score: str | ScoreSpec, device: str = "auto", batch: int
     committed = list_manifests(output)
     fmt = get_format(generation["output_format"])
     todo: dict[str, list[str]] = {}
+    tables = {n: set(output.list(f"{SCORES}/{n}", ".parquet")) for n in spec.names}  # one listing per scorer
     for shard, version in sorted(committed.items()):
-        names = [n for n in spec.names if _stale(output, n, shard, version)]
+        names = [n for n in spec.names if _stale(output, n, shard, version, tables[n])]
         if names:
             todo[shard] = names
         else:
@@ -150,10 +152,11 @@ def _by(claim: dict) -> str:
     return f"{claim.get('model')}" + (f" (weights {weights})" if weights else "")
 
 
-def _stale(output: Output, name: str, shard: str, version: str) -> bool:
-    """Whether `name` has no table for `shard`'s current manifest."""
+def _stale(output: Output, name: str, shard: str, version: str, tables: set[str]) -> bool:
+    """Whether `name` has no table for `shard`'s current manifest (`tables`: the names its listing holds;
+    a table there is read for the manifest version it scored)."""
     key = table_key(name, shard)
-    if not output.exists(key):
+    if posixpath.basename(key) not in tables:
         return True
     meta = output.read_with(key, lambda f: pq.read_schema(f).metadata or {})
     return meta.get(VERSION_KEY, b"").decode() != version
