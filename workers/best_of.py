@@ -23,7 +23,11 @@ def image_of(candidate_id: str) -> str:
 def place(row: dict) -> tuple[str, str]:
     """A committed manifest row's candidate id and image (`keep_committed`'s `place`): the stored best
     is recorded under its image's id with its `candidate` index."""
-    key = row["id"] if row.get("candidate") is None or CANDIDATE in row["id"] else f"{row['id']}{CANDIDATE}{row['candidate']}"
+    key = (
+        row["id"]
+        if row.get("candidate") is None or CANDIDATE in row["id"]
+        else f"{row['id']}{CANDIDATE}{row['candidate']}"
+    )
     return key, image_of(key)
 
 
