@@ -9,8 +9,9 @@ nsfw: real classes), the same worker code as a job: the worker's wall time, the 
 and their share. Tiny scorers beside a tiny pipeline: the share says what the pass adds per call on
 this machine, not what CLIP L/14 costs beside FLUX.
 
-`plans`: `fleetgen plan` for FLUX.1-dev at 24 GiB on an H100 and an RTX 4090, without scorers and
-with `--score clip,aesthetic` (CLIP ViT-L/14 twice: the aesthetic head reads its own copy): the device
+`plans`: `fleetgen plan` for FLUX.1-dev at 24 GiB on an H100 and an RTX 4090, phased where predicted
+faster (`--phases auto`) and per batch (`off`), without scorers and with `--score clip,aesthetic` (CLIP
+ViT-L/14 twice: the aesthetic head reads its own copy): the device
 bytes the scorers hold, the batch and predicted speed the pipeline keeps, the predicted scoring time per
 image. Predictions only: no GPU, no weights.
 """
@@ -76,19 +77,26 @@ def plans(host: str) -> None:
     from fleetgen.jobs.planning import PlanRequest, plan_budgets
 
     print(f"FLUX.1-dev at 24 GiB, host {host}")
-    print("| card | scorers | scorers hold | runs | batch | peak | moved/img | predicted s/img | scoring s/img |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for card in ("H100", "RTX-4090"):
-        for score in ("none", "clip,aesthetic=head.pth"):
-            out = plan_budgets(PlanRequest("flux.1-dev", score=score), ["24GiB"], host, gpu=card)
-            row, scoring = out.rows[0], out.summary.get("scorers") or {}
-            runs = f"phased/{row['chunk_images']}" if row.get("phases") else "per batch"
-            print(
-                f"| {card} | {score.split('=')[0]} | {scoring.get('bytes', 0) / 2**30:.2f} GiB | {runs} | "
-                f"{row['batch_size']} | {row['peak_bytes'] / 2**30:.1f} GiB | "
-                f"{row['moved_bytes_per_image'] / 2**30:.1f} GiB | {row['predicted_seconds_per_image']:.2f} | "
-                f"{scoring.get('seconds_per_image', 0):.4f} |"
-            )
+    print(
+        "| card | --phases | scorers | scorers hold | runs | batch | peak | moved/img | predicted s/img | scoring s/img |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    runs_of = [
+        (c, ph, sc)
+        for c in ("H100", "RTX-4090")
+        for ph in ("auto", "off")
+        for sc in ("none", "clip,aesthetic=head.pth")
+    ]
+    for card, phases, score in runs_of:
+        out = plan_budgets(PlanRequest("flux.1-dev", score=score, phases=phases), ["24GiB"], host, gpu=card)
+        row, scoring = out.rows[0], out.summary.get("scorers") or {}
+        runs = f"phased/{row['chunk_images']}" if row.get("phases") else "per batch"
+        print(
+            f"| {card} | {phases} | {score.split('=')[0]} | {scoring.get('bytes', 0) / 2**30:.2f} GiB | {runs} | "
+            f"{row['batch_size']} | {row['peak_bytes'] / 2**30:.1f} GiB | "
+            f"{row['moved_bytes_per_image'] / 2**30:.1f} GiB | {row['predicted_seconds_per_image']:.2f} | "
+            f"{scoring.get('seconds_per_image', 0):.4f} |"
+        )
 
 
 def main() -> None:
