@@ -35,20 +35,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 job = functools.partial(make_job, rows_per_shard=8, max_batch=4, workers=2)
+CHAOS_ROWS = 96  # 12 shards: long enough for 4 kills 0.5-2 s apart and the workers' restarts
 
 
 @pytest.fixture(scope="module")
 def chaos_input(tmp_path_factory, tiny_model, ray_cluster):
-    """160 prompts and their images from a clean run (the reference every fault run must match): made
+    """CHAOS_ROWS prompts and their images from a clean run (the reference every fault run must match): made
     in this process by one worker with one thread, as each of the job's two has, in the same batches of 4
     (the session's Ray is asked for here for the fault runs)."""
     root = tmp_path_factory.mktemp("chaos")
-    prompts = write_prompts(root / "p.parquet", [f"chaos prompt {i}" for i in range(160)])
+    prompts = write_prompts(root / "p.parquet", [f"chaos prompt {i}" for i in range(CHAOS_ROWS)])
     worker, clean = run_one_shard(
-        tiny_model, root / "clean", prompts, fast_settings(), rows=160, max_batch=4, threads=1
+        tiny_model, root / "clean", prompts, fast_settings(), rows=CHAOS_ROWS, max_batch=4, threads=1
     )
     worker.close()
-    assert len(clean) == 160 and {r["status"] for r in clean.values()} == {"ok"}
+    assert len(clean) == CHAOS_ROWS and {r["status"] for r in clean.values()} == {"ok"}
     return prompts, {k: r["sha256"] for k, r in clean.items()}, None
 
 
@@ -63,9 +64,9 @@ def test_chaos_workers_killed_at_random_moments(chaos_input, tiny_model, tmp_pat
     killer.done.set()
     killer.join()
     assert len(killer.killed) == 4, "the job ended before every kill landed: make it longer"
-    assert summary.complete and summary.images_ok == 160
+    assert summary.complete and summary.images_ok == CHAOS_ROWS
     assert check(tmp_path / "out", clean) == {
-        "rows": 160,
+        "rows": CHAOS_ROWS,
         "missing": 0,
         "duplicates": 0,
         "stray_objects": 0,
@@ -145,7 +146,7 @@ def test_driver_stopped_then_killed_then_rerun_resumes(chaos_input, tiny_model, 
     assert lock["pid"] == proc.pid
     assert not (out / "_SUCCESS").exists()
     committed_before = {p.name for p in (out / "shards").glob("*.parquet")}
-    assert stopped < len(committed_before) < 20
+    assert stopped < len(committed_before) < CHAOS_ROWS // 8
 
     log = io.StringIO()
     again = run_job(
@@ -154,7 +155,7 @@ def test_driver_stopped_then_killed_then_rerun_resumes(chaos_input, tiny_model, 
     assert again.complete and again.shards_skipped == len(committed_before)
     assert f"pid {proc.pid}: that process no longer exists on this host" in log.getvalue()
     assert check(out, clean) == {
-        "rows": 160,
+        "rows": CHAOS_ROWS,
         "missing": 0,
         "duplicates": 0,
         "stray_objects": 0,
