@@ -7,7 +7,8 @@ embeddings kept in host memory; (2) the denoiser makes every batch's latents, ke
 (3) the VAE decodes them, alone on the device. Where a family's decode is not called apart from
 its pipeline (`Workload.decode_apart` false: the family table's `decode_apart` says why), the VAE
 decodes in phase 2 beside the denoiser. The job's scorers (`--score`, `DeviceSpec.beside`) score a chunk
-after its decode phase, alone on the device (a phase of their own); without one, beside phase 2. Each phase is planned by the per-batch planner on its own
+after its decode phase, alone on the device (a phase of their own); without one they stay on the
+device beside every phase. Each phase is planned by the per-batch planner on its own
 components with the whole device budget; a component resident in its phase is moved on at the
 phase's start and off at its end — once per chunk, not per batch.
 
@@ -139,13 +140,14 @@ def _phase_plans(prof, parts, device: DeviceSpec, work: Workload, plan) -> list:
     each of phase 2's batches as it is made (the same pixels), in the host RAM the others' copies leave."""
     encoders, rest, *decoder = parts
     # The scorers (`DeviceSpec.beside`): with a decode phase, a phase of their own after it (the worker
-    # moves the VAE off, then them on); else beside the denoiser's phase, where the pictures are made.
+    # moves the VAE off, then them on); else they stay on the device from their first score, beside each phase.
     alone = replace(device, beside=0)
     denoise = plan(prof.only(rest), alone if decoder else device, work)
     while True:
         others, held = [], denoise.host_bytes
         for names in (encoders, *decoder):
-            left = replace(alone, host_budget=max(device.host_budget - held, 0))
+            # with no decode phase the scorers stay on the device: beside every phase
+            left = replace(alone if decoder else device, host_budget=max(device.host_budget - held, 0))
             others.append(plan(prof.only(names), left, replace(work, max_batch=denoise.batch_size)))
             held += others[-1].host_bytes
         smallest = min(p.batch_size for p in others)

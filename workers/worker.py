@@ -244,6 +244,8 @@ class Worker:
             batches = [pending[j : j + size] for j in range(0, min(len(pending), chunk), size)]
             pending = pending[sum(map(len, batches)) :]
             loaded = [_Loaded.of(b, prefetch, at.records, have) for b in batches]
+            if self.scoring is not None and self.fitted.deferred:  # scorers only after a decode phase (a
+                self.scoring.release()  # plan stepped down to phased finds them still on the device)
             self.fitted.encode([(b.batch, b.inputs) for b in loaded if b.batch])
             for k, batch in enumerate(loaded):
                 yield batch, k == len(loaded) - 1
@@ -308,6 +310,8 @@ class Worker:
     def _score(self, at: _Attempt, made: list[Made]) -> None:
         """Each decoded picture scored (`--score`) and, where `--keep` rejects its scores, let go: a
         filtered row. A picture a scorer failed on keeps its other scores and is stored."""
+        if not made:  # (a batch whose pictures come from the decode phase: nothing to score yet)
+            return
         keep = self.spec.settings.keep
         prompts = [at.records[m.id]["prompt"] or "" for m in made]
         for m, (scores, error) in zip(made, self.scoring.score([m.picture for m in made], prompts), strict=True):

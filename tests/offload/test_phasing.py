@@ -12,7 +12,7 @@ from fleetgen.jobs.planning import pipeline_profile, plan_workload
 from fleetgen.offload import DeviceSpec, plan
 from fleetgen.offload.architectures import NAMES
 from fleetgen.offload.devices import gpu
-from fleetgen.offload.phasing import CHUNK_IMAGES, embed_bytes
+from fleetgen.offload.phasing import CHUNK_IMAGES, embed_bytes, phased_plan
 from fleetgen.offload.planner import per_batch_plan
 from fleetgen.offload.profiles import DTYPE_BYTES
 
@@ -106,3 +106,21 @@ def test_an_edit_is_phased_with_the_vae_encoding_and_decoding_beside_the_denoise
     assert "the VAE encoding the input images and decoding in phase 2" in chosen.reason
     assert input_bytes(edit) == 2 * 1024 * 1024 * 3
     assert chosen.host_bytes > chosen.chunk * (embed_bytes(prof, edit) + input_bytes(edit))  # and the host copies
+
+
+def test_scorers_are_a_phase_of_their_own_after_a_decode_phase_else_beside_every_phase():
+    """`DeviceSpec.beside` (the job's scorers): with a decode phase no phase gives up room for them; without
+    one (an edit: the VAE decodes in phase 2) they stay on the device, so every phase fits beside them."""
+    scorers = 3 * GIB
+    prof, work = _case("flux.2-klein-4b")
+    device = _device("RTX-4090", 12, host_gib=64)
+    alone = plan(prof, device, replace(work, phases="on"))
+    scored = plan(prof, replace(device, beside=scorers), replace(work, phases="on"))
+    assert len(scored.phases) == 3 and scored.batch_size == alone.batch_size and scored.peak_bytes == alone.peak_bytes
+    assert "then the scorers (3.0 GiB) alone on the device score the chunk" in scored.reason
+    edit, _ = plan_workload("flux.2-klein-4b", task="edit", references=2, max_batch=4)
+    beside = plan(prof, replace(device, beside=scorers), replace(edit, phases="on"))
+    assert len(beside.phases) == 2 and beside.peak_bytes <= (device.budget - scorers) * 0.9
+    # scorers larger than the card: refused, as a phase that does not fit
+    with pytest.raises(OffloadError, match="the scorers need 12.0 GiB on the device"):
+        phased_plan(prof, replace(device, beside=12 * GIB), work, per_batch_plan)

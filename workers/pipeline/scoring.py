@@ -51,6 +51,8 @@ class Scoring:
         self.images = 0
 
     def score(self, pictures: list, prompts: list[str]) -> list[tuple[dict[str, float | None], str | None]]:
+        if not pictures:
+            return []
         started = time.perf_counter()
         if not self.on_device:
             self._move(self.device)  # (a CPU worker's scorers stay where they are: counted all the same)
