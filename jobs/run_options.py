@@ -183,7 +183,8 @@ def _synthesis(p: argparse.ArgumentParser) -> None:
         metavar="NAME[=MODEL],...",
         help="score every image on its worker right after decoding, into `score_<name>` fields: "
         + "; ".join(f"{s.name} ({s.doc})" for s in SCORERS.values())
-        + ". MODEL: a hub id or a local directory (default: each scorer's published model)",
+        + ". MODEL: a hub id (ORG/NAME[@REV], pinned to a commit like --model) or a local directory "
+        "(default: each scorer's published model)",
     )
     g.add_argument(
         "--keep",
