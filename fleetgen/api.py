@@ -111,14 +111,19 @@ def verify(
 
 
 def score(
-    output: str, score: str, device: str = "auto", batch: int = 16, progress: Callable[[str], None] | None = None
+    output: str,
+    score: str,
+    device: str = "auto",
+    batch: int = 16,
+    progress: Callable[[str], None] | None = None,
+    workers: int = 0,
 ):
     """`fleetgen score`: a finished (or running) job's stored images scored after the fact into
-    `OUT/scores/<name>/<shard>.parquet`, shard by shard, resumable (jobs/score.py); returns a summary
-    (`.complete`, counts, `.text()`)."""
+    `OUT/scores/<name>/<shard>.parquet`, shard by shard, resumable (jobs/score.py): in this process, or
+    on `workers` Ray workers; returns a summary (`.complete`, counts, `.text()`)."""
     from fleetgen.jobs.score import score_job
 
-    return score_job(output, score, device=device, batch=batch, say=progress or (lambda _: None))
+    return score_job(output, score, device=device, batch=batch, say=progress or (lambda _: None), workers=workers)
 
 
 def report(output: str, group_by: str | None = None, sort_by: str | None = None) -> str:

@@ -56,6 +56,13 @@ def _parser() -> argparse.ArgumentParser:
     sc.add_argument("--score", required=True, metavar="NAME[=MODEL],...", help="the scorers, as `fleetgen run --score`")
     sc.add_argument("--device", default="auto", help="auto (a GPU when there is one) | cpu | cuda | cuda:N")
     sc.add_argument("--batch", type=int, default=16, help="images scored per call (default 16)")
+    sc.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="score on N Ray workers (a GPU each where the cluster has them; RAY_ADDRESS or a local Ray), "
+        "each taking the next shard; 0 (default): in this process",
+    )
     _add_verify(
         sub.add_parser("verify", help="check every stored image against the manifests; find orphans and leftovers")
     )
@@ -325,7 +332,9 @@ def _verify(args) -> int:
 
 
 def _score(args) -> int:
-    summary = fleetgen.score(args.output, args.score, device=args.device, batch=args.batch, progress=_say)
+    summary = fleetgen.score(
+        args.output, args.score, device=args.device, batch=args.batch, progress=_say, workers=args.workers
+    )
     print(summary.text())
     return 0 if summary.complete else EXIT_INCOMPLETE
 

@@ -3,39 +3,38 @@ render can be scored by several models later. Each scorer's scores of a committe
 `OUT/scores/<name>/<shard>.parquet` (`id`, `score_<name>`, `score_error`; the manifest version it read
 in its metadata), committed create-if-absent as the shards are: a rerun skips the tables there, scores
 a shard whose manifest was replaced since (`--retry-errors`) again, and never keeps two. Each scorer's
-model is claimed in `OUT/scores/<name>/scorer.json` (a hub model at the commit it was pinned to, which
-a rerun keeps): another model's scores under the same name are refused (one line, exit 2). Any output format, any store: the images are read back as `verify` reads them.
+model is claimed in `OUT/scores/<name>/_scorer.json` (a hub model at the commit it was pinned to, which
+a rerun keeps): another model's scores under the same name are refused (one line, exit 2). Any output
+format, any store: the images are read back as `verify` reads them (workers/score_tables.py).
 
-Runs in this process, on its device (`--device`), a batch of images at a time; a clip is scored on
-frames evenly spaced over it, as in the pass.
+Runs in this process, on its device (`--device`), a batch of images at a time; or, with `--workers N`,
+on N Ray workers (cluster/score_pool.py: a GPU each where the cluster has them), each taking the next
+shard as it is free. A clip is scored on frames evenly spaced over it, as in the pass.
 """
 
 from __future__ import annotations
 
-import io
 import json
+import os
 import posixpath
 import time
 from dataclasses import dataclass, field, replace
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 
-from fleetgen.errors import ConfigError, StorageError
-from fleetgen.jobs.state import commits, list_manifests, read_manifests, scorer_identity
+from fleetgen.errors import ConfigError, FleetgenError, StorageError
+from fleetgen.jobs.models import HUB_ENV
+from fleetgen.jobs.state import commits, list_manifests, scorer_identity
 from fleetgen.jobs.validate import check_scorers
-from fleetgen.scores import ERROR_COLUMN, SCORERS, ScoreSpec, parse_scores
-from fleetgen.workers.output.formats import Unreadable, get_format
+from fleetgen.scores import ScoreSpec, parse_scores
+from fleetgen.workers.output.formats import PLUGINS_ENV, Unreadable
 from fleetgen.workers.output.layout import JOB
+from fleetgen.workers.output.policy import STORAGE_ENV
 from fleetgen.workers.output.storage import Output
+from fleetgen.workers.score_tables import BATCH, SCORES, VERSION_KEY, ShardScorer, table_key
 
-SCORES = "scores"
-VERSION_KEY = b"fleetgen.manifest_version"  # the manifest version a score table read
-BATCH = 16  # images scored per call
-
-
-def table_key(name: str, shard: str) -> str:
-    return f"{SCORES}/{name}/{shard}.parquet"
+__all__ = ["BATCH", "SCORES", "VERSION_KEY", "ScoreSummary", "score_job", "table_key"]
+FAILURES = (StorageError, Unreadable, OSError, ValueError)  # a shard not scored this run (a rerun retries it)
 
 
 @dataclass
@@ -64,18 +63,19 @@ class ScoreSummary:
         )
 
 
-def score_job(url: str, score: str | ScoreSpec, device: str = "auto", batch: int = BATCH, say=print) -> ScoreSummary:
-    """Score every committed shard of the job at `url` not scored yet by each of `score`'s scorers."""
-    import torch
-
+def score_job(
+    url: str, score: str | ScoreSpec, device: str = "auto", batch: int = BATCH, say=print, workers: int = 0
+) -> ScoreSummary:
+    """Score every committed shard of the job at `url` not scored yet by each of `score`'s scorers: in
+    this process (`workers` 0), or on `workers` Ray workers."""
     from fleetgen.jobs.models import pin_scorers
-    from fleetgen.workers.pipeline.load import resolve_device
-    from fleetgen.workers.pipeline.scoring import Scoring
 
     output = Output(url)
     spec = parse_scores(score)
     if not spec:
         raise ConfigError("`fleetgen score` needs `--score NAME[=MODEL],...`.")
+    if workers < 0:
+        raise ConfigError(f"`--workers` must be 0 (this process) or more; got {workers}.")
     check_scorers(spec)
     try:
         generation = json.loads(output.get(JOB))["fingerprint"]["generation"]
@@ -92,7 +92,6 @@ def score_job(url: str, score: str | ScoreSpec, device: str = "auto", batch: int
     started = time.perf_counter()
     summary = ScoreSummary(output.url, list(spec.names))
     committed = list_manifests(output)
-    fmt = get_format(generation["output_format"])
     todo: dict[str, list[str]] = {}
     tables = {n: set(output.list(f"{SCORES}/{n}", ".parquet")) for n in spec.names}  # one listing per scorer
     for shard, version in sorted(committed.items()):
@@ -101,47 +100,76 @@ def score_job(url: str, score: str | ScoreSpec, device: str = "auto", batch: int
             todo[shard] = names
         else:
             summary.shards_skipped += 1
-    if not todo:
-        summary.seconds = time.perf_counter() - started
-        return summary
-    dev = resolve_device(device)
-    scoring = Scoring(
-        replace(spec, scorers=tuple((n, m) for n, m in spec.scorers if any(n in v for v in todo.values()))),
-        dev,
-        torch.float32 if dev.type == "cpu" else torch.bfloat16,
-    )
-    for i, (shard, names) in enumerate(todo.items()):
-        try:
-            images, errors = _score_shard(output, fmt, shard, committed[shard], names, scoring, batch)
-        except (StorageError, Unreadable, OSError, ValueError) as err:
-            summary.failures[shard] = f"{type(err).__name__}: {err}"[:300]
-            continue
-        summary.shards_scored += 1
-        summary.images += images
-        summary.errors += errors
-        say(f"[fleetgen] scored {shard} ({i + 1}/{len(todo)}): {images} images")
+    if todo:
+        used = replace(spec, scorers=tuple((n, m) for n, m in spec.scorers if any(n in v for v in todo.values())))
+        work = [(shard, committed[shard], names) for shard, names in todo.items()]
+        scorer = (output.url, used, generation["output_format"], device, batch)
+        done = _on_ray(work, scorer, workers, device) if workers else _here(work, scorer)
+        for i, (shard, images, errors, failure) in enumerate(done):
+            if failure is not None:
+                summary.failures[shard] = failure
+                continue
+            summary.shards_scored += 1
+            summary.images += images
+            summary.errors += errors
+            say(f"[fleetgen] scored {shard} ({i + 1}/{len(todo)}): {images} images")
     summary.seconds = time.perf_counter() - started
     return summary
 
 
-def _held(output: Output, name: str) -> dict | None:
-    """The claim `scores/<name>/scorer.json` holds, if any."""
+def _here(work: list[tuple[str, str, list[str]]], scorer: tuple):
+    """Each shard scored in this process: (shard, images, errors, why it was not scored or None)."""
+    scoring = ShardScorer(*scorer)
+    for shard, version, names in work:
+        try:
+            yield shard, *scoring.score(shard, version, names), None
+        except FAILURES as err:
+            yield shard, 0, 0, f"{type(err).__name__}: {err}"[:300]
+
+
+def _on_ray(work: list[tuple[str, str, list[str]]], scorer: tuple, workers: int, device: str):
+    """Each shard scored on one of `workers` Ray workers; a worker lost mid-run leaves its shards (and
+    those not started) unscored: a rerun scores them."""
+    from fleetgen.cluster.score_pool import score_shards
+
+    env = {k: os.environ[k] for k in (*HUB_ENV, *STORAGE_ENV, PLUGINS_ENV) if k in os.environ}
+    seen = set()
     try:
-        return json.loads(output.get(f"{SCORES}/{name}/scorer.json"))
-    except FileNotFoundError:
-        return None
+        for result in score_shards(work, scorer, workers, device, env):
+            seen.add(result[0])
+            yield result
+    except FleetgenError as err:
+        for shard, *_ in work:
+            if shard not in seen:
+                yield shard, 0, 0, str(err)[:300]
+
+
+def _held(output: Output, name: str) -> dict | None:
+    """The claim `scores/<name>/_scorer.json` holds, if any (`scorer.json` before 0.1: read, never written)."""
+    for key in (claim_key(name), f"{SCORES}/{name}/scorer.json"):
+        try:
+            return json.loads(output.get(key))
+        except FileNotFoundError:
+            continue
+    return None
+
+
+def claim_key(name: str) -> str:
+    """Where a scorer's model is claimed: `_`-prefixed, so that `pyarrow.dataset.dataset("OUT/scores/<name>")`
+    (which leaves `_` and `.` files out) reads the tables alone."""
+    return f"{SCORES}/{name}/_scorer.json"
 
 
 def _claim(output: Output, spec: ScoreSpec, name: str, held: dict | None) -> None:
-    """`scores/<name>/scorer.json`: the model this name's scores come from, written once."""
+    """`scores/<name>/_scorer.json`: the model this name's scores come from, written once."""
     claim = {"scorer": name, **scorer_identity(spec, name)}
-    key = f"{SCORES}/{name}/scorer.json"
+    key = claim_key(name)
     if held is None and output.create(key, json.dumps(claim, indent=2).encode()):
         return
     held = held or json.loads(output.get(key))
     if held != claim:
         raise ConfigError(
-            f"{output.url}/{key} holds {name} scores by {_by(held)}, not {_by(claim)}: remove "
+            f"{output.url}/{SCORES}/{name} holds {name} scores by {_by(held)}, not {_by(claim)}: remove "
             f"{output.url}/{SCORES}/{name} to score again."
         )
 
@@ -160,55 +188,3 @@ def _stale(output: Output, name: str, shard: str, version: str, tables: set[str]
         return True
     meta = output.read_with(key, lambda f: pq.read_schema(f).metadata or {})
     return meta.get(VERSION_KEY, b"").decode() != version
-
-
-def _score_shard(output: Output, fmt, shard: str, version: str, names: list[str], scoring, batch: int):
-    from PIL import Image
-
-    rows = [
-        r
-        for r in read_manifests(output, [shard], ["id", "status", "image", "member", "size", "prompt", "num_frames"])[
-            shard
-        ]
-        if r["status"] == "ok"
-    ]
-    stored, _ = fmt.read_back(output, shard, rows, None)
-    missing = [r["image"] for r in rows if stored[r["id"]][1] is None]
-    fetched = output.get_many(missing) if missing else {}
-    results: list[tuple[dict, str | None]] = []
-    for start in range(0, len(rows), batch):
-        part = rows[start : start + batch]
-        pictures = []
-        for r in part:
-            data = stored[r["id"]][1]
-            data = data if data is not None else fetched[r["image"]]
-            pictures.append(_Frames(data) if r.get("num_frames") else Image.open(io.BytesIO(data)).convert("RGB"))
-        results += scoring.score(pictures, [r["prompt"] or "" for r in part])
-    errors = 0
-    for name in names:
-        own = [(s.get(name), e if s.get(name) is None else None) for s, e in results]
-        errors += sum(v is None for v, _ in own)
-        table = pa.table(
-            {
-                "id": pa.array([r["id"] for r in rows], pa.string()),
-                SCORERS[name].column: pa.array([v for v, _ in own], pa.float32()),
-                ERROR_COLUMN: pa.array([e for _, e in own], pa.string()),
-            }
-        ).replace_schema_metadata({VERSION_KEY: version.encode()})
-        sink = io.BytesIO()
-        pq.write_table(table, sink)
-        key = table_key(name, shard)
-        if output.exists(key):  # scored from a manifest replaced since: this one's scores replace it
-            output.put(key, sink.getvalue())
-        else:
-            output.create(key, sink.getvalue())  # another run's, if it won the race: the same scores
-    return len(rows), errors
-
-
-class _Frames:
-    """A stored clip's frames, decoded, as the pass's scorers take a clip (`.frames`)."""
-
-    def __init__(self, data: bytes):
-        from fleetgen.workers.output.video import decode_frames
-
-        self.frames = decode_frames(data)

@@ -15,7 +15,14 @@ ROOT = Path(__file__).resolve().parents[1]
 ROOMS = ("jobs", "workers", "offload", "cluster")
 # workers/ follows a row through the device; a layer imports only the layers before it.
 # `spec.py` (the records a worker is given) sits between the rows and the fitted pipeline.
-LAYERS = [{"families", "output"}, {"rows"}, {"spec"}, {"pipeline"}, {"records", "info", "best_of"}, {"worker"}]
+LAYERS = [
+    {"families", "output"},
+    {"rows"},
+    {"spec"},
+    {"pipeline"},
+    {"records", "info", "best_of", "score_tables"},
+    {"worker"},
+]
 
 
 def _imports(path: Path, top_level_only: bool = False) -> list[str]:

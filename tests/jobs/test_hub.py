@@ -185,7 +185,7 @@ def test_fleetgen_score_pins_a_hub_scorer_and_a_rerun_keeps_its_commit(hub, tiny
     assert main(args) == 0
     said = capsys.readouterr()
     assert f"org/tiny-score-clip pinned to commit {first}" in said.out + said.err
-    claim = json.loads((out / "scores" / "clip" / "scorer.json").read_text())
+    claim = json.loads((out / "scores" / "clip" / "_scorer.json").read_text())
     assert claim["model"] == f"org/tiny-score-clip@{first}"
     table = out / "scores" / "clip" / "shard-00000.parquet"
     scored = {r["id"]: r["score_clip"] for r in pq.read_table(table).to_pylist()}

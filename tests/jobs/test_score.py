@@ -50,3 +50,23 @@ def test_what_cannot_be_scored_is_one_line_and_exit_2(tiny_model, tiny_clip, tmp
         assert said in err and "\n" not in err, err
     assert main(["score", str(tmp_path / "nothing"), "--score", f"clip={tiny_clip}"]) == 2
     assert "holds no fleetgen job" in capsys.readouterr().err
+
+
+def test_scoring_on_ray_workers_gives_the_same_tables_and_resumes(tiny_model, tiny_clip, ray_cluster, tmp_path, capsys):
+    """`fleetgen score --workers 2`: three shards over two Ray workers on the session's Ray, each table the
+    pass's scores; a rerun skips all three; a lost table is scored again."""
+    manifest, out, _ = run(tiny_model, tmp_path, f"clip={tiny_clip}", rows=2)
+    args = ["score", str(out), "--score", f"clip={tiny_clip}", "--device", "cpu", "--workers", "2"]
+    assert main(args) == 0
+    assert "scored 6 images with clip in 3 shards (0 already scored, 0 score errors)" in capsys.readouterr().out
+    tables = sorted(p.name for p in (out / "scores" / "clip").glob("*.parquet"))
+    assert tables == ["shard-00000.parquet", "shard-00001.parquet", "shard-00002.parquet"]
+    import pyarrow.dataset
+
+    for r in pyarrow.dataset.dataset(str(out / "scores" / "clip")).to_table().to_pylist():  # as the guide reads them
+        assert r["score_clip"] == pytest.approx(manifest[r["id"]]["score_clip"], abs=1e-5) and r["score_error"] is None
+    assert main(args) == 0
+    assert "scored 0 images with clip in 0 shards (3 already scored" in capsys.readouterr().out
+    (out / "scores" / "clip" / "shard-00001.parquet").unlink()
+    assert main(args) == 0
+    assert "scored 2 images with clip in 1 shards (2 already scored" in capsys.readouterr().out

@@ -35,7 +35,17 @@ def scorers(tmp_path_factory) -> str:
     return ",".join(f"{k}={d}" for k, d in dirs.items())
 
 
-def run(model, tmp_path, score: str, keep: str | None = None, name="out", worker_hook=None, retry=False, **settings):
+def run(
+    model,
+    tmp_path,
+    score: str,
+    keep: str | None = None,
+    name="out",
+    worker_hook=None,
+    retry=False,
+    rows=100,
+    **settings,
+):
     """One shard of ROWS through a worker (no Ray); returns (manifest rows by id, output dir, worker info).
     `retry`: the shard is committed already, its error rows made again (`--retry-errors`)."""
     path = tmp_path / "prompts.parquet"
@@ -51,12 +61,12 @@ def run(model, tmp_path, score: str, keep: str | None = None, name="out", worker
     if worker_hook is not None:
         worker_hook(worker)
     try:
-        shard = plan_shards(files, 100)[0]
-        worker.run_shard(dataclasses.replace(shard, retry_errors=True) if retry else shard)
+        for shard in plan_shards(files, rows):  # `rows` per shard
+            worker.run_shard(dataclasses.replace(shard, retry_errors=True) if retry else shard)
         info = worker.describe()
     finally:
         worker.close()
-    manifest = pq.read_table(out / "shards" / "shard-00000.parquet").to_pylist()
+    manifest = pq.read_table(out / "shards").to_pylist()
     # `fleetgen verify` reads the job record for the output format (the driver writes it in a job)
     (out / "job.json").write_text(json.dumps({"fingerprint": {"generation": {"output_format": s.output_format}}}))
     return {r["id"]: r for r in manifest}, out, info
