@@ -79,6 +79,8 @@ def hub_commit(model: str, wanted: str, what: str, flag: str) -> str:
     from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
+    if constants.is_offline_mode():  # HF_HUB_OFFLINE=1: what this machine's hub cache names
+        return cached_commit(model, wanted, what)
     try:
         return HfApi().model_info(model, revision=wanted).sha
     except GatedRepoError as err:
@@ -98,6 +100,22 @@ def hub_commit(model: str, wanted: str, what: str, flag: str) -> str:
             f"Could not reach the hub ({constants.ENDPOINT}) to resolve {what}: {one_line(err)}. Check the "
             "network, or pass a local directory."
         ) from err
+
+
+def cached_commit(model: str, wanted: str, what: str) -> str:
+    """Offline, the commit the hub cache (HF_HUB_CACHE) holds for `wanted` (a branch or tag it has seen,
+    or a commit it has a snapshot of); a `ConfigError` saying what to do where it holds none."""
+    from huggingface_hub import constants
+
+    repo = Path(constants.HF_HUB_CACHE) / f"models--{model.replace('/', '--')}"
+    ref = repo / "refs" / wanted
+    sha = ref.read_text().strip() if ref.is_file() else wanted
+    if (repo / "snapshots" / sha).is_dir():
+        return sha
+    raise ConfigError(
+        f"{what}: HF_HUB_OFFLINE is set and the hub cache ({constants.HF_HUB_CACHE}) holds no `{wanted}` of "
+        f"`{model}`. Download it once with the hub reachable, or pass a local directory."
+    )
 
 
 def model_family(model: str, revision: str | None = None) -> tuple[Family, str, str]:

@@ -170,7 +170,9 @@ def test_a_hub_model_is_planned_from_its_configs_before_its_weights_are_fetched(
     assert model_configs(Source("org/no-such-model")) is None  # the full download says what is wrong
 
 
-def test_fleetgen_score_pins_a_hub_scorer_and_a_rerun_keeps_its_commit(hub, tiny_model, tiny_clip, tmp_path, capsys):
+def test_fleetgen_score_pins_a_hub_scorer_and_a_rerun_keeps_its_commit(
+    hub, tiny_model, tiny_clip, tmp_path, capsys, monkeypatch
+):
     """`fleetgen score OUT --score clip=ORG/NAME`: the model pinned to main's commit in the scores' claim;
     after the repo moves on, a rescored shard uses the claimed commit; another commit, or a revision
     the repo lacks, is one line and exit 2."""
@@ -197,6 +199,20 @@ def test_fleetgen_score_pins_a_hub_scorer_and_a_rerun_keeps_its_commit(hub, tiny
     said = capsys.readouterr()
     assert f"org/tiny-score-clip: using commit {first}, pinned by the first run" in said.out + said.err
     assert {r["id"]: r["score_clip"] for r in pq.read_table(table).to_pylist()} == scored
+
+    # HF_HUB_OFFLINE: the claimed commit resolved from this machine's hub cache, not the hub; a repo the
+    # cache has never held is one line
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    table.unlink()
+    assert main(args) == 0
+    assert {r["id"]: r["score_clip"] for r in pq.read_table(table).to_pylist()} == scored
+    capsys.readouterr()
+    assert main(["score", str(out), "--score", "clip=org/never-cached", "--device", "cpu"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "HF_HUB_OFFLINE is set and the hub cache" in error and "holds no `main` of `org/never-cached`" in error
+    monkeypatch.undo()
     for model, said in [
         (f"org/tiny-score-clip@{second}", f"holds clip scores by org/tiny-score-clip@{first}"),
         ("org/tiny-score-clip@v9", "the revision `v9` does not exist in `org/tiny-score-clip`"),
