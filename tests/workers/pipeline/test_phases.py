@@ -363,3 +363,33 @@ def test_a_phased_image_to_image_on_cuda_makes_the_per_batch_images(tmp_path):
 
     assert phased_images.keys() == per_batch.keys() and len(per_batch) == 4
     assert max(np.abs(pixels(phased_images[k]) - pixels(per_batch[k])).max() for k in per_batch) <= 2
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_scorers_phase_leaves_the_device_to_the_next_chunk(tiny_clip, tmp_path):
+    """The CUDA path (`make gpu-check`): phased FLUX.1 with a CLIP scorer on the device — after the run
+    the scorer's weights and every phase's components are off the device (released after the decode
+    phase), and the scores are the per-batch run's within bfloat16 rounding."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from fleetgen.scores import parse_scores
+
+    pipe = _pipeline("flux")
+    settings = _settings("flux", scores=parse_scores(f"clip={tiny_clip}"))
+    seen = {}
+
+    def state(worker):
+        scorer = worker.scoring.modules[0]
+        seen[worker.fitted.phases is not None] = (next(scorer.parameters()).device.type, worker.scoring.on_device)
+
+    common = {"max_batch": 2, "gpu_memory": 1 << 30, "device": "cuda", "hook": state}
+    rows = [f"a lighthouse at dusk, number {i}" for i in range(4)]
+    phased, _ = _run(pipe, settings, tmp_path, "phased", rows, phases="on", **common)
+    per_batch, _ = _run(pipe, settings, tmp_path, "per-batch", rows, phases="off", **common)
+    assert phased["plan"]["phases"][-1] == ["vae"] and phased["scoring"]["moved_on"] == phased["phases"]["chunks"]
+    assert seen[True] == ("cpu", False) and seen[False] == ("cuda", True)
+    scores = {
+        run: {r["id"]: r["score_clip"] for r in pq.read_table(tmp_path / run / "shards").to_pylist()}
+        for run in ("phased", "per-batch")
+    }
+    assert scores["phased"] == pytest.approx(scores["per-batch"], abs=0.02)
