@@ -62,8 +62,8 @@ class DeviceSpec:
     disk_bandwidth: float = 2e9  # bytes/s reading offloaded groups back from local disk
     name: str = ""
     formats: tuple[str, ...] = CHOOSABLE  # storage formats it can run (`--quantize auto` chooses among them)
-    # device bytes other models hold beside the pipeline once it has decoded (the job's scorers, `--score`):
-    # off the whole budget of a per-batch plan, only off the last phase's of a phased one (offload/phasing.py)
+    # device bytes the job's scorers (`--score`) hold once on the device: off the whole budget of a per-batch
+    # plan; a phase of their own after a phased plan's decode phase, else off every phase's (offload/phasing.py)
     beside: int = 0
 
 

@@ -206,7 +206,7 @@ def per_batch_plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> Of
     """The fastest plan calling the whole pipeline per batch (`plan`'s per-batch half)."""
     if w.offload not in OFFLOAD_CHOICES:
         raise OffloadError(f"`--offload` must be one of {', '.join(OFFLOAD_CHOICES)}; got `{w.offload}`.")
-    beside = device.beside  # the scorers: resident beside the pipeline in every call
+    beside, whole = device.beside, device.budget  # the scorers: resident beside the pipeline in every call
     if beside:
         name = f"{device.name or 'the device'} less {format_size(beside)} for the scorers"
         device = replace(device, budget=max(device.budget - beside, 0), beside=0, name=name)
@@ -241,8 +241,7 @@ def per_batch_plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> Of
         moved_per_image=best.moved,
         seconds_per_image=best.seconds,
         relative_speed=resident_ref / best.seconds,
-        budget=device.budget
-        + beside,  # the whole budget: a leaner plan (workers/pipeline/plans.py) takes the scorers off it again
+        budget=whole,  # a leaner plan (workers/pipeline/plans.py) steps down from it, the scorers off it again
         reason=reason,
         binds=binds,
         formats=formats,

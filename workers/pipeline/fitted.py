@@ -174,8 +174,8 @@ class FittedPipeline:
         return self._device_spec()
 
     def _device_spec(self) -> DeviceSpec:
-        """The device as the plans see it, with what the job's scorers hold once the pipeline has decoded
-        (`--score`: beside a per-batch plan throughout, beside a phased plan's decode phase only)."""
+        """The device as the plans see it, with what the job's scorers hold on it (`--score`: beside a
+        per-batch plan; a phase of their own after a phased plan's decode phase)."""
         found = device_spec(self.device, self.probe, self.fit.gpu_memory, self.fit.host_memory, self._formats)
         return replace(found, beside=self.settings.scores.reserved_bytes(self.profile.dtype_bytes))
 
