@@ -56,7 +56,7 @@ class Scoring:
         started = time.perf_counter()
         if not self.on_device:
             self._move(self.device)  # (a CPU worker's scorers stay where they are: counted all the same)
-            self.moves += 1
+            self.on_device, self.moves = True, self.moves + 1
         out: list[tuple[dict, list[str]]] = [({}, []) for _ in pictures]
         for name, run in self.runs.items():
             for i, value in enumerate(_each(run, pictures, prompts, name)):
@@ -79,7 +79,6 @@ class Scoring:
     def _move(self, device: torch.device) -> None:
         for module in self.modules:
             module.to(device)
-        self.on_device = True
 
     def snapshot(self) -> dict:
         return {
