@@ -70,7 +70,7 @@ GiB = 2**30
 GPU_TESTS = [
     "tests/bench/test_bench.py",
     "tests/offload/test_gpu.py",
-    "tests/workers/pipeline/test_phases.py",  # a phased image-to-image on the device (#40)
+    "tests/workers/pipeline/test_phases.py",  # a phased image-to-image on the device (#40), the scorers' phase (#41)
     "tests/workers/pipeline/test_scoring.py",  # the scorers on the device (#41)
 ]  # the files holding `gpu`-marked tests (no Ray imports)
 GPU_TESTS_TIMEOUT = 240  # seconds
