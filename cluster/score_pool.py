@@ -26,13 +26,7 @@ class ScoreWorker:
         self.scorer = ShardScorer(*scorer)
 
     def score(self, shard: str, version: str, names: list[str]) -> Result:
-        from fleetgen.errors import StorageError
-        from fleetgen.workers.output.formats import Unreadable
-
-        try:
-            return shard, *self.scorer.score(shard, version, names), None
-        except (StorageError, Unreadable, OSError, ValueError) as err:
-            return shard, 0, 0, f"{type(err).__name__}: {err}"[:300]
+        return self.scorer.attempt(shard, version, names)
 
 
 def score_shards(

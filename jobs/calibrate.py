@@ -221,10 +221,9 @@ def calibrate(
     say(f"calibrating {config.model} ({family.name}) on {shard.length} rows of {config.input}")
     adapters = resolve_adapters(config, columns, distinct_strings(files, columns.lora, MAX_ADAPTERS))
     with tempfile.TemporaryDirectory(prefix="fleetgen-calibrate-") as work:
-        cal = _calibrate(
+        return _calibrate(
             _Sample(config, columns, shard, adapters, Path(work)), min_psnr, min_ssim, kinds, say, max_drop
         )
-    return cal
 
 
 @dataclass(frozen=True)

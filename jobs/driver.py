@@ -41,15 +41,7 @@ from fleetgen.jobs.sharding import (
     read_footers,
     resolve_columns,
 )
-from fleetgen.jobs.state import (
-    claim_output,
-    fingerprint,
-    list_manifests,
-    pinned_revision,
-    pinned_scorer_models,
-    shard_counts,
-    sweep,
-)
+from fleetgen.jobs.state import claim_output, fingerprint, list_manifests, pinned, shard_counts, sweep
 from fleetgen.jobs.summary import JobSummary, Run, finish
 from fleetgen.workers.families.table import TEXT
 from fleetgen.workers.output.formats import PLUGINS_ENV
@@ -133,8 +125,9 @@ def resolve_job(config: JobConfig) -> Job:
     refuse_unsafe_commits(config, output)
     output.check()  # a file in the way, no permission, no credentials, no endpoint: one line, before anything
     files, columns = read_input(config)
-    config, pin_note = pin_revision(config, pinned_revision(output, config.model))
-    score, score_notes = pin_scorers(config.score, pinned_scorer_models(output))
+    revision, scorer_commits = pinned(output, config.model)  # an earlier run's pins: kept
+    config, pin_note = pin_revision(config, revision)
+    score, score_notes = pin_scorers(config.score, scorer_commits)
     config = replace(config, score=score)
     pin_note = "; ".join(n for n in (pin_note, *score_notes) if n) or None
     config, family, sources = resolve_defaults(config, columns)

@@ -22,19 +22,16 @@ from dataclasses import dataclass, field, replace
 
 import pyarrow.parquet as pq
 
-from fleetgen.errors import ConfigError, FleetgenError, StorageError
+from fleetgen.errors import ConfigError, FleetgenError
 from fleetgen.jobs.models import HUB_ENV
 from fleetgen.jobs.state import commits, list_manifests, scorer_identity
 from fleetgen.jobs.validate import check_scorers
 from fleetgen.scores import ScoreSpec, parse_scores
-from fleetgen.workers.output.formats import PLUGINS_ENV, Unreadable
+from fleetgen.workers.output.formats import PLUGINS_ENV
 from fleetgen.workers.output.layout import JOB
 from fleetgen.workers.output.policy import STORAGE_ENV
 from fleetgen.workers.output.storage import Output
 from fleetgen.workers.score_tables import BATCH, SCORES, VERSION_KEY, ShardScorer, table_key
-
-__all__ = ["BATCH", "SCORES", "VERSION_KEY", "ScoreSummary", "score_job", "table_key"]
-FAILURES = (StorageError, Unreadable, OSError, ValueError)  # a shard not scored this run (a rerun retries it)
 
 
 @dataclass
@@ -121,10 +118,7 @@ def _here(work: list[tuple[str, str, list[str]]], scorer: tuple):
     """Each shard scored in this process: (shard, images, errors, why it was not scored or None)."""
     scoring = ShardScorer(*scorer)
     for shard, version, names in work:
-        try:
-            yield shard, *scoring.score(shard, version, names), None
-        except FAILURES as err:
-            yield shard, 0, 0, f"{type(err).__name__}: {err}"[:300]
+        yield scoring.attempt(shard, version, names)
 
 
 def _on_ray(work: list[tuple[str, str, list[str]]], scorer: tuple, workers: int, device: str):
@@ -145,7 +139,7 @@ def _on_ray(work: list[tuple[str, str, list[str]]], scorer: tuple, workers: int,
 
 
 def _held(output: Output, name: str) -> dict | None:
-    """The claim `scores/<name>/_scorer.json` holds, if any (`scorer.json` before 0.1: read, never written)."""
+    """The claim `scores/<name>/_scorer.json` holds, if any (`scorer.json`, the name earlier runs wrote, is read too)."""
     for key in (claim_key(name), f"{SCORES}/{name}/scorer.json"):
         try:
             return json.loads(output.get(key))

@@ -72,22 +72,16 @@ def model_identity(model: str, revision: str | None = None, variant: str | None 
     return f"{name} (variant {variant})" if variant else name
 
 
-def pinned_revision(output: Output, model: str) -> str | None:
-    """The commit an earlier run of this job pinned its hub model to, if OUT holds one."""
+def pinned(output: Output, model: str) -> tuple[str | None, dict[str, str]]:
+    """What an earlier run of this job pinned, from one read of OUT's job.json (nothing where it holds
+    none): the commit of its hub model (if it is `model`), and {hub id: commit} of its scorers' hub models."""
     try:
-        config = json.loads(output.get(JOB)).get("config", {})
+        record = json.loads(output.get(JOB))
     except (FileNotFoundError, ValueError):
-        return None
-    return config.get("revision") if config.get("model") == model else None
-
-
-def pinned_scorer_models(output: Output) -> dict[str, str]:
-    """{hub id: commit} for the hub models this output's job pinned its scorers to (job.json)."""
-    try:
-        scorers = json.loads(output.get(JOB)).get("fingerprint", {}).get("scorers") or {}
-    except (FileNotFoundError, ValueError):
-        return {}
-    return commits([v for entry in scorers.values() for v in (entry.get("model", ""), *entry.get("reads", ()))])
+        return None, {}
+    config, scorers = record.get("config", {}), record.get("fingerprint", {}).get("scorers") or {}
+    revision = config.get("revision") if config.get("model") == model else None
+    return revision, commits([v for e in scorers.values() for v in (e.get("model", ""), *e.get("reads", ()))])
 
 
 def commits(identities: list[str]) -> dict[str, str]:

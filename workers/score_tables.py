@@ -14,8 +14,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from fleetgen.errors import StorageError
 from fleetgen.scores import ERROR_COLUMN, SCORERS, ScoreSpec
-from fleetgen.workers.output.formats import get_format
+from fleetgen.workers.output.formats import Unreadable, get_format
 from fleetgen.workers.output.layout import manifest_key
 from fleetgen.workers.output.storage import Output
 from fleetgen.workers.pipeline.load import resolve_device
@@ -39,6 +40,14 @@ class ShardScorer:
         self.output, self.fmt, self.batch = Output(url), get_format(output_format), batch
         dev = resolve_device(device)
         self.scoring = Scoring(spec, dev, torch.float32 if dev.type == "cpu" else torch.bfloat16)
+
+    def attempt(self, shard: str, version: str, names: list[str]) -> tuple[str, int, int, str | None]:
+        """`score`'s (shard, images, errors, None), or (shard, 0, 0, why) where the store or a stored image
+        failed it: that shard is left for a rerun, the others go on."""
+        try:
+            return shard, *self.score(shard, version, names), None
+        except (StorageError, Unreadable, OSError, ValueError) as err:
+            return shard, 0, 0, f"{type(err).__name__}: {err}"[:300]
 
     def score(self, shard: str, version: str, names: list[str]) -> tuple[int, int]:
         """Score `shard` (its manifest at `version`) with the scorers `names`, committing a table for each;

@@ -1,15 +1,19 @@
 """How a family's pipeline is called: the arguments of one call (only those its `__call__` takes),
 what is set on the pipeline instead, the task's inputs, what a prompt's record says before it is
-made, and the loaded pipeline turned into the task's class."""
+made, the loaded pipeline turned into the task's class, and (`Calls`) a batch of work items to its
+call's arguments and the call's output to pictures."""
 
 from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import dataclass, field
 
 from fleetgen.errors import FleetgenError, one_line
 from fleetgen.workers.families.table import Family, Task
-from fleetgen.workers.rows.batches import Look
+from fleetgen.workers.output.fields import extra_settings
+from fleetgen.workers.output.video import clips_of
+from fleetgen.workers.rows.batches import Look, WorkItem
 
 
 def call_kwargs(
@@ -147,3 +151,65 @@ def generators(seeds: list[int]):
     import torch
 
     return [torch.Generator("cpu").manual_seed(s) for s in seeds]
+
+
+@dataclass
+class Calls:
+    """One loaded pipeline's calls: a batch of work items (one look) to its call's arguments, and the
+    call's output (or a decode phase's) to the pictures it asked for."""
+
+    pipe: object
+    family: Family
+    task: Task
+    true_cfg_scale: float | None = None
+    # per-row settings a look carries, by the keyword each is passed as (the field table)
+    call_args: dict = field(default_factory=lambda: {f.name: f.call_arg for f in extra_settings()})
+
+    def roles(self) -> list[str]:
+        """The input pictures each image of the task reads, in order (the mask last)."""
+        return (["image"] if self.task.takes_images else []) + (["mask"] if self.task.mask else [])
+
+    def kwargs(self, prompts: list[str], negatives: list[str | None], look: Look, generator, inputs=None) -> dict:
+        """`inputs`: per image, its input pictures (the mask last), as workers/rows/inputs.py loaded them."""
+        extra = {self.call_args[name]: value for name, value in look.extra if self.call_args.get(name)}
+        extra.update(task_kwargs(self.task, look.width, look.height, inputs))
+        prepare_call(self.pipe, self.family, guidance=look.guidance, width=look.width, height=look.height)
+        return call_kwargs(
+            self.pipe,
+            self.family,
+            prompts,
+            negatives,
+            look,
+            true_cfg_scale=self.true_cfg_scale,
+            generator=generator,
+            extra=extra,
+        )
+
+    def of(self, batch: list[WorkItem], inputs: dict | None = None):
+        """The arguments of `batch`'s call, made afresh by each call of the function returned (its
+        generators start at the images' seeds every time). `inputs`: {image id: its loaded inputs}."""
+        look = batch[0].look
+        return lambda: self.kwargs(
+            [im.prompt for im in batch],
+            [im.negative_prompt for im in batch],
+            look,
+            generators([im.seed for im in batch]),
+            [[(x.picture, x.ref.role) for x in (inputs or {}).get(im.id, ())] for im in batch],
+        )
+
+    def pictures(self, out, look: Look) -> list:
+        """A call's pictures (a decode phase's output alike): images, or clips; a pipeline that rescales
+        is an error, as its records would say otherwise."""
+        pictures = self._clips(out, dict(look.extra)) if self.task.video else out.images
+        made = {getattr(p, "size", None) for p in pictures}
+        if made != {(look.width, look.height)}:
+            sizes = ", ".join(sorted(f"{w}x{h}" for w, h in made if w) or ["no images"])
+            raise FleetgenError(f"{type(self.pipe).__name__} made {sizes} where {look.width}x{look.height} was asked")
+        return pictures
+
+    def _clips(self, out, extra: dict) -> list:
+        """A video pipeline's output as clips (LTX-2's with their sound, at its vocoder's rate)."""
+        audio = out.audio if self.family.audio else None
+        rate = self.pipe.vocoder.config.output_sampling_rate if self.family.audio else 0
+        fps = extra.get("fps") or self.family.fps
+        return clips_of(out.frames, extra.get("num_frames"), fps, type(self.pipe).__name__, audio, rate)

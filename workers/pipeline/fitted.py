@@ -19,12 +19,10 @@ from fleetgen.offload.profile import live_bytes
 from fleetgen.offload.quantize import held, load_config, quantize
 from fleetgen.offload.weight_formats import describe, pinned_gguf, runnable, spec, unavailable
 from fleetgen.workers.families.table import FAMILIES, GENERIC, Family
-from fleetgen.workers.output.fields import extra_settings
 from fleetgen.workers.output.made import Made
-from fleetgen.workers.output.video import clips_of
 from fleetgen.workers.pipeline.attention import choose_attention, reset_attention, set_attention
 from fleetgen.workers.pipeline.caching import AppliedCache, cache_refusal, names_contexts
-from fleetgen.workers.pipeline.calls import as_task, call_kwargs, generators, prepare_call, task_kwargs, warm_up_input
+from fleetgen.workers.pipeline.calls import Calls, as_task, warm_up_input
 from fleetgen.workers.pipeline.compiling import AppliedCompile, is_compile_error
 from fleetgen.workers.pipeline.load import (
     activate_adapters,
@@ -67,7 +65,6 @@ class FittedPipeline:
         self.device = resolve_device(source.device)
         self.dtype = resolve_dtype(source.dtype, self.device, self.family.dtype)
         self._given = pipe is not None
-        self._call_args = {f.name: f.call_arg for f in extra_settings()}  # per-row settings the look carries
         self.placed = self.cache = self.compiled = self.attention = self.offload_stats = self.phases = None
         self.step_downs: list[dict] = []
         self._pending: list[tuple] = []  # (phases, batch key, its Made records, to pictures): for `decode()`
@@ -75,6 +72,7 @@ class FittedPipeline:
         at_load = self._formats_at_load()
         self.pipe = pipe if pipe is not None else self._load(at_load)
         self._prepare(at_load)
+        self.calls = Calls(self.pipe, self.family, self.task, settings.true_cfg_scale)
         self.profile = profile_pipeline(
             self.pipe, source.model, vae_upcast=self.family.upcasts_vae, formats=self._formats
         ).holding(self.quantized)
@@ -218,7 +216,7 @@ class FittedPipeline:
         if self.phases is None or not batches:
             return
         self._activate(batches[0][0][0].look)
-        calls = {_key(b): self._batch_call(b, inputs) for b, inputs in batches}
+        calls = {_key(b): self.calls.of(b, inputs) for b, inputs in batches}
         self.phases.encode(list(calls), lambda key: self._capture(key, calls[key]))
 
     def _capture(self, key: tuple, call) -> None:
@@ -312,10 +310,10 @@ class FittedPipeline:
         while True:
             oom = None
             try:
-                blank = [[warm_up_input(r, look.width, look.height) for r in self._roles()]] * images
+                blank = [[warm_up_input(r, look.width, look.height) for r in self.calls.roles()]] * images
 
                 def call(blank=blank):
-                    return self._kwargs(["warm up"] * images, [None] * images, look, generator=None, inputs=blank)
+                    return self.calls.kwargs(["warm up"] * images, [None] * images, look, generator=None, inputs=blank)
 
                 with components_dtypes_kept(self.pipe), self._cache_context():
                     self._run(("warm up",) * images, call)
@@ -432,36 +430,17 @@ class FittedPipeline:
         elif self.placed is not None:
             self.placed.close()
 
-    def _roles(self) -> list[str]:
-        return (["image"] if self.task.takes_images else []) + (["mask"] if self.task.mask else [])
-
-    def _kwargs(self, prompts: list[str], negatives: list[str | None], look: Look, generator, inputs=None) -> dict:
-        """`inputs`: per image, its input pictures (the mask last), as workers/rows/inputs.py loaded them."""
-        extra = {self._call_args[name]: value for name, value in look.extra if self._call_args.get(name)}
-        extra.update(task_kwargs(self.task, look.width, look.height, inputs))
-        prepare_call(self.pipe, self.family, guidance=look.guidance, width=look.width, height=look.height)
-        return call_kwargs(
-            self.pipe,
-            self.family,
-            prompts,
-            negatives,
-            look,
-            true_cfg_scale=self.settings.true_cfg_scale,
-            generator=generator,
-            extra=extra,
-        )
-
     def _call(self, batch: list[WorkItem], inputs: dict | None = None) -> list[Made]:
         """`inputs`: {image id: its loaded inputs} (workers/rows/inputs.py), for tasks that take images."""
         look = batch[0].look
         started = time.perf_counter()
         self._activate(look)
         with components_dtypes_kept(self.pipe), self._cache_context():
-            out = self._run(_key(batch), self._batch_call(batch, inputs))
+            out = self._run(_key(batch), self.calls.of(batch, inputs))
         if self.deferred:  # pictures from `decode()`, the chunk's phase 3
             pictures, flags = [None] * len(batch), [None] * len(batch)
         else:
-            pictures = self._pictures(out, look)
+            pictures = self.calls.pictures(out, look)
             # A safety checker (SD 1.x) blacks out what it flags: such pictures are None.
             flags = getattr(out, "nsfw_content_detected", None) or [None] * len(batch)
         seconds = time.perf_counter() - started
@@ -482,42 +461,13 @@ class FittedPipeline:
             for im, picture, flagged in zip(batch, pictures, flags, strict=True)
         ]
         if self.deferred:
-            self._pending.append((self.phases, _key(batch), made, lambda out: self._pictures(out, look)))
+            self._pending.append((self.phases, _key(batch), made, lambda out: self.calls.pictures(out, look)))
         return made
-
-    def _pictures(self, out, look: Look) -> list:
-        """A call's pictures (a decode phase's output alike): images, or clips; a
-        pipeline that rescales is an error, as its records would say otherwise."""
-        pictures = self._clips(out, dict(look.extra)) if self.task.video else out.images
-        made = {getattr(p, "size", None) for p in pictures}
-        if made != {(look.width, look.height)}:
-            sizes = ", ".join(sorted(f"{w}x{h}" for w, h in made if w) or ["no images"])
-            raise FleetgenError(f"{type(self.pipe).__name__} made {sizes} where {look.width}x{look.height} was asked")
-        return pictures
 
     def _activate(self, look: Look) -> None:
         if look.adapters != self._active:  # between batches only: a batch shares its look
             activate_adapters(self.pipe, self.adapters, look.adapters)
             self._active = look.adapters
-
-    def _batch_call(self, batch: list[WorkItem], inputs: dict | None = None):
-        """The arguments of `batch`'s pipeline call, made afresh by each call of the function returned
-        (its generators start at the images' seeds every time)."""
-        look = batch[0].look
-        return lambda: self._kwargs(
-            [im.prompt for im in batch],
-            [im.negative_prompt for im in batch],
-            look,
-            generators([im.seed for im in batch]),
-            [[(x.picture, x.ref.role) for x in (inputs or {}).get(im.id, ())] for im in batch],
-        )
-
-    def _clips(self, out, extra: dict) -> list:
-        """A video pipeline's output as clips (LTX-2's with their sound, at its vocoder's rate)."""
-        audio = out.audio if self.family.audio else None
-        rate = self.pipe.vocoder.config.output_sampling_rate if self.family.audio else 0
-        fps = extra.get("fps") or self.family.fps
-        return clips_of(out.frames, extra.get("num_frames"), fps, type(self.pipe).__name__, audio, rate)
 
     def _cache_context(self):
         return self.cache.context() if self.cache is not None else contextlib.nullcontext()

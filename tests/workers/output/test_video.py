@@ -245,7 +245,7 @@ def test_ltx_makes_clips_from_text_and_from_images_with_its_frame_rate(wan, tmp_
     job = GenerationSettings(family="ltx-video", task="text-to-video")
     fitted = FittedPipeline(Source(wan["ltx-video"], "cpu"), job)
     look = Look(64, 64, 2, 3.0, extra=(("num_frames", 9), ("fps", 12.0)))
-    kwargs = fitted._kwargs(["a cat"], [None], look, None)
+    kwargs = fitted.calls.kwargs(["a cat"], [None], look, None)
     assert (kwargs["frame_rate"], kwargs["num_frames"], kwargs["max_sequence_length"]) == (12.0, 9, 128)
     fitted.close()
 
@@ -295,7 +295,7 @@ def test_hunyuanvideo15_is_guided_through_its_guider(wan, tmp_path):
     job = GenerationSettings(family="hunyuanvideo-1.5", task="text-to-video")
     fitted = FittedPipeline(Source(wan["hunyuanvideo-1.5"], "cpu"), job)
     assert fitted.pipe.guider.guidance_scale == 6.0  # as saved
-    fitted._kwargs(["a cat"], [None], Look(32, 32, 2, 3.0, extra=(("num_frames", 9),)), None)
+    fitted.calls.kwargs(["a cat"], [None], Look(32, 32, 2, 3.0, extra=(("num_frames", 9),)), None)
     assert fitted.pipe.guider.guidance_scale == 3.0  # the job's, set on the guider before the call
     fitted.close()
 
