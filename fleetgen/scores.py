@@ -100,7 +100,7 @@ MAX_CANDIDATES = 64  # `--best-of`: candidates per image at most
 class ScoreSpec:
     """The job's scorers: (name, model) in the order asked; model as given (hub id or directory).
     `revisions`: (hub id, revision) for the hub models the scorers read — as asked (`@REV`), then, once
-    the driver has pinned them (jobs/models.py `pin_scorers`), each a commit."""
+    the driver has pinned them (jobs/hub.py `pin_scorers`), each a commit."""
 
     scorers: tuple[tuple[str, str], ...] = ()
     revisions: tuple[tuple[str, str], ...] = ()

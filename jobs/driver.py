@@ -21,17 +21,10 @@ from fleetgen.errors import ClusterError, ConfigError, InputError, StorageError
 from fleetgen.jobs.config import JobConfig, resolve_paths
 from fleetgen.jobs.dataset import describe_columns, write_card
 from fleetgen.jobs.fleet import FleetRecord, follow
+from fleetgen.jobs.hub import HUB_ENV, pin_revision, pin_scorers
 from fleetgen.jobs.inputs import check_unchanged
 from fleetgen.jobs.lock import OutputLock
-from fleetgen.jobs.models import (
-    HUB_ENV,
-    MAX_ADAPTERS,
-    describe,
-    pin_revision,
-    pin_scorers,
-    resolve_adapters,
-    resolve_defaults,
-)
+from fleetgen.jobs.models import MAX_ADAPTERS, describe, resolve_adapters, resolve_defaults
 from fleetgen.jobs.progress import Progress
 from fleetgen.jobs.sharding import (
     distinct_strings,

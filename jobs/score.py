@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 import pyarrow.parquet as pq
 
 from fleetgen.errors import ConfigError, FleetgenError
-from fleetgen.jobs.models import HUB_ENV
+from fleetgen.jobs.hub import HUB_ENV
 from fleetgen.jobs.state import commits, list_manifests, scorer_identity
 from fleetgen.jobs.validate import check_scorers
 from fleetgen.scores import ScoreSpec, parse_scores
@@ -65,7 +65,7 @@ def score_job(
 ) -> ScoreSummary:
     """Score every committed shard of the job at `url` not scored yet by each of `score`'s scorers: in
     this process (`workers` 0), or on `workers` Ray workers."""
-    from fleetgen.jobs.models import pin_scorers
+    from fleetgen.jobs.hub import pin_scorers
 
     output = Output(url)
     spec = parse_scores(score)
