@@ -17,6 +17,7 @@ from dataclasses import replace
 import ray
 
 from fleetgen.errors import ClusterError
+from fleetgen.imports import paused_gc
 from fleetgen.workers.rows.shard import Shard
 from fleetgen.workers.spec import BatchDone, ShardResult, WorkerSpec
 
@@ -80,14 +81,16 @@ class FleetWorker:
         """Load the pipeline and plan for this device (once); returns `Worker.describe()` with
         where it runs and any warning about its placement."""
         if self.worker is None:
-            import torch
+            with paused_gc():  # the process's start is nearly all imports (fleetgen/imports.py)
+                import torch
 
-            from fleetgen.cluster.metrics import MeteredWorker
+                from fleetgen.cluster.metrics import MeteredWorker
 
-            placement = self.where()
-            warnings = self._check_device(placement)
-            device_total = torch.cuda.mem_get_info()[1] if placement["gpu_ids"] and torch.cuda.is_available() else None
-            self.worker = MeteredWorker(fit_to_share(self.spec, self.resources, placement, device_total))
+                placement = self.where()
+                warnings = self._check_device(placement)
+                cuda = placement["gpu_ids"] and torch.cuda.is_available()
+                device_total = torch.cuda.mem_get_info()[1] if cuda else None
+                self.worker = MeteredWorker(fit_to_share(self.spec, self.resources, placement, device_total))
             self.worker.info.update(placement=placement, warnings=warnings)
             self.worker.write_info()  # the driver logs the warnings; workers/<name>.json keeps them
         return self.worker.describe()

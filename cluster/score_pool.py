@@ -14,6 +14,7 @@ from ray.util import ActorPool
 
 from fleetgen.cluster.connect import connect, disconnect
 from fleetgen.errors import ClusterError
+from fleetgen.imports import paused_gc
 
 Result = tuple[str, int, int, str | None]  # (shard, images, errors, why it was not scored or None)
 
@@ -21,9 +22,10 @@ Result = tuple[str, int, int, str | None]  # (shard, images, errors, why it was 
 @ray.remote
 class ScoreWorker:
     def __init__(self, *scorer):
-        from fleetgen.workers.score_tables import ShardScorer
+        with paused_gc():  # the process's start is nearly all imports (fleetgen/imports.py)
+            from fleetgen.workers.score_tables import ShardScorer
 
-        self.scorer = ShardScorer(*scorer)
+            self.scorer = ShardScorer(*scorer)
 
     def score(self, shard: str, version: str, names: list[str]) -> Result:
         return self.scorer.attempt(shard, version, names)

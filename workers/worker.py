@@ -16,6 +16,7 @@ import pyarrow as pa
 import torch
 
 from fleetgen.errors import ShardError, StorageError
+from fleetgen.imports import paused_gc
 from fleetgen.workers.best_of import BestOf, place
 from fleetgen.workers.info import describe, worker_info
 from fleetgen.workers.output.commit import (
@@ -107,7 +108,8 @@ class Worker:
         if spec.threads:
             torch.set_num_threads(spec.threads)
         self.output = Output(spec.output)
-        self.fitted = FittedPipeline(spec.source(), spec.settings, spec.fit(), spec.name, pipe)
+        with paused_gc():  # a pipeline's first load imports most of diffusers and transformers
+            self.fitted = FittedPipeline(spec.source(), spec.settings, spec.fit(), spec.name, pipe)
         scores = spec.settings.scores
         self.scoring = Scoring(scores, self.fitted.device, self.fitted.dtype) if scores else None
         self.recipe = spec.settings.recipe(self.fitted.size_multiple)

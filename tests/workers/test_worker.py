@@ -422,3 +422,32 @@ def test_encoding_and_storing_overlap_the_next_pipeline_call(tiny_model, tmp_pat
             assert at >= stored[k - WRITE_AHEAD - 1][2]
     rows = manifest(tmp_path / "out").to_pylist()
     assert len(rows) == 8 and all(r["sha256"] and r["size"] for r in rows)  # committed after every store
+
+
+def test_a_worker_loads_its_pipeline_with_the_collector_paused(tiny_model, tmp_path, monkeypatch):
+    """The pipeline's load (on a worker's first, most of diffusers' and transformers' imports) runs
+    with the cyclic collector off and sets off no collection (fleetgen/imports.py); on after it."""
+    import gc
+
+    import fleetgen.workers.worker
+
+    seen, collections = [], []
+
+    class Watched(fleetgen.workers.worker.FittedPipeline):
+        def __init__(self, *args):
+            seen.append(gc.isenabled())
+            before = len(collections)
+            super().__init__(*args)
+            seen.append(len(collections) - before)
+
+    def counted(phase, info):
+        if phase == "start":
+            collections.append(info["generation"])
+
+    monkeypatch.setattr(fleetgen.workers.worker, "FittedPipeline", Watched)
+    gc.callbacks.append(counted)
+    try:
+        make_worker(tiny_model, tmp_path / "out").close()
+    finally:
+        gc.callbacks.remove(counted)
+    assert seen == [False, 0] and gc.isenabled()

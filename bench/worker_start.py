@@ -1,0 +1,102 @@
+"""A Ray worker's start-up CPU with and without the garbage collector paused over it.
+
+A worker of a tiny-model job spends nearly all of its CPU starting: `start()` imports torch,
+diffusers and transformers and loads the pipeline, with the cyclic collector paused
+(fleetgen/imports.py). Here each run is a fresh `FleetWorker` actor on a local Ray, on CPU, whose
+process CPU time is read from /proc across its `start()`; for the "on" runs the actor is first told
+to leave the collector on (`collector_on`, before anything of the worker's is imported there). The
+two kinds alternate (paused, on, paused, ...) and the ratio is taken per pair, so the machine's noise
+hits both. Linux only.
+
+    python bench/worker_start.py [--pairs 5] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def collector_on(actor) -> bool:
+    """Run in a placed actor before its `start()`: `paused_gc` a no-op in its process (the actor's
+    module bound it at import; the worker's modules, not imported yet, bind it as they load)."""
+    import contextlib
+    import sys
+
+    for name in ("fleetgen.imports", "fleetgen.cluster.actor"):
+        sys.modules[name].paused_gc = contextlib.nullcontext
+    return "fleetgen.workers.worker" not in sys.modules
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start_cpu(kind: str, spec) -> float:
+    """CPU seconds of one fresh actor's `start()` (its process's boot not counted)."""
+    import ray
+
+    from fleetgen.cluster.actor import RemoteWorker
+
+    env = {"env_vars": {"PYTHONPATH": str(ROOT)}}
+    actor = RemoteWorker.options(num_cpus=1, runtime_env=env).remote(spec, {"num_cpus": 1})
+    pid = ray.get(actor.where.remote())["pid"]
+    if kind == "on":
+        assert ray.get(actor.__ray_call__.remote(collector_on)), "the worker's modules were imported already"
+    before = cpu_seconds(pid)
+    ray.get(actor.start.remote())
+    spent = cpu_seconds(pid) - before
+    ray.get(actor.close.remote())
+    ray.kill(actor)
+    return spent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--json", help="write the figures here as well")
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    import ray
+
+    from fleetgen.workers.rows.shard import Columns
+    from fleetgen.workers.spec import GenerationSettings, WorkerSpec
+    from fleetgen.workers.tiny import write_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(write_tiny_model(Path(tmp) / "tiny"))
+        settings = GenerationSettings(steps=2, width=32, height=32)
+        spec = WorkerSpec("w0", model, f"{tmp}/out", settings, Columns(), device="cpu", threads=1)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        try:
+            start_cpu("paused", spec)  # the page cache warm for both kinds
+            runs = [{kind: start_cpu(kind, spec) for kind in ("paused", "on")} for _ in range(args.pairs)]
+        finally:
+            ray.shutdown()
+    ratios = [r["paused"] / r["on"] for r in runs]
+    result = {
+        "pairs": runs,
+        "paused_cpu_s": statistics.median(r["paused"] for r in runs),
+        "on_cpu_s": statistics.median(r["on"] for r in runs),
+        "ratio_median": statistics.median(ratios),
+        "ratio_range": [min(ratios), max(ratios)],
+    }
+    print(
+        f"a worker's start(), CPU seconds (median of {args.pairs} pairs): collector paused "
+        f"{result['paused_cpu_s']:.2f}, on {result['on_cpu_s']:.2f}; paused/on {result['ratio_median']:.2f} "
+        f"(pairs {min(ratios):.2f}-{max(ratios):.2f})"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
