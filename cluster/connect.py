@@ -59,6 +59,3 @@ def disconnect() -> None:
     if _started_here and ray.is_initialized():
         ray.shutdown()
         _started_here = False
-
-
-inits = 0  # Ray connections this process made (a test that makes one must say so: tests/conftest.py)

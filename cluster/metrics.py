@@ -1,7 +1,7 @@
 """Worker metrics through Ray's own metrics API (`ray.util.metrics`), which Ray exports to
 Prometheus on each node's metrics port (names get Ray's `ray_` prefix there). Tagged per worker
 and device. Imported in the actor's process only (the worker's modules load torch); the driver's own
-metric is the pool's (`fleetgen_shard_failures`, cluster/pool.py)."""
+metric is the pool's (`fleetgen_shard_failures`, cluster/run.py)."""
 
 from __future__ import annotations
 

@@ -28,14 +28,15 @@ def test_a_worker_that_answers_from_a_new_process_after_being_unreachable_was_lo
     import ray
 
     from fleetgen.cluster.events import WorkerLost, WorkerReady
-    from fleetgen.cluster.pool import ActorState, WorkerPool, _Actor, _Run
+    from fleetgen.cluster.pool import WorkerPool
+    from fleetgen.cluster.run import ActorState, PoolActor, PoolRun
     from fleetgen.workers.rows.shard import Shard
 
     shard = Shard("shard-00003", "p.parquet", 0, 0, 0, 6, 2)
     pool = WorkerPool(lambda i: None, {}, max_workers=1, max_restarts=2)
-    actor = _Actor("w0", None, ActorState.UNAVAILABLE, placement={"pid": 100, "host": "spot"}, shard=shard)
+    actor = PoolActor("w0", None, ActorState.UNAVAILABLE, placement={"pid": 100, "host": "spot"}, shard=shard)
     pool.actors["w0"] = actor
-    run = _Run(pool, [], threading.Event(), 0.0)
+    run = PoolRun(pool, [], threading.Event(), 0.0)
     run.attempts[shard.id], run.live[shard.id] = 1, 1
     answer = ray.put({"pid": 200, "placement": {"pid": 200, "host": "fake-a"}, "device": {"name": "cpu"}})
     lost, ready = list(run._answer(actor, answer))
