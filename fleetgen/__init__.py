@@ -4,7 +4,8 @@ One installed name. Its rooms are `fleetgen.jobs` (what a job is, the driver, th
 `fleetgen.workers` (one device's work), `fleetgen.offload` (fitting a pipeline to a device) and
 `fleetgen.cluster` (Ray at the edge); this package itself holds the version, the exception tree
 and the few plain-data modules every room shares (`errors`, `units`, `caches`, `attention`,
-`latents`). Nothing here imports torch or Ray.
+`latents`), with `imports` (the garbage collector paused over a worker's start). Nothing here imports
+torch or Ray.
 
 The Python API mirrors the commands (fleetgen/api.py): `fleetgen.run`, `fleetgen.plan`,
 `fleetgen.status`, `fleetgen.verify`, `fleetgen.report`.
