@@ -55,7 +55,7 @@ class SimHost:
     async def where(self, index: int) -> dict:
         return {"host": "sim", "node_ip": "127.0.0.1", "gpu_ids": [], "pid": os.getpid(), "worker": index}
 
-    async def start(self, index: int) -> dict:
+    async def start(self, index: int, spec=None) -> dict:
         return {"pid": os.getpid(), "worker": index}
 
     async def iter_shard(self, index: int, shard: Shard):
@@ -129,6 +129,9 @@ class SimActors(RayActors):
 
     def kill(self, handle) -> None:
         pass  # nothing runs between calls
+
+    def retire(self, handle, closed: bool) -> None:
+        pass
 
     def spans(self) -> dict[int, list[tuple[float, float]]]:
         out = {}

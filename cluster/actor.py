@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import ray
 
+from fleetgen.cluster.warm import scope
 from fleetgen.errors import ClusterError
 from fleetgen.imports import paused_gc
 from fleetgen.workers.rows.shard import Shard
@@ -77,9 +78,14 @@ class FleetWorker:
             "node_cpus": resources.get("CPU", 0),
         }
 
-    def start(self) -> dict:
+    def start(self, spec: WorkerSpec | None = None) -> dict:
         """Load the pipeline and plan for this device (once); returns `Worker.describe()` with
-        where it runs and any warning about its placement."""
+        where it runs and any warning about its placement. `spec`: the run's (the pool always passes
+        it): a parked worker taken by a later run, or one Ray restarted from its first run's
+        arguments, loads that run's job, not the one it was created for (cluster/warm.py)."""
+        if spec is not None and spec != self.spec:
+            self.close()
+            self.spec = spec
         if self.worker is None:
             with paused_gc():  # the process's start is nearly all imports (fleetgen/imports.py)
                 import torch
@@ -129,13 +135,34 @@ RemoteWorker = ray.remote(FleetWorker)
 
 class RayActors:
     """How the pool starts and ends workers: a Ray actor each, running `FleetWorker`. A simulation
-    passes its own (bench/pool_sim.py), with handles that answer the same calls."""
+    passes its own (bench/pool_sim.py), with handles that answer the same calls. Inside
+    `fleetgen.warm_workers()` a worker is taken from the parked ones when one asked for the same, and
+    one that closed cleanly is parked instead of killed (cluster/warm.py)."""
+
+    def __init__(self):
+        self.keys: dict[object, tuple] = {}  # each created actor's parking key, by its actor id
 
     def create(self, spec: WorkerSpec, options: dict, env_vars: dict[str, str], max_restarts: int):
-        env = {"runtime_env": {"env_vars": env_vars}} if env_vars else {}
-        return RemoteWorker.options(**options, **env, max_restarts=max_restarts, max_task_retries=0).remote(
-            spec, options
-        )
+        key = (repr(sorted(options.items())), repr(sorted(env_vars.items())), max_restarts)
+        warm = scope()
+        handle = warm.take(key) if warm is not None else None
+        if handle is None:
+            env = {"runtime_env": {"env_vars": env_vars}} if env_vars else {}
+            handle = RemoteWorker.options(**options, **env, max_restarts=max_restarts, max_task_retries=0).remote(
+                spec, options
+            )
+        self.keys[handle._actor_id] = key
+        return handle
+
+    def retire(self, handle, closed: bool) -> None:
+        """The end of a worker's run: parked if it `closed` cleanly inside a warm-workers block,
+        else killed."""
+        key, warm = self.keys.pop(getattr(handle, "_actor_id", None), None), scope()
+        if closed and key is not None and warm is not None:
+            warm.park(key, handle)
+        else:
+            self.kill(handle)
 
     def kill(self, handle) -> None:
+        self.keys.pop(getattr(handle, "_actor_id", None), None)
         ray.kill(handle, no_restart=True)

@@ -23,6 +23,7 @@ class ClusterShape:
 
 
 _started_here = False
+_holds = 0  # connect() calls not yet matched by disconnect() (a warm-workers block holds one over its runs)
 inits = 0  # Ray connections this process made (a test that makes one must say so: tests/conftest.py)
 
 
@@ -34,7 +35,7 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> ClusterS
     and hang there if it is gone. Reuses an existing connection (a test session's, or an
     embedding application's).
     """
-    global _started_here, inits
+    global _started_here, _holds, inits
     address = address or os.environ.get("RAY_ADDRESS")
     if not ray.is_initialized():
         inits += 1
@@ -47,6 +48,7 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> ClusterS
         except (ConnectionError, RuntimeError, ValueError) as err:
             where = f"the Ray cluster at `{address}`" if address else "a local Ray"
             raise ClusterError(f"Could not start or join {where}: {err}") from err
+    _holds += 1
     res = ray.cluster_resources()
     return ClusterShape(
         cpus=int(res.get("CPU", 0)), gpus=int(res.get("GPU", 0)), started_here=_started_here, on_cluster=bool(address)
@@ -54,8 +56,10 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> ClusterS
 
 
 def disconnect() -> None:
-    """Shut Ray down only if `connect` started it."""
-    global _started_here
-    if _started_here and ray.is_initialized():
+    """Shut Ray down only if `connect` started it and no other `connect` still holds it (a run inside
+    `fleetgen.warm_workers()` leaves the block's Ray up)."""
+    global _started_here, _holds
+    _holds = max(0, _holds - 1)
+    if _started_here and not _holds and ray.is_initialized():
         ray.shutdown()
         _started_here = False

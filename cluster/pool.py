@@ -63,7 +63,7 @@ class WorkerPool:
         self.actors: dict[str, PoolActor] = {}
         self.created = 0
         self.spent = 0  # slots used for good: actors that failed to start or died too often
-        self.closing: dict[ray.ObjectRef, ray.actor.ActorHandle] = {}  # close() calls of released actors
+        self.closing: dict[ray.ObjectRef, PoolActor] = {}  # close() calls of released actors
         self.close_deadline: dict[ray.ObjectRef, float] = {}
 
     # -- actors ---------------------------------------------------------------------------------
@@ -73,7 +73,7 @@ class WorkerPool:
         spec = self.spec_for(self.created)
         self.created += 1
         handle = self.factory.create(spec, self.options, self.env_vars, self.max_restarts)
-        actor = PoolActor(name, handle)
+        actor = PoolActor(name, handle, spec=spec)
         actor.call = handle.where.remote()
         self.actors[name] = actor
 
@@ -82,7 +82,7 @@ class WorkerPool:
         del self.actors[actor.name]
         if actor.state in (ActorState.IDLE, ActorState.FAILED):
             ref = actor.handle.close.remote()
-            self.closing[ref], self.close_deadline[ref] = actor.handle, time.monotonic() + CLOSE_TIMEOUT
+            self.closing[ref], self.close_deadline[ref] = actor, time.monotonic() + CLOSE_TIMEOUT
         else:  # placing or loading: nothing to close, or busy loading
             self.factory.kill(actor.handle)
         return WorkerReleased(actor.name, reason)
@@ -93,14 +93,27 @@ class WorkerPool:
         done, _ = ray.wait(list(self.closing), num_returns=len(self.closing), timeout=0)
         for ref in [*done, *[r for r, t in self.close_deadline.items() if t <= now]]:
             if ref in self.closing:
-                self.factory.kill(self.closing.pop(ref))
+                self._retire(self.closing.pop(ref), ref if ref in done else None)
                 del self.close_deadline[ref]
+
+    def _retire(self, actor: PoolActor, closed: ray.ObjectRef | None) -> None:
+        """Kill a released actor, or park it for a later run (cluster/warm.py) if its `closed` call
+        answered without error and it is one that never died or failed to start."""
+        clean = closed is not None and actor.deaths == 0 and actor.state == ActorState.IDLE
+        if clean:
+            try:
+                ray.get(closed, timeout=0)
+            except (ray.exceptions.RayError, TimeoutError):
+                clean = False
+        self.factory.retire(actor.handle, clean)
 
     def ask(self, actor: PoolActor, now: float) -> None:
         """(Re)issue the call that moves a placing/loading/unavailable actor on."""
         if actor.call is None and actor.retry_at <= now:
             actor.call = (
-                actor.handle.where.remote() if actor.state == ActorState.PLACING else actor.handle.start.remote()
+                actor.handle.where.remote()
+                if actor.state == ActorState.PLACING
+                else actor.handle.start.remote(actor.spec)
             )
 
     # -- the loop -------------------------------------------------------------------------------
@@ -121,11 +134,12 @@ class WorkerPool:
         refs = dict(self.closing)
         for actor in self.actors.values():
             if actor.state in (ActorState.IDLE, ActorState.FAILED, ActorState.BUSY, ActorState.UNAVAILABLE):
-                refs[actor.handle.close.remote()] = actor.handle
+                refs[actor.handle.close.remote()] = actor
             else:
                 self.factory.kill(actor.handle)
+        done = []
         if refs and timeout > 0:
-            ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
-        for handle in refs.values():
-            self.factory.kill(handle)
+            done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+        for ref, actor in refs.items():
+            self._retire(actor, ref if ref in done else None)
         self.actors, self.closing, self.close_deadline = {}, {}, {}

@@ -36,7 +36,7 @@ from fleetgen.cluster.events import (
 from fleetgen.cluster.sizing import format_asks, gpu_hint, unplaceable
 from fleetgen.errors import ClusterError, one_line
 from fleetgen.workers.rows.shard import Shard
-from fleetgen.workers.spec import ShardResult
+from fleetgen.workers.spec import ShardResult, WorkerSpec
 
 if TYPE_CHECKING:
     from fleetgen.cluster.pool import WorkerPool
@@ -87,6 +87,7 @@ class PoolActor:
     placement: dict | None = None
     shard: Shard | None = None  # the shard an unavailable actor may still be running
     created: float = field(default_factory=time.monotonic)
+    spec: WorkerSpec | None = None  # what its `start` loads (a parked or restarted actor's included)
 
 
 class PoolRun:

@@ -13,6 +13,7 @@ import ray
 from ray.util import ActorPool
 
 from fleetgen.cluster.connect import connect, disconnect
+from fleetgen.cluster.warm import free_parked
 from fleetgen.errors import ClusterError
 from fleetgen.imports import paused_gc
 
@@ -38,6 +39,7 @@ def score_shards(
     (`scorer`: `ShardScorer`'s arguments), as each finishes. `ClusterError` when a worker is lost or
     cannot start: the shards it had not reported are left for a rerun."""
     shape = connect()
+    free_parked()  # parked workers (cluster/warm.py) hold what the scorers may need
     gpus = 1 if device != "cpu" and shape.gpus else 0
     options = {"num_cpus": 1, "num_gpus": gpus, **({"runtime_env": {"env_vars": env_vars}} if env_vars else {})}
     actors = [ScoreWorker.options(**options).remote(*scorer) for _ in range(max(1, min(workers, len(work))))]

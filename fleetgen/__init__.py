@@ -8,7 +8,8 @@ and the few plain-data modules every room shares (`errors`, `units`, `caches`, `
 torch or Ray.
 
 The Python API mirrors the commands (fleetgen/api.py): `fleetgen.run`, `fleetgen.plan`,
-`fleetgen.status`, `fleetgen.verify`, `fleetgen.report`.
+`fleetgen.status`, `fleetgen.verify`, `fleetgen.report`; `fleetgen.warm_workers()` keeps workers up between
+the runs made inside it.
 """
 
 import os as _os
@@ -28,7 +29,7 @@ if not _os.path.isdir(_os.path.join(_HERE, "jobs")) and all(
 ):
     __path__.append(_TREE)
 
-from fleetgen.api import plan, report, run, score, status, verify  # noqa: E402 - after the rooms are reachable
+from fleetgen.api import plan, report, run, score, status, verify, warm_workers  # noqa: E402 - after the rooms are reachable
 
 __all__ = [
     "ClusterError",
@@ -45,4 +46,5 @@ __all__ = [
     "score",
     "status",
     "verify",
+    "warm_workers",
 ]

@@ -13,6 +13,10 @@ fails, ...). The command line is a thin layer over these functions (fleetgen/job
     assert fleetgen.verify("out/", deep=True).clean
     print(fleetgen.plan("flux.1-dev", ["24GiB", "80GiB"]).text())
 
+    with fleetgen.warm_workers():  # several runs in a row: workers stay up between them
+        for name in ("cats", "dogs"):
+            fleetgen.run(f"{name}.parquet", f"out/{name}", "org/model")
+
 Nothing is imported until a function is called: `import fleetgen` loads no torch and no Ray.
 """
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, TextIO
 
 from fleetgen.errors import ConfigError
@@ -56,6 +61,18 @@ def run(
     _known(options, [f.name for f in fields(JobConfig)], "fleetgen.run")
     job = make_config({"input": input, "output": output, "model": model, **options}, config)
     return run_job(job, progress_stream=progress)
+
+
+def warm_workers(address: str | None = None) -> AbstractContextManager:
+    """A block whose runs keep their workers between them: a worker whose run is over is closed but
+    not killed, and the next run that asks Ray for the same resources loads its model in that
+    process instead of starting a new one (seconds of imports saved per worker; nothing carried from
+    one job to the next). Joins `address` (else `RAY_ADDRESS`, else a local Ray started for the
+    block); the workers hold their Ray resources until a run takes them or the block ends
+    (fleetgen/cluster/warm.py)."""
+    from fleetgen.cluster.warm import warm_workers as block
+
+    return block(address)
 
 
 def plan(

@@ -357,12 +357,29 @@ def store(request, _stores_env, tmp_path):
 def ray_cluster(_stores_env):
     """One local Ray for the whole run, its workers inheriting where the stores listen (which start
     only for the tests that ask for them) and making one try per store request, as this process does
-    (`tests.stores.quiet_clients`)."""
+    (`tests.stores.quiet_clients`). The session is one `fleetgen.warm_workers()` block, as a notebook
+    running job after job would be: a test's job takes the workers an earlier one left parked when it
+    asks for the same resources and environment (cluster/warm.py; each worker process's start is
+    seconds of imports, most of this suite's CPU). Tests of the cold start run outside it (the
+    `fleetgen` commands, `ray job submit`, chaos kills, a test's own Ray head)."""
+    from fleetgen import warm_workers
     from tests.stores import start_local_ray
 
     ray = start_local_ray()  # a Ray of this pytest worker's own, never another's (`make test` runs two)
-    yield ray
+    with warm_workers():
+        yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def ray_address(ray_cluster):
+    """The session Ray's address, for a driver of another process (a `fleetgen` command, a script) to
+    join: the workers this session left parked are killed first, as they hold the CPUs that driver's
+    workers will ask for (cluster/warm.py)."""
+    from fleetgen.cluster.warm import free_parked
+
+    free_parked()
+    return ray_cluster.get_runtime_context().gcs_address
 
 
 RAY_FIXTURES = {"ray_cluster"}

@@ -66,7 +66,7 @@ def test_plan_is_the_commands_plan(capsys):
 
 
 @pytest.mark.ray
-def test_run_status_verify_report_from_a_script(tiny_model, tmp_path, ray_cluster):
+def test_run_status_verify_report_from_a_script(tiny_model, tmp_path, ray_address):
     """The README's Python example, with the session's Ray (as RAY_ADDRESS would name a cluster)."""
     from tests.conftest import write_prompts
 
@@ -79,10 +79,15 @@ def test_run_status_verify_report_from_a_script(tiny_model, tmp_path, ray_cluste
         state, report = fleetgen.status("out/first"), fleetgen.verify("out/first", deep=True)
         print(summary.images_ok, summary.complete, summary.exit_code, state.complete, state.images_ok, report.clean)
         print(fleetgen.report("out/first"))
+        with fleetgen.warm_workers() as warm:  # two more runs, the second in the first one's worker
+            runs = [fleetgen.run("prompts.parquet", f"out/{{n}}", {tiny_model!r}, width=64, height=64, steps=n,
+                                 device="cpu", workers=1) for n in (2, 3)]
+        print(warm.reused, [r.images_ok for r in runs], [w["worker"] for r in runs for w in r.workers])
         """,
         tmp_path,
-        {"RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address},
+        {"RAY_ADDRESS": ray_address},
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    first, second = done.stdout.strip().splitlines()[-2:]
+    first, second, warm = done.stdout.strip().splitlines()[-3:]
     assert first == "4 True 0 True 4 True" and second.endswith("report.html")
+    assert warm == "1 [4, 4] ['w0', 'w0']"

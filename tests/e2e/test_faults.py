@@ -116,14 +116,14 @@ def _wait_for_images(out: Path, proc: subprocess.Popen, timeout: float = 120) ->
 
 
 @pytest.mark.chaos
-def test_driver_stopped_then_killed_then_rerun_resumes(chaos_input, tiny_model, tmp_path, ray_cluster):
+def test_driver_stopped_then_killed_then_rerun_resumes(chaos_input, tiny_model, tmp_path, ray_address):
     """A driver SIGTERMed mid-run stops in time, writes its summary and releases the lock; its rerun,
     SIGKILLed mid-run, leaves a lock whose process is gone; a third run resumes at once, skips what
     both committed and finishes: every row once, the clean run's bytes, `verify --deep` clean."""
     prompts, clean, _ = chaos_input
     out = tmp_path / "out"
     args = run_args(prompts, out, tiny_model, rows_per_shard=8, max_batch=4)
-    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    env = {**os.environ, "RAY_ADDRESS": ray_address}
 
     proc = start_driver(args, env)
     _wait_for_images(out, proc)

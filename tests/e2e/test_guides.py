@@ -37,13 +37,13 @@ def shell(code: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture
-def user_env(ray_cluster, tmp_path) -> dict:
+def user_env(ray_address, tmp_path) -> dict:
     """A user's shell: `fleetgen` and `python` on PATH; this session's Ray (saves starting one per
     command; the commands are the README's, unchanged)."""
     return {
         **os.environ,
         "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
-        "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address,
+        "RAY_ADDRESS": ray_address,
         "PYTHONPATH": str(ROOT),
     }
 

@@ -38,7 +38,7 @@ def _lines(out: Path) -> dict[str, dict]:
     }
 
 
-def test_a_setting_and_a_format_added_as_one_entry_each_round_trip(ray_cluster, tiny_model, tmp_path):
+def test_a_setting_and_a_format_added_as_one_entry_each_round_trip(ray_address, tiny_model, tmp_path):
     # Three rows alike but for `guidance_rescale` (none, 0, 0.7), one out of its range, one without a prompt.
     prompts = write_prompts(
         tmp_path / "p.parquet",
@@ -55,7 +55,7 @@ def test_a_setting_and_a_format_added_as_one_entry_each_round_trip(ray_cluster, 
             str(prompts), str(out), tiny_model, rows_per_shard="3", max_batch="1", workers="1", output_format="jsonl"
         ),
     ]
-    done = _fleetgen(*run, ray_address=ray_cluster.get_runtime_context().gcs_address)
+    done = _fleetgen(*run, ray_address=ray_address)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "per-row settings: guidance_rescale ← `guidance_rescale`" in done.stderr
 
@@ -89,7 +89,7 @@ def test_a_setting_and_a_format_added_as_one_entry_each_round_trip(ray_cluster, 
     damaged = _fleetgen("verify", "--deep", str(out))
     assert damaged.returncode == 1 and "mismatch" in damaged.stdout, damaged.stdout
     assert _fleetgen("verify", "--fix", str(out)).returncode == 1 and not path.exists()
-    again = _fleetgen(*run, ray_address=ray_cluster.get_runtime_context().gcs_address)
+    again = _fleetgen(*run, ray_address=ray_address)
     assert again.returncode == 0 and "resuming: 1 of 2 shards already committed" in again.stderr, again.stderr[-3000:]
     assert {i: hashlib.sha256(base64.b64decode(v["b64"])).hexdigest() for i, v in _lines(out).items()} == digest
     assert _fleetgen("verify", "--deep", str(out)).returncode == 0

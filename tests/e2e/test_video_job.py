@@ -22,7 +22,7 @@ ROWS = 12
 
 
 @pytest.mark.slow
-def test_a_killed_video_job_resumes_and_redoes_only_unfinished_clips(ray_cluster, tmp_path, capsys):
+def test_a_killed_video_job_resumes_and_redoes_only_unfinished_clips(ray_address, tmp_path, capsys):
     model = str(write_tiny_model(tmp_path / "wan", family="wan"))
     prompts = write_prompts(
         tmp_path / "p.parquet", [f"a red fox number {i}" for i in range(ROWS)], id=[f"r{i}" for i in range(ROWS)]
@@ -30,7 +30,7 @@ def test_a_killed_video_job_resumes_and_redoes_only_unfinished_clips(ray_cluster
     out = tmp_path / "out"
     video = {"steps": 4, "height": 48, "num_frames": 9, "rows_per_shard": 2, "workers": 1}
     args = run_args(prompts, out, model, output_format="webdataset", **video)
-    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    env = {**os.environ, "RAY_ADDRESS": ray_address}
     proc = start_driver(args, env)
     wait_for_commits(out, 0, proc)
     proc.send_signal(signal.SIGKILL)
