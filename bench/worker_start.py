@@ -1,4 +1,5 @@
-"""A Ray worker's start-up CPU with and without the garbage collector paused over it.
+"""A Ray worker's start-up CPU: with and without the garbage collector paused over it; and (`--warm`)
+a fresh worker's against a parked one's (`fleetgen.warm_workers()`, cluster/warm.py).
 
 A worker of a tiny-model job spends nearly all of its CPU starting: `start()` imports torch,
 diffusers and transformers and loads the pipeline, with the cyclic collector paused
@@ -8,7 +9,12 @@ to leave the collector on (`collector_on`, before anything of the worker's is im
 two kinds alternate (paused, on, paused, ...) and the ratio is taken per pair, so the machine's noise
 hits both. Linux only.
 
-    python bench/worker_start.py [--pairs 5] [--json out.json]
+With `--warm`, each pair is a fresh actor's CPU from its process's start through `start(spec)` (what a
+run outside a warm block pays per worker) and the CPU of `start(spec2)` of an actor that has already
+run `start(spec)` and `close()` (what a parked worker pays when a later run takes it: `spec2` is another
+job's, at another step count).
+
+    python bench/worker_start.py [--pairs 5] [--warm] [--json out.json]
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import os
 import statistics
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,9 +66,30 @@ def start_cpu(kind: str, spec) -> float:
     return spent
 
 
+def warm_pair(spec, spec2) -> dict:
+    """CPU seconds of a fresh actor (boot and `start`), then of the same actor, closed, starting `spec2`."""
+    import ray
+
+    from fleetgen.cluster.actor import RemoteWorker
+
+    env = {"env_vars": {"PYTHONPATH": str(ROOT)}}
+    actor = RemoteWorker.options(num_cpus=1, runtime_env=env).remote(spec, {"num_cpus": 1})
+    pid = ray.get(actor.where.remote())["pid"]
+    ray.get(actor.start.remote(spec))
+    fresh = cpu_seconds(pid)  # since the process started
+    ray.get(actor.close.remote())
+    before = cpu_seconds(pid)
+    ray.get(actor.start.remote(spec2))
+    parked = cpu_seconds(pid) - before
+    ray.get(actor.close.remote())
+    ray.kill(actor)
+    return {"fresh": fresh, "parked": parked}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--warm", action="store_true", help="a fresh worker against a parked one")
     parser.add_argument("--json", help="write the figures here as well")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -77,22 +105,35 @@ def main() -> None:
         spec = WorkerSpec("w0", model, f"{tmp}/out", settings, Columns(), device="cpu", threads=1)
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
         try:
-            start_cpu("paused", spec)  # the page cache warm for both kinds
-            runs = [{kind: start_cpu(kind, spec) for kind in ("paused", "on")} for _ in range(args.pairs)]
+            if args.warm:
+                spec2 = WorkerSpec(
+                    "w0", model, f"{tmp}/out2", replace(settings, steps=3), Columns(), device="cpu", threads=1
+                )
+                warm_pair(spec, spec2)  # the page cache warm for both kinds
+                runs = [warm_pair(spec, spec2) for _ in range(args.pairs)]
+            else:
+                start_cpu("paused", spec)  # the page cache warm for both kinds
+                runs = [{kind: start_cpu(kind, spec) for kind in ("paused", "on")} for _ in range(args.pairs)]
         finally:
             ray.shutdown()
-    ratios = [r["paused"] / r["on"] for r in runs]
+    if args.warm:
+        report(args, runs, "fresh", "parked", "a worker's start, CPU seconds: fresh process (boot and start)")
+        return
+    report(args, runs, "on", "paused", "a worker's start(), CPU seconds: collector on")
+
+
+def report(args, runs: list[dict], a: str, b: str, what: str) -> None:
+    ratios = [r[b] / r[a] for r in runs]
     result = {
         "pairs": runs,
-        "paused_cpu_s": statistics.median(r["paused"] for r in runs),
-        "on_cpu_s": statistics.median(r["on"] for r in runs),
+        f"{a}_cpu_s": statistics.median(r[a] for r in runs),
+        f"{b}_cpu_s": statistics.median(r[b] for r in runs),
         "ratio_median": statistics.median(ratios),
         "ratio_range": [min(ratios), max(ratios)],
     }
     print(
-        f"a worker's start(), CPU seconds (median of {args.pairs} pairs): collector paused "
-        f"{result['paused_cpu_s']:.2f}, on {result['on_cpu_s']:.2f}; paused/on {result['ratio_median']:.2f} "
-        f"(pairs {min(ratios):.2f}-{max(ratios):.2f})"
+        f"{what} {result[f'{a}_cpu_s']:.2f}, {b} {result[f'{b}_cpu_s']:.2f} (medians of {args.pairs} pairs); "
+        f"{b}/{a} {result['ratio_median']:.2f} (pairs {min(ratios):.2f}-{max(ratios):.2f})"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -9,8 +9,10 @@ the pool tell "waiting for a node" (bounded by `--placement-timeout`) from "load
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
+import sys
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -124,10 +126,16 @@ class FleetWorker:
         yield from self.worker.iter_shard(shard)
 
     def close(self) -> None:
-        """Release the pipeline and what offloading holds (disk-offload directories included)."""
+        """Release the pipeline and what offloading holds (disk-offload directories included), and the
+        memory with them: the cycles its hooks form collected, CUDA's cached blocks given back, so that
+        a parked process's next job plans for the whole device (cluster/warm.py)."""
         if self.worker is not None:
             self.worker.close()
             self.worker = None
+            gc.collect()
+            torch = sys.modules.get("torch")
+            if torch is not None and torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
 
 RemoteWorker = ray.remote(FleetWorker)

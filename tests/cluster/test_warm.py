@@ -24,6 +24,15 @@ def _shas(out) -> dict:
     return {r["id"]: r["sha256"] for r in pq.read_table(out / "shards").to_pylist()}
 
 
+def _pipelines(actor) -> int:
+    """In an actor's process: the diffusers pipelines still alive."""
+    import gc
+
+    from diffusers import DiffusionPipeline
+
+    return sum(isinstance(o, DiffusionPipeline) for o in gc.get_objects())
+
+
 def _run(prompts, model, out, **kw):
     summary = run_job(make_job(prompts, model, out, rows_per_shard=3, **kw), progress_stream=io.StringIO())
     assert summary.complete, summary.failures
@@ -41,6 +50,7 @@ def test_a_parked_worker_runs_the_next_job_as_a_fresh_one_would(ray_cluster, tin
     block.kill_all()  # a cold start first
     _run(prompts, tiny_model, tmp_path / "first", workers=1)
     assert len(block.parked) == 1
+    assert ray.get(block.parked[0][1].__ray_call__.remote(_pipelines)) == 0  # closed: nothing of the job held
     reused = block.reused
 
     _run(prompts, tiny_model, tmp_path / "second", workers=1, steps=3)

@@ -310,6 +310,9 @@ def test_straggler_is_given_to_an_idle_worker_and_only_the_winners_bytes_are_sto
     commits first wins, the other attempt stops and its staging goes: the stored bytes are the
     winner's (verify --deep), and no object is stored twice or left behind. (A losing attempt of
     another batch size, whose bytes differ, is in tests/jobs/test_verify.py.)"""
+    from fleetgen.cluster.warm import free_parked
+
+    free_parked()  # both workers start alike (cold), so that neither has taken A and B before the other is up
     (tmp_path / "in").mkdir()
     write_prompts(tmp_path / "in" / "a.parquet", [f"long shard {i}" for i in range(40)])
     write_prompts(tmp_path / "in" / "b.parquet", [f"short shard {i}" for i in range(4)])
