@@ -43,9 +43,10 @@ class WarmWorkers:
         self.parked.append((key, handle))
 
     def take(self, key: tuple):
-        """A parked worker with this key, else None — and then every parked worker is killed: they
-        hold resources the new one may need."""
-        for i, (parked_key, handle) in enumerate(self.parked):
+        """The parked worker with this key that ran last, else None — and then every parked worker
+        is killed: they hold resources the new one may need."""
+        for i in reversed(range(len(self.parked))):
+            parked_key, handle = self.parked[i]
             if parked_key == key:
                 del self.parked[i]
                 self.reused += 1
