@@ -46,7 +46,8 @@ def describe_device(device: torch.device) -> dict:
 
 class _Once(logging.Filter):
     """The pipeline libraries' own warnings (diffusers', transformers'): each distinct one once per
-    worker process, tagged with the worker, instead of once per call."""
+    worker and job, tagged with the worker, instead of once per call (a process kept warm between
+    runs, cluster/warm.py, says them again in the next job's log)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -70,11 +71,12 @@ _ONCE = _Once()
 
 
 def warnings_once(tag: str) -> None:
-    """Route the libraries' warnings through `_ONCE` for worker `tag` (installed once per process)."""
+    """Route the libraries' warnings through `_ONCE` for worker `tag` (installed once per process;
+    what it has seen forgotten at each load: a new job's)."""
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 
-    _ONCE.tag = tag
+    _ONCE.tag, _ONCE.seen = tag, set()
     for library in (diffusers_logging, transformers_logging):
         for handler in library._get_library_root_logger().handlers:
             if _ONCE not in handler.filters:
