@@ -80,6 +80,10 @@ class FleetWorker:
             "node_cpus": resources.get("CPU", 0),
         }
 
+    def intact(self) -> bool:
+        """Still the process Ray first started (never restarted): a parked worker a run may take."""
+        return not ray.get_runtime_context().was_current_actor_reconstructed
+
     def start(self, spec: WorkerSpec | None = None) -> dict:
         """Load the pipeline and plan for this device (once); returns `Worker.describe()` with
         where it runs and any warning about its placement. `spec`: the run's (the pool always passes

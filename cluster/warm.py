@@ -12,8 +12,9 @@ which process made them.
 Parked workers hold what they asked Ray for (CPUs, GPUs, memory) until a run takes them or the block
 ends. So a run that finds parked workers it cannot use (other resources, another environment) kills
 them before it starts its own, as does `fleetgen score`; outside fleetgen, Ray work that needs those
-resources waits for the block to end. Only workers that closed cleanly and never died are parked;
-the block kills them all on leaving, and Ray kills them with the driver in any case.
+resources waits for the block to end. Only workers that closed cleanly and never died are parked,
+and a run takes one only if it still answers from the process it was parked in; the block kills them
+all on leaving, and Ray kills them with the driver in any case.
 """
 
 from __future__ import annotations
@@ -43,14 +44,19 @@ class WarmWorkers:
         self.parked.append((key, handle))
 
     def take(self, key: tuple):
-        """The parked worker with this key that ran last, else None — and then every parked worker
-        is killed: they hold resources the new one may need."""
+        """The parked worker with this key that ran last and is still as it was parked, else None —
+        and then every parked worker is killed: they hold resources the new one may need. One whose
+        process died meanwhile (its node lost, a kill) or that Ray restarted (a restart spent) is
+        killed and passed over."""
         for i in reversed(range(len(self.parked))):
             parked_key, handle = self.parked[i]
-            if parked_key == key:
-                del self.parked[i]
+            if parked_key != key:
+                continue
+            del self.parked[i]
+            if _intact(handle):
                 self.reused += 1
                 return handle
+            ray.kill(handle, no_restart=True)
         self.kill_all()
         return None
 
@@ -60,6 +66,15 @@ class WarmWorkers:
         self.parked = []
 
 
+def _intact(handle) -> bool:
+    """The parked actor answers, from the process it was parked in."""
+    try:
+        return ray.get(handle.intact.remote(), timeout=PING_TIMEOUT)
+    except (ray.exceptions.RayError, TimeoutError):
+        return False
+
+
+PING_TIMEOUT = 10.0  # seconds a parked worker has to answer before a run passes it over
 _scope: WarmWorkers | None = None
 
 

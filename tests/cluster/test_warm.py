@@ -78,6 +78,24 @@ def test_parked_workers_that_ask_for_other_resources_are_killed_not_waited_for(
     assert _gone(parked)
 
 
+def test_a_parked_worker_that_died_or_was_restarted_is_passed_over(ray_cluster, tiny_model, prompts, tmp_path):
+    """A parked worker Ray restarted (its process killed: a restart of its budget spent), or one dead
+    for good (its node lost), is not handed to the next run: that run starts a fresh one and finishes."""
+    block = warm.scope()
+    _run(prompts, tiny_model, tmp_path / "first", workers=1)
+    restarted = block.parked[-1][1]
+    os.kill(_pid(tmp_path / "first"), 9)
+    reused = block.reused
+    _run(prompts, tiny_model, tmp_path / "second", workers=1)
+    assert block.reused == reused and _pid(tmp_path / "second") != _pid(tmp_path / "first")
+    assert restarted not in [h for _, h in block.parked]
+
+    ray.kill(block.parked[-1][1], no_restart=True)  # the second run's worker, parked, then gone
+    third = _run(prompts, tiny_model, tmp_path / "third", workers=1)
+    assert block.reused == reused and [w["worker"] for w in third.workers] == ["w0"]
+    assert _pid(tmp_path / "third") != _pid(tmp_path / "second")
+
+
 def _gone(pids: set[int], within: float = 30) -> bool:
     deadline = time.monotonic() + within
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
