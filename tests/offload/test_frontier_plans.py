@@ -11,7 +11,6 @@ import torch
 from fleetgen.jobs.cli import main
 from fleetgen.jobs.planning import plan_rows, plan_workload
 from fleetgen.offload import profile_modules
-from fleetgen.offload.architectures import build_on_meta
 from tests.offload.exhaustive import exhaustive_key, plan_key
 
 # Parameter counts as their publishers state them (model cards, the encoders' hub pages), with the
@@ -57,8 +56,8 @@ def _tolerance(stated: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def profiles():
-    return {name: profile_modules(name, build_on_meta(name), torch.bfloat16) for name in DIMENSIONS}
+def profiles(meta_build):
+    return {name: profile_modules(name, meta_build(name), torch.bfloat16) for name in DIMENSIONS}
 
 
 @pytest.mark.parametrize(("arch", "component"), sorted(PUBLISHED))
@@ -130,14 +129,14 @@ def test_plan_cli_on_a_frontier_architecture(capsys):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["sd-1.5", "sdxl", "flux.1-dev", "flux.2-dev", "qwen-image", "chroma1-hd"])
-def test_the_search_finds_what_the_exhaustive_one_finds(arch):
+def test_the_search_finds_what_the_exhaustive_one_finds(arch, meta_build):
     """Wherever every product is small enough to try (four components or fewer), the pruned search
     returns a plan exactly as fast, moving as many bytes, offloading as many components — over a
     grid of device and host budgets, refusals included."""
     from fleetgen.errors import OffloadError
     from fleetgen.offload import DeviceSpec, Workload, plan
 
-    prof = profile_modules(arch, build_on_meta(arch), torch.bfloat16)
+    prof = profile_modules(arch, meta_build(arch), torch.bfloat16)
     w = Workload(width=1024, height=1024, steps=20, max_batch=4, phases="off")  # the per-batch search
     for gib in (4, 12, 24, 48, 80):
         for host in (16, 64, 256):

@@ -20,7 +20,7 @@ from fleetgen.offload import (
     profile_modules,
     profile_pipeline,
 )
-from fleetgen.offload.architectures import NAMES, build_on_meta
+from fleetgen.offload.architectures import NAMES
 from fleetgen.offload.cost import MARGIN
 from fleetgen.units import parse_size
 from fleetgen.workers.tiny.flux import build_tiny_flux
@@ -29,8 +29,8 @@ GiB = 2**30
 
 
 @pytest.fixture(scope="module")
-def profiles():
-    return {n: profile_modules(n, build_on_meta(n), torch.bfloat16) for n in NAMES}
+def profiles(meta_build):
+    return {n: profile_modules(n, meta_build(n), torch.bfloat16) for n in NAMES}
 
 
 def test_stored_profiles_are_the_meta_builds(profiles):
@@ -52,13 +52,13 @@ def test_stored_profiles_are_the_meta_builds(profiles):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "dtype", "upcast"), [("sdxl", "float16", True), ("flux.2-dev", "float32", False)])
-def test_stored_profiles_hold_every_dtype_and_format(name, dtype, upcast):
+def test_stored_profiles_hold_every_dtype_and_format(name, dtype, upcast, meta_build):
     from fleetgen.offload.architectures import pipeline_settings, resolve
     from fleetgen.offload.profiles import stored_profile
     from fleetgen.offload.weight_formats import CHOOSABLE
     from fleetgen.workers.pipeline.load import DTYPES
 
-    built = profile_modules(name, build_on_meta(name), DTYPES[dtype], upcast, CHOOSABLE, pipeline_settings(name))
+    built = profile_modules(name, meta_build(name), DTYPES[dtype], upcast, CHOOSABLE, pipeline_settings(name))
     assert stored_profile(resolve(name), dtype, upcast, CHOOSABLE) == built
     assert stored_profile(resolve(name), dtype, upcast, ("gguf:/x.gguf",)) is None  # a GGUF file's: built
 

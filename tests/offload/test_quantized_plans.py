@@ -12,7 +12,7 @@ import torch
 
 from fleetgen.errors import OffloadError
 from fleetgen.offload import DeviceSpec, Workload, plan, profile_modules
-from fleetgen.offload.architectures import NAMES, build_on_meta
+from fleetgen.offload.architectures import NAMES
 from fleetgen.offload.cost import MARGIN
 from fleetgen.offload.weight_formats import CHOOSABLE, FORMATS, parse_quantize, refusal
 from tests.offload.exhaustive import exhaustive_key, plan_key
@@ -23,8 +23,8 @@ HOSTS = (32, 64, 256)  # GiB of host RAM a worker may fill
 
 
 @pytest.fixture(scope="module")
-def profiles():
-    return {n: profile_modules(n, build_on_meta(n), torch.bfloat16, formats=CHOOSABLE) for n in NAMES}
+def profiles(meta_build):
+    return {n: profile_modules(n, meta_build(n), torch.bfloat16, formats=CHOOSABLE) for n in NAMES}
 
 
 def _plan(prof, gib, host, quantize, max_batch=4):
