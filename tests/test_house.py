@@ -108,14 +108,29 @@ def test_no_module_imports_a_room_by_its_old_top_level_name():
 
 def test_every_package_is_in_the_wheel():
     """pyproject lists the packages one by one (the rooms are mapped into `fleetgen`): a new
-    sub-package left out of the list would be missing from an installed fleetgen."""
+    sub-package left out of the list would be missing from an installed fleetgen. Folders of package
+    data whose paths are valid package names are listed too (setuptools warns on every install about
+    each one left out); nothing else is."""
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    found = {"fleetgen"} | {
-        ".".join(("fleetgen", *init.parent.relative_to(ROOT).parts))
+    folders = [
+        folder
         for room in ROOMS
-        for init in (ROOT / room).rglob("__init__.py")
+        for folder in [ROOT / room, *(ROOT / room).rglob("*")]
+        if folder.is_dir() and folder.name != "__pycache__"
+    ]
+
+    def name(folder: Path) -> str:
+        return ".".join(("fleetgen", *folder.relative_to(ROOT).parts))
+
+    code = {name(f) for f in folders if (f / "__init__.py").exists()}
+    data = {
+        name(f)
+        for f in folders
+        if not (f / "__init__.py").exists()
+        and all(part.isidentifier() for part in f.relative_to(ROOT).parts)
+        and any(x.is_file() for x in f.iterdir())
     }
-    assert listed == found
+    assert listed == {"fleetgen"} | code | data
 
 
 def test_the_commands_that_read_an_output_import_no_torch(tmp_path, tiny_model):
