@@ -14,6 +14,7 @@ import platform
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
+from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -196,14 +197,13 @@ def claim_output(
 
 
 def versions() -> dict:
-    import diffusers
-    import torch
-
+    """What made the job, as job.json records it: read from the installed packages' metadata, so that
+    a driver never imports torch or diffusers (seconds of CPU; the workers are what run them)."""
     return {
         "fleetgen": __version__,
         "python": platform.python_version(),
-        "torch": torch.__version__,
-        "diffusers": diffusers.__version__,
+        "torch": version("torch"),
+        "diffusers": version("diffusers"),
         "host": platform.node(),
         "pid": os.getpid(),
     }

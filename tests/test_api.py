@@ -83,11 +83,14 @@ def test_run_status_verify_report_from_a_script(tiny_model, tmp_path, ray_addres
             runs = [fleetgen.run("prompts.parquet", f"out/{{n}}", {tiny_model!r}, width=64, height=64, steps=n,
                                  device="cpu", workers=1) for n in (2, 3)]
         print(warm.reused, [r.images_ok for r in runs], [w["worker"] for r in runs for w in r.workers])
+        import sys
+        print("torch" in sys.modules, "diffusers" in sys.modules)  # the workers run them; the driver never imports them
         """,
         tmp_path,
         {"RAY_ADDRESS": ray_address},
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    first, second, warm = done.stdout.strip().splitlines()[-3:]
+    first, second, warm, imported = done.stdout.strip().splitlines()[-4:]
+    assert imported == "False False"
     assert first == "4 True 0 True 4 True" and second.endswith("report.html")
     assert warm == "1 [4, 4] ['w0', 'w0']"

@@ -32,7 +32,8 @@ def worker_info(spec: WorkerSpec, fitted: FittedPipeline, load_seconds: float) -
         "probe": fitted.probe,
         "attention": fitted.attention.to_dict(),  # the kernel its denoisers run, and why (`--attention`)
         "load_seconds": round(load_seconds, 3),
-        "versions": {"fleetgen": __version__, "torch": torch.__version__, "python": platform.python_version()},
+        # a str, not torch's TorchVersion: the record is unpickled by a driver that never imports torch
+        "versions": {"fleetgen": __version__, "torch": str(torch.__version__), "python": platform.python_version()},
     }
 
 

@@ -296,7 +296,14 @@ def test_autoscaler_starts_gpu_nodes_a_joining_node_gets_a_worker_a_lost_node_lo
     lost = {int(i) for i in re.findall(rf"{name} unreachable while running shard-(\d+)", text)}
     picked = sorted(set(range(0, N_ELASTIC // 2, 4)) | lost | _shards_of(rows, name))
     worker, clean = run_one_shard(
-        tiny_model, tmp_path / "clean", prompts, fast_settings(steps=32), rows=2, shards=picked, max_batch=2, threads=1
+        tiny_model,
+        tmp_path / "clean",
+        prompts,
+        fast_settings(steps=32, width=64, height=64),
+        rows=2,
+        shards=picked,
+        max_batch=2,
+        threads=1,
     )
     worker.close()
     made = {r["id"]: r["sha256"] for r in rows}

@@ -19,6 +19,7 @@ from fleetgen.workers.output.storage import Output
 from tests.conftest import FAST, fast_settings, make_job, run_one_shard, write_prompts
 
 N = 12
+NATIVE = {"width": 64, "height": 64}  # the tiny model's own size (the tests' FAST is smaller)
 
 
 @pytest.fixture(scope="module")
@@ -200,12 +201,19 @@ def test_emulated_mixed_fleet_plans_per_worker_same_images(ray_cluster, tiny_mod
     """`--worker-memory`: one worker per budget, each planning for its own; the images are the
     bytes a single uniform worker makes (same batch size)."""
     mixed = run_job(
-        job(prompts, tiny_model, tmp_path / "mixed", worker_memory="20MiB,1GiB", max_batch=1, workers=None),
+        job(prompts, tiny_model, tmp_path / "mixed", worker_memory="20MiB,1GiB", max_batch=1, workers=None, **NATIVE),
         progress_stream=io.StringIO(),
     )
     # the uniform worker: one in this process, one thread as each of the job's, batches of 1 in shards of 3
     worker, uniform = run_one_shard(
-        tiny_model, tmp_path / "uniform", prompts, fast_settings(), rows=3, shards=range(N // 3), max_batch=1, threads=1
+        tiny_model,
+        tmp_path / "uniform",
+        prompts,
+        fast_settings(**NATIVE),
+        rows=3,
+        shards=range(N // 3),
+        max_batch=1,
+        threads=1,
     )
     worker.close()
     assert mixed.complete and len(uniform) == N

@@ -28,7 +28,7 @@ def test_a_killed_video_job_resumes_and_redoes_only_unfinished_clips(ray_address
         tmp_path / "p.parquet", [f"a red fox number {i}" for i in range(ROWS)], id=[f"r{i}" for i in range(ROWS)]
     )
     out = tmp_path / "out"
-    video = {"steps": 4, "height": 48, "num_frames": 9, "rows_per_shard": 2, "workers": 1}
+    video = {"steps": 4, "width": 64, "height": 48, "num_frames": 9, "rows_per_shard": 2, "workers": 1}
     args = run_args(prompts, out, model, output_format="webdataset", **video)
     env = {**os.environ, "RAY_ADDRESS": ray_address}
     proc = start_driver(args, env)

@@ -17,6 +17,8 @@ from fleetgen.workers.rows.batches import Adapter
 from fleetgen.workers.rows.shard import Columns
 from tests.conftest import FAST
 
+SIZE = (FAST["width"], FAST["height"])  # what every image of these jobs is
+
 LABELS = ["cat", "dog", "owl"]
 
 
@@ -112,7 +114,7 @@ def test_template_job_is_a_dataset_for_real_readers(ray_cluster, tiny_model, cla
     assert isinstance(ds.features["image"], datasets.Image) and ds.features["class_id"].dtype == "int16"
     assert len(ds) == 18
     sample = ds[0]
-    assert sample["image"].size == (64, 64) and sample["label"] in LABELS and sample["tags"][0] == sample["label"]
+    assert sample["image"].size == SIZE and sample["label"] in LABELS and sample["tags"][0] == sample["label"]
     by_id = {r["id"]: r for r in manifest}
     assert all(by_id[s["id"]]["seed"] == s["seed"] and by_id[s["id"]]["label"] == s["label"] for s in ds)
     card = (out / "README.md").read_text()
@@ -140,7 +142,7 @@ def test_webdataset_output_reads_with_webdataset_and_wids(ray_cluster, tiny_mode
     assert sorted(s["__key__"] for s in samples) == sorted(f"{lab}-{sty}" for lab in LABELS for sty in STYLES)
     for s in samples:
         meta = s["json"]
-        assert s["png"].size == (64, 64) and meta["class_id"] == LABELS.index(meta["label"])
+        assert s["png"].size == SIZE and meta["class_id"] == LABELS.index(meta["label"])
         assert meta["prompt"] == f"a {meta['style']} of a {meta['label']}"
     index = json.loads((out / "wids-index.json").read_text())
     assert [(e["url"], e["nsamples"]) for e in index["shardlist"]] == [
@@ -150,7 +152,7 @@ def test_webdataset_output_reads_with_webdataset_and_wids(ray_cluster, tiny_mode
     ds = wids.ShardListDataset(str(out / "wids-index.json"), cache_dir=str(tmp_path / "wids-cache"))
     assert len(ds) == 6
     assert {ds[i][".json"]["label"] for i in range(len(ds))} == set(LABELS)
-    assert ds[0][".png"].size == (64, 64)
+    assert ds[0][".png"].size == SIZE
 
 
 def test_retry_errors_redoes_exactly_the_error_rows(ray_cluster, tiny_model, tmp_path):
