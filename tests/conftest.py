@@ -350,6 +350,31 @@ def faulty_store(_s3_stack):
     _s3_stack.reset()
 
 
+LAG = 0.25  # seconds the `slow_s3` proxy holds every answer
+
+
+def lag(proxy, seconds: float) -> None:
+    """Every answer of the store's fault proxy `seconds` late and nothing else faulted; 0: neither."""
+    from tests.faulty_store import FAULTS
+
+    proxy.reset(**({"rate": 1.0, "seed": 0, **{f: 0.0 for f in FAULTS if f != "latency"}} if seconds else {}))
+    if seconds:
+        proxy.delay = seconds
+
+
+@pytest.fixture
+def slow_s3(_stores_env, _s3_stack):
+    """The S3 server behind its proxy with every answer `LAG` s late (`lag`): a job on it lasts as long
+    as its store makes it, at almost no CPU, as a job on a GPU waits on its device: for a test whose job
+    must outlast something else (a node joining and dying) without burning the two cores that `make test`
+    shares. `lag(store.proxy, 0)` makes it fast again."""
+    delay = _s3_stack.delay
+    lag(_s3_stack, LAG)
+    yield _stores_env["s3"]
+    lag(_s3_stack, 0)
+    _s3_stack.delay = delay
+
+
 @pytest.fixture(params=["local", *STORES])
 def store(request, _stores_env, tmp_path):
     """Each store in turn (a local folder, S3, GCS, Azure), its proxy's faults off before and after:

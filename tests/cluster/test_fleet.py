@@ -29,7 +29,7 @@ from fleetgen.jobs.config import JobConfig, validate
 from fleetgen.jobs.driver import run_job
 from fleetgen.jobs.status import job_state, status_text
 from fleetgen.workers.spec import GenerationSettings
-from tests.conftest import FAST, _free_port, fast_settings, run_one_shard, start_driver, stop_tree, write_prompts
+from tests.conftest import FAST, _free_port, fast_settings, lag, run_one_shard, start_driver, stop_tree, write_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -48,7 +48,7 @@ print("joined", flush=True)
 while True:
     time.sleep(1)
 """
-N_ELASTIC = 40  # rows: long enough (~30 s) for a node to join and die mid-job
+N_ELASTIC = 40  # rows, in 20 shards: with the store's lag (`slow_s3`), ~30 s for a node to join and die mid-job
 
 
 def _env(**extra) -> dict:
@@ -96,9 +96,9 @@ def _cluster_config(port: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def autoscaling_head():
+def autoscaling_head(_stores_env):
     """A head with Ray's autoscaler and fake node provider, on loopback; stopped with every node
-    it started when the module ends."""
+    it started when the module ends. Its nodes' workers find the test stores as this process does."""
     port = _free_port()
     temp = tempfile.mkdtemp(prefix="rayf", dir="/tmp")  # short: Ray's socket paths are length-limited
     config = Path(temp) / "fleetgen.cluster.json"
@@ -176,15 +176,19 @@ def _wait(what, check, proc: subprocess.Popen, log: Path, timeout: float = 180):
     return value
 
 
-def _fleet(out: Path) -> dict:
+def _fleet(fs, out: str) -> dict:
+    """fleet.json of the job at `out` (an `s3://` URL), read around the proxy's lag."""
+    fs.invalidate_cache()
     try:
-        return json.loads((out / "fleet.json").read_text())["workers"]
+        return json.loads(fs.cat(f"{out.removeprefix('s3://')}/fleet.json"))["workers"]
     except (FileNotFoundError, ValueError):
         return {}
 
 
-def _manifest_rows(out: Path) -> list[dict]:
-    return pq.read_table(out / "shards", columns=["id", "status", "sha256", "worker"]).to_pylist()
+def _manifest_rows(fs, out: str) -> list[dict]:
+    return pq.read_table(
+        f"{out.removeprefix('s3://')}/shards", filesystem=fs, columns=["id", "status", "sha256", "worker"]
+    ).to_pylist()
 
 
 def _shards_of(rows: list[dict], worker: str) -> set[int]:
@@ -194,27 +198,23 @@ def _shards_of(rows: list[dict], worker: str) -> set[int]:
 
 @pytest.mark.slow
 def test_autoscaler_starts_gpu_nodes_a_joining_node_gets_a_worker_a_lost_node_loses_nothing(
-    autoscaling_head, tiny_model, tmp_path
+    autoscaling_head, tiny_model, tmp_path, slow_s3
 ):
     """No GPU node is up when the job starts: its pending workers make the autoscaler start both
     node types; a node joined by hand mid-job (a replacement spot node) gets a worker; killing that
-    node's raylet mid-job loses nothing: every row once, the same images as a clean run."""
+    node's raylet mid-job loses nothing: every row once, the same images as a clean run. The output is
+    on S3 with every answer late (`slow_s3`): the job lasts while the nodes come and go, as a job on a
+    GPU does, without its workers taking the CPU the rest of the suite needs."""
     address, env = autoscaling_head
     prompts = write_prompts(tmp_path / "p.parquet", [f"elastic {i}" for i in range(N_ELASTIC)])
-    out = tmp_path / "out"
+    out = slow_s3.location("elastic")
+    fs = slow_s3.filesystem(direct=True)
     common = [
         "--input",
         str(prompts),
         "--model",
         tiny_model,
-        "--steps",
-        "32",
-        "--guidance",
-        "5",
-        "--width",
-        "64",
-        "--height",
-        "64",
+        *(f"--{k}={v}" for k, v in FAST.items() if k not in ("device", "workers")),
         "--rows-per-shard",
         "2",
         "--max-batch",
@@ -224,7 +224,7 @@ def test_autoscaler_starts_gpu_nodes_a_joining_node_gets_a_worker_a_lost_node_lo
     ]
     log = tmp_path / "driver.log"
     driver = _driver(
-        [*common, "--output", str(out), "--gpus-per-worker", "1", "--max-workers", "3", "--placement-timeout", "120"],
+        [*common, "--output", out, "--gpus-per-worker", "1", "--max-workers", "3", "--placement-timeout", "120"],
         address,
         env,
         log,
@@ -234,7 +234,7 @@ def test_autoscaler_starts_gpu_nodes_a_joining_node_gets_a_worker_a_lost_node_lo
         # The fake GPU node types are started by the autoscaler for the pending workers.
         _wait(
             "a worker placed on an autoscaled node",
-            lambda: {w.get("gpu_type") for w in _fleet(out).values()} & {"fake-a", "fake-b"},
+            lambda: {w.get("gpu_type") for w in _fleet(fs, out).values()} & {"fake-a", "fake-b"},
             driver,
             log,
         )
@@ -248,7 +248,8 @@ def test_autoscaler_starts_gpu_nodes_a_joining_node_gets_a_worker_a_lost_node_lo
         name = _wait(
             "a worker on the joining node",
             lambda: next(
-                (n for n, w in _fleet(out).items() if w.get("gpu_type") == "fake-spot" and w["state"] == "ready"), None
+                (n for n, w in _fleet(fs, out).items() if w.get("gpu_type") == "fake-spot" and w["state"] == "ready"),
+                None,
             ),
             driver,
             log,
@@ -260,11 +261,12 @@ def test_autoscaler_starts_gpu_nodes_a_joining_node_gets_a_worker_a_lost_node_lo
         raylet.send_signal(signal.SIGKILL)
         _wait(
             f"{name} lost",
-            lambda: _fleet(out).get(name, {}).get("state") in ("unreachable", "restarting", "lost"),
+            lambda: _fleet(fs, out).get(name, {}).get("state") in ("unreachable", "restarting", "lost"),
             driver,
             log,
         )
         assert driver.wait(timeout=240) == 0, log.read_text()[-4000:]
+        lag(slow_s3.proxy, 0)  # the job is done: what follows reads it at the store's own speed
     finally:
         if driver.poll() is None:
             driver.kill()
@@ -275,35 +277,27 @@ def test_autoscaler_starts_gpu_nodes_a_joining_node_gets_a_worker_a_lost_node_lo
     assert "[fake-a]" in text and "[fake-b]" in text and "[fake-spot]" in text
     assert f"{name} lost" in text and "released: nothing left to do" in text
 
-    rows = _manifest_rows(out)
+    rows = _manifest_rows(fs, out)
     assert sorted(r["id"] for r in rows) == sorted({r["id"] for r in rows}) and len(rows) == N_ELASTIC
     assert all(r["status"] == "ok" for r in rows)
-    assert len(list((out / "images").rglob("*.png"))) == N_ELASTIC
-    summary = json.loads((out / "summary.json").read_text())
+    assert len([p for p in fs.find(f"{out.removeprefix('s3://')}/images") if p.endswith(".png")]) == N_ELASTIC
+    summary = json.loads(fs.cat(f"{out.removeprefix('s3://')}/summary.json"))
     assert summary["complete"] and summary["exit_code"] == 0
     # The table shows each worker where it ran last: the lost node's worker on it, or, restarted by Ray
     # on an autoscaled node before the job ended, there with a second start.
     table = {w["worker"]: w for w in summary["workers"]}
     assert {"fake-a", "fake-b"} <= {w["gpu_type"] for w in table.values()} <= {"fake-a", "fake-b", "fake-spot"}
     assert table[name]["gpu_type"] == "fake-spot" or table[name]["starts"] >= 2, table[name]
-    status = status_text(job_state(str(out)))
+    status = status_text(job_state(out))
     assert "fleet:" in status and "lost" in status and "released" in status
 
     # The same images as a clean run, checked on the shards that matter (the lost node's, and the one
     # it was running if the log names it) and every fourth, made in this process by one worker with
-    # one thread, as each of the job's has, in the same batches (6 of 20 shards in 14 s, where a clean
-    # 40-row job took 37 s).
+    # one thread, as each of the job's has, in the same batches.
     lost = {int(i) for i in re.findall(rf"{name} unreachable while running shard-(\d+)", text)}
     picked = sorted(set(range(0, N_ELASTIC // 2, 4)) | lost | _shards_of(rows, name))
     worker, clean = run_one_shard(
-        tiny_model,
-        tmp_path / "clean",
-        prompts,
-        fast_settings(steps=32, width=64, height=64),
-        rows=2,
-        shards=picked,
-        max_batch=2,
-        threads=1,
+        tiny_model, tmp_path / "clean", prompts, fast_settings(), rows=2, shards=picked, max_batch=2, threads=1
     )
     worker.close()
     made = {r["id"]: r["sha256"] for r in rows}
