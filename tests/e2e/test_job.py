@@ -10,6 +10,7 @@ import shutil
 import pyarrow.parquet as pq
 import pytest
 
+from fleetgen.cluster.warm import free_parked
 from fleetgen.errors import StorageError
 from fleetgen.jobs.cli import main
 from fleetgen.jobs.config import JobConfig, validate
@@ -200,6 +201,9 @@ def test_s3_input_and_output(ray_cluster, s3_server, tiny_model, tmp_path, monke
 def test_emulated_mixed_fleet_plans_per_worker_same_images(ray_cluster, tiny_model, prompts, tmp_path):
     """`--worker-memory`: one worker per budget, each planning for its own; the images are the
     bytes a single uniform worker makes (same batch size)."""
+    # Both workers start fresh, together, as on a new cluster: a worker parked by an earlier test would be
+    # ready at once and make all four shards before the other had loaded (seen once in a full run).
+    free_parked()
     mixed = run_job(
         job(prompts, tiny_model, tmp_path / "mixed", worker_memory="20MiB,1GiB", max_batch=1, workers=None, **NATIVE),
         progress_stream=io.StringIO(),
