@@ -14,7 +14,7 @@ import platform
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -202,11 +202,19 @@ def versions() -> dict:
     return {
         "fleetgen": __version__,
         "python": platform.python_version(),
-        "torch": version("torch"),
-        "diffusers": version("diffusers"),
+        "torch": _installed("torch"),
+        "diffusers": _installed("diffusers"),
         "host": platform.node(),
         "pid": os.getpid(),
     }
+
+
+def _installed(name: str) -> str | None:
+    """A package's version from its metadata; None for one installed without it (a source build)."""
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
 
 
 def committed_shards(output: Output) -> set[str]:
