@@ -176,19 +176,17 @@ def _wait(what, check, proc: subprocess.Popen, log: Path, timeout: float = 180):
     return value
 
 
-def _fleet(fs, out: str) -> dict:
-    """fleet.json of the job at `out` (an `s3://` URL), read around the proxy's lag."""
+def _fleet(fs, where: str) -> dict:
+    """fleet.json of the job at `where` (its bucket and prefix on the test S3), read around the proxy's lag."""
     fs.invalidate_cache()
     try:
-        return json.loads(fs.cat(f"{out.removeprefix('s3://')}/fleet.json"))["workers"]
+        return json.loads(fs.cat(f"{where}/fleet.json"))["workers"]
     except (FileNotFoundError, ValueError):
         return {}
 
 
-def _manifest_rows(fs, out: str) -> list[dict]:
-    return pq.read_table(
-        f"{out.removeprefix('s3://')}/shards", filesystem=fs, columns=["id", "status", "sha256", "worker"]
-    ).to_pylist()
+def _manifest_rows(fs, where: str) -> list[dict]:
+    return pq.read_table(f"{where}/shards", filesystem=fs, columns=["id", "status", "sha256", "worker"]).to_pylist()
 
 
 def _shards_of(rows: list[dict], worker: str) -> set[int]:
@@ -208,7 +206,7 @@ def test_autoscaler_starts_gpu_nodes_a_joining_node_gets_a_worker_a_lost_node_lo
     address, env = autoscaling_head
     prompts = write_prompts(tmp_path / "p.parquet", [f"elastic {i}" for i in range(N_ELASTIC)])
     out = slow_s3.location("elastic")
-    fs = slow_s3.filesystem(direct=True)
+    fs, where = slow_s3.filesystem(direct=True), out.removeprefix("s3://")
     common = [
         "--input",
         str(prompts),
@@ -234,7 +232,7 @@ def test_autoscaler_starts_gpu_nodes_a_joining_node_gets_a_worker_a_lost_node_lo
         # The fake GPU node types are started by the autoscaler for the pending workers.
         _wait(
             "a worker placed on an autoscaled node",
-            lambda: {w.get("gpu_type") for w in _fleet(fs, out).values()} & {"fake-a", "fake-b"},
+            lambda: {w.get("gpu_type") for w in _fleet(fs, where).values()} & {"fake-a", "fake-b"},
             driver,
             log,
         )
@@ -248,7 +246,7 @@ def test_autoscaler_starts_gpu_nodes_a_joining_node_gets_a_worker_a_lost_node_lo
         name = _wait(
             "a worker on the joining node",
             lambda: next(
-                (n for n, w in _fleet(fs, out).items() if w.get("gpu_type") == "fake-spot" and w["state"] == "ready"),
+                (n for n, w in _fleet(fs, where).items() if w.get("gpu_type") == "fake-spot" and w["state"] == "ready"),
                 None,
             ),
             driver,
@@ -261,7 +259,7 @@ def test_autoscaler_starts_gpu_nodes_a_joining_node_gets_a_worker_a_lost_node_lo
         raylet.send_signal(signal.SIGKILL)
         _wait(
             f"{name} lost",
-            lambda: _fleet(fs, out).get(name, {}).get("state") in ("unreachable", "restarting", "lost"),
+            lambda: _fleet(fs, where).get(name, {}).get("state") in ("unreachable", "restarting", "lost"),
             driver,
             log,
         )
@@ -277,11 +275,11 @@ def test_autoscaler_starts_gpu_nodes_a_joining_node_gets_a_worker_a_lost_node_lo
     assert "[fake-a]" in text and "[fake-b]" in text and "[fake-spot]" in text
     assert f"{name} lost" in text and "released: nothing left to do" in text
 
-    rows = _manifest_rows(fs, out)
+    rows = _manifest_rows(fs, where)
     assert sorted(r["id"] for r in rows) == sorted({r["id"] for r in rows}) and len(rows) == N_ELASTIC
     assert all(r["status"] == "ok" for r in rows)
-    assert len([p for p in fs.find(f"{out.removeprefix('s3://')}/images") if p.endswith(".png")]) == N_ELASTIC
-    summary = json.loads(fs.cat(f"{out.removeprefix('s3://')}/summary.json"))
+    assert len([p for p in fs.find(f"{where}/images") if p.endswith(".png")]) == N_ELASTIC
+    summary = json.loads(fs.cat(f"{where}/summary.json"))
     assert summary["complete"] and summary["exit_code"] == 0
     # The table shows each worker where it ran last: the lost node's worker on it, or, restarted by Ray
     # on an autoscaled node before the job ended, there with a second start.
