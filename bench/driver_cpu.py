@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,16 +24,15 @@ import tempfile
 import time
 from pathlib import Path
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tests/stores.py's free_port
 
 
 def start_head(temp: str) -> tuple[subprocess.Popen, str]:
     """`ray start --head --block` on loopback, in `temp`; its GCS address once it answers."""
-    port = _free_port()
+    from tests.stores import free_port
+
+    port = free_port()
     ray = str(Path(sys.executable).parent / "ray")
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "HOME": temp}
     head = subprocess.Popen(
