@@ -90,6 +90,14 @@ class OffloadStats:
         c["bytes_onloaded"] += size
         c["swaps"] = c.get("swaps", 0) + 1
 
+    def reset(self) -> None:
+        """Counts from zero, the groups kept (after a worker's warm-up: its transfers are no image's).
+        In place: the counter hooks hold these dicts."""
+        for c in self.counts.values():
+            c.update(onloads=0, offloads=0, bytes_onloaded=0)
+            if "swaps" in c:
+                c["swaps"] = 0
+
     def snapshot(self) -> dict:
         out = {
             "components": {k: dict(v) for k, v in self.counts.items()},

@@ -325,6 +325,7 @@ class FittedPipeline:
                     self.cache.take()  # the warm-up's skips are no image's
                 if self.phases is not None:
                     self.phases.reset()  # nor its encodes
+                self.offload_stats.reset()  # nor its transfers (the stats' bytes ÷ the shards' seconds)
                 if self.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(self.device)
                 return
