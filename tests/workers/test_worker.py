@@ -248,6 +248,49 @@ def test_out_of_memory_steps_down_batch_then_plan(tiny_model, shard_input, tmp_p
     assert info["step_downs"] == worker.step_downs and info["plan"]["modes"]["unet"] != "resident"
 
 
+def test_after_an_oom_the_rest_of_the_batch_runs_at_the_size_stepped_down_to(tiny_model, tmp_path):
+    """A batch of 4 that runs out of memory is halved; the first half runs out too and is halved
+    again: the second half then runs at that size, not at the 2 it was cut to (on the first CUDA
+    run SDXL's forced OOM spent two more OOMs, recorded as "batch 1 -> batch 1", on stale halves)."""
+    import torch
+
+    path = write_prompts(tmp_path / "p.parquet", [f"a red fox {i}" for i in range(4)])
+    files = [read_footer(str(path))]
+    shard = plan_shards(files, 100)[0]
+    settings = GenerationSettings(steps=1, guidance=5.0, width=32, height=32)
+    worker = Worker(
+        WorkerSpec("w0", tiny_model, str(tmp_path / "out"), settings, Columns("prompt", None, None, None), max_batch=4)
+    )
+    sizes = []
+
+    def one_image_at_a_time(module, args):  # a batch of one image is 2 rows with guidance
+        sizes.append(args[0].shape[0])
+        if args[0].shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    worker.pipe.unet.register_forward_pre_hook(one_image_at_a_time)
+    assert worker.run_shard(shard).ok == 4
+    assert [(d["from"], d["to"]) for d in worker.step_downs] == [("batch 4", "batch 2"), ("batch 2", "batch 1")]
+    assert sizes == [8, 4, 2, 2, 2, 2]  # every image once at batch 1, after one failed call at 4 and one at 2
+    worker.close()
+
+
+def test_a_plan_step_down_records_what_changed_beside_the_placements(tiny_model, tmp_path):
+    """FLUX.1-dev's forced OOM on the H200 stepped down from all resident to the same placements with its
+    text encoders in a phase of their own, recorded as modes only: "from" and "to" read the same."""
+    from dataclasses import replace
+
+    from fleetgen.workers.pipeline.fitted import _rung
+
+    settings = GenerationSettings(steps=1, guidance=5.0, width=32, height=32)
+    plan = Worker(WorkerSpec("w0", tiny_model, str(tmp_path), settings, Columns(), device="cpu")).plan
+    phased = replace(plan, phases=(("text_encoder",), ("unet", "vae")), chunk=4)
+    quantized = replace(plan, formats={"unet": "int8"})
+    assert _rung(plan) == plan.modes
+    assert _rung(phased) == {**plan.modes, "phases": "text_encoder | unet+vae"} != _rung(plan)
+    assert _rung(quantized)["formats"] == "unet=int8"
+
+
 @pytest.mark.slow  # builds a tiny SDXL: seconds
 def test_an_oom_in_the_sdxl_decode_leaves_the_vae_as_it_was(shard_input, tmp_path):
     """SDXL's pipeline casts its float16 VAE to float32 for the decode and back only on success: an

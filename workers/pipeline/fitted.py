@@ -292,16 +292,15 @@ class FittedPipeline:
         if oom is not None:
             if not self._step_down(len(batch), oom):
                 return [], {r.id: f"OutOfMemoryError at batch 1 with the leanest plan: {oom}" for r in batch}
-            parts = [batch[j : j + self.batch_size] for j in range(0, len(batch), self.batch_size)]
         elif len(batch) == 1:
             return [], {batch[0].id: failure}
-        else:
-            parts = [[im] for im in batch]
-        made, failed = [], {}
-        for part in parts:
-            m, f = self.generate(part, inputs)
+        made, failed, rest = [], {}, batch
+        while rest:  # after an OOM at the batch size as it stands then (a part's own OOM may step it down again)
+            size = self.batch_size if oom is not None else 1
+            m, f = self.generate(rest[:size], inputs)
             made += m
             failed.update(f)
+            rest = rest[size:]
         return made, failed
 
     def _warm_up(self, look: Look, images: int = 1) -> None:
@@ -364,11 +363,7 @@ class FittedPipeline:
             return False
         self._reapply(leaner)
         self.step_downs.append(
-            {
-                "from": self.plan.to_dict()["modes"],
-                "to": leaner.to_dict()["modes"],
-                "reason": f"out of memory at batch 1: {err[:200]}",
-            }
+            {"from": _rung(self.plan), "to": _rung(leaner), "reason": f"out of memory at batch 1: {err[:200]}"}
         )
         self.plan = leaner
         return True
@@ -480,3 +475,14 @@ class FittedPipeline:
 
 def _key(batch: list[WorkItem]) -> tuple[str, ...]:
     return tuple(im.id for im in batch)
+
+
+def _rung(plan: OffloadPlan) -> dict[str, str]:
+    """A plan as a step-down records it: each component's placement, with the phases and the storage
+    formats where it has them (a leaner plan may keep every placement and phase its encoders, or add a format)."""
+    rung = dict(plan.modes)
+    if plan.phases:
+        rung["phases"] = " | ".join("+".join(p) for p in plan.phases)
+    if plan.formats:
+        rung["formats"] = ",".join(f"{c}={f}" for c, f in sorted(plan.formats.items()))
+    return rung
