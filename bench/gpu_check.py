@@ -299,6 +299,9 @@ class Run:
             outside_allocator_bytes=self.overhead if self.cuda else None,
             pinned_host_bytes={"planned": plan.get("pinned_bytes"), "measured": offload_stats.get("pinned_host_bytes")},
             average_h2d_gb_per_s=round(moved / stats["generate_seconds"] / 1e9, 2) if moved else 0.0,
+            allocator=offload_stats.get("allocator"),  # retries, cudaMalloc and cudaFree calls in the shard
+            # what the worker's probe measured, which the plan's predicted seconds are computed from
+            probe={k: info["probe"].get(k) for k in ("bandwidth", "flops", "measured")},
             step_downs=info["step_downs"],
             quantized=info["quantized"],
             weight_bytes=info["weight_bytes"],

@@ -38,6 +38,16 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _allocator_counts(device: torch.device) -> dict[str, int]:
+    """The CUDA caching allocator's running counts: retries after a failed allocation (its cache
+    freed first), cudaMalloc and cudaFree calls. Empty off CUDA."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    keys = {"retries": "num_alloc_retries", "device_allocs": "num_device_alloc", "device_frees": "num_device_free"}
+    return {k: int(stats.get(v, 0)) for k, v in keys.items()}
+
+
 COUNTER_HOOK = "fleetgen_offload_counter"
 
 
@@ -68,6 +78,7 @@ class OffloadStats:
         from diffusers.hooks import HookRegistry
 
         self.device = device
+        self.allocator_base = _allocator_counts(device)
         self.counts: dict[str, dict] = {}
         self.counted: list[torch.nn.Module] = []  # modules carrying a counter hook
         for name, module in modules.items():
@@ -97,6 +108,7 @@ class OffloadStats:
             c.update(onloads=0, offloads=0, bytes_onloaded=0)
             if "swaps" in c:
                 c["swaps"] = 0
+        self.allocator_base = _allocator_counts(self.device)
 
     def snapshot(self) -> dict:
         out = {
@@ -109,6 +121,10 @@ class OffloadStats:
             out["peak_device_reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)
             host = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
             out["pinned_host_bytes"] = host.get("allocated_bytes.current", host.get("reserved_bytes.current"))
+            # since the counts began: an allocator at its cap frees its cache and retries (cudaFree
+            # synchronises the device, stalling the streams' prefetch)
+            now = _allocator_counts(self.device)
+            out["allocator"] = {k: now[k] - self.allocator_base.get(k, 0) for k in now}
         return out
 
     def close(self) -> None:
