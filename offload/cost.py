@@ -215,7 +215,7 @@ def _call_seconds(
     cfg = (2 if w.cfg else 1) + int(w.cfg_calls) if c.per_step else 1
     slowdown = spec(c.fmt).slowdown if c.fmt != NONE else 1.0  # dequantization (quantize.py's sources)
     tokens = _tokens(c, prof, w)
-    flops = 2 * c.params * tokens
+    flops = 2 * (c.token_params or c.params) * tokens  # a UNet's lower levels run over fewer tokens
     if c.per_step and "Transformer" in c.cls:  # attention over every token in every block (a UNet's runs on
         # its downsampled levels only: not counted): scores and weighted sum, 4 x tokens^2 x width (a clip's dominate)
         flops += 4 * tokens**2 * max(c.hidden, 1) * len(c.blocks)

@@ -120,6 +120,42 @@ def _width(module: torch.nn.Module) -> int:
     return max((m.in_features for m in module.modules() if isinstance(m, torch.nn.Linear)), default=0)
 
 
+def _unet_level(name: str, levels: int) -> int | None:
+    """The resolution level a UNet's layer `name` runs at (0: the latent's full resolution; each
+    level down a quarter of its tokens): a down block's own level, its downsampler's output one
+    level lower; the middle block at the lowest; an up block mirrored, its upsampler's convolution one
+    level up. None: layers that run once per sample (time and added-condition embeddings)."""
+    if name.startswith(("time_embedding", "add_embedding", "class_embedding", "encoder_hid_proj")):
+        return None
+    if name.startswith("mid_block"):
+        return levels - 1
+    parts = name.split(".")
+    if parts[0] == "down_blocks":
+        return int(parts[1]) + (parts[2] == "downsamplers")
+    if parts[0] == "up_blocks":
+        return levels - 1 - int(parts[1]) - (parts[2] == "upsamplers")
+    return 0  # conv_in, the output norm and conv_out
+
+
+def _token_params(module: torch.nn.Module) -> int:
+    """Parameters weighted by the share of the full-resolution tokens each runs over (ComponentProfile
+    `token_params`): for a diffusers UNet (down, middle and up blocks), each Linear and convolution at
+    1/4 per level down, cross-attention's key and value projections (over the text, not the image)
+    left out; 0 for anything else. SDXL at 1024²: 2 × this × tokens = 6.0 TFLOP per sample, where
+    torch's FlopCounterMode counts 6.8 with the attention matmuls (tests/offload/test_offload.py)."""
+    if not all(hasattr(module, k) for k in ("down_blocks", "mid_block", "up_blocks")):
+        return 0
+    levels, total = len(module.down_blocks), 0.0
+    for name, layer in module.named_modules():
+        if not isinstance(layer, (torch.nn.Linear, torch.nn.Conv2d)) or name.endswith(("attn2.to_k", "attn2.to_v")):
+            continue
+        level = _unet_level(name, levels)
+        if level is not None:  # a Linear's shape, not its weight's numel: a 4-bit weight is packed
+            weights = layer.in_features * layer.out_features if isinstance(layer, torch.nn.Linear) else layer.weight.numel()
+            total += weights / 4**level
+    return int(total)
+
+
 def profile_component(
     name: str, module: torch.nn.Module, dtype_bytes: int, upcast: bool = False, fmt: str = "none"
 ) -> ComponentProfile:
@@ -154,6 +190,7 @@ def profile_component(
         upcast=upcast,
         pinned=_pinned_bytes(module, size),
         fmt=fmt,
+        token_params=_token_params(module),
     )
 
 

@@ -40,6 +40,10 @@ class ComponentProfile:
     pinned: int = 0  # host bytes of its page-locked copy with streams: torch's host allocator rounds each tensor
     #                  up to a power of two (FLUX's transformer: 23.8 GB of weights, 37.2 GB pinned); 0: `bytes`
     fmt: str = "none"  # the storage format these counts are for (offload/quantize.py); none: the live tensors
+    # parameters weighted by the share of the denoiser's tokens each one runs over, for its FLOPs: a UNet's
+    # levels run at 1/4, 1/16, ... of the full resolution's tokens (SDXL's UNet: 185 M of its 2.57 G);
+    # 0: every parameter over every token (a transformer)
+    token_params: int = 0
 
     def block_floor(self, k: int) -> int:
         """Device bytes while running at block level with `k` blocks per group."""
