@@ -151,7 +151,9 @@ def _token_params(module: torch.nn.Module) -> int:
             continue
         level = _unet_level(name, levels)
         if level is not None:  # a Linear's shape, not its weight's numel: a 4-bit weight is packed
-            weights = layer.in_features * layer.out_features if isinstance(layer, torch.nn.Linear) else layer.weight.numel()
+            weights = (
+                layer.in_features * layer.out_features if isinstance(layer, torch.nn.Linear) else layer.weight.numel()
+            )
             total += weights / 4**level
     return int(total)
 
