@@ -49,6 +49,9 @@ def test_a_parked_worker_runs_the_next_job_as_a_fresh_one_would(
 ):
     block = warm.scope()
     assert block is not None, "the session's Ray is a warm-workers block"
+    # one parked worker at most below: the run outside the block needs a CPU the parked ones leave free (two
+    # left parked by an earlier test's two-worker job held both, and it waited out its placement timeout)
+    warm.free_parked()
     _run(prompts, tiny_model, tmp_path / "first", workers=1)
     assert ray.get(block.parked[-1][1].__ray_call__.remote(_pipelines)) == 0  # closed: nothing of the job held
     reused = block.reused
