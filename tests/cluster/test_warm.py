@@ -49,9 +49,6 @@ def test_a_parked_worker_runs_the_next_job_as_a_fresh_one_would(
 ):
     block = warm.scope()
     assert block is not None, "the session's Ray is a warm-workers block"
-    # one parked worker at most below: the run outside the block needs a CPU the parked ones leave free (two
-    # left parked by an earlier test's two-worker job held both, and it waited out its placement timeout)
-    warm.free_parked()
     _run(prompts, tiny_model, tmp_path / "first", workers=1)
     assert ray.get(block.parked[-1][1].__ray_call__.remote(_pipelines)) == 0  # closed: nothing of the job held
     reused = block.reused
@@ -60,7 +57,12 @@ def test_a_parked_worker_runs_the_next_job_as_a_fresh_one_would(
     assert block.reused == reused + 1 and _pid(tmp_path / "second") == _pid(tmp_path / "first")
 
     # The same job outside a block: a fresh worker (the parked one is not taken), ended with its run;
-    # the same bytes as the parked worker made (the second job's, not the first's).
+    # the same bytes as the parked worker made (the second job's, not the first's). It needs a CPU that
+    # workers an earlier test left parked may hold (a two-worker job's held both, and this run waited out
+    # its placement timeout): those are killed, the second job's stays parked.
+    for _, handle in block.parked[:-1]:
+        ray.kill(handle, no_restart=True)
+    del block.parked[:-1]
     monkeypatch.setattr(warm, "_scope", None)
     _run(prompts, tiny_model, tmp_path / "cold", workers=1, steps=3)
     assert _pid(tmp_path / "cold") != _pid(tmp_path / "second") and _gone({_pid(tmp_path / "cold")})
