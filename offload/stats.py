@@ -101,6 +101,19 @@ class OffloadStats:
         c["bytes_onloaded"] += size
         c["swaps"] = c.get("swaps", 0) + 1
 
+    def carry(self, old: OffloadStats | None) -> OffloadStats:
+        """These stats with the counts of `old`, the ones they replace (a plan re-applied after an
+        out-of-memory error): a worker's stats cover its whole run; `groups` is the new plan's."""
+        if old is None:
+            return self
+        for name, c in old.counts.items():
+            mine = self.counts.setdefault(name, {"groups": 0, "onloads": 0, "offloads": 0, "bytes_onloaded": 0})
+            for key in ("onloads", "offloads", "bytes_onloaded", "swaps"):
+                if key in c:
+                    mine[key] = mine.get(key, 0) + c[key]
+        self.allocator_base = old.allocator_base
+        return self
+
     def reset(self) -> None:
         """Counts from zero, the groups kept (after a worker's warm-up: its transfers are no image's).
         In place: the counter hooks hold these dicts."""

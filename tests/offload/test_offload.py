@@ -22,6 +22,7 @@ from fleetgen.offload import (
 )
 from fleetgen.offload.architectures import NAMES
 from fleetgen.offload.cost import MARGIN
+from fleetgen.offload.hooks import unapply
 from fleetgen.units import parse_size
 from fleetgen.workers.tiny.flux import build_tiny_flux
 
@@ -254,6 +255,34 @@ def test_stats_agree_with_groups_and_forwards(tiny_model):
     leaf = snap["components"]["unet"]
     assert leaf["groups"] > prof.components["unet"].leaves
     assert (leaf["onloads"], leaf["bytes_onloaded"]) == (steps * leaf["groups"], steps * prof.components["unet"].bytes)
+
+
+def test_stats_of_a_reapplied_plan_carry_the_counts_before_it(tiny_model):
+    """After an OOM a worker re-applies a leaner plan with new stats: they carry the first plan's
+    counts (once, they started from zero and a worker's file lost the transfers before its step-down)."""
+    pipe = _sd(tiny_model)
+    pipe.set_progress_bar_config(disable=True)
+    prof, cpu = profile_pipeline(pipe), torch.device("cpu")
+
+    def call():
+        pipe(prompt="a red fox", num_inference_steps=2, width=64, height=64, output_type="np")
+
+    placed = apply(pipe, OffloadPlan(placements=SD_PLANS["block2"], batch_size=1), prof, cpu)
+    first = OffloadStats(pipeline_modules(pipe), cpu)
+    call()
+    before = first.snapshot()["components"]
+    first.close()
+    unapply(pipe, placed)  # as a worker's re-apply does
+    placed = apply(pipe, OffloadPlan(placements=SD_PLANS["leaf"], batch_size=1), prof, cpu)
+    second = OffloadStats(pipeline_modules(pipe), cpu).carry(first)
+    call()
+    after = second.snapshot()["components"]
+    second.close()
+    unapply(pipe, placed)
+    unet = after["unet"]
+    assert unet["groups"] > before["unet"]["groups"]  # the leaner plan's
+    assert unet["onloads"] == before["unet"]["onloads"] + 2 * unet["groups"]  # 2 steps at leaf level, added
+    assert unet["bytes_onloaded"] == 2 * before["unet"]["bytes_onloaded"]  # all of it moved each step, both plans
 
 
 def test_refused_combinations_raise_before_any_work(tiny_model):

@@ -275,6 +275,33 @@ def test_after_an_oom_the_rest_of_the_batch_runs_at_the_size_stepped_down_to(tin
     worker.close()
 
 
+def test_a_workers_offload_stats_count_its_whole_run_across_a_re_applied_plan(tiny_model, shard_input, tmp_path):
+    """An OOM at batch 1 re-applies a leaner plan with new stats: the worker's file still counts the
+    transfers made before it (every offloaded weight moves once per forward, whatever the grouping)."""
+    import torch
+
+    shard, _ = shard_input
+    settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64)
+    cols = Columns("prompt", "id", None, None)
+    worker = Worker(
+        WorkerSpec("w0", tiny_model, str(tmp_path), settings, cols, max_batch=1, device="cpu", gpu_memory=20 * 2**20)
+    )
+    assert worker.plan.modes["unet"] != "resident"
+    calls = []
+
+    def oom_in_the_second_image(module, args):
+        calls.append(1)
+        if len(calls) == 3:  # the second image's first step: the first image's two forwards are counted
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    worker.pipe.unet.register_forward_pre_hook(oom_in_the_second_image)
+    assert worker.run_shard(shard).ok == 3
+    assert isinstance(worker.step_downs[0]["to"], dict)  # a leaner plan, re-applied mid-shard
+    unet = json.loads((tmp_path / "workers" / "w0.json").read_text())["offload"]["components"]["unet"]
+    assert unet["bytes_onloaded"] == 3 * 2 * worker.profile.components["unet"].bytes  # 3 images, 2 steps each
+    worker.close()
+
+
 def test_a_plan_step_down_records_what_changed_beside_the_placements(tiny_model, tmp_path):
     """FLUX.1-dev's forced OOM on the H200 stepped down from all resident to the same placements with its
     text encoders in a phase of their own, recorded as modes only: "from" and "to" read the same."""

@@ -198,7 +198,8 @@ class FittedPipeline:
         what the phases it replaces encoded (workers/pipeline/phases.py)."""
         self.placed = apply(self.pipe, plan, self.profile, self.device, tag=self.tag)
         modules = pipeline_modules(self.pipe)
-        self.offload_stats = OffloadStats(modules, self.device)
+        # a re-applied plan's stats carry the counts of the one it replaces (the worker's whole run)
+        self.offload_stats = OffloadStats(modules, self.device).carry(self.offload_stats)
         old, self.phases = self.phases, None
         if plan.phases:
             swapped = lambda name, size: self.offload_stats.swapped(name, size)  # noqa: E731 - the live stats
