@@ -48,6 +48,11 @@ def _allocator_counts(device: torch.device) -> dict[str, int]:
     return {k: int(stats.get(v, 0)) for k, v in keys.items()}
 
 
+def _zero(groups: int = 0) -> dict:
+    """A component's counts before anything moved (`groups`: its offload groups under the plan applied)."""
+    return {"groups": groups, "onloads": 0, "offloads": 0, "bytes_onloaded": 0}
+
+
 COUNTER_HOOK = "fleetgen_offload_counter"
 
 
@@ -85,7 +90,7 @@ class OffloadStats:
             groups = find_groups(module)
             if not groups:
                 continue
-            c = self.counts[name] = {"groups": len(groups), "onloads": 0, "offloads": 0, "bytes_onloaded": 0}
+            c = self.counts[name] = _zero(len(groups))
             for g in groups:
                 leaders = {id(g.onload_leader): g.onload_leader, id(g.offload_leader): g.offload_leader}
                 for leader in leaders.values():
@@ -96,7 +101,7 @@ class OffloadStats:
 
     def swapped(self, name: str, size: int) -> None:
         """A phased plan moved the whole of `name` (`size` bytes) onto the device for its phase."""
-        c = self.counts.setdefault(name, {"groups": 0, "onloads": 0, "offloads": 0, "bytes_onloaded": 0})
+        c = self.counts.setdefault(name, _zero())
         c["onloads"] += 1
         c["bytes_onloaded"] += size
         c["swaps"] = c.get("swaps", 0) + 1
@@ -107,7 +112,7 @@ class OffloadStats:
         if old is None:
             return self
         for name, c in old.counts.items():
-            mine = self.counts.setdefault(name, {"groups": 0, "onloads": 0, "offloads": 0, "bytes_onloaded": 0})
+            mine = self.counts.setdefault(name, _zero())
             for key in ("onloads", "offloads", "bytes_onloaded", "swaps"):
                 if key in c:
                     mine[key] = mine.get(key, 0) + c[key]
