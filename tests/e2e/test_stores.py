@@ -251,3 +251,36 @@ def test_a_denied_credential_is_one_line_naming_what_to_set(_azure_stack, monkey
     message = str(err.value)
     assert "\n" not in message and "az://denied/out" in message, message
     assert "set AZURE_STORAGE_CONNECTION_STRING" in message, message
+
+
+def test_a_store_server_whose_port_was_taken_is_told_apart_from_one_that_started():
+    """The harness itself (tests/stores.py): a server that finds its port taken (another pytest worker's
+    emulator, a Ray process) exits, and the process listening there is not taken for it; one that binds is."""
+    import socket
+    import subprocess
+    import sys
+
+    from tests.stores import free_port, wait_listening
+
+    def server(port):
+        return subprocess.Popen(
+            [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        late = server(taken.getsockname()[1])
+        try:
+            assert wait_listening(taken.getsockname()[1], late, "late") is False
+        finally:
+            late.kill()
+            late.wait()
+    ours = server(free_port())
+    try:
+        assert wait_listening(int(ours.args[3]), ours, "ours") is True
+    finally:
+        ours.kill()
+        ours.wait()
