@@ -6,8 +6,9 @@ Markers say what a test starts, so `make test-fast` can leave the costly ones ou
   `autoscaling_head`, or marked where a test starts one in a subprocess);
 - `chaos`: whole jobs under injected faults; `slow`: over ~15 s for another reason (marked).
 A test that starts an in-process Ray without asking for `ray_cluster` fails (`_marked_for_ray`).
-`make test` runs two pytest workers, each with its own session Ray; the tests with Ray heads of their
-own all go to one of them, one at a time (`pytest_collection_modifyitems`)."""
+`make test` runs two pytest workers: the tests with Ray heads of their own run on one of them, one at
+a time, and the tests on the session's Ray on one, one at a time, on one session Ray
+(`pytest_collection_modifyitems`)."""
 
 from __future__ import annotations
 
@@ -423,8 +424,9 @@ def ray_address(ray_cluster):
 RAY_FIXTURES = {"ray_cluster"}
 CLUSTER_FIXTURES = {"ray_head", "autoscaling_head"}
 CLUSTER_GROUP = "cluster"  # the xdist_group of the tests marked `cluster`
+RAY_GROUP = "ray"  # the xdist_group of the tests on the session's Ray (marked `ray`)
 # Module fixtures that run whole jobs (10-20 s of CPU each): the tests sharing one go to one pytest
-# worker, so that it is made once, not once on each.
+# worker, so that it is made once, not once on each (those on the session's Ray are in its group).
 SHARED_JOBS = {"chaos_input", "finished", "reference"}
 
 
@@ -436,15 +438,23 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.ray)
         if names & CLUSTER_FIXTURES:
             item.add_marker(pytest.mark.cluster)
-        # `make test` runs two pytest workers (`-n 2 --dist loadgroup`), each with a session Ray of
-        # its own (`ray_cluster`) when it runs a `ray` test. The tests that start Ray heads of their
-        # own (1.5-1.7 cores each, minutes long) go to one worker, one after the other, first (the
-        # largest group starts first); every other test goes to whichever worker is free. Measured:
-        # see README.
+        # `make test` runs two pytest workers (`-n 2 --dist loadgroup`; xdist sends the largest group
+        # first). The tests that start Ray heads of their own (1.5-1.7 cores each, minutes long) go to
+        # one worker, one after the other; the tests on the session's Ray go to the other, one after
+        # the other, on one session Ray (`ray_cluster`): one Ray's processes instead of two, and one
+        # pool of parked workers for all of them to reuse (a worker's start is ~10 s of CPU, imports
+        # mostly). Every other test goes to whichever worker is free. Measured: BENCHMARKS.md.
         if item.get_closest_marker("cluster"):
             item.add_marker(pytest.mark.xdist_group(CLUSTER_GROUP))
+        elif item.get_closest_marker("ray"):
+            item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
         elif names & SHARED_JOBS:
             item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}:{min(names & SHARED_JOBS)}"))
+    # In the session Ray's group, the modules whose drivers run in other processes (`ray_address`
+    # kills the parked workers first: they hold the CPUs) after those that reuse the parked workers;
+    # a module's tests stay together (its module fixtures are made once).
+    freeing = {item.module.__name__ for item in items if "ray_address" in getattr(item, "fixturenames", ())}
+    items.sort(key=lambda item: item.get_closest_marker("ray") is not None and item.module.__name__ in freeing)
 
 
 def _ray_starts() -> int:

@@ -1,5 +1,5 @@
-"""`make test`'s two pytest workers keep the tests with Ray heads of their own together, as
-tests/conftest.py asks: checked in a pytest run of its own with the installed pytest and xdist
+"""`make test`'s two pytest workers keep the tests with Ray heads of their own together, and those on
+the session's Ray together, as tests/conftest.py asks: checked in a pytest run of its own with the installed pytest and xdist
 (pytest 9.2 made xdist's groups silently hold nothing: pytest-xdist#1386)."""
 
 import os
@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-GROUPED, LOOSE = 12, 12
+GROUPED, ON_RAY, LOOSE = 12, 12, 12
 
 
-def test_the_tests_marked_cluster_run_on_one_pytest_worker_and_the_rest_on_both(tmp_path):
+def test_the_tests_marked_cluster_run_on_one_pytest_worker_those_on_ray_on_one_and_the_rest_on_both(tmp_path):
     (tmp_path / "pytest.ini").write_text(
         "[pytest]\naddopts = --strict-markers -p no:cacheprovider\nmarkers =\n"
         "    cluster: starts Ray heads of its own\n    ray: uses the session's Ray\n    xdist_group: xdist's group\n"
@@ -24,8 +24,10 @@ def test_the_tests_marked_cluster_run_on_one_pytest_worker_and_the_rest_on_both(
         f"    open({str(tmp_path / 'ran')!r} + '-' + name, 'w').write(os.environ['PYTEST_XDIST_WORKER'])\n\n"
         "@pytest.mark.cluster\n@pytest.mark.parametrize('i', range(%d))\n"
         "def test_grouped(i):\n    _ran(f'grouped{i}')\n\n"
+        "@pytest.mark.ray\n@pytest.mark.parametrize('i', range(%d))\n"
+        "def test_on_ray(i):\n    _ran(f'ray{i}')\n\n"
         "@pytest.mark.parametrize('i', range(%d))\n"
-        "def test_loose(i):\n    _ran(f'loose{i}')\n" % (GROUPED, LOOSE)
+        "def test_loose(i):\n    _ran(f'loose{i}')\n" % (GROUPED, ON_RAY, LOOSE)
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
@@ -38,7 +40,9 @@ def test_the_tests_marked_cluster_run_on_one_pytest_worker_and_the_rest_on_both(
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ran = {p.name.split("-", 1)[1]: p.read_text() for p in tmp_path.glob("ran-*")}
-    assert len(ran) == GROUPED + LOOSE
+    assert len(ran) == GROUPED + ON_RAY + LOOSE
     grouped = {w for name, w in ran.items() if name.startswith("grouped")}
     assert len(grouped) == 1, f"the tests marked cluster ran on {sorted(grouped)}: xdist's groups do not hold"
+    on_ray = {w for name, w in ran.items() if name.startswith("ray")}
+    assert len(on_ray) == 1, f"the tests on the session's Ray ran on {sorted(on_ray)}"
     assert set(ran.values()) == {"gw0", "gw1"}  # and there were two workers to choose from
