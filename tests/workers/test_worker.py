@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-import fleetgen.workers.pipeline.fitted
+import fleetgen.workers.pipeline.applied
 from fleetgen.jobs.sharding import plan_shards, read_footer, resolve_columns
 from fleetgen.workers.output.layout import MANIFEST_SCHEMA
 from fleetgen.workers.rows.batches import Look
@@ -421,17 +421,17 @@ def test_a_worker_that_cannot_start_leaves_a_given_pipeline_without_hooks(tmp_pa
         gpu_memory=2**30,
     )
 
-    real = fleetgen.workers.pipeline.fitted.OffloadStats
+    real = fleetgen.workers.pipeline.applied.OffloadStats
 
     def failing(*args, **kwargs):  # fails after the plan was applied, as a warm-up OOM would
         raise OffloadError("injected: could not start")
 
-    fleetgen.workers.pipeline.fitted.OffloadStats = failing
+    fleetgen.workers.pipeline.applied.OffloadStats = failing
     try:
         with pytest.raises(OffloadError, match="injected"):
             Worker(spec, pipe=pipe)
     finally:
-        fleetgen.workers.pipeline.fitted.OffloadStats = real
+        fleetgen.workers.pipeline.applied.OffloadStats = real
     assert offload_hooks(pipe) == 0
     Worker(spec, pipe=pipe).close()  # the same pipeline takes a plan again
     assert offload_hooks(pipe) == 0

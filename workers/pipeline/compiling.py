@@ -3,7 +3,7 @@ repeated blocks (diffusers' `compile_repeated_blocks`: one block class is compil
 block of it reuses the graph — the full-compile speed at a fraction of the compile time), the whole
 denoiser otherwise. It keeps pixels (within rounding), so it is each worker's own setting.
 
-Order (workers/pipeline/fitted.py): offloading, then the step cache, then compilation, so that the compiled
+Order (workers/pipeline/applied.py): offloading, then the step cache, then compilation, so that the compiled
 region calls through both hooks — group offloading's onload and offload are `torch.compiler.disable`d
 by diffusers and become graph breaks, a skipped block is still skipped. After an OOM step-down the
 worker takes compilation off, re-applies offloading and the cache, and compiles again.

@@ -13,17 +13,16 @@ from dataclasses import replace
 import torch
 
 from fleetgen.errors import FleetgenError, OffloadError, one_line
-from fleetgen.offload import DeviceSpec, OffloadPlan, OffloadStats, Workload, apply, pipeline_modules, profile_pipeline
-from fleetgen.offload.hooks import unapply
+from fleetgen.offload import DeviceSpec, OffloadPlan, Workload, pipeline_modules, profile_pipeline
 from fleetgen.offload.profile import live_bytes
 from fleetgen.offload.quantize import held, load_config, quantize
 from fleetgen.offload.weight_formats import describe, pinned_gguf, runnable, spec, unavailable
 from fleetgen.workers.families.table import FAMILIES, GENERIC, Family
 from fleetgen.workers.output.made import Made
-from fleetgen.workers.pipeline.attention import choose_attention, reset_attention, set_attention
-from fleetgen.workers.pipeline.caching import AppliedCache, cache_refusal, names_contexts
+from fleetgen.workers.pipeline.applied import Applied
+from fleetgen.workers.pipeline.caching import cache_refusal
 from fleetgen.workers.pipeline.calls import Calls, as_task, warm_up_input
-from fleetgen.workers.pipeline.compiling import AppliedCompile, is_compile_error
+from fleetgen.workers.pipeline.compiling import is_compile_error
 from fleetgen.workers.pipeline.load import (
     activate_adapters,
     load_adapters,
@@ -32,7 +31,7 @@ from fleetgen.workers.pipeline.load import (
     resolve_device,
     resolve_dtype,
 )
-from fleetgen.workers.pipeline.phases import Phases, decode_all
+from fleetgen.workers.pipeline.phases import decode_all
 from fleetgen.workers.pipeline.plans import (
     choose_plan,
     components_dtypes_kept,
@@ -65,7 +64,7 @@ class FittedPipeline:
         self.device = resolve_device(source.device)
         self.dtype = resolve_dtype(source.dtype, self.device, self.family.dtype)
         self._given = pipe is not None
-        self.placed = self.cache = self.compiled = self.attention = self.offload_stats = self.phases = None
+        self.applied: Applied | None = None  # what the plan put on the pipeline (workers/pipeline/applied.py)
         self.step_downs: list[dict] = []
         self._pending: list[tuple] = []  # (phases, batch key, its Made records, to pictures): for `decode()`
         self.seconds = 0.0  # wall time in pipeline calls
@@ -81,12 +80,15 @@ class FittedPipeline:
         self._check_cache()
         self.plan = choose_plan(self.profile, self._work(), self._budgeted())
         self._quantize(self.plan.formats)
+        self.applied = Applied(
+            self.pipe, self.profile, settings, self.fit, self._denoisers, len(self.adapters), self.tag, self._given
+        )
         try:
             self._apply()
         except BaseException:
             # A pipeline that cannot start leaves a pipeline it was given as it came (no hooks, on the CPU):
             # the next plan applied to it must not find this one's hooks.
-            self._take_off()
+            self.applied.off()
             raise
         self.batch_size = self.plan.batch_size if self.task.batched else 1  # one row per call: its references
 
@@ -178,32 +180,24 @@ class FittedPipeline:
         return replace(found, beside=self.settings.scores.reserved_bytes(self.profile.dtype_bytes))
 
     def _apply(self) -> None:
-        """Offloading, the step cache, the attention kernel and compilation, in that order; then the
-        warm-up, where kernels, graphs, the allocator and prefetch order settle."""
+        """Offloading, the step cache, the attention kernel and compilation, in that order
+        (workers/pipeline/applied.py); then the warm-up, where kernels, graphs, the allocator and
+        prefetch order settle."""
         w = self.workload
-        self._place(self.plan)
-        self._apply_cache()
-        tokens = self.profile.image_tokens(w.width, w.height, w.frames)  # `auto` measures kernels at them
-        self.attention = choose_attention(self.fit.attention.backend, self._denoisers, self.device, self.dtype, tokens)
-        set_attention(self._denoisers, self.attention.backend)
-        self._apply_compile()
+        self.applied.on(self.plan, self.device, self.dtype, self.profile.image_tokens(w.width, w.height, w.frames))
         if self.device.type == "cuda" or self.compiled:
             frames = (("num_frames", w.frames),) if w.frames else ()
             # compiled: batch 1 and any larger batch are a graph each (workers/pipeline/compiling.py), both made here
             for images in (1, 2) if self.compiled and self.plan.batch_size > 1 and self.task.batched else (1,):
                 self._warm_up(Look(w.width, w.height, 1, self.settings.guidance, extra=frames), images)
 
-    def _place(self, plan: OffloadPlan) -> None:
-        """The plan's placements applied, its transfers counted; a phased plan's phases set up, with
-        what the phases it replaces encoded (workers/pipeline/phases.py)."""
-        self.placed = apply(self.pipe, plan, self.profile, self.device, tag=self.tag)
-        modules = pipeline_modules(self.pipe)
-        # a re-applied plan's stats carry the counts of the one it replaces (the worker's whole run)
-        self.offload_stats = OffloadStats(modules, self.device).carry(self.offload_stats)
-        old, self.phases = self.phases, None
-        if plan.phases:
-            swapped = lambda name, size: self.offload_stats.swapped(name, size)  # noqa: E731 - the live stats
-            self.phases = Phases(self.pipe, plan, modules, self.device, swapped).carry(old)
+    # What is on the pipeline now (workers/pipeline/applied.py).
+    placed = property(lambda self: self.applied.placed)
+    offload_stats = property(lambda self: self.applied.offload_stats)
+    phases = property(lambda self: self.applied.phases)
+    cache = property(lambda self: self.applied.cache)
+    compiled = property(lambda self: self.applied.compiled)
+    attention = property(lambda self: self.applied.attention)
 
     @property
     def chunk_images(self) -> int:
@@ -380,52 +374,16 @@ class FittedPipeline:
         except FleetgenError:
             return leaner_plan(self.profile, self.plan, replace(work, phases="off"), device)
 
-    def _apply_cache(self, carried: AppliedCache | None = None) -> None:
-        """The job's step cache, after offloading (workers/pipeline/caching.py: so that skipped blocks stay
-        where they are); `carried`: the one it replaces, whose counts run on."""
-        if self.settings.cache.method != "none":
-            own = not names_contexts(type(self.pipe))
-            self.cache = AppliedCache(
-                self.settings.cache, self._denoisers, self.dtype, own, carried, self.workload.steps
-            )
-
-    def _apply_compile(self, carried: AppliedCompile | None = None) -> None:
-        """`--compile`, last (workers/pipeline/compiling.py): the compiled regions call through the offload and
-        cache hooks; `carried`: the compilation it replaces after a re-apply, whose counts run on."""
-        if self.fit.compile and (carried is None or carried.disabled is None):
-            self.compiled = AppliedCompile(self._denoisers, carried, adapters=len(self.adapters))
-
     def _compiling(self) -> bool:
-        return self.compiled is not None and self.compiled.disabled is None
+        return self.applied.compiling()
 
     def _reapply(self, new_plan: OffloadPlan) -> None:
-        """Another plan: compilation, cache and offload hooks off, then offload → cache → compile back
-        on, in that order."""
-        cached, compiled = self.cache, self.compiled
-        self._take_off(offload=False)
-        unapply(self.pipe, self.placed)  # every hook, the stream ones included
+        """Another plan: compilation, cache and offload hooks off, the weights in the new plan's formats,
+        then offload → cache → compile back on (workers/pipeline/applied.py)."""
+        self.applied.off(offload=False)
+        self.applied.unplace()
         self._quantize(new_plan.formats)  # a format `auto` adds to lean further
-        self._place(new_plan)
-        self._apply_cache(cached)
-        self._apply_compile(compiled)
-
-    def _take_off(self, offload: bool = True) -> None:
-        """Compilation, the cache and the offload counters off; with `offload`, the attention kernel
-        and offloading too (a pipeline given is left as it came: no hooks, on the CPU)."""
-        if self.compiled is not None:
-            self.compiled.close()
-        if self.cache is not None:
-            self.cache.close()
-        if self.offload_stats is not None:
-            self.offload_stats.close()
-        if not offload:
-            return
-        if self.attention is not None:
-            reset_attention(self._denoisers, self.attention.backend)
-        if self._given:
-            unapply(self.pipe, self.placed)
-        elif self.placed is not None:
-            self.placed.close()
+        self.applied.again(new_plan, self.device, self.dtype)
 
     def _call(self, batch: list[WorkItem], inputs: dict | None = None) -> list[Made]:
         """`inputs`: {image id: its loaded inputs} (workers/rows/inputs.py), for tasks that take images."""
@@ -470,7 +428,8 @@ class FittedPipeline:
         return self.cache.context() if self.cache is not None else contextlib.nullcontext()
 
     def close(self) -> None:
-        self._take_off()
+        if self.applied is not None:
+            self.applied.off()
         self.pipe = None
 
 
