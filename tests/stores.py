@@ -243,15 +243,18 @@ class Store:
         have taken that one since), checked to be the process listening there, then its proxy."""
         self.tmp = tempfile.mkdtemp(prefix=f"fleetgen-{self.name}-")
         for _ in range(3):
-            self.ports["server"] = port = free_port()
+            port = free_port()
+            while port == self.ports["proxy"]:  # the proxy's, planned at session start, binds after the server
+                port = free_port()
+            self.ports["server"] = port
             self.server = subprocess.Popen(
                 self._command(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.tmp
             )
             if wait_listening(port, self.server, f"the {self.name} server"):
                 break
-            # another process took the port between free_port() and the server's bind (seen once: the
-            # proxy then forwarded to another pytest worker's emulator, which had other buckets and later
-            # stopped): a new port
+            # another process took the port between free_port() and the server's bind (the likely cause of
+            # one run's GCS failures: the proxy forwarding to another pytest worker's emulator, which had
+            # other buckets and later stopped): a new port
             self.server.kill()
             self.server.wait()
         else:
