@@ -280,7 +280,7 @@ class FittedPipeline:
                 oom = one_line(err)
             else:
                 failure = f"{type(err).__name__}: {err}"
-            compile_failed = self._compiling() and is_compile_error(err)
+            compile_failed = self.applied.compiling() and is_compile_error(err)
         if compile_failed:  # said in workers/<w>.json; the batch runs again, uncompiled
             self.compiled.disable(failure[:300])
             return self.generate(batch, inputs)
@@ -324,7 +324,7 @@ class FittedPipeline:
                     torch.cuda.reset_peak_memory_stats(self.device)
                 return
             except Exception as err:  # noqa: BLE001 - an OOM and a failed compile are handled; the rest is raised
-                if self._compiling() and is_compile_error(err):
+                if self.applied.compiling() and is_compile_error(err):
                     self.compiled.disable(f"{type(err).__name__}: {err}"[:300])  # said, then warmed up again uncompiled
                     continue
                 if not is_out_of_memory(err):
@@ -373,9 +373,6 @@ class FittedPipeline:
             return leaner_plan(self.profile, self.plan, work, device, self.plan.phases[self.phases.failed])
         except FleetgenError:
             return leaner_plan(self.profile, self.plan, replace(work, phases="off"), device)
-
-    def _compiling(self) -> bool:
-        return self.applied.compiling()
 
     def _reapply(self, new_plan: OffloadPlan) -> None:
         """Another plan: compilation, cache and offload hooks off, the weights in the new plan's formats,
