@@ -55,7 +55,7 @@ class Killer(threading.Thread):
                 os.kill(pids[worker], signal.SIGKILL)
             except ProcessLookupError:
                 continue
-            self.killed.append({"worker": worker, "pid": pids[worker], "at": time.monotonic()})
+            self.killed.append({"worker": worker, "pid": pids[worker], "at": time.monotonic(), "time": time.time()})
 
 
 def manifest_rows(out: Path | str) -> list[dict]:

@@ -75,8 +75,23 @@ def test_chaos_workers_killed_at_random_moments(chaos_input, tiny_model, tmp_pat
         "verify_deep": "clean",
     }
     assert not list((tmp_path / "out").rglob("*.tmp-*"))
-    pids_now = {json.loads(f.read_text())["pid"] for f in (tmp_path / "out" / "workers").glob("*.json")}
-    assert not pids_now & {k["pid"] for k in killer.killed}  # the workers that finished were restarted ones
+    # Each worker ready again after a kill (fleet.json) wrote its record (workers/<w>.json) as the
+    # restarted process. A record may still name a killed process: one killed parked after its run,
+    # or still restarting when the other worker emptied the queue (released, never ready again).
+    killed_at = {k["pid"]: k["time"] for k in killer.killed}
+    events = json.loads((tmp_path / "out" / "fleet.json").read_text())["events"]
+    for record in (tmp_path / "out" / "workers").glob("*.json"):
+        if (pid := json.loads(record.read_text())["pid"]) in killed_at:
+            mine = [e for e in events if e["worker"] == record.stem]
+            since = max([killed_at[pid], *(e["time"] for e in mine if e["event"] == "lost")])
+            assert not [e for e in mine if e["event"] == "ready" and e["time"] > since], (record.stem, mine)
+    came_back = [
+        e
+        for e in events
+        if e["event"] == "ready"
+        and any(f["event"] == "lost" and f["worker"] == e["worker"] and f["time"] < e["time"] for f in events)
+    ]
+    assert came_back, events  # a killed worker restarted and worked on
 
 
 def _corrupt_first_row_group(path: Path) -> None:
