@@ -442,7 +442,7 @@ def pytest_collection_modifyitems(items):
         # first). The tests that start Ray heads of their own (1.5-1.7 cores each, minutes long) go to
         # one worker, one after the other; the tests on the session's Ray go to the other, one after
         # the other, on one session Ray (`ray_cluster`): one Ray's processes instead of two, and one
-        # pool of parked workers for all of them to reuse (a worker's start is ~10 s of CPU, imports
+        # pool of parked workers for all of them to reuse (a worker's start is 5-10 s of CPU, imports
         # mostly). Every other test goes to whichever worker is free. Measured: BENCHMARKS.md.
         if item.get_closest_marker("cluster"):
             item.add_marker(pytest.mark.xdist_group(CLUSTER_GROUP))
