@@ -152,6 +152,7 @@ def autoscaling_head(_stores_env):
     finally:
         stop_tree(head)
         log.close()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def _listening(port: int) -> bool:
@@ -416,7 +417,7 @@ def test_run_with_no_address_starts_its_own_ray_even_with_a_stale_cluster_file(t
     (temp / "ray").mkdir()
     (temp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{_free_port()}")  # nothing listens there
     code = (
-        "import ray, time; from cluster import connect, disconnect; t = time.monotonic(); "
+        "import ray, time; from fleetgen.cluster import connect, disconnect; t = time.monotonic(); "
         "shape = connect(); print('started', shape.started_here, round(time.monotonic() - t)); disconnect()"
     )
     env = _env(RAY_TMPDIR=str(temp))
