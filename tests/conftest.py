@@ -12,7 +12,6 @@ a time, and the tests on the session's Ray on one, one at a time, on one session
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import json
 import os
@@ -30,15 +29,30 @@ import pytest
 
 # A Ray head started here binds to loopback (see cluster/connect.py); set before Ray is imported.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-# The hub of the tests is tests/hub_server.py on a loopback port chosen here, with a cache of its
-# own (never the user's). Set before anything imports huggingface_hub (it reads HF_ENDPOINT at
-# import) and before any Ray starts (its workers inherit them); files come over plain HTTP.
-_HF_HOME = tempfile.mkdtemp(prefix="fleetgen-hf-")
-atexit.register(shutil.rmtree, _HF_HOME, ignore_errors=True)
-with socket.socket() as _s:
-    _s.bind(("127.0.0.1", 0))
-    HUB_PORT = _s.getsockname()[1]
-os.environ.update(HF_HOME=_HF_HOME, HF_ENDPOINT=f"http://127.0.0.1:{HUB_PORT}", HF_HUB_DISABLE_XET="1")
+HUB_PORT = 0  # the port of the tests' hub: set in pytest_configure
+_HF_HOME: str | None = None
+
+
+def pytest_configure(config):
+    """The hub of the tests is tests/hub_server.py on a loopback port chosen here, with a cache of its
+    own (never the user's), per pytest process. Set before the test modules are imported (anything
+    importing huggingface_hub reads HF_ENDPOINT then) and before any Ray starts (its workers inherit
+    them); files come over plain HTTP. Here, not at import: a Ray worker that imports a test module
+    (a function of it sent to an actor) keeps the hub of the process that started it, and makes no
+    folder that nobody removes (a killed worker runs no exit handlers)."""
+    global HUB_PORT, _HF_HOME
+    _HF_HOME = tempfile.mkdtemp(prefix="fleetgen-hf-")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        HUB_PORT = s.getsockname()[1]
+    os.environ.update(HF_HOME=_HF_HOME, HF_ENDPOINT=f"http://127.0.0.1:{HUB_PORT}", HF_HUB_DISABLE_XET="1")
+
+
+def pytest_unconfigure(config):
+    if _HF_HOME:
+        shutil.rmtree(_HF_HOME, ignore_errors=True)
+
+
 # gcsfs' default filesystem (its "extended" one) asks GCS's Storage Control API over gRPC for each
 # bucket's layout, which the emulator does not serve (each lookup then waits out its retries): the
 # tests use gcsfs' core filesystem, which every non-zonal bucket uses anyway. Read at gcsfs' import.

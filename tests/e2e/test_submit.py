@@ -74,7 +74,9 @@ def ray_head():
     # earlier `ray.init()` on the machine writes it); its home of its own, never the user's ~/.ray.
     home = Path(temp) / "home"
     home.mkdir()
-    env = {**_env(), "HOME": str(home), "RAY_metrics_report_interval_ms": "1000"}  # metrics within ~1 s
+    # metrics within ~1 s; the head's own temporary files (its dashboard's multiprocessing sockets, which
+    # its killed processes leave behind) in its temp dir, removed with it
+    env = {**_env(), "HOME": str(home), "TMPDIR": temp, "RAY_metrics_report_interval_ms": "1000"}
     env.pop("RAY_AUTH_MODE", None)
     subprocess.run(
         [str(BIN / "ray"), "get-auth-token", "--generate"], env=env, capture_output=True, timeout=60, check=True
@@ -191,7 +193,10 @@ def test_readme_submit_then_ray_job_stop_writes_summary_and_releases_the_lock_th
     runtime env (docs/running.md's second command) gives running shards `--stop-grace` to commit. A
     resubmit resumes and succeeds, every row once."""
     address, metrics_port = ray_head
-    prompts = write_prompts(tmp_path / "p.parquet", [f"stop me {i}" for i in range(16)])
+    # 12 shards of 2 rows: the first job commits about 4 before its stop and the second 2 more, so a third
+    # is left to resume whatever the machine's speed (with 8, an idle machine's second job finished all)
+    rows = 24
+    prompts = write_prompts(tmp_path / "p.parquet", [f"stop me {i}" for i in range(rows)])
     out = tmp_path / "out"
     words = _readme_submit(address, prompts, out, tiny_model)
 
@@ -227,7 +232,7 @@ def test_readme_submit_then_ray_job_stop_writes_summary_and_releases_the_lock_th
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stopped"] and not (out / "_LOCK").exists(), logs[-3000:]
     assert summary["shards_committed"] > before, logs[-3000:]  # the shards running at the stop committed
-    assert _committed(out) < 8
+    assert _committed(out) < rows // 2
 
     # Resubmitted at once: the lock is free, committed shards are skipped, the job succeeds.
     third = _submit(words)
@@ -235,8 +240,8 @@ def test_readme_submit_then_ray_job_stop_writes_summary_and_releases_the_lock_th
     assert "succeeded" in _ray("job", "status", "--address", address, third).lower(), final[-3000:]
     assert "resuming:" in final and (out / "_SUCCESS").exists()
     ids = [r["id"] for r in pq.read_table(out / "shards", columns=["id"]).to_pylist()]
-    assert len(ids) == 16 == len(set(ids))
-    assert len(list((out / "images").rglob("*.png"))) == 16
+    assert len(ids) == rows == len(set(ids))
+    assert len(list((out / "images").rglob("*.png"))) == rows
 
 
 CLUSTER = ROOT / "cluster"
