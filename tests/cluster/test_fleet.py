@@ -125,6 +125,7 @@ def autoscaling_head(_stores_env):
     ]
     # Node deaths noticed within ~2 s instead of Ray's default ~30 s.
     env = _env(
+        TMPDIR=temp,  # what its killed processes leave in the temp dir, removed with it
         AUTOSCALER_UPDATE_INTERVAL_S="1",
         RAY_FAKE_CLUSTER="1",
         RAY_health_check_period_ms="500",
