@@ -27,7 +27,10 @@ LAYERS = [
 
 def _imports(path: Path, top_level_only: bool = False) -> list[str]:
     """The modules a file imports (`top_level_only`: at module level, not inside functions)."""
-    tree = ast.parse(path.read_text())
+    return _imported_by(ast.parse(path.read_text()), top_level_only)
+
+
+def _imported_by(tree: ast.Module, top_level_only: bool = False) -> list[str]:
     nodes = tree.body if top_level_only else ast.walk(tree)
     found = []
     for node in nodes:
@@ -103,22 +106,21 @@ def test_no_module_imports_a_room_by_its_old_top_level_name():
     for path in [p for folder in folders for p in folder.rglob("*.py")]:
         if "site-packages" in path.parts:
             continue
-        found = _imports(path) + _imports_in_code_strings(path)
+        tree = ast.parse(path.read_text())
+        found = _imported_by(tree) + [m for code in _code_strings(tree) for m in _imported_by(code)]
         wrong += [f"{path.relative_to(ROOT)}: {m}" for m in found if m.split(".")[0] in ROOMS]
     assert not wrong, "\n".join(wrong)
 
 
-def _imports_in_code_strings(path: Path) -> list[str]:
-    """The modules imported by the Python code a file holds in strings (`python -c` scripts)."""
+def _code_strings(tree: ast.Module) -> list[ast.Module]:
+    """The Python code a file holds in strings that import something (`python -c` scripts), parsed."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and "import " in node.value:
             try:
-                code = ast.parse(node.value)
+                found.append(ast.parse(node.value))
             except SyntaxError:
                 continue
-            found += [m for n in ast.walk(code) if isinstance(n, ast.ImportFrom) and n.level == 0 for m in [n.module]]
-            found += [a.name for n in ast.walk(code) if isinstance(n, ast.Import) for a in n.names]
     return found
 
 
