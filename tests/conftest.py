@@ -13,6 +13,7 @@ a time, and the tests on the session's Ray on one, one at a time, on one session
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import shutil
@@ -29,6 +30,11 @@ import pytest
 
 # A Ray head started here binds to loopback (see cluster/connect.py); set before Ray is imported.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Ray's log monitor looks for new log files every 0.1 s while a session has fewer than this many, else
+# every 0.5 s: a session that has started 40 workers spends 3.4 % of a core on it, 1.7 % at 0.5 s
+# (measured). The tests' Rays look every 0.5 s: a new worker's first lines reach its driver up to
+# 0.4 s later, and every line still does.
+os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 HUB_PORT = 0  # the port of the tests' hub: set in pytest_configure
 _HF_HOME: str | None = None
 
@@ -51,6 +57,36 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if _HF_HOME:
         shutil.rmtree(_HF_HOME, ignore_errors=True)
+    if _saw_full_collection in gc.callbacks:
+        gc.callbacks.remove(_saw_full_collection)
+
+
+# Python's cyclic collector in a pytest process. The tests import torch, diffusers and transformers and
+# build hundreds of small pipelines: a pytest worker's heap grows to ~700 k objects, and each full
+# collection (Python runs one whenever the objects kept since the last one reach a quarter of the rest)
+# walks all of it, ~0.3 s, 30-40 times per pytest worker in `make test`. After a test during which
+# one ran, what is left is collected and frozen (`gc.freeze()`): later collections walk only what was
+# made since. What is frozen outlives its test (modules, session and module fixtures), so nothing a
+# test makes is kept from the collector. Measured: BENCHMARKS.md.
+_full_collection = False
+
+
+def _saw_full_collection(phase: str, info: dict) -> None:
+    global _full_collection
+    if phase == "stop" and info["generation"] == 2:
+        _full_collection = True
+
+
+def pytest_sessionstart(session):
+    gc.callbacks.append(_saw_full_collection)
+
+
+def pytest_runtest_logfinish(nodeid, location):  # after the test's teardown
+    global _full_collection
+    if _full_collection:
+        gc.collect()
+        gc.freeze()
+        _full_collection = False
 
 
 # gcsfs' default filesystem (its "extended" one) asks GCS's Storage Control API over gRPC for each
