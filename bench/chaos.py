@@ -25,8 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 class Killer(threading.Thread):
-    """SIGKILLs a random live worker `kills` times, waiting `gap` seconds (a random range) between,
-    once images have started to appear. Records what it killed."""
+    """SIGKILLs a random live worker `kills` times, once images have started to appear: each kill a
+    random `gap` (seconds) after a worker was last seen alive, so that a kill never waits out a gap
+    while every worker is restarting (a job whose work is short could end in it). Records what it
+    killed, and how many shards had been committed then."""
+
+    POLL = 0.05  # seconds between looks for a live worker while none is
 
     def __init__(self, out: Path, kills: int, gap: tuple[float, float] = (0.5, 2.0), seed: int = 0):
         super().__init__(daemon=True)
@@ -34,20 +38,26 @@ class Killer(threading.Thread):
         self.killed: list[dict] = []
         self.done = threading.Event()
 
-    def _pids(self) -> dict[str, int]:
+    def _live(self) -> dict[str, int]:
+        """The workers' pids (OUT/workers/<name>.json, written by each process once loaded), less the killed."""
         pids = {}
         for f in (self.out / "workers").glob("*.json"):
             try:
                 pids[f.stem] = json.loads(f.read_text())["pid"]
             except (OSError, ValueError, KeyError):
                 continue
-        return pids
+        return {w: p for w, p in pids.items() if p not in {k["pid"] for k in self.killed}}
 
     def run(self) -> None:
         while not self.done.is_set() and not any((self.out / "images").rglob("*.*")):
-            time.sleep(0.05)
-        while len(self.killed) < self.kills and not self.done.wait(self.rng.uniform(*self.gap)):
-            pids = {w: p for w, p in self._pids().items() if p not in {k["pid"] for k in self.killed}}
+            time.sleep(self.POLL)
+        while len(self.killed) < self.kills:
+            while not self._live():
+                if self.done.wait(self.POLL):
+                    return
+            if self.done.wait(self.rng.uniform(*self.gap)):
+                return
+            pids = self._live()
             if not pids:
                 continue
             worker = self.rng.choice(sorted(pids))
@@ -55,7 +65,10 @@ class Killer(threading.Thread):
                 os.kill(pids[worker], signal.SIGKILL)
             except ProcessLookupError:
                 continue
-            self.killed.append({"worker": worker, "pid": pids[worker], "at": time.monotonic(), "time": time.time()})
+            shards = len(list((self.out / "shards").glob("*.parquet")))
+            self.killed.append(
+                {"worker": worker, "pid": pids[worker], "at": time.monotonic(), "time": time.time(), "shards": shards}
+            )
 
 
 def manifest_rows(out: Path | str) -> list[dict]:

@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 job = functools.partial(make_job, rows_per_shard=8, max_batch=4, workers=2)
-CHAOS_ROWS = 96  # 12 shards: long enough for 4 kills 0.5-2 s apart and the workers' restarts
+CHAOS_ROWS = 96  # 12 shards, made by two workers in about 3 s of work between their restarts
+KILL_GAP = (0.2, 0.6)  # seconds from a worker seen alive to its kill: 4 kills land with shards left to make
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def chaos_input(tmp_path_factory, tiny_model, ray_cluster):
 @pytest.mark.chaos
 def test_chaos_workers_killed_at_random_moments(chaos_input, tiny_model, tmp_path):
     prompts, clean, _ = chaos_input
-    killer = Killer(tmp_path / "out", kills=4, seed=1)
+    killer = Killer(tmp_path / "out", kills=4, gap=KILL_GAP, seed=1)
     killer.start()
     summary = run_job(
         job(prompts, tiny_model, tmp_path / "out", max_attempts=10, max_restarts=5), progress_stream=io.StringIO()
@@ -64,6 +65,7 @@ def test_chaos_workers_killed_at_random_moments(chaos_input, tiny_model, tmp_pat
     killer.done.set()
     killer.join()
     assert len(killer.killed) == 4, "the job ended before every kill landed: make it longer"
+    assert killer.killed[-1]["shards"] < CHAOS_ROWS // 8, killer.killed  # the last one too, with shards left to make
     assert summary.complete and summary.images_ok == CHAOS_ROWS
     assert check(tmp_path / "out", clean) == {
         "rows": CHAOS_ROWS,
