@@ -46,9 +46,13 @@ class Killer(threading.Thread):
                 pids[f.stem] = json.loads(f.read_text())["pid"]
             except (OSError, ValueError, KeyError):
                 continue
-        return {w: p for w, p in pids.items() if p not in {k["pid"] for k in self.killed}}
+        killed = {k["pid"] for k in self.killed}
+        return {w: p for w, p in pids.items() if p not in killed}
 
     def run(self) -> None:
+        from fleetgen.jobs.state import committed_shards
+        from fleetgen.workers.output.storage import Output
+
         while not self.done.is_set() and not any((self.out / "images").rglob("*.*")):
             time.sleep(self.POLL)
         while len(self.killed) < self.kills:
@@ -65,7 +69,7 @@ class Killer(threading.Thread):
                 os.kill(pids[worker], signal.SIGKILL)
             except ProcessLookupError:
                 continue
-            shards = len(list((self.out / "shards").glob("*.parquet")))
+            shards = len(committed_shards(Output(str(self.out))))
             self.killed.append(
                 {"worker": worker, "pid": pids[worker], "at": time.monotonic(), "time": time.time(), "shards": shards}
             )

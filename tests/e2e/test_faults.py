@@ -34,7 +34,8 @@ from tests.conftest import (
 ROOT = Path(__file__).resolve().parents[2]
 
 
-job = functools.partial(make_job, rows_per_shard=8, max_batch=4, workers=2)
+ROWS_PER_SHARD = 8
+job = functools.partial(make_job, rows_per_shard=ROWS_PER_SHARD, max_batch=4, workers=2)
 CHAOS_ROWS = 96  # 12 shards, made by two workers in about 3 s of work between their restarts
 KILL_GAP = (0.2, 0.6)  # seconds from a worker seen alive to its kill: 4 kills land with shards left to make
 
@@ -65,7 +66,8 @@ def test_chaos_workers_killed_at_random_moments(chaos_input, tiny_model, tmp_pat
     killer.done.set()
     killer.join()
     assert len(killer.killed) == 4, "the job ended before every kill landed: make it longer"
-    assert killer.killed[-1]["shards"] < CHAOS_ROWS // 8, killer.killed  # the last one too, with shards left to make
+    # the last one too, with shards left to make
+    assert killer.killed[-1]["shards"] < CHAOS_ROWS // ROWS_PER_SHARD, killer.killed
     assert summary.complete and summary.images_ok == CHAOS_ROWS
     assert check(tmp_path / "out", clean) == {
         "rows": CHAOS_ROWS,
@@ -139,7 +141,7 @@ def test_driver_stopped_then_killed_then_rerun_resumes(chaos_input, tiny_model, 
     both committed and finishes: every row once, the clean run's bytes, `verify --deep` clean."""
     prompts, clean, _ = chaos_input
     out = tmp_path / "out"
-    args = run_args(prompts, out, tiny_model, rows_per_shard=8, max_batch=4)
+    args = run_args(prompts, out, tiny_model, rows_per_shard=ROWS_PER_SHARD, max_batch=4)
     env = {**os.environ, "RAY_ADDRESS": ray_address}
 
     proc = start_driver(args, env)
@@ -163,7 +165,7 @@ def test_driver_stopped_then_killed_then_rerun_resumes(chaos_input, tiny_model, 
     assert lock["pid"] == proc.pid
     assert not (out / "_SUCCESS").exists()
     committed_before = {p.name for p in (out / "shards").glob("*.parquet")}
-    assert stopped < len(committed_before) < CHAOS_ROWS // 8
+    assert stopped < len(committed_before) < CHAOS_ROWS // ROWS_PER_SHARD
 
     log = io.StringIO()
     again = run_job(
