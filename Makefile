@@ -2,21 +2,26 @@
 # .venv on first use.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# CPU build of torch. On a GPU machine, install the torch build for your CUDA first and use
-# `pip install -e '.[s3]'` directly (see README).
+# CPU build of torch, from PyTorch's CPU wheel index: on Linux, PyPI's torch is the multi-GB CUDA
+# build. On a GPU machine, install the torch build for your CUDA first and use `pip install -e '.[s3]'`
+# directly (see README). Few retries: where that index cannot be reached (an offline mirror that has
+# the wheel), pip goes on with the other indexes it is configured with at once.
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q --retries 1 --timeout 15 --index-url $(TORCH_INDEX) "$(TORCH)"
 	$(PY) -m pip install -q -e '.[s3,gcs,azure,test,docs]'
 	touch $@
 
-# Azurite, Microsoft's Azure Storage emulator, for the tests' az:// store (tests/stores.py); needs node and npm.
+# Azurite, Microsoft's Azure Storage emulator, for the tests' az:// store (tests/stores.py); needs node (18 or
+# newer) and npm, which `make test` asks for by name where they are missing.
 AZURITE_VERSION ?= 3.37.0
 AZURITE := .cache/azurite/node_modules/.bin/azurite-blob
 $(AZURITE):
+	@command -v npm >/dev/null || { echo "make test needs node and npm for Azurite (the Azure emulator): apt-get install nodejs npm, or https://nodejs.org"; exit 2; }
 	npm install --silent --no-audit --no-fund --prefix .cache/azurite azurite@$(AZURITE_VERSION)
 azurite: $(AZURITE)
 

@@ -102,10 +102,16 @@ def run(model: Path, prompts: Path, out: Path, cache: str, steps: int, side: int
     files = [read_footer(str(prompts))]
     shard, columns = plan_shards(files, 1000)[0], resolve_columns(files, Columns())
     settings = GenerationSettings(
-        steps=steps, guidance=3.5, width=side, height=side, family="flux", cache=parse_cache(cache)
+        task="text-to-image",
+        steps=steps,
+        guidance=3.5,
+        width=side,
+        height=side,
+        family="flux",
+        cache=parse_cache(cache),
     )
     extra = {"offload": "block", "gpu_memory": 400 << 20} if offload == "block" else {}  # the leanest plan
-    spec = WorkerSpec(
+    spec = WorkerSpec.of(
         "w0", str(model), str(out), settings, columns, device="cpu", max_batch=1, threads=WORKER_THREADS, **extra
     )
     worker = Worker(spec)

@@ -150,7 +150,7 @@ def main() -> None:
 
             def job(out: Path):
                 return validate(
-                    JobConfig(
+                    JobConfig.of(
                         input=prompts,
                         output=str(out),
                         model=model,

@@ -76,7 +76,7 @@ def main() -> None:
 
     import fleetgen.jobs.lock
     from bench.chaos import check, manifest_rows
-    from fleetgen.jobs.cli import main as cli
+    from fleetgen.cli import main as cli
     from fleetgen.jobs.config import JobConfig, validate
     from fleetgen.jobs.driver import run_job
     from fleetgen.workers.tiny import write_tiny_model
@@ -94,7 +94,7 @@ def main() -> None:
             def job(name: str, **kw) -> JobConfig:
                 fs.mkdir(name)
                 return validate(
-                    JobConfig(
+                    JobConfig.of(
                         input=str(prompts),
                         output=f"s3://{name}/out",
                         model=model,

@@ -200,12 +200,9 @@ class Run:
             video = {"task": "text-to-video", "num_frames": frames, "fps": FAMILIES[self.family].fps}
         self.video = bool(video)
         self.settings = GenerationSettings(
+            **{"task": "text-to-image", "family": self.family, "width": width, "height": height, **video},
             steps=2 if args.dry else args.steps,
             guidance=FAMILIES[self.family].guidance,
-            width=width,
-            height=height,
-            family=self.family,
-            **video,
         )
         self.total = torch.cuda.mem_get_info(device)[1] if self.cuda else None
         self.count = 0
@@ -231,7 +228,7 @@ class Run:
         """`speed`: the worker's own speed settings (`compile`, `attention`)."""
         self.count += 1
         shards, columns = write_prompts(self.tmp / f"{self.model}-{self.count}.parquet", images)
-        spec = WorkerSpec(
+        spec = WorkerSpec.of(
             name=f"w{self.count}",
             model=self.model,
             output=str(self.tmp / f"out-{self.model}-{self.count}"),

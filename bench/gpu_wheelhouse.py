@@ -69,7 +69,7 @@ TORCH_BRINGS = [
     "triton",
 ]
 # What the lent H200 image has (its probe: Python 3.12.3, torch 2.11, transformers 5.17, accelerate
-# 1.15, huggingface_hub 1.33, ... — ../shared/notes/gpu-check-review.md): all the check needs but
+# 1.15, huggingface_hub 1.33, ... — as one cheap call there printed it): all the check needs but
 # diffusers (and torchao, for the int8 rows), whose wheels need nothing the image lacks. An overlay of cp311 builds
 # on its PYTHONPATH would shadow its working cp312 numpy and pyarrow.
 H200_HAS = [n for n in dict.fromkeys([*NEEDS, *TORCH_BRINGS]) if n not in ("diffusers", "torchao", "av")]

@@ -106,7 +106,7 @@ def main() -> None:
             tmp = Path(tmp)
             model = str(write_tiny_model(tmp / "model"))
             settings = GenerationSettings(
-                steps=4, guidance=5.0, width=64, height=64, task="image-to-image", strength=0.75
+                family="sd", steps=4, guidance=5.0, width=64, height=64, task="image-to-image", strength=0.75
             )
             for rows in (int(n) for n in args.rows.split(",")):
                 path = tmp / f"in-{rows}.parquet"
@@ -115,12 +115,12 @@ def main() -> None:
                     pa.table({"id": [str(i) for i in range(rows)], "prompt": ["x"] * rows, "input_image": urls}), path
                 )
                 files = [read_footer(str(path))]
-                columns = resolve_columns(files, Columns(image="input_image"))
+                columns = resolve_columns(files, Columns.of(image="input_image"))
                 for prefetch in (True, False):
                     fleetgen.workers.worker.Prefetcher = (
                         Prefetcher if prefetch else functools.partial(Prefetcher, window=0)
                     )
-                    spec = WorkerSpec(
+                    spec = WorkerSpec.of(
                         "w0",
                         model,
                         str(tmp / f"out-{rows}-{prefetch}"),

@@ -57,9 +57,11 @@ def _worker(model: str, out: str, adapters: list[str], batch: int, columns):
     from fleetgen.workers.spec import GenerationSettings, WorkerSpec
     from fleetgen.workers.worker import Worker
 
-    settings = GenerationSettings(steps=STEPS, guidance=5.0, width=64, height=64, output_format="parquet")
+    settings = GenerationSettings(
+        family="sd", task="text-to-image", steps=STEPS, guidance=5.0, width=64, height=64, output_format="parquet"
+    )
     return Worker(
-        WorkerSpec(
+        WorkerSpec.of(
             "w0",
             model,
             out,
@@ -116,7 +118,7 @@ def main() -> None:
         _write(tmp / "uniform" / f"{n}.parquet", [r for r in rows if (r["width"], r["lora"]) == look])
         for n, look in enumerate(looks)
     ]
-    columns = resolve_columns([read_footer(mixed)], Columns(width="width", lora="lora"))
+    columns = resolve_columns([read_footer(mixed)], Columns.of(width="width", lora="lora"))
     grouped = _worker(model, str(tmp / "o"), adapters, 4, columns)
     single = _worker(model, str(tmp / "o"), adapters, 1, columns)
     _seconds(grouped, [mixed], str(tmp / "warm"))  # first calls at each size settle allocator and kernels

@@ -95,7 +95,9 @@ def cpu_run(rows: int, steps: int) -> None:
     pipe = TINY_FAMILIES["flux"](0)
     for name, size in {"text_encoder": 64 << 20, "transformer": 48 << 20}.items():
         getattr(pipe, name).register_buffer("ballast", torch.zeros(size // 4), persistent=False)
-    settings = GenerationSettings(family="flux", steps=steps, guidance=3.5, width=64, height=64, output_format="files")
+    settings = GenerationSettings(
+        task="text-to-image", family="flux", steps=steps, guidance=3.5, width=64, height=64, output_format="files"
+    )
     work = settings.workload(1)
     roomy = DeviceSpec(budget=1 << 40, host_budget=1 << 34, streams=False)
     prof = profile_pipeline(pipe, "tiny")
@@ -111,7 +113,7 @@ def cpu_run(rows: int, steps: int) -> None:
         print("|---|---|---|---|---|---|")
         results = {}
         for phases in ("off", "auto"):
-            spec = WorkerSpec(
+            spec = WorkerSpec.of(
                 "w0", "tiny", f"{tmp}/{phases}", settings, resolve_columns(files, Columns()),
                 max_batch=1, device="cpu", threads=1, gpu_memory=budget, phases=phases,
             )  # fmt: skip

@@ -1,4 +1,4 @@
-"""`fleetgen plan --gpu NAME` beside published GPU measurements (../shared/notes/published-figures.md):
+"""`fleetgen plan --gpu NAME` beside published GPU measurements (each case names its source):
 predicted peak and seconds per image against what others measured with diffusers on that card.
 
     python bench/published.py [--json out.json]

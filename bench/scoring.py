@@ -50,9 +50,9 @@ def cpu(rows: int, steps: int) -> None:
     print("|---|---|---|---|")
     for label, score in (("none", "none"), ("clip, aesthetic, nsfw", scorers)):
         settings = GenerationSettings(
-            family="sd", steps=steps, guidance=5.0, width=64, height=64, scores=parse_scores(score)
+            task="text-to-image", family="sd", steps=steps, guidance=5.0, width=64, height=64, score=parse_scores(score)
         )
-        spec = WorkerSpec(
+        spec = WorkerSpec.of(
             "w0",
             str(model),
             str(root / label.replace(", ", "-")),

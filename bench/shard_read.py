@@ -83,7 +83,7 @@ def main() -> None:
         )
         shards = plan_shards([read_footer(str(path))], 256)
         picked = shards[:: max(1, len(shards) // args.samples)]
-        columns = Columns(seed=None, negative_prompt=None)
+        columns = Columns.of(seed=None, negative_prompt=None)
         opened = []
         real = shard_module.url_to_fs
         counting_fs = shard_module.url_to_fs = counting(real, opened)

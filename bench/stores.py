@@ -108,7 +108,7 @@ def main() -> None:
                     source = url.rsplit("/", 1)[0] + "/prompts.parquet"
                     s.filesystem().put_file(str(prompts), source.split("://", 1)[1])
                 job = validate(
-                    JobConfig(
+                    JobConfig.of(
                         input=source,
                         model=model,
                         output=url,

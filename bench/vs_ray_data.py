@@ -93,7 +93,7 @@ def fleetgen_run(prompts: str, model: str, out: Path) -> dict:
     started = time.time()
     s = run_job(
         validate(
-            JobConfig(
+            JobConfig.of(
                 input=prompts,
                 output=str(out),
                 model=model,

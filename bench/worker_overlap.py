@@ -88,13 +88,13 @@ def run(model: str, prompts: str, out: str, call: float, depth: int, video: bool
     from fleetgen.workers.worker import Worker
 
     files = [read_footer(prompts)]
-    settings = GenerationSettings(steps=1, guidance=0.0, width=SIDE, height=SIDE)
+    settings = GenerationSettings(family="sd", task="text-to-image", steps=1, guidance=0.0, width=SIDE, height=SIDE)
     if video:
         w, h = VIDEO_SIZE
         kind = {"task": "text-to-video", "family": "wan", "num_frames": FRAMES, "fps": 16.0}
         settings = GenerationSettings(steps=1, guidance=0.0, width=w, height=h, **kind)
     worker = Worker(
-        WorkerSpec(
+        WorkerSpec.of(
             "w0",
             model,
             out,

@@ -101,12 +101,12 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         model = str(write_tiny_model(Path(tmp) / "tiny"))
-        settings = GenerationSettings(steps=2, width=32, height=32)
-        spec = WorkerSpec("w0", model, f"{tmp}/out", settings, Columns(), device="cpu", threads=1)
+        settings = GenerationSettings(family="sd", task="text-to-image", steps=2, guidance=7.5, width=32, height=32)
+        spec = WorkerSpec.of("w0", model, f"{tmp}/out", settings, Columns(), device="cpu", threads=1)
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
         try:
             if args.warm:
-                spec2 = WorkerSpec(
+                spec2 = WorkerSpec.of(
                     "w0", model, f"{tmp}/out2", replace(settings, steps=3), Columns(), device="cpu", threads=1
                 )
                 warm_pair(spec, spec2)  # the page cache warm for both kinds

@@ -47,12 +47,13 @@ def fit_to_share(spec: WorkerSpec, resources: dict, placement: dict, device_tota
     with a fractional GPU, that fraction of the device's memory (not all of its free memory)."""
     kind = "gpus" if resources.get("num_gpus") else "cpus"
     share = min(1.0, resources.get(f"num_{kind}", 1) / max(placement[f"node_{kind}"], 1e-9))
-    if spec.host_memory is None and placement["node_memory"]:
-        spec = replace(spec, host_memory=int(placement["node_memory"] * HOST_SHARE * share))
+    fit = spec.fit
+    if fit.host_memory is None and placement["node_memory"]:
+        fit = replace(fit, host_memory=int(placement["node_memory"] * HOST_SHARE * share))
     fraction = resources.get("num_gpus") or 0
-    if spec.gpu_memory is None and device_total and 0 < fraction < 1:
-        spec = replace(spec, gpu_memory=int(device_total * fraction))
-    return spec
+    if fit.gpu_memory is None and device_total and 0 < fraction < 1:
+        fit = replace(fit, gpu_memory=int(device_total * fraction))
+    return replace(spec, fit=fit)
 
 
 class FleetWorker:
@@ -118,7 +119,7 @@ class FleetWorker:
             f"Ray gave worker {self.spec.name} GPU {','.join(placement['gpu_ids'])} on {placement['host']} "
             f"({placement['node_ip']}), but torch {torch.__version__} in its process sees no CUDA device"
         )
-        if self.spec.device != "cpu":
+        if self.spec.source.device != "cpu":
             cause = "a CPU-only torch build" if torch.version.cuda is None else "no usable NVIDIA driver"
             raise ClusterError(
                 f"{what} ({cause}). Install a CUDA build of torch on the GPU nodes (see cluster/), "

@@ -8,8 +8,10 @@ and the few plain-data modules every room shares (`errors`, `units`, `caches`, `
 torch or Ray.
 
 The Python API mirrors the commands (fleetgen/api.py): `fleetgen.run`, `fleetgen.plan`,
-`fleetgen.status`, `fleetgen.verify`, `fleetgen.report`; `fleetgen.warm_workers()` keeps workers up between
-the runs made inside it.
+`fleetgen.status`, `fleetgen.verify`, `fleetgen.report`, `fleetgen.score`, `fleetgen.calibrate`,
+`fleetgen.demo`, `fleetgen.tiny_model`; `fleetgen.warm_workers()` keeps workers up between the runs made
+inside it. The command line (fleetgen/cli.py) is a thin layer over it; the settings a job takes are
+declared once (fleetgen/settings.py).
 """
 
 import os as _os
@@ -18,7 +20,7 @@ from fleetgen.errors import ClusterError, ConfigError, FleetgenError, InputError
 
 __version__ = "0.1.0"
 
-# In a source tree the rooms are folders beside this package (DESIGN.md: the repository's top level);
+# In a source tree the rooms are folders beside this package (docs/architecture.md: the repository's top level);
 # installed from a wheel, setuptools' `package-dir` puts them inside it. A tree used as it is — a
 # `ray job submit --working-dir .` upload, a GPU machine running bench/gpu_check.py from a copy —
 # imports its own rooms, never those of another copy installed on the machine.
@@ -29,7 +31,7 @@ if not _os.path.isdir(_os.path.join(_HERE, "jobs")) and all(
 ):
     __path__.append(_TREE)
 
-from fleetgen.api import plan, report, run, score, status, verify, warm_workers  # noqa: E402 - after the rooms are reachable
+from fleetgen.api import calibrate, demo, plan, report, run, score, status, tiny_model, verify, warm_workers  # noqa: E402 - after the rooms are reachable
 
 __all__ = [
     "ClusterError",
@@ -40,11 +42,14 @@ __all__ = [
     "ShardError",
     "StorageError",
     "__version__",
+    "calibrate",
+    "demo",
     "plan",
     "report",
     "run",
     "score",
     "status",
+    "tiny_model",
     "verify",
     "warm_workers",
 ]

@@ -2,6 +2,6 @@
 
 import sys
 
-from fleetgen.jobs.cli import main
+from fleetgen.cli import main
 
 sys.exit(main())

@@ -3,7 +3,7 @@
 Each function takes the command's options as keyword arguments, named as the options are (`--max-batch`
 is `max_batch`), builds the same records, applies the same defaults and raises the same errors
 (`fleetgen.FleetgenError` and its tree: `ConfigError` for bad options, `StorageError` for a store that
-fails, ...). The command line is a thin layer over these functions (fleetgen/jobs/cli.py).
+fails, ...). The command line is a thin layer over these functions (fleetgen/cli.py); they call the rooms.
 
     import fleetgen
 
@@ -22,7 +22,6 @@ Nothing is imported until a function is called: `import fleetgen` loads no torch
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, TextIO
@@ -30,19 +29,21 @@ from typing import TYPE_CHECKING, TextIO
 from fleetgen.errors import ConfigError
 
 if TYPE_CHECKING:
+    from fleetgen.jobs.calibrate import Calibration
     from fleetgen.jobs.planning import Plans
     from fleetgen.jobs.status import JobStatus
     from fleetgen.jobs.summary import JobSummary
     from fleetgen.jobs.verify import VerifyReport
 
 
-def _known(options: dict, known: list[str], command: str) -> None:
-    """An option the command does not have is refused, naming the closest one it has."""
-    for name in options:
-        if name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = f" Did you mean `{close[0]}`?" if close else f" Its options: {', '.join(sorted(known))}."
-            raise ConfigError(f"`{command}` has no option `{name}`.{hint}")
+def _job(input: str | None, output: str | None, model: str | None, config: str | None, options: dict, command: str):
+    """The job a command's keywords describe, as `fleetgen run` builds it: the settings table's
+    names only (a misspelt one refused, naming the closest), `config`'s TOML under them, validated."""
+    from fleetgen.jobs.config import job_settings, make_config
+    from fleetgen.settings import check_names
+
+    check_names(list(options), job_settings(), command)
+    return make_config({"input": input, "output": output, "model": model, **options}, config)
 
 
 def run(
@@ -53,14 +54,70 @@ def run(
     `output_format="webdataset"`, `quantize="transformer=fp8"`, ...); `config`: a TOML file with the
     same settings, which `options` override, as on the command line. `progress`: where progress
     lines go (default standard error)."""
-    from dataclasses import fields
-
-    from fleetgen.jobs.config import JobConfig, make_config
     from fleetgen.jobs.driver import run_job
 
-    _known(options, [f.name for f in fields(JobConfig)], "fleetgen.run")
-    job = make_config({"input": input, "output": output, "model": model, **options}, config)
-    return run_job(job, progress_stream=progress)
+    return run_job(_job(input, output, model, config, options, "fleetgen.run"), progress_stream=progress)
+
+
+def demo(output: str = "demo-output", progress: TextIO | None = None) -> JobSummary:
+    """`fleetgen demo`: builds the tiny model and a sample prompt set under `output` (once), then runs
+    a two-worker CPU job on a local Ray into `output`/out; returns its summary."""
+    from fleetgen.jobs.demo import prepare
+    from fleetgen.jobs.driver import run_job
+
+    return run_job(prepare(output), progress_stream=progress)
+
+
+def tiny_model(directory: str, family: str = "sd", size: str = "tiny", seed: int = 0, scorer: str | None = None) -> str:
+    """`fleetgen tiny-model`: writes a random-weight pipeline of `family` (real diffusers classes,
+    loadable with `from_pretrained`) to `directory`, or with `scorer` a tiny scorer for `--score
+    NAME=DIR`; returns what it wrote, in words."""
+    from fleetgen.workers.families.detect import identify_dir
+    from fleetgen.workers.families.table import NO_TINY, TABLE
+
+    if scorer:
+        from fleetgen.workers.tiny.scorers import TINY_SCORERS, write_tiny_scorer
+
+        if scorer not in TINY_SCORERS:
+            raise ConfigError(f"`--scorer` must be one of {', '.join(TINY_SCORERS)}; got `{scorer}`.")
+        return f"{write_tiny_scorer(directory, scorer, seed)} (a tiny {scorer} scorer)"
+    families = [f.name for f in TABLE if f.name not in NO_TINY]
+    if family not in families:
+        raise ConfigError(f"`--family` must be one of {', '.join(families)}; got `{family}`.")
+    if size not in ("tiny", "small") or (size == "small" and family != "sd"):
+        raise ConfigError(f"`--size` must be tiny, or small for the sd family; got `{size}` for {family}.")
+    from fleetgen.workers.tiny import write_tiny_model
+
+    path = write_tiny_model(directory, seed=seed, size=size, family=family)
+    detected, why = identify_dir(path)
+    hint = "" if detected.name == family else f"; run it with `--family {family}`"
+    return f"{path} ({family}; detected as {detected.name}: {why}{hint})"
+
+
+def calibrate(
+    input: str | None,
+    model: str | None,
+    *,
+    config: str | None = None,
+    sample: int = 4,
+    min_psnr: float = 30.0,
+    min_ssim: float | None = None,
+    max_drop: dict[str, float] | None = None,
+    kinds: tuple[str, ...] = ("attention", "compile", "cache", "quantize"),
+    progress: Callable[[str], None] | None = None,
+    **options,
+) -> Calibration:
+    """`fleetgen calibrate`: the job's first `sample` rows made under each speed setting of `kinds`
+    and compared with the exact reference (speed, PSNR, SSIM, the scores' drops); returns the
+    table and the fastest setting within the floors (`.table()`, `.snippet()`: TOML for `config`).
+    `options`: `fleetgen run`'s; nothing is written to `output` (default: a temporary directory)."""
+    import tempfile
+
+    from fleetgen.jobs.calibrate import calibrate as measure
+
+    output = options.pop("output", None) or tempfile.gettempdir()  # each setting writes under a folder of its own
+    job = _job(input, output, model, config, options, "fleetgen.calibrate")
+    return measure(job, sample, min_psnr, min_ssim, kinds, say=progress or (lambda _: None), max_drop=max_drop or {})
 
 
 def warm_workers(address: str | None = None) -> AbstractContextManager:
@@ -75,32 +132,20 @@ def warm_workers(address: str | None = None) -> AbstractContextManager:
     return block(address)
 
 
-def plan(
-    model: str,
-    gpu_memory: str | list[str] | None = None,
-    *,
-    gpu: str | None = None,
-    host_memory: str | None = None,
-    dtype: str | None = None,
-    bandwidth: float | None = None,
-    **options,
-) -> Plans:
+def plan(model: str, gpu_memory: str | list[str] | None = None, **options) -> Plans:
     """`fleetgen plan`: the offload plan and batch each device budget would get, from the model's
     configs alone (no weights, no GPU). `model`: a shipped architecture (`fleetgen plan --help` names
-    them) or a pipeline directory; `gpu_memory`: a size like `24GiB`, or several; `gpu`: a card
-    (`H100`, `RTX-4090`, ...: offload/devices.py) whose throughput and host link the plans assume, and
-    whose memory is the budget when `gpu_memory` is not given; `bandwidth`: host→device GB/s to assume
-    (default the card's, else 20). `options`: `width`, `height`, `steps`, `guidance`, `true_cfg_scale`, `max_batch`,
-    `offload`, `phases`, `task`, `references`, `num_frames`, `cache`, `quantize`. Returns the plans (`.rows`,
-    `.text()`, `.to_dict()`)."""
-    from dataclasses import fields
-
+    them) or a pipeline directory; `gpu_memory`: a size like `24GiB`, or several. `options`, as the
+    command's: `gpu` (a card, `H100`, `RTX-4090`, ...: offload/devices.py, whose throughput and host link
+    the plans assume, and whose memory is the budget when `gpu_memory` is not given), `bandwidth`
+    (host→device GB/s to assume), `host_memory`, `dtype`, `references`, and the job's settings a plan
+    depends on (`width`, `height`, `steps`, `guidance`, `max_batch`, `offload`, `phases`, `task`, `cache`,
+    `quantize`, `score`, ...: `fleetgen plan --help`). Returns the plans (`.rows`, `.text()`, `.to_dict()`)."""
     from fleetgen.jobs.planning import PlanRequest, plan_budgets
 
-    _known(options, [f.name for f in fields(PlanRequest) if f.name != "model"], "fleetgen.plan")
-    budgets = [gpu_memory] if isinstance(gpu_memory, str) else list(gpu_memory or [])
-    bytes_per_s = bandwidth * 1e9 if bandwidth else None
-    return plan_budgets(PlanRequest(model, **options), budgets, host_memory, dtype, bytes_per_s, gpu)
+    if gpu_memory is not None:
+        options["budgets"] = (gpu_memory,) if isinstance(gpu_memory, str) else tuple(gpu_memory)
+    return plan_budgets(PlanRequest.of(model, **options))
 
 
 def status(output: str) -> JobStatus:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -176,7 +176,7 @@ def candidates(config: JobConfig, denoisers: list[str], kinds=KINDS) -> list[tup
 
         from fleetgen.offload.weight_formats import runnable, spec
 
-        cuda = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
+        cuda = config.source.device.startswith("cuda") or (config.source.device == "auto" and torch.cuda.is_available())
         for name in runnable(cuda, at_load=True):
             for component in denoisers:
                 if component in spec(name).components:
@@ -201,25 +201,25 @@ def calibrate(
     if sample < 1:
         raise ConfigError(f"`--sample` must be 1 or more, got `{sample}`.")
     max_drop = dict(max_drop or {})
-    unscored = [n for n in max_drop if n not in config.score.names]
+    unscored = [n for n in max_drop if n not in config.generation.score.names]
     if unscored:
         raise ConfigError(
             f"`--max-drop {unscored[0]}=...` names a score the job does not compute; it scores: "
-            f"{', '.join(config.score.names) or 'none (add --score)'}."
+            f"{', '.join(config.generation.score.names) or 'none (add --score)'}."
         )
     unknown = set(kinds) - set(KINDS)
     if unknown:
         raise ConfigError(f"`--try` takes {', '.join(KINDS)}; got `{', '.join(sorted(unknown))}`.")
     # every candidate stores what it makes (no keep rule, no best-of: the pixels are compared one for one)
-    config = replace(config, keep=KeepRule(), best_of=1, rank_by=None)
-    config = resolve_paths(replace(config, **REFERENCE, output_format="files", image_format="png"))
+    config = config.with_options(keep=KeepRule(), best_of=1, rank_by=None)
+    config = resolve_paths(config.with_options(**REFERENCE, output_format="files", image_format="png"))
     files, columns = read_input(config)
     config, family, _ = resolve_defaults(config, columns)
-    if config.settings().task_spec().video:
+    if config.generation.task_spec().video:
         raise ConfigError("`fleetgen calibrate` compares images; video tasks are not calibrated yet.")
     shard = plan_shards(files, sample)[0]  # the job's first rows: its own prompts, seeds and settings
-    say(f"calibrating {config.model} ({family.name}) on {shard.length} rows of {config.input}")
-    adapters = resolve_adapters(config, columns, distinct_strings(files, columns.lora, MAX_ADAPTERS))
+    say(f"calibrating {config.source.model} ({family.name}) on {shard.length} rows of {config.input}")
+    adapters = resolve_adapters(config, columns, distinct_strings(files, columns["lora"], MAX_ADAPTERS))
     with tempfile.TemporaryDirectory(prefix="fleetgen-calibrate-") as work:
         return _calibrate(
             _Sample(config, columns, shard, adapters, Path(work)), min_psnr, min_ssim, kinds, say, max_drop
@@ -245,7 +245,7 @@ def _calibrate(sample: _Sample, min_psnr, min_ssim, kinds, say, max_drop: dict) 
         result = Result(name, {**REFERENCE, **settings})
         started = time.perf_counter()
         try:
-            cfg = validate(replace(config, **settings, output=str(work / f"c{len(done)}")))
+            cfg = validate(config.with_options(**settings, output=str(work / f"c{len(done)}")))
             cfg, _, _ = resolve_defaults(cfg, columns)  # the family's refusals (a cache it cannot take)
             return _run(cfg, columns, shard, sample.adapters, result)
         except (FleetgenError, RuntimeError, TypeError, ValueError) as err:
@@ -268,7 +268,7 @@ def _calibrate(sample: _Sample, min_psnr, min_ssim, kinds, say, max_drop: dict) 
     _compare(again, images, ref, ref_images)
     done.append(again)
     noise = abs(1 - again.images_per_second / ref.images_per_second) if not again.failed else 0.0
-    cal = Calibration(config.model, shard.length, ref.device, min_psnr, min_ssim, done, noise, max_drop=max_drop)
+    cal = Calibration(config.source.model, shard.length, ref.device, min_psnr, min_ssim, done, noise, max_drop=max_drop)
     combined = _combined(
         [
             r
@@ -346,7 +346,7 @@ def _run(config: JobConfig, columns, shard, adapters, result: Result) -> tuple[R
         first = next(r["error"] for r in rows if r["status"] == "error")
         result.failed, result.note = True, f"{outcome.errors} error rows: {first[:160]}"
     images = {r["id"]: np.asarray(Image.open(out / r["image"]).convert("RGB")) for r in rows if r["status"] == "ok"}
-    for name in config.score.names:  # each scorer's mean over the sample (`--max-drop`)
+    for name in config.generation.score.names:  # each scorer's mean over the sample (`--max-drop`)
         values = [r[f"score_{name}"] for r in rows if r["status"] == "ok" and r[f"score_{name}"] is not None]
         if values:
             result.scores[name] = float(np.mean(values))

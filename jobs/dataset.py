@@ -21,9 +21,13 @@ from fleetgen.workers.rows.shard import SETTING_ROLES, Columns
 
 def describe_columns(config: JobConfig, columns: Columns, adapters) -> str:
     """One log line: where prompts come from, which columns set what per row, what is carried."""
-    prompt = f"template `{config.prompt_template}`" if config.prompt_template else f"column `{columns.prompt}`"
-    per_row = [f"{role} ← `{getattr(columns, role)}`" for role in SETTING_ROLES if getattr(columns, role)]
-    parts = [f"prompts from {prompt}", f"{config.images_per_prompt} image(s) per row"]
+    prompt = (
+        f"template `{config.generation.prompt_template}`"
+        if config.generation.prompt_template
+        else f"column `{columns['prompt']}`"
+    )
+    per_row = [f"{role} ← `{columns[role]}`" for role in SETTING_ROLES if columns[role]]
+    parts = [f"prompts from {prompt}", f"{config.generation.images_per_prompt} image(s) per row"]
     parts.append(f"per-row settings: {', '.join(per_row)}" if per_row else "no per-row setting columns")
     parts.append(f"{len(adapters)} LoRA adapter(s)")
     parts.append(f"carried columns: {', '.join(columns.carry)}" if columns.carry else "no columns carried")
@@ -46,7 +50,7 @@ def write_card(
     """`OUT/README.md`: a dataset card, and the wids index for webdataset output. `counts`: every
     committed shard's counts (jobs.state.shard_counts), when the caller has them."""
     counts = shard_counts(output) if counts is None else counts
-    fmt = get_format(config.output_format)
+    fmt = get_format(config.generation.output_format)
     fmt.finish(output, counts)
     ok = sum(c["ok"] for c in counts.values())
     errors = sum(c["error"] for c in counts.values())
@@ -57,16 +61,16 @@ def write_card(
             f"---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: {fmt.data_files}\n"
             "---\n\n"
         )
-    model = config.model + (f" (revision `{config.revision}`)" if config.revision else "")
-    what = "clips" if config.num_frames else "images"  # num_frames: resolved for every video task
-    per_row = [f"`{getattr(columns, role)}` ({role})" for role in SETTING_ROLES if getattr(columns, role)]
+    model = config.source.model + (f" (revision `{config.source.revision}`)" if config.source.revision else "")
+    what = "clips" if config.generation.num_frames else "images"  # num_frames: resolved for every video task
+    per_row = [f"`{columns[role]}` ({role})" for role in SETTING_ROLES if columns[role]]
     lines = [
         header + f"# {output.url.rstrip('/').rsplit('/', 1)[-1]}",
         "",
         f"{what.capitalize()} generated with fleetgen from `{config.input}` by `{model}`.",
         "",
         f"**{ok} {what}**, {errors} error rows, {filtered} filtered "
-        + ("(by the safety checker or `--keep`); " if config.keep else "by the safety checker; ")
+        + ("(by the safety checker or `--keep`); " if config.generation.keep else "by the safety checker; ")
         + f"{summary.shards_committed} of {summary.shards_total} shards committed"
         + (" (complete)." if summary.complete else " (incomplete: rerun the job to finish it)."),
         "",
@@ -96,30 +100,34 @@ def write_card(
 def _settings(config: JobConfig, family: Family, output_format: str) -> dict:
     """The card's settings table (None: not shown)."""
     clips = None
-    if config.num_frames:
+    if config.generation.num_frames:
         clips = (
-            f"{config.num_frames} frames at {config.fps:g} fps, {config.video_format} (crf {config.crf}), "
+            f"{config.generation.num_frames} frames at {config.generation.fps:g} fps, {config.generation.video_format} (crf {config.generation.crf}), "
             + ("with the model's sound (`audio_codec`, `sample_rate`), " if family.audio else "")
             + "a poster frame (JPEG) beside each"
-            + (", and every frame as a PNG (`frame-0000.png` ...; parquet: `frames`)" if config.store_frames else "")
+            + (
+                ", and every frame as a PNG (`frame-0000.png` ...; parquet: `frames`)"
+                if config.generation.store_frames
+                else ""
+            )
         )
     return {
         "model family": family.name,
-        "steps": config.steps,
-        "guidance": config.guidance,
-        "size": f"{config.width}x{config.height}",
-        "seed": config.seed,
-        "images per prompt": config.images_per_prompt,
-        "prompt template": config.prompt_template,
-        "LoRA": ", ".join(config.lora) or None,
-        "true CFG scale": config.true_cfg_scale,
-        "variant": config.variant,
-        "image format": None if config.num_frames else config.image_format,
+        "steps": config.generation.steps,
+        "guidance": config.generation.guidance,
+        "size": f"{config.generation.width}x{config.generation.height}",
+        "seed": config.generation.seed,
+        "images per prompt": config.generation.images_per_prompt,
+        "prompt template": config.generation.prompt_template,
+        "LoRA": ", ".join(config.generation.lora) or None,
+        "true CFG scale": config.generation.true_cfg_scale,
+        "variant": config.source.variant,
+        "image format": None if config.generation.num_frames else config.generation.image_format,
         "clips": clips,
         "output format": output_format,
         # each scorer's `score_<name>` column, and the rule the stored images passed
-        "scores": ", ".join(f"{n} ({m})" for n, m in config.score.scorers) or None,
-        "keep": config.keep.text or None,
+        "scores": ", ".join(f"{n} ({m})" for n, m in config.generation.score.scorers) or None,
+        "keep": config.generation.keep.text or None,
     }
 
 

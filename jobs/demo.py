@@ -41,7 +41,7 @@ def prepare(directory: str) -> JobConfig:
     if not prompts.exists():
         write_prompts(prompts)
     return validate(
-        JobConfig(
+        JobConfig.of(
             input=str(prompts),
             output=str(root / "out"),
             model=str(model),

@@ -118,16 +118,16 @@ def resolve_job(config: JobConfig) -> Job:
     refuse_unsafe_commits(config, output)
     output.check()  # a file in the way, no permission, no credentials, no endpoint: one line, before anything
     files, columns = read_input(config)
-    revision, scorer_commits = pinned(output, config.model)  # an earlier run's pins: kept
+    revision, scorer_commits = pinned(output, config.source.model)  # an earlier run's pins: kept
     config, pin_note = pin_revision(config, revision)
-    score, score_notes = pin_scorers(config.score, scorer_commits)
-    config = replace(config, score=score)
+    score, score_notes = pin_scorers(config.generation.score, scorer_commits)
+    config = config.with_options(score=score, quantize=config.generation.quantize.pinned())  # GGUF files by their hash
     pin_note = "; ".join(n for n in (pin_note, *score_notes) if n) or None
     config, family, sources = resolve_defaults(config, columns)
-    adapters = resolve_adapters(config, columns, distinct_strings(files, columns.lora, MAX_ADAPTERS))
+    adapters = resolve_adapters(config, columns, distinct_strings(files, columns["lora"], MAX_ADAPTERS))
     plan_size = (
-        max(config.width, largest(files, columns.width) or 0),
-        max(config.height, largest(files, columns.height) or 0),
+        max(config.generation.width, largest(files, columns["width"]) or 0),
+        max(config.generation.height, largest(files, columns["height"]) or 0),
     )
     shards = plan_shards(files, config.rows_per_shard)
     return Job(config, output, files, columns, family, sources, adapters, plan_size, shards, pin_note)
@@ -145,7 +145,7 @@ def _open_run(
     sweep(output, discard=False)  # a dead driver's workers may still commit: their staging stays
     listing = list_manifests(output)  # the run's one listing of shards/: the end adds what this run committed
     todo = [s for s in shards if s.id not in listing]
-    if config.task != TEXT and len(todo) < len(shards):  # inputs are part of the images made
+    if config.generation.task != TEXT and len(todo) < len(shards):  # inputs are part of the images made
         check_unchanged(output, [s.id for s in shards if s.id in listing])
     retry = _with_errors(output, [s for s in shards if s.id in listing], listing) if config.retry_errors else []
     redone = {s.id for s in retry}  # counted as to do again
@@ -156,7 +156,7 @@ def _open_run(
         rows_done=sum(s.length for s in shards if s.id in listing and s.id not in redone),
         stream=stream,
         interval=interval,
-        unit="clip" if config.settings().task_spec().video else "image",
+        unit="clip" if config.generation.task_spec().video else "image",
     )
     lock.say = progress.log
     progress.log(describe(config, job.family, job.sources))
@@ -179,34 +179,27 @@ def read_input(config: JobConfig):
         raise InputError(f"`--input` {config.input} has no rows ({len(files)} file(s), all empty).")
     columns = resolve_columns(
         files,
-        config.columns(),
-        config.prompt_template,
+        config.columns,
+        config.generation.prompt_template,
         config.column_list("keep_columns"),
         config.column_list("drop_columns"),
     )
     return files, columns
 
 
-def worker_spec(config: JobConfig, name: str, columns, **resolved) -> WorkerSpec:
-    """What worker `name` is given; `resolved`: what the driver decides per worker (threads,
-    budgets, adapters, plan_size)."""
+def worker_spec(config: JobConfig, name: str, columns, adapters=(), **resolved) -> WorkerSpec:
+    """What worker `name` is given: the job's records, with what the driver decides per worker
+    (`adapters`; `resolved`: the Fit's budgets and plan size, `threads`, `lock_token`)."""
+    if not config.generation.resolved:
+        raise ValueError("worker_spec() needs the family's defaults resolved (jobs.models.resolve_defaults)")
+    fit = {k: resolved.pop(k) for k in ("gpu_memory", "host_memory", "plan_size") if k in resolved}
     return WorkerSpec(
-        name=name,
-        model=config.model,
-        output=config.output,
-        settings=config.settings(),
-        columns=columns,
-        max_batch=config.max_batch,
-        device=config.device,
-        dtype=config.dtype,
-        trust_remote_code=config.trust_remote_code,
-        offload=config.offload,
-        strict_prompts=config.strict_prompts,
-        revision=config.revision,
-        variant=config.variant,
-        compile=config.compile,
-        attention=config.attention,
-        phases=config.phases,
+        name,
+        config.output,
+        replace(config.source, adapters=adapters),
+        config.generation,
+        columns,
+        replace(config.fit, **fit),
         **resolved,
     )
 
@@ -249,15 +242,14 @@ def _dispatch(job: Job, run: Run, fleet: FleetRecord) -> None:
         # After connect: Ray installs its own SIGTERM handler there, ours must sit on top of it.
         with _stop_on_signals(stop, progress):
             budgets = config.worker_budgets()
-            gpu_memory, host_memory = config.budgets()
             sizing = size_fleet(
                 shape,
-                device=config.device,
+                device=config.source.device,
                 gpus_per_worker=config.gpus_per_worker,
                 cpu_threads=config.cpu_threads,
-                max_workers=config.max_workers or config.workers,
+                max_workers=config.max_workers,
                 budgets=len(budgets),
-                host_memory=host_memory,
+                host_memory=config.fit.host_memory,
                 shards=len(todo),
             )
 
@@ -266,12 +258,11 @@ def _dispatch(job: Job, run: Run, fleet: FleetRecord) -> None:
                     config,
                     f"w{i}",
                     columns,
-                    threads=sizing.threads,
-                    gpu_memory=budgets[i % len(budgets)] if budgets else gpu_memory,
-                    host_memory=host_memory,
                     adapters=job.adapters,
+                    threads=sizing.threads,
                     plan_size=job.plan_size,
                     lock_token=run.lock_token,
+                    **({"gpu_memory": budgets[i % len(budgets)]} if budgets else {}),
                 )
 
             progress.log(f"{sizing.describe()}; {len(todo)} shard(s) to generate")

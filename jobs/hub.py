@@ -23,14 +23,14 @@ def pin_revision(config: JobConfig, pinned: str | None) -> tuple[JobConfig, str 
     """A hub model's `--revision` (default: the commit this output's job pinned, else main)
     resolved once, here, to a commit; every worker and every resume then loads that commit.
     Returns the config and a note for the log. Errors name the model and what to do."""
-    if not is_hub_id(config.model):
+    if not is_hub_id(config.source.model):
         return config, None
-    m = config.model
-    sha = hub_commit(m, config.revision or pinned or "main", f"`--model` `{m}`", "`--revision`")
+    m = config.source.model
+    sha = hub_commit(m, config.source.revision or pinned or "main", f"`--model` `{m}`", "`--revision`")
     note = f"{m} pinned to commit {sha}"
-    if pinned and not config.revision:
+    if pinned and not config.source.revision:
         note = f"{m}: using commit {sha}, pinned in job.json by the first run of this job"
-    return replace(config, revision=sha), note
+    return config.with_options(revision=sha), note
 
 
 def pin_scorers(spec: ScoreSpec, pinned: dict[str, str]) -> tuple[ScoreSpec, list[str]]:

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import inspect
 import json
-from dataclasses import replace
 from pathlib import Path
 
 from fleetgen.errors import ConfigError, one_line
-from fleetgen.jobs.config import JobConfig, parse_lora
+from fleetgen.jobs.config import JobConfig
 from fleetgen.offload.architectures import torch_components
 from fleetgen.offload.weight_formats import check_components as check_quantized
 from fleetgen.workers.families.detect import (
@@ -28,7 +27,7 @@ from fleetgen.workers.families.detect import (
     identify_dir,
 )
 from fleetgen.workers.families.model_dir import is_hub_id
-from fleetgen.workers.rows.batches import no_steps
+from fleetgen.workers.rows.batches import no_steps, parse_lora
 from fleetgen.workers.rows.shard import Columns
 
 
@@ -127,13 +126,13 @@ def check_generic(cls: str) -> None:
 def _check_negatives(config: JobConfig, columns: Columns, family: Family, guidance: float) -> None:
     """A negative-prompt column the pipeline would ignore at these settings is refused, naming what
     would apply it (a job never stores images that silently left out part of their input)."""
-    if not columns.negative_prompt:
+    if not columns["negative_prompt"]:
         return
     none = "`--negative-prompt-column none` to generate without them"
-    what = f"The input has a `{columns.negative_prompt}` column, but {family.name} ({family.pipelines[0]})"
+    what = f"The input has a `{columns['negative_prompt']}` column, but {family.name} ({family.pipelines[0]})"
     if family.negative == "none":
         raise ConfigError(f"{what} takes no negative prompts. Pass {none}.")
-    if family.negative == "true_cfg" and not (config.true_cfg_scale or 0) > 1:
+    if family.negative == "true_cfg" and not (config.generation.true_cfg_scale or 0) > 1:
         raise ConfigError(
             f"{what} ignores negative prompts unless `--true-cfg-scale` is above 1 (which doubles its compute). "
             f"Pass e.g. `--true-cfg-scale 4`, or {none}."
@@ -150,32 +149,32 @@ def _check_inputs(config: JobConfig, columns: Columns, family: Family, task: Tas
     pipeline would not use is refused (never silently left out), and so is a task without its inputs."""
     what = f"{family.name} {task.name} ({task.pipeline or 'its pipeline'})"
     others = ", ".join(t.name for t in family.tasks if t.takes_images) or "none"
-    if task.takes_images and not columns.image:
+    if task.takes_images and not columns["image"]:
         raise ConfigError(
-            f"{what} makes each image from an input image, and the input has no `{config.image_column}` "
+            f"{what} makes each image from an input image, and the input has no `{config.columns['image']}` "
             "column: name the column holding images, paths or URLs with `--image-column NAME`."
         )
-    if columns.image and not task.takes_images:
+    if columns["image"] and not task.takes_images:
         raise ConfigError(
-            f"The input has an image column `{columns.image}`, but {what} takes no input image. Pass "
+            f"The input has an image column `{columns['image']}`, but {what} takes no input image. Pass "
             f"`--task` with one of this family's image tasks ({others}), or `--image-column none` to make "
             "images from the prompts alone."
         )
-    if task.mask and not columns.mask:
+    if task.mask and not columns["mask"]:
         raise ConfigError(
-            f"{what} repaints where a mask is white, and the input has no `{config.mask_column}` column: "
+            f"{what} repaints where a mask is white, and the input has no `{config.columns['mask']}` column: "
             "name the column holding masks with `--mask-column NAME`."
         )
-    if columns.mask and not task.mask:
+    if columns["mask"] and not task.mask:
         raise ConfigError(
-            f"The input has a mask column `{columns.mask}`, but {what} takes no mask. Pass `--task inpaint` "
+            f"The input has a mask column `{columns['mask']}`, but {what} takes no mask. Pass `--task inpaint` "
             "where the family has it, or `--mask-column none`."
         )
-    if task.strength is None and (config.strength is not None or columns.strength):
-        given = "`--strength`" if config.strength is not None else f"the `{columns.strength}` column"
+    if task.strength is None and (config.generation.strength is not None or columns["strength"]):
+        given = "`--strength`" if config.generation.strength is not None else f"the `{columns['strength']}` column"
         raise ConfigError(
             f"{given}: {what} takes no strength (image-to-image and inpaint tasks do); leave it out"
-            + (" or pass `--strength-column none`." if columns.strength else ".")
+            + (" or pass `--strength-column none`." if columns["strength"] else ".")
         )
 
 
@@ -183,9 +182,11 @@ def _check_video(config: JobConfig, columns: Columns, family: Family, task: Task
     """Frame settings for a task that makes images are refused (never recorded as if used); a video
     task needs an encoder for its format on this machine (the workers have the same packages)."""
     if not task.video:
-        given = [f"`--{n.replace('_', '-')}`" for n in ("num_frames", "fps") if getattr(config, n) is not None]
-        given += ["`--store-frames`"] if config.store_frames else []
-        given += [f"the `{getattr(columns, n)}` column" for n in ("num_frames", "fps") if getattr(columns, n)]
+        given = [
+            f"`--{n.replace('_', '-')}`" for n in ("num_frames", "fps") if getattr(config.generation, n) is not None
+        ]
+        given += ["`--store-frames`"] if config.generation.store_frames else []
+        given += [f"the `{columns[n]}` column" for n in ("num_frames", "fps") if columns[n]]
         if given:
             raise ConfigError(
                 f"{' and '.join(given)}: {family.name} {task.name} makes images, not clips; leave "
@@ -195,7 +196,7 @@ def _check_video(config: JobConfig, columns: Columns, family: Family, task: Task
     from fleetgen.workers.output.video import VideoUnavailable, encoder
 
     try:
-        encoder(config.video_format)
+        encoder(config.generation.video_format)
     except VideoUnavailable as err:
         raise ConfigError(f"{family.name} makes video: {err}.") from None
 
@@ -204,12 +205,14 @@ def _check_cache(config: JobConfig, family: Family, task: Task, values: dict, co
     """A step cache needs a denoiser with repeated blocks and a pipeline that gives its calls cache
     contexts (workers/pipeline/caching.py), read from the installed diffusers; and steps to skip (MagCache:
     one number of them, the job's)."""
-    cache = config.cache
+    cache = config.generation.cache
     if cache.method == "none":
         return
     from fleetgen.workers.pipeline.caching import cacheable_families, pipeline_refusal
 
-    why = pipeline_refusal(task.pipeline, family.extra_calls(values["guidance"], config.true_cfg_scale), cache.method)
+    why = pipeline_refusal(
+        task.pipeline, family.extra_calls(values["guidance"], config.generation.true_cfg_scale), cache.method
+    )
     if why:
         raise ConfigError(
             f"`--cache {cache.label}`: {why}. Families whose pipelines take {cache.method}: "
@@ -220,82 +223,84 @@ def _check_cache(config: JobConfig, family: Family, task: Task, values: dict, co
             f"`--cache {cache.label}` computes every one of the {values['steps']} steps (warm-up {cache.warmup}): "
             "it would change nothing. Lower `warmup=` or leave `--cache` out."
         )
-    if cache.method == "magcache" and columns.steps:
+    if cache.method == "magcache" and columns["steps"]:
         raise ConfigError(
             f"`--cache {cache.label}` interpolates the model's magnitude ratios to the job's steps; the input's "
-            f"`{columns.steps}` column gives rows steps of their own. Drop the column or use another cache."
+            f"`{columns['steps']}` column gives rows steps of their own. Drop the column or use another cache."
         )
 
 
 def resolve_defaults(config: JobConfig, columns: Columns) -> tuple[JobConfig, Family, dict]:
     """(the config with the family's defaults filled in, the family, {setting: where its value came from})."""
-    detected, why, cls = model_family(config.model, config.revision)
-    check_components(config.model)
-    family, chosen = choose(detected, config.family, cls)
-    task, task_why = choose_task(family, config.task, cls)
+    g = config.generation
+    detected, why, cls = model_family(config.source.model, config.source.revision)
+    check_components(config.source.model)
+    family, chosen = choose(detected, g.family, cls)
+    task, task_why = choose_task(family, g.task, cls)
     if family is GENERIC and task.name == "text-to-image":
         check_generic(cls)
     _check_inputs(config, columns, family, task)
     _check_video(config, columns, family, task)
-    given = {"steps": config.steps, "guidance": config.guidance}
+    given = {"steps": g.steps, "guidance": g.guidance}
     defaults = {"steps": family.steps, "guidance": family.guidance}
     values = {k: v if v is not None else defaults[k] for k, v in given.items()}
     sources = {k: "given" if v is not None else "family default" for k, v in given.items()}
-    sources["dtype"] = "given" if config.dtype != "auto" else "family default"
+    sources["dtype"] = "given" if config.source.dtype != "auto" else "family default"
     sources["family"] = chosen or why
     sources["task"] = task_why
     if task.strength is not None:
-        values["strength"] = config.strength if config.strength is not None else task.strength
-        sources["strength"] = "given" if config.strength is not None else "task default"
+        values["strength"] = g.strength if g.strength is not None else task.strength
+        sources["strength"] = "given" if g.strength is not None else "task default"
         if int(values["steps"] * values["strength"]) < 1:
             raise ConfigError(f"`--strength`: {no_steps(values['steps'], values['strength'])}.")
     size = family.sizes[0] if task.video and family.sizes else "512x512"  # a video card's size, else 512
     for name, side in zip(("width", "height"), map(int, size.split("x")), strict=True):
-        values[name] = getattr(config, name) or side
+        values[name] = getattr(g, name) or side
         if task.video:
-            sources[name] = "given" if getattr(config, name) else "family default"
+            sources[name] = "given" if getattr(g, name) else "family default"
     if task.video:
-        values["num_frames"] = config.num_frames or family.frames
-        values["fps"] = config.fps or family.fps
-        sources["num_frames"] = "given" if config.num_frames else "family default"
-        sources["fps"] = "given" if config.fps else "family default"
+        values["num_frames"] = g.num_frames or family.frames
+        values["fps"] = g.fps or family.fps
+        sources["num_frames"] = "given" if g.num_frames else "family default"
+        sources["fps"] = "given" if g.fps else "family default"
         why = family.frames_rule(values["num_frames"])
         if why:
             raise ConfigError(f"`--num-frames`: {why}.")
-    if config.true_cfg_scale and family.negative != "true_cfg":
+    if g.true_cfg_scale and family.negative != "true_cfg":
         where = "its guidance (`--guidance`)" if family.guidance_arg == "true_cfg_scale" else "none"
         raise ConfigError(
             f"`--true-cfg-scale` is for FLUX.1 (flux, flux-schnell); {family.name} takes "
             f"{'it as ' + where if where != 'none' else 'none'}."
         )
-    if not family.uses_guidance and config.guidance not in (None, family.guidance):
+    if not family.uses_guidance and g.guidance not in (None, family.guidance):
         raise ConfigError(
             f"{family.name} ({family.pipelines[0]}) ignores the guidance ({family.note}); leave `--guidance` out."
         )
     _check_negatives(config, columns, family, values["guidance"])
     _check_cache(config, family, task, values, columns)
-    mapping = config.quantize.mapping
-    if mapping and not is_hub_id(config.model):
-        models = list(torch_components(Path(config.model).expanduser()))
-        check_quantized(mapping, models, config.model)
-    return replace(config, family=family.name, task=task.name, **values), family, sources
+    mapping = g.quantize.mapping
+    if mapping and not is_hub_id(config.source.model):
+        models = list(torch_components(Path(config.source.model).expanduser()))
+        check_quantized(mapping, models, config.source.model)
+    return config.with_options(family=family.name, task=task.name, **values), family, sources
 
 
 def describe(config: JobConfig, family: Family, sources: dict) -> str:
-    dtype = config.dtype if config.dtype != "auto" else f"{family.dtype} on CUDA, float32 on CPU"
+    g = config.generation
+    dtype = config.source.dtype if config.source.dtype != "auto" else f"{family.dtype} on CUDA, float32 on CPU"
     parts = [
-        f"steps {config.steps} ({sources['steps']})",
-        f"guidance {config.guidance:g} ({sources['guidance']})",
+        f"steps {g.steps} ({sources['steps']})",
+        f"guidance {g.guidance:g} ({sources['guidance']})",
         f"dtype {dtype} ({sources['dtype']})",
     ]
-    if config.true_cfg_scale:
-        parts.append(f"true CFG scale {config.true_cfg_scale:g}")
-    if config.num_frames:
-        parts.insert(0, f"{config.num_frames} frames at {config.fps:g} fps ({sources.get('num_frames')})")
-    if config.task and config.task != "text-to-image":
-        parts.insert(0, f"task {config.task} ({sources.get('task')})")
-        if config.strength is not None:
-            parts.insert(1, f"strength {config.strength:g} ({sources.get('strength')})")
+    if g.true_cfg_scale:
+        parts.append(f"true CFG scale {g.true_cfg_scale:g}")
+    if g.num_frames:
+        parts.insert(0, f"{g.num_frames} frames at {g.fps:g} fps ({sources.get('num_frames')})")
+    if g.task and g.task != "text-to-image":
+        parts.insert(0, f"task {g.task} ({sources.get('task')})")
+        if g.strength is not None:
+            parts.insert(1, f"strength {g.strength:g} ({sources.get('strength')})")
     if family.negative_default is not None:
         parts.append(f"negative prompt {family.negative_default!r} where a row has none")
     line = f"model family {family.name} ({', '.join(family.pipelines) or 'any pipeline'}): {', '.join(parts)}"
@@ -310,28 +315,30 @@ def resolve_adapters(config: JobConfig, columns: Columns, column_values: list[st
     """Every LoRA the job can apply: `--lora` flags and the distinct values of the `lora` column,
     as (named, where a worker loads it from). Refused here, before any worker starts: a value that
     is neither an existing path nor a hub id, more than MAX_ADAPTERS, a pipeline without LoRA."""
-    found = {a.source: a.source for a in (parse_lora(v) for v in config.lora)}
+    found = {a.source: a.source for a in config.generation.lora}
     for value in column_values:
         if not value.strip():
             continue  # "" means no adapter for the row
         try:
             found.setdefault(value, parse_lora(value).source)
         except ConfigError as err:
-            raise ConfigError(f"Column `{columns.lora}`: {str(err).removeprefix('`--lora` ')}") from err
+            raise ConfigError(f"Column `{columns['lora']}`: {str(err).removeprefix('`--lora` ')}") from err
     if len(found) > MAX_ADAPTERS:
         raise ConfigError(
-            f"The job names more than {MAX_ADAPTERS} LoRA adapters (flags and column `{columns.lora}`); "
+            f"The job names more than {MAX_ADAPTERS} LoRA adapters (flags and column `{columns['lora']}`); "
             "every worker loads all of them. Split the job by adapter."
         )
-    if found and config.quantize.label != "none":
+    if found and config.generation.quantize.label != "none":
         raise ConfigError(
             "`--quantize` with LoRA adapters is not supported yet (the adapters would load into quantized "
             "layers); run the LoRA job unquantized."
         )
-    if found and not is_hub_id(config.model):
+    if found and not is_hub_id(config.source.model):
         import diffusers
 
-        cls = json.loads((Path(config.model).expanduser() / "model_index.json").read_text()).get("_class_name", "")
+        cls = json.loads((Path(config.source.model).expanduser() / "model_index.json").read_text()).get(
+            "_class_name", ""
+        )
         if hasattr(diffusers, cls) and not hasattr(getattr(diffusers, cls), "load_lora_weights"):
             raise ConfigError(f"`--lora`: {cls} cannot load LoRA adapters (diffusers has no LoRA loader for it).")
     return tuple(found.items())

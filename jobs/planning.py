@@ -6,47 +6,70 @@ import dataclasses
 import io
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from fleetgen.caches import CacheSpec, parse_cache
 from fleetgen.errors import ConfigError, OffloadError
 from fleetgen.offload import DeviceSpec, Workload, plan
 from fleetgen.offload.architectures import NAMES, build_on_meta, pipeline_settings, resolve
-from fleetgen.offload.devices import ASSUMED_BANDWIDTH, ASSUMED_FLOPS, host_available_bytes
+from fleetgen.offload.devices import ASSUMED_BANDWIDTH, ASSUMED_FLOPS, GPUS, host_available_bytes
 from fleetgen.offload.devices import gpu as device_table
 from fleetgen.offload.profiles import DTYPE_BYTES, PipelineProfile, stored_profile
-from fleetgen.offload.weight_formats import CHOOSABLE, QuantizeSpec, check_components, parse_quantize
-from fleetgen.scores import ScoreSpec, parse_scores
+from fleetgen.offload.weight_formats import CHOOSABLE, check_components
+from fleetgen.scores import ScoreSpec
+from fleetgen.settings import Row, build, check_names, nested, setting, table
 from fleetgen.units import format_size, parse_size
 from fleetgen.workers.families.detect import Family, choose_task, identify_dir
-from fleetgen.workers.spec import GenerationSettings
+from fleetgen.workers.spec import Fit, GenerationSettings, Source
+
+
+def plan_settings() -> list[Row]:
+    """`fleetgen plan`'s options: its own, then the job's settings it plans with (their rows: the
+    same names, help and parsing as `fleetgen run`'s)."""
+    rows = table(PlanRequest, group="plan", scope="job", fingerprint=False)
+    return sorted(
+        (dataclasses.replace(r, group="plan") for r in rows if r.name in PLAN_OPTIONS),
+        key=lambda r: PLAN_OPTIONS.index(r.name),
+    )
 
 
 @dataclass(frozen=True)
 class PlanRequest:
-    """What `fleetgen plan` (and `fleetgen.plan`) is asked: a model and the settings to plan it for;
-    unset ones are the model family's defaults, as in a job."""
+    """What `fleetgen plan` (and `fleetgen.plan`) is asked: a model, the device budgets, and the job's
+    settings to plan it for; unset ones are the model family's defaults, as in a job (but 1024 pixels
+    a side for image families, and up to 8 images per call)."""
 
-    model: str  # a shipped architecture or a pipeline directory
-    width: int | None = None  # default 1024 (video families: their card's)
-    height: int | None = None
-    steps: int | None = None
-    guidance: float | None = None
-    true_cfg_scale: float | None = None
-    max_batch: int = 8
-    offload: str = "auto"
-    phases: str = "auto"  # auto | on | off (offload/phasing.py)
-    task: str | None = None  # one the family's weights serve; default the pipeline class's
-    references: int = 1  # edit models: input images per image
-    num_frames: int | None = None  # video families: frames per clip
-    cache: CacheSpec = CacheSpec()
-    quantize: QuantizeSpec = QuantizeSpec()
-    score: ScoreSpec = ScoreSpec()  # scorers beside the pipeline on the device (fleetgen/scores.py)
+    budgets: tuple[str, ...] = setting(
+        (), "a device budget, e.g. 24GiB; repeat for more", flags=("--gpu-memory",), metavar="SIZE"
+    )
+    gpu: str | None = setting(
+        None,
+        lambda: (
+            f"a card whose dense bf16 throughput and host link to assume ({', '.join(GPUS)}); its memory is the "
+            "budget unless --gpu-memory is given (default: 100 TFLOP/s and 20 GB/s)"
+        ),
+    )
+    bandwidth: float | None = setting(None, "host→device GB/s to assume (default: the --gpu's, else 20)")
+    references: int = setting(1, "edit models: input images per image to plan for")
+    source: Source = nested(Source, group="plan", scope="job", fingerprint=False)
+    generation: GenerationSettings = nested(GenerationSettings, group="plan", scope="job", fingerprint=True)
+    fit: Fit = nested(Fit, group="plan", scope="worker", fingerprint=False, factory=lambda: Fit(max_batch=8))
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "cache", parse_cache(self.cache))
-        object.__setattr__(self, "quantize", parse_quantize(self.quantize))
-        object.__setattr__(self, "score", parse_scores(self.score))
+    @classmethod
+    def of(cls, model: str, **options) -> PlanRequest:
+        check_names(list(options), plan_settings(), "fleetgen.plan")
+        return build(cls, {"model": model, **options})
+
+    @property
+    def model(self) -> str:
+        return self.source.model
+
+
+# The job's settings `fleetgen plan` takes (the rest do not change a plan).
+PLAN_OPTIONS = (
+    *("model", "budgets", "gpu", "bandwidth", "references", "dtype", "host_memory"),
+    *("width", "height", "num_frames", "steps", "guidance", "true_cfg_scale", "task"),
+    *("max_batch", "offload", "phases", "quantize", "cache", "score"),
+)
 
 
 def plan_workload(request: PlanRequest | str, **options) -> tuple[Workload, Family]:
@@ -54,33 +77,33 @@ def plan_workload(request: PlanRequest | str, **options) -> tuple[Workload, Fami
     settings a job with these options would resolve: the family's defaults, its task (whose input
     images the VAE encodes and, for edit models, whose `references` join the denoiser's sequence).
     `request`: a `PlanRequest`, or the model with the request's `options`."""
-    r = request if isinstance(request, PlanRequest) else PlanRequest(request, **options)
+    r = request if isinstance(request, PlanRequest) else PlanRequest.of(request, **options)
+    g = r.generation
     root = resolve(r.model)
     family, _ = identify_dir(root)
     cls = json.loads((root / "model_index.json").read_text()).get("_class_name", "")
-    chosen, _ = choose_task(family, r.task, cls)
+    chosen, _ = choose_task(family, g.task, cls)
     if r.references < 1 or (chosen.images and r.references > chosen.images):
         raise ConfigError(f"`--references` must be 1 to {chosen.images or 1} for {family.name} {chosen.name}.")
-    frames = (r.num_frames or family.frames) if chosen.video else 0
+    frames = (g.num_frames or family.frames) if chosen.video else 0
     why = family.frames_rule(frames) if frames else None
-    if r.num_frames and not chosen.video:
+    if g.num_frames and not chosen.video:
         why = f"{family.name} {chosen.name} makes images, not clips"
     if why:
         raise ConfigError(f"`--num-frames`: {why}.")
     size = family.sizes[0] if chosen.video and family.sizes else "1024x1024"
-    settings = GenerationSettings(
-        steps=family.steps if r.steps is None else r.steps,
-        guidance=family.guidance if r.guidance is None else r.guidance,
-        width=r.width or int(size.split("x")[0]),
-        height=r.height or int(size.split("x")[1]),
+    settings = replace(
+        g,
+        steps=family.steps if g.steps is None else g.steps,
+        guidance=family.guidance if g.guidance is None else g.guidance,
+        width=g.width or int(size.split("x")[0]),
+        height=g.height or int(size.split("x")[1]),
         family=family.name,
-        true_cfg_scale=r.true_cfg_scale,
         task=chosen.name,
         num_frames=frames or None,
-        cache=r.cache,
-        quantize=r.quantize,
     )
-    return settings.workload(r.max_batch, r.offload, references=r.references, phases=r.phases), family
+    fit = r.fit
+    return settings.workload(fit.max_batch, fit.offload, references=r.references, phases=fit.phases), family
 
 
 def pipeline_profile(model: str, dtype: str, vae_upcast: bool, formats: tuple[str, ...]) -> PipelineProfile:
@@ -99,7 +122,7 @@ def pipeline_profile(model: str, dtype: str, vae_upcast: bool, formats: tuple[st
 def plan_rows(
     model: str,
     budgets: list[str],
-    host_memory: str | None,
+    host_memory: int | str | None,
     dtype: str,
     work: Workload,
     bandwidth: float = ASSUMED_BANDWIDTH,
@@ -114,7 +137,9 @@ def plan_rows(
     formats = CHOOSABLE if work.quantize.auto else tuple(sorted(set(mapping.values())))
     profile = pipeline_profile(model, dtype, extra.vae_upcast, formats)
     check_components(mapping, list(profile.components), model)
-    host = parse_size(host_memory, "--host-memory") if host_memory else int(host_available_bytes() * 0.8)
+    if isinstance(host_memory, str):
+        host_memory = parse_size(host_memory, "--host-memory")
+    host = host_memory or int(host_available_bytes() * 0.8)
     work = dataclasses.replace(work, quantize=work.quantize.pinned())
     scorers = extra.scores.reserved_bytes(profile.dtype_bytes)
     rows = []
@@ -190,37 +215,30 @@ class Plans:
         return buf.getvalue()
 
 
-def plan_budgets(
-    request: PlanRequest,
-    gpu_memory: list[str] | None,
-    host_memory: str | None = None,
-    dtype: str | None = None,
-    bandwidth: float | None = None,
-    gpu: str | None = None,
-) -> Plans:
-    """`fleetgen plan`: the plan each of `gpu_memory` (sizes as typed, e.g. `24GiB`) would get.
-    `gpu`: a card of offload/devices.py, whose throughput and link the plans assume (and whose memory
-    is the budget when `gpu_memory` is not given); `dtype`: default the family's; `bandwidth`:
-    host→device bytes/s to assume (default the card's, else 20 GB/s)."""
-    card = device_table(gpu) if gpu else None
-    if not gpu_memory and card is None:
+def plan_budgets(request: PlanRequest) -> Plans:
+    """`fleetgen plan`: the plan each of the request's budgets (`--gpu-memory`, sizes as typed, e.g.
+    `24GiB`) would get. Its `gpu`: a card of offload/devices.py, whose throughput and link the plans
+    assume (and whose memory is the budget when `gpu_memory` is not given); `dtype`: default the
+    family's; `bandwidth`: host→device GB/s to assume (default the card's, else 20 GB/s)."""
+    card = device_table(request.gpu) if request.gpu else None
+    if not request.budgets and card is None:
         raise ConfigError("Give `--gpu-memory` (a budget, e.g. 24GiB) or `--gpu` (a card, e.g. H100).")
-    budgets = list(gpu_memory) if gpu_memory else [f"{card.memory_gib}GiB"]
+    budgets = list(request.budgets) if request.budgets else [f"{card.memory_gib}GiB"]
     flops = card.flops if card else ASSUMED_FLOPS
-    bandwidth = bandwidth or (card.bandwidth if card else ASSUMED_BANDWIDTH)
+    bandwidth = request.bandwidth * 1e9 if request.bandwidth else (card.bandwidth if card else ASSUMED_BANDWIDTH)
     work, family = plan_workload(request)
-    dtype = dtype or family.dtype
+    dtype = family.dtype if request.source.dtype == "auto" else request.source.dtype
     if dtype not in DTYPE_BYTES:
-        raise ConfigError(f"`--dtype` must be one of {', '.join(DTYPE_BYTES)}; got `{dtype}`.")
+        raise ConfigError(f"`--dtype` must be one of auto, {', '.join(DTYPE_BYTES)}; got `{dtype}`.")
     summary, rows = plan_rows(
         request.model,
         budgets,
-        host_memory,
+        request.fit.host_memory,
         dtype,
         work,
         bandwidth,
         flops,
-        extra=PlanExtras(family.upcasts_vae, request.score),
+        extra=PlanExtras(family.upcasts_vae, request.generation.score),
     )
     summary["family"] = family.name
     summary["gpu"] = card.name if card else None

@@ -9,6 +9,7 @@ and `rows_per_shard` always give the same ids (that is what makes resume work).
 from __future__ import annotations
 
 import glob as globlib
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -114,7 +115,7 @@ def _in_every_file(files: list[InputFile], name: str, what: str) -> bool:
 
 def resolve_columns(
     files: list[InputFile],
-    wanted: Columns,
+    wanted: Columns | Mapping[str, str | None],
     template: str | None = None,
     keep: list[str] | None = None,
     drop: list[str] | None = None,
@@ -135,7 +136,7 @@ def resolve_columns(
             )
     kinds = _kinds()
     for role in ROLES:
-        name = getattr(wanted, role)
+        name = wanted[role]
         if role == "prompt" and template is not None:
             resolved[role] = None  # the template builds the prompt
             continue
@@ -169,7 +170,7 @@ def resolve_columns(
                 f"Input column `{name}` would be carried into the outputs, which have a `{name}` column "
                 f"of their own. Pass `--drop-columns {name}` (a template can still read it), or rename it."
             )
-    return Columns(**resolved, carry=tuple(carry), template_fields=tuple(fields))
+    return Columns(resolved, tuple(carry), tuple(fields))
 
 
 def largest(files: list[InputFile], column: str | None) -> int | None:

@@ -13,7 +13,6 @@ import os
 import platform
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -105,17 +104,17 @@ def scorer_identity(spec: ScoreSpec, name: str) -> dict:
 def fingerprint(config: JobConfig, files: list[InputFile], columns: Columns) -> dict:
     """Everything that changes which images a job makes. Execution settings (workers, batch,
     device) are left out: a job may resume on other hardware."""
-    settings = config.settings().record()
+    settings = config.generation.record()
     record = {
         "input": [{"url": f.url, "bytes": f.size, "rows": f.num_rows} for f in files],
-        "model": model_identity(config.model, config.revision, config.variant),
+        "model": model_identity(config.source.model, config.source.revision, config.source.variant),
         # a local directory's weights (a hub model is pinned to a commit instead): a rebuilt or
         # replaced model is another job, never mixed into this one's images
-        "weights": None if is_hub_id(config.model) else weights_digest(config.model),
+        "weights": None if is_hub_id(config.source.model) else weights_digest(config.source.model),
         "generation": {**settings, "rows_per_shard": config.rows_per_shard},
         # each scorer's model as the pipeline's is: a local one by its path and weights, a hub one by its commit
-        "scorers": {name: scorer_identity(config.score, name) for name in config.score.names},
-        "columns": asdict(columns),
+        "scorers": {name: scorer_identity(config.generation.score, name) for name in config.generation.score.names},
+        "columns": columns.record(),
     }
     return json.loads(json.dumps(record))  # as job.json holds it (tuples are lists there), to compare
 

@@ -107,14 +107,21 @@ def fast_settings(**over):
     """What a `FAST` job's workers make with (its GenerationSettings), `over` on top."""
     from fleetgen.workers.spec import GenerationSettings
 
-    return GenerationSettings(**{**{k: FAST[k] for k in ("steps", "guidance", "width", "height")}, **over})
+    return GenerationSettings(
+        **{
+            "family": "sd",
+            "task": "text-to-image",
+            **{k: FAST[k] for k in ("steps", "guidance", "width", "height")},
+            **over,
+        }
+    )
 
 
 def make_job(prompts, model: str, out, **kw):
     """A validated job at the tiny sizes (`FAST`), `kw` over them."""
     from fleetgen.jobs.config import JobConfig, validate
 
-    return validate(JobConfig(input=str(prompts), output=str(out), model=model, **{**FAST, **kw}))
+    return validate(JobConfig.of(input=str(prompts), output=str(out), model=model, **{**FAST, **kw}))
 
 
 def run_args(prompts, out, model: str, **options) -> list[str]:
@@ -168,7 +175,7 @@ def setup_job(tmp_path, model, out, output_format, prompts=None, max_batch=3, **
     files = [read_footer(str(path))]
     settings = fast_settings(output_format=output_format)
     worker = Worker(
-        WorkerSpec(
+        WorkerSpec.of(
             "w0",
             model,
             str(out),
@@ -197,7 +204,7 @@ def run_one_shard(model, out, prompts, settings, rows: int = 100, shards=(0,), *
 
     files = [read_footer(str(prompts))]
     planned, columns = plan_shards(files, rows), resolve_columns(files, Columns())
-    worker = Worker(WorkerSpec("w0", model, str(out), settings, columns, device="cpu", **spec))
+    worker = Worker(WorkerSpec.of("w0", model, str(out), settings, columns, device="cpu", **spec))
     for index in shards:
         worker.run_shard(planned[index])
     return worker, {r["id"]: r for r in pq.read_table(Path(out) / "shards").to_pylist()}

@@ -56,7 +56,7 @@ def test_plan_is_the_commands_plan(capsys):
     import json
 
     import fleetgen
-    from fleetgen.jobs.cli import main
+    from fleetgen.cli import main
 
     plans = fleetgen.plan("sdxl", ["8GiB", "80GiB"], host_memory="64GiB", width=1024, height=1024)
     assert [r["gpu_memory"] for r in plans.rows] == ["8GiB", "80GiB"] and plans.all_fit

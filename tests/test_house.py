@@ -1,4 +1,4 @@
-"""The house rules (DESIGN.md, "Rooms"; docs/architecture.md): which room may import which, the
+"""The house rules (docs/architecture.md, "The rooms"): which room may import which, the
 one-way order of workers/' sub-packages, one installed package listing every sub-package, and the
 commands that only read an output loading no torch."""
 
@@ -92,9 +92,45 @@ def test_rooms_import_only_what_the_design_allows(room, never):
 
 
 def test_the_shared_leaf_imports_no_room_and_the_api_none_at_import():
-    leaf = [p for p in (ROOT / "fleetgen").glob("*.py") if p.name not in ("__init__.py", "__main__.py", "api.py")]
+    above = ("__init__.py", "__main__.py", "api.py", "cli.py")  # the API over the rooms, the command line over it
+    leaf = [p for p in (ROOT / "fleetgen").glob("*.py") if p.name not in above]
     wrong = [f"{p.name} imports {m}" for p in leaf for m in _imports(p) if m.split(".")[:2][-1] in ROOMS or m == "ray"]
-    wrong += [f"api.py imports {m} at import" for m in _imports(ROOT / "fleetgen" / "api.py", True) if "jobs" in m]
+    for name in ("api.py", "cli.py"):
+        wrong += [f"{name} imports {m} at import" for m in _imports(ROOT / "fleetgen" / name, True) if "jobs" in m]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_command_line_calls_the_api_and_the_rooms_never_call_up():
+    """One way down: `fleetgen ...` (fleetgen/cli.py) does each command through the Python API
+    (fleetgen/api.py), which calls the rooms; no room imports the API or the command line (nor a
+    bare `import fleetgen`, whose names are the API)."""
+    import fleetgen
+
+    leaf = {"__version__", *(n for n in fleetgen.__all__ if n[0].isupper())}  # the version, the exception tree
+    wrong = []
+    for path in [p for room in ROOMS for p in _files(room)]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import) and any(
+                a.name in ("fleetgen", "fleetgen.api", "fleetgen.cli") for a in node.names
+            ):
+                wrong.append(f"{path.relative_to(ROOT)}: import {', '.join(a.name for a in node.names)}")
+            elif isinstance(node, ast.ImportFrom) and node.module in ("fleetgen.api", "fleetgen.cli"):
+                wrong.append(f"{path.relative_to(ROOT)}: from {node.module} import ...")
+            elif isinstance(node, ast.ImportFrom) and node.module == "fleetgen":
+                wrong += [
+                    f"{path.relative_to(ROOT)}: from fleetgen import {a.name}" for a in node.names if a.name not in leaf
+                ]
+    tree = ast.parse((ROOT / "fleetgen" / "cli.py").read_text())
+    table = next(n for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "COMMANDS")
+    handlers = {v.id for v in table.value.values}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name in handlers:
+            wrong += [f"cli.py {node.name} imports {m}" for m in _imported_by(ast.Module(node.body, [])) if "." in m]
+            calls = [
+                n for n in ast.walk(node) if isinstance(n, ast.Attribute) and getattr(n.value, "id", "") == "fleetgen"
+            ]
+            if not calls:
+                wrong.append(f"cli.py {node.name} calls no `fleetgen.<api>` function")
     assert not wrong, "\n".join(wrong)
 
 
@@ -164,12 +200,12 @@ def test_the_commands_that_read_an_output_import_no_torch(tmp_path, tiny_model):
     out = tmp_path / "out"
     files = [read_footer(str(prompts))]
     config = make_job(prompts, tiny_model, out)
-    columns = resolve_columns(files, config.columns())
+    columns = resolve_columns(files, config.columns)
     config, _, _ = resolve_defaults(config, columns)
     claim_output(Output(str(out)), config, fingerprint(config, files, columns), 1)
-    run_one_shard(tiny_model, out, prompts, config.settings())
+    run_one_shard(tiny_model, out, prompts, config.generation)
     code = (
-        "import sys; from fleetgen.jobs.cli import main\n"
+        "import sys; from fleetgen.cli import main\n"
         f"codes = [main([c, {str(out)!r}]) for c in ('status', 'verify', 'report')]\n"
         "heavy = [m for m in ('torch', 'diffusers', 'transformers', 'ray') if m in sys.modules]\n"
         "print(codes, heavy); sys.exit(0 if not heavy and codes[1] == 0 else 1)"
@@ -222,7 +258,7 @@ def test_plan_on_a_shipped_architecture_imports_no_torch_nor_diffusers():
     transformers and peft (~9 s). A pipeline directory still builds on `meta`."""
     code = (
         "import sys\n"
-        "from fleetgen.jobs.cli import main\n"
+        "from fleetgen.cli import main\n"
         "code = main(['plan', '--model', 'flux.2-klein-4b', '--gpu', 'RTX-4090', '--host-memory', '64GiB'])\n"
         "heavy = [m for m in ('torch', 'diffusers', 'transformers', 'peft') if m in sys.modules]\n"
         "sys.exit(f'exit {code}, loaded {heavy}' if code or heavy else 0)\n"

@@ -84,7 +84,7 @@ def test_a_bad_keep_rule_is_one_message(rule, message):
 
 
 def test_keep_without_scores_and_a_missing_package_or_model_are_refused_before_any_worker(tmp_path, capsys):
-    from fleetgen.jobs.cli import main
+    from fleetgen.cli import main
 
     base = ["run", "--input", str(tmp_path / "p.parquet"), "--output", str(tmp_path / "out"), "--model", "org/m"]
     assert main([*base, "--keep", "clip>0.2"]) == 2
@@ -112,13 +112,13 @@ def test_a_scored_jobs_config_round_trips_through_its_record(tmp_path):
 
     head = tmp_path / "head.pth"
     head.write_bytes(b"x")
-    config = JobConfig(
+    config = JobConfig.of(
         input="p", output="o", model="m/m", score=f"clip,aesthetic={head}", keep="clip > 0.2 and aesthetic >= 5"
     )
     record = config.to_dict()
     assert record["score"] == f"clip=openai/clip-vit-large-patch14,aesthetic={head}"
     assert record["keep"] == "clip > 0.2 and aesthetic >= 5"
     assert (
-        JobConfig(**record) == config
-        and JobConfig(**JobConfig(input="p", output="o", model="m/m").to_dict()).keep == KeepRule()
+        JobConfig.of(**record) == config
+        and JobConfig.of(**JobConfig.of(input="p", output="o", model="m/m").to_dict()).generation.keep == KeepRule()
     )

@@ -5,60 +5,199 @@ a framework."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
-from fleetgen.attention import AttentionSpec
-from fleetgen.caches import CacheSpec
+from fleetgen.attention import AttentionSpec, parse_attention
+from fleetgen.caches import CacheSpec, parse_cache
+from fleetgen.errors import ConfigError
+from fleetgen.offload.architectures import NAMES as ARCHITECTURES
 from fleetgen.offload.cost import Workload
-from fleetgen.offload.weight_formats import QuantizeSpec
-from fleetgen.scores import KeepRule, ScoreSpec
-from fleetgen.workers.families.table import FAMILIES, GENERIC, TEXT, Task
-from fleetgen.workers.output.formats import get_format
-from fleetgen.workers.rows.batches import Adapter, Look, Recipe
+from fleetgen.offload.phasing import PHASES_CHOICES
+from fleetgen.offload.planner import OFFLOAD_CHOICES
+from fleetgen.offload.weight_formats import QuantizeSpec, parse_quantize
+from fleetgen.scores import SCORERS, KeepRule, ScoreSpec, parse_keep, parse_scores
+from fleetgen.settings import build, nested, setting, with_values
+from fleetgen.units import format_size, parse_size
+from fleetgen.workers.families.table import FAMILIES, GENERIC, TASKS, Task
+from fleetgen.workers.output.formats import FORMATS, format_names, get_format
+from fleetgen.workers.output.layout import IMAGE_FORMATS
+from fleetgen.workers.output.video import VIDEO_FORMATS
+from fleetgen.workers.rows.batches import Adapter, Look, Recipe, parse_lora
+from fleetgen.workers.rows.inputs import RESIZE_RULES
 from fleetgen.workers.rows.shard import Columns
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")  # `--dtype` besides auto (workers/pipeline/load.py maps them)
+DTYPES = ("auto", *DTYPE_NAMES)
 
 
 @dataclass(frozen=True)
 class GenerationSettings:
-    """What every image of a job shares. Part of the job fingerprint."""
+    """What every image of a job shares: part of the job's fingerprint. Each field is a setting
+    (fleetgen/settings.py: an option of `fleetgen run`, a keyword of `fleetgen.run`, a TOML key). The
+    ones left None are the model family's, filled in on the driver before any worker starts
+    (jobs/models.py `resolve_defaults`). The settings that change pixels in a form of their own
+    (`quantize`, `cache`, ...) are parsed once, here, from the string as typed, and carried as records."""
 
-    steps: int = 30  # denoising steps per image
-    guidance: float = 7.5  # classifier-free guidance scale
-    width: int = 512  # pixels; must suit the model (a multiple of its VAE scale factor)
-    height: int = 512
-    seed: int = 0  # job seed: rows without a `seed` column derive theirs from it
-    image_format: str = "png"  # png | jpeg | webp
-    output_format: str = "files"  # files | webdataset | parquet
-    family: str = "sd"  # pipeline family (workers/families/detect.py): how the pipeline is called
-    true_cfg_scale: float | None = None  # Flux: > 1 applies negative prompts (true CFG)
-    quantize: QuantizeSpec = QuantizeSpec()  # storage format per component (offload/weight_formats.py)
-    images_per_prompt: int = 1  # images per row (a row's `num_images` column overrides it)
-    prompt_template: str | None = None  # builds each prompt from columns, e.g. "a {style} photo of a {label}"
-    loras: tuple[Adapter, ...] = ()  # adapters on every image (a row's `lora` column replaces them)
-    task: str = TEXT  # text-to-image | image-to-image | inpaint | edit (workers/families/table.py)
-    strength: float | None = None  # tasks that take one: the job's (a row's `strength` replaces it)
-    resize: str = "crop"  # how input images become the image's size (workers/rows/inputs.py)
-    store_inputs: bool = False  # webdataset and parquet outputs carry each image's input beside it
-    store_frames: bool = False  # video tasks: every frame of a clip also stored as a PNG beside it
-    num_frames: int | None = None  # video tasks: frames per clip (a row's `num_frames` replaces it)
-    fps: float | None = None  # video tasks: frames per second (a row's `fps` replaces it)
-    video_format: str = "mp4"  # video tasks: mp4 (H.264) | webm (AV1) (workers/output/video.py)
-    crf: int = 18  # video tasks: the encoder's constant rate factor (lower: larger, closer to the frames made)
-    cache: CacheSpec = CacheSpec()  # step cache on the denoiser (fleetgen/caches.py): changes pixels
-    attention: AttentionSpec = AttentionSpec()  # the kernel asked for; the fingerprint holds only an inexact one
-    scores: ScoreSpec = ScoreSpec()  # scorers run on every image after decoding (fleetgen/scores.py)
-    keep: KeepRule = KeepRule()  # which images are stored, by their scores
-    best_of: int = 1  # candidates made per image, the best stored (by `rank_by`, a score; `-name`: the lowest)
-    rank_by: str | None = None
+    family: str | None = setting(
+        None,
+        "the model's entry in the family table (docs/reference/families.md), where the checkpoint does not say, e.g. "
+        "z-image for the base model (default: detected from model_index.json, the transformer's config, the name)",
+        group="job",
+    )
+    steps: int | None = setting(
+        None, "denoising steps (default: the model family's, e.g. 30 for SD, 28 for FLUX.1-dev)"
+    )
+    guidance: float | None = setting(
+        None, "guidance scale (default: the model family's, e.g. 7.5 for SD, 3.5 for FLUX.1-dev)"
+    )
+    true_cfg_scale: float | None = setting(
+        None, "Flux: apply negative prompts with true CFG at this scale (> 1; doubles the compute)"
+    )
+    quantize: QuantizeSpec = setting(
+        QuantizeSpec(),
+        "none (default), auto (each worker's planner may quantize where that is faster or the only fit), or "
+        "a format per component, e.g. transformer=fp8,text_encoder=int8 (fp8, int8, nf4, bnb-int8, gguf:PATH); "
+        "changes pixels",
+        shown=lambda v: v.label,
+    )
+    cache: CacheSpec = setting(
+        CacheSpec(),
+        "step cache on the denoiser: none (default), first-block[:THRESHOLD] (skip the other blocks while "
+        "the first one's output changes less than THRESHOLD, default 0.05; one image per call) or "
+        "taylorseer[:interval=N,warmup=W,order=K] (compute every N-th step, predict the rest) or "
+        "magcache[:threshold=T,max_skip=K,retention=R] (FLUX.1: skip whole steps by its published ratios); "
+        "changes pixels",
+        shown=lambda v: v.label,
+    )
+    attention: AttentionSpec = setting(
+        AttentionSpec(),
+        "attention kernel of the denoiser: native (default: torch SDPA), auto (each worker measures the exact "
+        "kernels it has and keeps the fastest), or a diffusers backend (flash, _flash_3, _native_cudnn, xformers, "
+        "...; an exact one may differ per worker, sage changes pixels and is the job's)",
+        shown=lambda v: v.backend,
+    )
+    task: str | None = setting(
+        None,
+        "what the model does with each row (default: what its pipeline class does); e.g. "
+        "`--task image-to-image` or `--task inpaint` on an SD directory (its weights serve both)",
+        choices=TASKS,
+    )
+    strength: float | None = setting(
+        None,
+        "image-to-image, inpaint: how far from the input, 0 to 1 (default: the task's, e.g. 0.8 for SD "
+        "img2img); a `strength` column sets it per row",
+    )
+    resize: str = setting(
+        "crop",
+        "how an input image becomes the image's size: crop (default: scale to cover, cut the middle), "
+        "pad (scale to fit, pad black), fit (scale to the size, aspect or not)",
+        choices=RESIZE_RULES,
+    )
+    store_inputs: bool = setting(
+        False,
+        "webdataset/parquet output: carry each image's input beside it (<id>.input.png; an "
+        "`input_image` column), for before/after datasets",
+    )
+    store_frames: bool = setting(
+        False,
+        "video tasks: store every frame of a clip as a PNG beside it (<id>.frame-0000.png ...; parquet: a "
+        "`frames` column), lossless, for datasets that train on frames",
+    )
+    width: int | None = setting(
+        None, "pixels, a multiple of 8 (default 512, `fleetgen plan` 1024; video families: their card's)"
+    )
+    height: int | None = setting(
+        None, "pixels, a multiple of 8 (default 512, `fleetgen plan` 1024; video families: their card's)"
+    )
+    seed: int = setting(0, "job seed: rows without a `seed` column derive theirs from it and their id")
+    image_format: str = setting("png", "how each image is stored", choices=IMAGE_FORMATS)
+    num_frames: int | None = setting(
+        None,
+        "video tasks: frames per clip (default: the family's, e.g. 81 for Wan, which makes 4k+1); "
+        "a `num_frames` column sets it per row",
+    )
+    fps: float | None = setting(
+        None,
+        "video tasks: frames per second of the stored clip (default: the family's, e.g. 16 for Wan); an "
+        "`fps` column sets it per row",
+    )
+    video_format: str = setting("mp4", "video tasks: mp4 (H.264, yuv420p) or webm (AV1)", choices=tuple(VIDEO_FORMATS))
+    crf: int = setting(18, "video tasks: the encoder's quality, 0 (lossless) to 51; lower is larger")
+    output_format: str = setting(
+        "files",
+        lambda: "default files; " + "; ".join(f"{n}: {FORMATS[n].description}" for n in format_names()),
+        choices=format_names,
+    )
+    prompt_template: str | None = setting(
+        None,
+        "build each prompt from columns, e.g. 'a {style} photo of a {label}' "
+        "(the manifest keeps the rendered prompt and the template)",
+        group="synthesis",
+    )
+    images_per_prompt: int = setting(
+        1,
+        "images per row; ids become <id>-<k>, each with its own stable seed; a `num_images` column overrides "
+        "it per row",
+        group="synthesis",
+    )
+    lora: tuple[Adapter, ...] = setting(
+        (),
+        "a LoRA adapter on every image (repeatable); a row's `lora` column replaces them for that row",
+        group="synthesis",
+        metavar="PATH_OR_ID[:SCALE]",
+        shown=lambda v: [a.label for a in v],
+    )
+    score: ScoreSpec = setting(
+        ScoreSpec(),
+        "score every image on its worker right after decoding, into `score_<name>` fields: "
+        + "; ".join(f"{s.name} ({s.doc})" for s in SCORERS.values())
+        + ". MODEL: a hub id (ORG/NAME[@REV], pinned to a commit like --model) or a local directory "
+        "(default: each scorer's published model)",
+        group="synthesis",
+        metavar="NAME[=MODEL],...",
+        shown=lambda v: v.label,
+    )
+    keep: KeepRule = setting(
+        KeepRule(),
+        "store only the images whose scores pass, e.g. 'clip>=0.26 and nsfw<0.5' (the rest are `filtered` "
+        "rows with their scores)",
+        group="synthesis",
+        metavar="RULE",
+        shown=lambda v: v.label,
+    )
+    best_of: int = setting(
+        1,
+        "make N candidates per image (each its own seed) and store the best by --rank-by; every candidate's "
+        "scores stay in the manifest",
+        group="synthesis",
+        metavar="N",
+    )
+    rank_by: str | None = setting(
+        None, "the score --best-of ranks by, highest first (`-NAME`: lowest first)", group="synthesis", metavar="NAME"
+    )
+
+    def __post_init__(self) -> None:
+        for name, parse in (("quantize", parse_quantize), ("cache", parse_cache), ("attention", parse_attention)):
+            object.__setattr__(self, name, parse(getattr(self, name)))
+        object.__setattr__(self, "score", parse_scores(self.score))
+        object.__setattr__(self, "keep", parse_keep(self.keep, self.score))
+        if isinstance(self.lora, str):
+            raise ConfigError(f"`lora` takes a list of adapters (PATH_OR_ID[:SCALE]), got the string `{self.lora}`.")
+        object.__setattr__(self, "lora", tuple(parse_lora(v) for v in self.lora))
+
+    @property
+    def resolved(self) -> bool:
+        """Whether the family's defaults are filled in (jobs/models.py): what a worker needs."""
+        return None not in (self.family, self.task, self.steps, self.guidance, self.width, self.height)
 
     def record(self) -> dict:
         """The settings as job.json's fingerprint holds them: each parsed setting by its one spelling
         (an exact attention kernel as `exact`: each worker's own choice)."""
         out = asdict(self)
         out.update(quantize=self.quantize.label, cache=self.cache.label, attention=self.attention.label)
-        out.update(scores=self.scores.label, keep=self.keep.label)
+        # job.json's spellings since its first version: a job made then resumes
+        out.update(scores=self.score.label, keep=self.keep.label, loras=out.pop("lora"))
+        del out["score"]
         return out
 
     def workload(
@@ -123,7 +262,7 @@ class GenerationSettings:
         extra = tuple((k, v) for k, v in given.items() if v is not None)
         family = FAMILIES.get(self.family)
         return Recipe(
-            Look(self.width, self.height, self.steps, self.guidance, self.loras, extra),
+            Look(self.width, self.height, self.steps, self.guidance, self.lora, extra),
             seed=self.seed,
             images_per_prompt=self.images_per_prompt,
             template=self.prompt_template,
@@ -143,48 +282,114 @@ def makes_clips(generation: dict) -> bool:
 
 
 @dataclass(frozen=True)
+class Source:
+    """Which weights a worker loads, and how. `model`, `revision` and `variant` are the job's (its
+    fingerprint names the weights); the device, the dtype and trusting the model's code are each
+    worker's to run with."""
+
+    model: str = setting(
+        "",
+        lambda: (
+            "pipeline directory or hub id (`fleetgen plan`: a pipeline directory, or a shipped architecture: "
+            f"{', '.join(ARCHITECTURES)})"
+        ),
+        group="job",
+        scope="job",
+        fingerprint=True,
+    )
+    revision: str | None = setting(
+        None,
+        "hub model: branch, tag or commit (default main, resolved once to a commit and "
+        "pinned in job.json so workers and resumes use the same weights)",
+        group="job",
+        scope="job",
+        fingerprint=True,
+    )
+    variant: str | None = setting(
+        None, "weights variant, e.g. fp16 (loads *.fp16.safetensors)", group="job", scope="job", fingerprint=True
+    )
+    device: str = setting(
+        "auto",
+        "where workers compute: auto | cpu | cuda | cuda:N (default auto: GPU workers "
+        "on a cluster or a machine with GPUs, else CPU)",
+    )
+    dtype: str = setting(
+        "auto",
+        "auto | float32 | float16 | bfloat16 (default auto: the family's on CUDA, float32 on CPU; `fleetgen plan`: "
+        "the family's)",
+    )
+    trust_remote_code: bool = setting(False, "allow the model repo to run its own code (off by default)", scope="job")
+    adapters: tuple[tuple[str, str], ...] = ()  # every LoRA the job uses (flags, `lora` column): (as named, location)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """How each worker fits the pipeline to its device and runs it: its own choices, none of which
+    changes an image's pixels (they are in its record, not in the fingerprint)."""
+
+    max_batch: int = setting(4, "images per pipeline call, at most (each worker sizes its own batch up to it)")
+    offload: str = setting(
+        "auto", "how workers place the pipeline (default auto: planned per device)", choices=OFFLOAD_CHOICES
+    )
+    phases: str = setting(
+        "auto",
+        "text encoders in a phase of their own, a chunk of prompts at a time, then the denoiser (default "
+        "auto: where each worker's plan predicts it faster; keeps pixels)",
+        choices=PHASES_CHOICES,
+    )
+    compile: bool = setting(
+        False,
+        "torch.compile each worker's denoisers (regional where they have repeated blocks; keeps pixels; "
+        "compile time in workers/<w>.json)",
+    )
+    gpu_memory: int | None = setting(
+        None,
+        "device budget per worker, e.g. 24GiB (default: free memory; on CPU workers, plan as if the device had "
+        "this much)",
+        shown=format_size,
+        written="size",
+    )
+    host_memory: int | None = setting(
+        None,
+        "host RAM per worker for offloaded copies (default: the node's RAM split between its workers; "
+        "`fleetgen plan`: 80 % of this machine's)",
+        shown=format_size,
+        written="size",
+    )
+    strict_prompts: bool = setting(
+        False, "a prompt longer than the text encoder takes is an error row (default: truncate, noted per row)"
+    )
+    plan_size: tuple[int, int] | None = None  # the largest (width, height) of the job, planned for (the driver's)
+
+    def __post_init__(self) -> None:
+        for name in ("gpu_memory", "host_memory"):  # as typed (`24GiB`), or bytes
+            value = getattr(self, name)
+            if isinstance(value, str):
+                object.__setattr__(self, name, parse_size(value, f"--{name.replace('_', '-')}"))
+
+
+@dataclass(frozen=True)
 class WorkerSpec:
-    """Everything a worker needs to start; picklable, so Ray can ship it to an actor."""
+    """Everything a worker needs to start; picklable, so Ray can ship it to an actor. The job's
+    records as the driver resolved them, and what it decided for this worker."""
 
     name: str  # worker name in stats and manifests, e.g. "w0"
-    model: str  # local directory or hub id, loaded with DiffusionPipeline.from_pretrained
     output: str  # the job's output URL
-    settings: GenerationSettings
-    columns: Columns
-    max_batch: int = 4  # images per pipeline call
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto (the family's on CUDA, float32 on CPU) | float32 | float16 | bfloat16
+    source: Source = nested(Source, group="execution", scope="worker", fingerprint=False)
+    settings: GenerationSettings = nested(GenerationSettings, group="generation", scope="job", fingerprint=True)
+    columns: Columns = field(default_factory=Columns)
+    fit: Fit = nested(Fit, group="execution", scope="worker", fingerprint=False)
     threads: int | None = None  # torch CPU threads; None leaves torch's default
-    offload: str = "auto"  # auto | none | block | leaf | disk (see offload.planner)
-    gpu_memory: int | None = None  # device budget in bytes; default: free device memory (CPU: no planning)
-    host_memory: int | None = None  # host RAM for offloaded copies; default: 80% of available
-    trust_remote_code: bool = False  # never run a model repo's own code unless asked
-    strict_prompts: bool = False  # a prompt longer than the text encoder takes is an error, not truncated
-    revision: str | None = None  # hub models: the commit the driver pinned
-    variant: str | None = None  # weights variant, e.g. fp16
-    adapters: tuple[tuple[str, str], ...] = ()  # every LoRA the job uses (flags, `lora` column): (as named, location)
-    plan_size: tuple[int, int] | None = None  # the largest (width, height) in the job, planned for
-    compile: bool = False  # torch.compile the denoisers (regional where they have repeated blocks)
-    attention: AttentionSpec = AttentionSpec()  # the kernel: native | auto (the fastest exact one here) | a backend
     lock_token: str | None = None  # the driver's `OUT/_LOCK` token: no commit once the lock names another (or none)
-    phases: str = "auto"  # auto | on | off: the text encoders in a phase of their own (offload/phasing.py)
 
-    def source(self) -> Source:
-        return Source(
-            self.model, self.device, self.dtype, self.trust_remote_code, self.revision, self.variant, self.adapters
-        )
+    @classmethod
+    def of(cls, name: str, model: str, output: str, settings: GenerationSettings, columns: Columns, **options):
+        """From flat options, each put in the record it belongs to (`max_batch=2, device="cpu"`)."""
+        return build(cls, {"model": model, **options}, name=name, output=output, settings=settings, columns=columns)
 
-    def fit(self) -> Fit:
-        return Fit(
-            self.max_batch,
-            self.offload,
-            self.gpu_memory,
-            self.host_memory,
-            self.compile,
-            self.attention,
-            self.plan_size,
-            self.phases,
-        )
+    def with_options(self, **options) -> WorkerSpec:
+        """This spec with flat options replaced where they live (`max_batch=1`, `device="cpu"`)."""
+        return with_values(self, options)
 
 
 @dataclass(frozen=True)
@@ -209,31 +414,3 @@ class ShardResult:
     committed_by_other: bool = False  # another attempt of this shard committed first; this one wrote nothing more
     counts: dict | None = None  # the committed manifest's counts (its footer's), so the driver need not read it
     version: str | None = None  # the committed manifest's version, as a listing of shards/ would show it
-
-
-@dataclass(frozen=True)
-class Source:
-    """Which weights to load, and how (the job's adapters with them)."""
-
-    model: str  # local directory or hub id, loaded with DiffusionPipeline.from_pretrained
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto (the family's on CUDA, float32 on CPU) | float32 | float16 | bfloat16
-    trust_remote_code: bool = False
-    revision: str | None = None
-    variant: str | None = None
-    adapters: tuple[tuple[str, str], ...] = ()  # (as named, location)
-
-
-@dataclass(frozen=True)
-class Fit:
-    """How a worker may fit its pipeline to its device: each worker's own choices, none of which
-    changes pixels (budgets, placements, batch, compile, an exact attention kernel)."""
-
-    max_batch: int = 4  # images per pipeline call, at most
-    offload: str = "auto"  # auto | none | block | leaf | disk: which placements may be used
-    gpu_memory: int | None = None  # device budget in bytes; default: free device memory (CPU: no planning)
-    host_memory: int | None = None  # host RAM for offloaded copies; default: 80 % of available
-    compile: bool = False  # torch.compile the denoisers, after the cache (workers/pipeline/compiling.py)
-    attention: AttentionSpec = AttentionSpec()  # native | auto | a diffusers backend (workers/pipeline/attention.py)
-    plan_size: tuple[int, int] | None = None  # the largest (width, height) of the job, planned for
-    phases: str = "auto"  # auto | on | off: the text encoders in a phase of their own, a chunk at a time

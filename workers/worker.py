@@ -102,15 +102,15 @@ class _CommitUnknown(ShardError):
 class Worker:
     def __init__(self, spec: WorkerSpec, pipe=None):
         """`pipe`: a pipeline already built (bench/gpu_check.py's random weights at real sizes)
-        instead of loading `spec.model`; `close()` leaves it as it came (no offloading hooks)."""
+        instead of loading `spec.source.model`; `close()` leaves it as it came (no offloading hooks)."""
         started = time.perf_counter()
         self.spec = spec
         if spec.threads:
             torch.set_num_threads(spec.threads)
         self.output = Output(spec.output)
         with paused_gc():  # a pipeline's first load imports most of diffusers and transformers
-            self.fitted = FittedPipeline(spec.source(), spec.settings, spec.fit(), spec.name, pipe)
-        scores = spec.settings.scores
+            self.fitted = FittedPipeline(spec.source, spec.settings, spec.fit, spec.name, pipe)
+        scores = spec.settings.score
         self.scoring = Scoring(scores, self.fitted.device, self.fitted.dtype) if scores else None
         self.recipe = spec.settings.recipe(self.fitted.size_multiple)
         self._writer = Writer()
@@ -121,7 +121,7 @@ class Worker:
             self.recipe.template,
             spec.name,
             device,
-            spec.model,
+            spec.source.model,
             store,
             spec.settings.cache.label,
             self.fitted.attention.backend,
@@ -201,7 +201,9 @@ class Worker:
         for im in images:
             if im.error is None:
                 records[im.id].update(
-                    prompt_note(self.pipe, self.fitted.family, im.prompt, im.negative_prompt, self.spec.strict_prompts)
+                    prompt_note(
+                        self.pipe, self.fitted.family, im.prompt, im.negative_prompt, self.spec.fit.strict_prompts
+                    )
                 )
         settings = self.spec.settings
         best_of = BestOf(settings.best_of, settings.rank_by) if settings.best_of > 1 else None

@@ -4,7 +4,7 @@ edges on the local Ray: a worker that fits nothing, demand that cannot be placed
 
 The head has no GPU and no CPU; two worker node types declare `GPU: 1` with `min_workers: 0`.
 Jobs run with `--device cpu --gpus-per-worker 1`: scheduled by the GPU resource, computing on CPU
-(see ../shared/notes/ray-and-friends.md).
+(Ray honours a GPU declared on a CPU-only node, while torch sees no CUDA device).
 """
 
 import io
@@ -347,7 +347,7 @@ def test_a_worker_that_fits_nothing_is_reported_and_the_job_goes_on(ray_cluster,
     prompts = write_prompts(tmp_path / "p.parquet", [f"fit {i}" for i in range(18)])
     log = io.StringIO()
     config = validate(
-        JobConfig(
+        JobConfig.of(
             input=str(prompts),
             output=str(tmp_path / "out"),
             model=tiny_model,
@@ -397,17 +397,25 @@ def test_budgets_follow_the_workers_share_of_its_node():
     from fleetgen.workers.rows.shard import Columns
     from fleetgen.workers.spec import WorkerSpec
 
-    spec = WorkerSpec("w0", "m", "out", GenerationSettings(), Columns())
+    spec = WorkerSpec.of("w0", "m", "out", GenerationSettings(family="sd", task="text-to-image"), Columns())
     node = {"node_memory": 64 * 2**30, "node_gpus": 4, "node_cpus": 16}
     # One GPU of four: a quarter of the node's RAM; a whole GPU's memory is the worker's to measure.
     fitted = fit_to_share(spec, {"num_gpus": 1, "num_cpus": 1}, node, device_total=80 * 2**30)
-    assert fitted.host_memory == int(16 * 2**30 * HOST_SHARE) and fitted.gpu_memory is None
+    assert fitted.fit.host_memory == int(16 * 2**30 * HOST_SHARE) and fitted.fit.gpu_memory is None
     # Half a GPU: half the device's memory, and an eighth of the node's RAM.
     fitted = fit_to_share(spec, {"num_gpus": 0.5, "num_cpus": 1}, node, device_total=80 * 2**30)
-    assert fitted.gpu_memory == 40 * 2**30 and fitted.host_memory == int(8 * 2**30 * HOST_SHARE)
+    assert fitted.fit.gpu_memory == 40 * 2**30 and fitted.fit.host_memory == int(8 * 2**30 * HOST_SHARE)
     # CPU workers split the node by CPUs; budgets given explicitly are kept.
-    assert fit_to_share(spec, {"num_cpus": 4}, node, None).host_memory == int(16 * 2**30 * HOST_SHARE)
-    given = WorkerSpec("w0", "m", "out", GenerationSettings(), Columns(), gpu_memory=2**30, host_memory=2**30)
+    assert fit_to_share(spec, {"num_cpus": 4}, node, None).fit.host_memory == int(16 * 2**30 * HOST_SHARE)
+    given = WorkerSpec.of(
+        "w0",
+        "m",
+        "out",
+        GenerationSettings(family="sd", task="text-to-image"),
+        Columns(),
+        gpu_memory=2**30,
+        host_memory=2**30,
+    )
     assert fit_to_share(given, {"num_gpus": 0.5}, node, 80 * 2**30) == given
 
 

@@ -109,7 +109,7 @@ def _corrupt_first_row_group(path: Path) -> None:
 
 
 def test_failing_shard_is_retried_bounded_then_reported(tiny_model, tmp_path, ray_cluster, capsys):
-    from fleetgen.jobs.cli import main
+    from fleetgen.cli import main
 
     prompts = write_prompts(tmp_path / "p.parquet", [f"p{i}" for i in range(16)], row_group_size=8)
     _corrupt_first_row_group(prompts)
@@ -271,11 +271,11 @@ def test_pathological_row_costs_only_itself(tiny_model, tmp_path):
     )
     files = [read_footer(str(prompts))]
     worker = Worker(
-        WorkerSpec(
+        WorkerSpec.of(
             "w0",
             tiny_model,
             str(tmp_path / "out"),
-            GenerationSettings(steps=2, width=64, height=64),
+            GenerationSettings(family="sd", task="text-to-image", steps=2, guidance=7.5, width=64, height=64),
             resolve_columns(files, Columns()),
             max_batch=4,
             device="cpu",

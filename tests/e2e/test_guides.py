@@ -125,7 +125,7 @@ def test_the_plan_example_runs_as_written(tmp_path):
 def test_every_fleetgen_command_in_the_readme_and_the_docs_parses():
     """Each `fleetgen ...` line of a code block is a command the CLI takes (options that exist,
     values of the right type), so a renamed flag fails here, not in a user's shell."""
-    from fleetgen.jobs.cli import _parser
+    from fleetgen.cli import _parser
 
     text = "\n".join(p.read_text() for p in pages())
     code = "\n".join(c for _, c in re.findall(r"```(\w+)\n(.*?)```", text, flags=re.S))

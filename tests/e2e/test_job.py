@@ -10,9 +10,9 @@ import shutil
 import pyarrow.parquet as pq
 import pytest
 
+from fleetgen.cli import main
 from fleetgen.cluster.warm import free_parked
 from fleetgen.errors import StorageError
-from fleetgen.jobs.cli import main
 from fleetgen.jobs.config import JobConfig, validate
 from fleetgen.jobs.driver import run_job
 from fleetgen.jobs.state import list_manifests
@@ -173,7 +173,7 @@ def test_s3_input_and_output(ray_cluster, s3_server, tiny_model, tmp_path, monke
     local = write_prompts(tmp_path / "p.parquet", [f"s3 prompt {i}" for i in range(6)])
     fs.put(str(local), "fleetgen-test/in/p.parquet")
     cfg = validate(
-        JobConfig(
+        JobConfig.of(
             input="s3://fleetgen-test/in/",
             output="s3://fleetgen-test/out",
             model=tiny_model,

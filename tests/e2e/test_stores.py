@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from fleetgen.cli import main
 from fleetgen.errors import ShardError, StorageError
-from fleetgen.jobs.cli import main
 from fleetgen.jobs.lock import OutputLock
 from fleetgen.jobs.verify import verify
 from fleetgen.workers.output import policy

@@ -254,7 +254,7 @@ def _entrypoint_runs(command: str) -> None:
     if "-m" in words:
         assert (ROOT / words[words.index("-m") + 1] / "__main__.py").exists()
     if "fleetgen" in words:
-        assert 'fleetgen = "fleetgen.jobs.cli:main"' in (ROOT / "pyproject.toml").read_text()
+        assert 'fleetgen = "fleetgen.cli:main"' in (ROOT / "pyproject.toml").read_text()
     assert "run" in words
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from fleetgen.cli import main
 from fleetgen.errors import StorageError
-from fleetgen.jobs.cli import main
 from fleetgen.jobs.lock import OutputLock
 from fleetgen.jobs.verify import verify
 from fleetgen.workers.output import policy
@@ -277,7 +277,7 @@ def test_parquet_reads_never_abort_the_process_at_exit(tmp_path):
 _EXIT_LOOP = """
 import json, os, sys
 import fleetgen.jobs.status, fleetgen.jobs.verify  # imported once (no Parquet read yet: pyarrow starts no thread here)
-from fleetgen.jobs.cli import main
+from fleetgen.cli import main
 runs = json.loads(sys.argv[1])
 codes, running = {}, {}
 for i, args in enumerate(runs):  # each a process of its own, forked after the imports, two at a time,
@@ -407,7 +407,7 @@ def test_every_cli_option_has_help_and_every_run_option_is_in_the_docs():
     import argparse
     import re
 
-    from fleetgen.jobs.cli import _parser
+    from fleetgen.cli import _parser
 
     # the docs' table of `fleetgen run` options: its rows start with an option in backticks
     options = (ROOT / "docs" / "reference" / "options.md").read_text()

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from bench.chaos import check
-from fleetgen.jobs.cli import main
+from fleetgen.cli import main
 from fleetgen.jobs.driver import run_job
 from tests.conftest import fast_settings, make_job, run_args, run_one_shard, write_prompts
 

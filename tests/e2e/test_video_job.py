@@ -12,7 +12,7 @@ import tarfile
 
 import pytest
 
-from fleetgen.jobs.cli import main
+from fleetgen.cli import main
 from fleetgen.jobs.driver import run_job
 from fleetgen.workers.output.video import read_clip
 from fleetgen.workers.tiny import write_tiny_model

@@ -25,13 +25,12 @@ def models(frontier_models):
 
 
 def replace_device(config: JobConfig) -> JobConfig:
-    from dataclasses import replace
 
-    return replace(config, device="cpu", workers=1)
+    return config.with_options(device="cpu", workers=1)
 
 
 def test_every_entry_has_a_tiny_model_and_a_cli_choice():
-    from fleetgen.jobs.cli import _parser
+    from fleetgen.cli import _parser
     from fleetgen.workers.families.table import NO_TINY
 
     # none added without a reason (family_table.py)
@@ -45,10 +44,10 @@ def test_every_entry_has_a_tiny_model_and_a_cli_choice():
 @pytest.mark.parametrize("family", sorted(CARDS))
 def test_detected_and_resolved_to_the_cards_defaults(family, models, tmp_path):
     prompts = write_prompts(tmp_path / "p.parquet", ["a red fox"])
-    config = JobConfig(input=str(prompts), output=str(tmp_path / "o"), model=models[family])
-    resolved, found, sources = resolve_defaults(config, Columns("prompt", None, None, None))
+    config = JobConfig.of(input=str(prompts), output=str(tmp_path / "o"), model=models[family])
+    resolved, found, sources = resolve_defaults(config, Columns.of("prompt", None, None, None))
     steps, guidance, dtype, negative = CARDS[family]
-    assert (found.name, resolved.steps, resolved.guidance, found.dtype, found.negative) == (
+    assert (found.name, resolved.generation.steps, resolved.generation.guidance, found.dtype, found.negative) == (
         family,
         steps,
         guidance,
@@ -76,14 +75,14 @@ def test_shared_classes_are_told_apart_and_an_unsure_guess_names_the_flag(models
     found, why = identify_dir(unnamed)
     assert found.name == "z-image-turbo" and "`--family z-image` for the base model" in why
     prompts = write_prompts(tmp_path / "p.parquet", ["a red fox"])
-    config = JobConfig(input=str(prompts), output=str(tmp_path / "o"), model=str(unnamed), family="z-image")
-    resolved, found, sources = resolve_defaults(config, Columns("prompt", None, None, None))
-    assert (found.name, resolved.steps) == ("z-image", 50)
+    config = JobConfig.of(input=str(prompts), output=str(tmp_path / "o"), model=str(unnamed), family="z-image")
+    resolved, found, sources = resolve_defaults(config, Columns.of("prompt", None, None, None))
+    assert (found.name, resolved.generation.steps) == ("z-image", 50)
     assert sources["family"] == "`--family z-image` (detected: z-image-turbo)"
     with pytest.raises(ConfigError, match=r"`--family flux` is for FluxPipeline; this model is a ZImagePipeline"):
-        resolve_defaults(JobConfig(input="x", output="y", model=str(unnamed), family="flux"), Columns())
+        resolve_defaults(JobConfig.of(input="x", output="y", model=str(unnamed), family="flux"), Columns())
     with pytest.raises(ConfigError, match="`--family` must be one of sd, sdxl"):
-        resolve_defaults(JobConfig(input="x", output="y", model=str(unnamed), family="zimage"), Columns())
+        resolve_defaults(JobConfig.of(input="x", output="y", model=str(unnamed), family="zimage"), Columns())
 
 
 @pytest.mark.parametrize(
@@ -98,16 +97,16 @@ def test_shared_classes_are_told_apart_and_an_unsure_guess_names_the_flag(models
 )
 def test_a_negative_column_the_pipeline_would_ignore_is_refused(family, settings, message, models, tmp_path):
     path = write_prompts(tmp_path / "n.parquet", ["a red fox"], negative_prompt=["blurry"])
-    config = validate(JobConfig(input=str(path), output=str(tmp_path / "o"), model=models[family], **settings))
+    config = validate(JobConfig.of(input=str(path), output=str(tmp_path / "o"), model=models[family], **settings))
     with pytest.raises(ConfigError, match=message):
-        resolve_defaults(config, Columns("prompt", None, None, "negative_prompt"))
+        resolve_defaults(config, Columns.of("prompt", None, None, "negative_prompt"))
 
 
 def test_settings_a_family_ignores_are_refused(models):
     with pytest.raises(ConfigError, match=r"flux2-klein \(Flux2KleinPipeline\) ignores the guidance"):
-        resolve_defaults(JobConfig(input="x", output="y", model=models["flux2-klein"], guidance=4.0), Columns())
+        resolve_defaults(JobConfig.of(input="x", output="y", model=models["flux2-klein"], guidance=4.0), Columns())
     with pytest.raises(ConfigError, match="qwen-image takes it as its guidance"):
-        resolve_defaults(JobConfig(input="x", output="y", model=models["qwen-image"], true_cfg_scale=4.0), Columns())
+        resolve_defaults(JobConfig.of(input="x", output="y", model=models["qwen-image"], true_cfg_scale=4.0), Columns())
 
 
 def test_pipelines_that_are_not_text_to_image_are_refused_in_one_line(tmp_path):
@@ -136,7 +135,7 @@ def test_a_processor_that_needs_torchvision_is_refused_before_any_worker(models,
     with pytest.raises(
         ConfigError, match=r"its tokenizer is a PixtralProcessor, which transformers builds only with torchvision"
     ):
-        resolve_defaults(JobConfig(input=str(prompts), output="o", model=str(model)), Columns())
+        resolve_defaults(JobConfig.of(input=str(prompts), output="o", model=str(model)), Columns())
 
 
 @pytest.mark.parametrize("family", ["qwen-image"])
@@ -146,7 +145,7 @@ def test_a_frontier_job_end_to_end_verifies_deep(family, models, tmp_path, ray_c
 
     prompts = write_prompts(tmp_path / "p.parquet", ["a red fox", "a blue owl", "a green tree"])
     log = io.StringIO()
-    config = JobConfig(
+    config = JobConfig.of(
         input=str(prompts), output=str(tmp_path / "out"), model=models[family], steps=2, width=64, height=64
     )
     summary = run_job(validate(replace_device(config)), progress_stream=log)

@@ -176,7 +176,7 @@ def test_fleetgen_score_pins_a_hub_scorer_and_a_rerun_keeps_its_commit(
     """`fleetgen score OUT --score clip=ORG/NAME`: the model pinned to main's commit in the scores' claim;
     after the repo moves on, a rescored shard uses the claimed commit; another commit, or a revision
     the repo lacks, is one line and exit 2."""
-    from fleetgen.jobs.cli import main
+    from fleetgen.cli import main
     from fleetgen.workers.tiny.scorers import write_tiny_scorer
     from tests.workers.pipeline.test_scoring import run
 

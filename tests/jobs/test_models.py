@@ -30,14 +30,14 @@ def test_each_family_resolves_its_defaults_and_runs(family, models, tmp_path):
     """The driver's resolution (what the job's log line says), then a worker in this process making
     the images at those defaults; the whole job on Ray, for one family, is the next test."""
     prompts = write_prompts(tmp_path / "p.parquet", ["a red fox", "a blue owl"])
-    config = validate(JobConfig(input=str(prompts), output=str(tmp_path / "out"), model=models[family], **TINY))
+    config = validate(JobConfig.of(input=str(prompts), output=str(tmp_path / "out"), model=models[family], **TINY))
     resolved, found, sources = resolve_defaults(config, _shard(prompts)[1])
     expected = FAMILIES[family]
-    assert (found.name, resolved.family, sources["steps"]) == (family, family, "family default")
-    assert (resolved.steps, resolved.guidance) == (expected.steps, expected.guidance)
+    assert (found.name, resolved.generation.family, sources["steps"]) == (family, family, "family default")
+    assert (resolved.generation.steps, resolved.generation.guidance) == (expected.steps, expected.guidance)
     line = f"model family {family} ({expected.pipelines[0]}): steps {expected.steps} (family default)"
     assert describe(resolved, found, sources).startswith(line)
-    worker, rows = run_one_shard(models[family], tmp_path / "out", prompts, resolved.settings(), max_batch=2, threads=1)
+    worker, rows = run_one_shard(models[family], tmp_path / "out", prompts, resolved.generation, max_batch=2, threads=1)
     worker.close()
     assert [r["status"] for r in rows.values()] == ["ok", "ok"]
     assert {r["steps"] for r in rows.values()} == {expected.steps}
@@ -46,7 +46,7 @@ def test_each_family_resolves_its_defaults_and_runs(family, models, tmp_path):
 def test_a_family_job_records_its_defaults(models, ray_cluster, tmp_path):
     prompts = write_prompts(tmp_path / "p.parquet", ["a red fox", "a blue owl"])
     log = io.StringIO()
-    config = validate(JobConfig(input=str(prompts), output=str(tmp_path / "out"), model=models["sd3"], **TINY))
+    config = validate(JobConfig.of(input=str(prompts), output=str(tmp_path / "out"), model=models["sd3"], **TINY))
     summary = run_job(config, progress_stream=log, progress_interval=0)
     assert summary.complete and summary.images_ok == 2
     expected = FAMILIES["sd3"]
@@ -64,9 +64,9 @@ def test_a_family_job_records_its_defaults(models, ray_cluster, tmp_path):
 
 
 def test_flags_win_over_family_defaults(models, tmp_path):
-    config = JobConfig(input="x", output="y", model=models["flux"], steps=3)
-    resolved, family, sources = resolve_defaults(config, Columns("prompt", None, None, None))
-    assert (family.name, resolved.steps, resolved.guidance) == ("flux", 3, 3.5)
+    config = JobConfig.of(input="x", output="y", model=models["flux"], steps=3)
+    resolved, family, sources = resolve_defaults(config, Columns.of("prompt", None, None, None))
+    assert (family.name, resolved.generation.steps, resolved.generation.guidance) == ("flux", 3, 3.5)
     assert sources == {
         "steps": "given",
         "guidance": "family default",
@@ -81,7 +81,7 @@ def test_flux_negative_prompts_need_true_cfg_and_then_change_the_images(models, 
         tmp_path / "neg.parquet", ["a red fox", "a blue owl"], id=["a", "b"], negative_prompt=["blurry", "dark"]
     )
     config = validate(
-        JobConfig(
+        JobConfig.of(
             input=str(with_neg),
             output=str(tmp_path / "refused"),
             model=models["flux"],
@@ -151,7 +151,7 @@ def test_safety_checker_flags_are_filtered_rows(tmp_path, ray_cluster):
 
     summary = run_job(
         validate(
-            JobConfig(
+            JobConfig.of(
                 input=str(path),
                 output=str(tmp_path / "job"),
                 model=str(model),

@@ -13,7 +13,7 @@ def models(family_models):
 
 
 def test_plan_counts_float8_bytes_and_loads_at_the_run_dtype(capsys):
-    from fleetgen.jobs.cli import main
+    from fleetgen.cli import main
 
     args = ["plan", "--model", "flux.2-dev", "--gpu-memory", "24GiB", "--host-memory", "128GiB", "--json"]
     assert main(args) == 0
@@ -30,7 +30,7 @@ def test_plan_counts_float8_bytes_and_loads_at_the_run_dtype(capsys):
 
 @pytest.mark.parametrize("family", ["sdxl", "sd3", "flux", "pixart-sigma", "sana"])
 def test_plan_works_on_every_family_directory(family, models, capsys):
-    from fleetgen.jobs.cli import main
+    from fleetgen.cli import main
 
     assert (
         main(
@@ -59,7 +59,7 @@ def test_plan_for_a_named_gpu_takes_its_memory_throughput_and_link(capsys):
     """`--gpu H100`: the card's memory is the budget, its throughput and link the plan's figures
     (offload/devices.py), so a transformer streamed every step predicts a real slowdown there, where
     the old defaults (100 TFLOP/s, 20 GB/s) predicted nearly none; `--gpu-memory` still sets the budget."""
-    from fleetgen.jobs.cli import main
+    from fleetgen.cli import main
     from fleetgen.offload.devices import COMPUTE_EFFICIENCY, GPUS
 
     base = ["plan", "--model", "flux.1-dev", "--steps", "50", "--max-batch", "1", "--host-memory", "128GiB", "--json"]
@@ -80,7 +80,7 @@ def test_plan_for_a_named_gpu_takes_its_memory_throughput_and_link(capsys):
 
 
 def test_an_unknown_gpu_or_no_budget_is_one_line_with_exit_2(capsys):
-    from fleetgen.jobs.cli import main
+    from fleetgen.cli import main
 
     assert main(["plan", "--model", "flux.1-dev", "--gpu", "H1OO"]) == 2
     err = capsys.readouterr().err.strip()

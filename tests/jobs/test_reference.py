@@ -19,7 +19,7 @@ def test_a_reference_page_is_what_the_code_renders(page):
 
 def test_every_option_field_and_family_is_on_its_page():
     """The pages render every entry of their tables (not a hand-kept subset)."""
-    from fleetgen.jobs.cli import _parser
+    from fleetgen.cli import _parser
     from fleetgen.workers.families.table import TABLE
     from fleetgen.workers.output.fields import records
 

@@ -6,14 +6,13 @@ import re
 import shutil
 import subprocess
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 import fleetgen.jobs.report
+from fleetgen.cli import main
 from fleetgen.errors import StorageError
-from fleetgen.jobs.cli import main
 from fleetgen.jobs.config import JobConfig, validate
 from fleetgen.jobs.driver import run_job
 from tests.conftest import FAST, write_prompts
@@ -68,7 +67,7 @@ def test_report_renders_with_every_image_loaded(ray_cluster, tiny_model, tiny_cl
     )
     out = tmp_path / "out"
     config = validate(
-        JobConfig(
+        JobConfig.of(
             input=str(prompts),
             output=str(out),
             model=tiny_model,
@@ -109,7 +108,7 @@ def test_report_renders_with_every_image_loaded(ray_cluster, tiny_model, tiny_cl
     again = run_job(config, progress_stream=io.StringIO())
     assert again.complete and again.shards_skipped == 4
     with pytest.raises(StorageError, match="scorers.clip differs"):
-        run_job(replace(config, score=f"clip={tiny_model}"), progress_stream=io.StringIO())
+        run_job(config.with_options(score=f"clip={tiny_model}"), progress_stream=io.StringIO())
     dom = _browse(page, "--dump-dom")
     assert 'data-images-total="24"' in dom and 'data-images-loaded="24"' in dom
     ARTIFACTS.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 
-from fleetgen.jobs.cli import main
+from fleetgen.cli import main
 from tests.workers.pipeline.test_scoring import run
 
 

@@ -26,7 +26,7 @@ FBC = "first-block:0.3"  # skips a few of 12 steps of the tiny FLUX.1 (random we
 
 def _run(model, out, path, quantize="none", **spec):
     settings = GenerationSettings(
-        steps=4, guidance=5.0, width=64, height=64, family="sd", quantize=parse_quantize(quantize)
+        task="text-to-image", steps=4, guidance=5.0, width=64, height=64, family="sd", quantize=parse_quantize(quantize)
     )
     return run_one_shard(model, out, path, settings, **{"max_batch": 1, **spec})
 
@@ -59,7 +59,7 @@ def test_the_setting_is_parsed_to_one_spelling_and_refused_in_one_line():
         with pytest.raises(ConfigError, match=message):
             parse_cache(text)
     with pytest.raises(ConfigError, match="must be none, first-block"):
-        validate(JobConfig(input="x", output="y", model="org/m", cache="fast"))
+        validate(JobConfig.of(input="x", output="y", model="org/m", cache="fast"))
     # by the step alone, as diffusers' hook decides: 3 warm-up steps, then every 5th of the rest
     assert parse_cache("taylorseer").computed_share(10) == pytest.approx(5 / 10)  # steps 0, 1, 2, 4 and 9
     assert parse_cache("first-block").computed_share(10) is None  # the data decides
@@ -68,12 +68,12 @@ def test_the_setting_is_parsed_to_one_spelling_and_refused_in_one_line():
 
 def test_what_cannot_take_a_cache_is_refused_before_any_worker(tiny_model, tiny_flux, tmp_path):
     prompts = write_prompts(tmp_path / "p.parquet", ["a red fox"])
-    sd = JobConfig(input=str(prompts), output=str(tmp_path / "o"), model=tiny_model, cache="first-block")
+    sd = JobConfig.of(input=str(prompts), output=str(tmp_path / "o"), model=tiny_model, cache="first-block")
     with pytest.raises(
         ConfigError, match=r"UNet2DConditionModel takes no step cache.*Families whose pipelines take first-block: flux,"
     ):
         resolve_defaults(sd, Columns())
-    nothing = JobConfig(input=str(prompts), output="o", model=tiny_flux, cache="taylorseer:warmup=8", steps=8)
+    nothing = JobConfig.of(input=str(prompts), output="o", model=tiny_flux, cache="taylorseer:warmup=8", steps=8)
     with pytest.raises(ConfigError, match="computes every one of the 8 steps"):
         resolve_defaults(nothing, resolve_columns([read_footer(str(prompts))], Columns()))
 
@@ -114,27 +114,27 @@ def test_the_mapping_is_parsed_and_refused_in_one_line():
         with pytest.raises(ConfigError, match=message):
             parse_quantize(text)
     with pytest.raises(ConfigError, match="the formats are fp8"):
-        validate(JobConfig(input="x", output="y", model="org/m", quantize="unet=q3"))
+        validate(JobConfig.of(input="x", output="y", model="org/m", quantize="unet=q3"))
     # the combination table, before any worker: torchao cannot go to disk, bitsandbytes stays resident
     with pytest.raises(ConfigError, match=r"unet=int8` with `--offload disk`: diffusers refuses disk offload"):
-        validate(JobConfig(input="x", output="y", model="org/m", quantize="unet=int8", offload="disk"))
+        validate(JobConfig.of(input="x", output="y", model="org/m", quantize="unet=int8", offload="disk"))
     with pytest.raises(ConfigError, match=r"unet=nf4` with `--offload block`: bitsandbytes weights"):
-        validate(JobConfig(input="x", output="y", model="org/m", quantize="unet=nf4", offload="block"))
+        validate(JobConfig.of(input="x", output="y", model="org/m", quantize="unet=nf4", offload="block"))
 
 
 def test_what_cannot_be_quantized_is_refused_before_any_worker(tiny_model, tmp_path):
     prompts = write_prompts(tmp_path / "p.parquet", ["a red fox"])
-    config = JobConfig(input=str(prompts), output=str(tmp_path / "o"), model=tiny_model, quantize="transformer=fp8")
+    config = JobConfig.of(input=str(prompts), output=str(tmp_path / "o"), model=tiny_model, quantize="transformer=fp8")
     with pytest.raises(ConfigError, match=r"has no component `transformer` \(its model components: .*unet"):
         resolve_defaults(config, Columns())
-    text = JobConfig(input=str(prompts), output="o", model=tiny_model, quantize="text_encoder=fp8")
+    text = JobConfig.of(input=str(prompts), output="o", model=tiny_model, quantize="text_encoder=fp8")
     with pytest.raises(ConfigError, match=r"fp8 serves unet, transformer.* only; pipelines read"):
         resolve_defaults(text, Columns())
-    vae = JobConfig(input=str(prompts), output="o", model=tiny_model, quantize="vae=int8")
+    vae = JobConfig.of(input=str(prompts), output="o", model=tiny_model, quantize="vae=int8")
     with pytest.raises(ConfigError, match=r"int8 serves unet, .*text_encoder.* only; the VAE"):
         resolve_defaults(vae, Columns())
     for quantize in ("unet=fp8", "auto"):
-        lora = JobConfig(input=str(prompts), output="o", model=tiny_model, quantize=quantize, lora=(str(prompts),))
+        lora = JobConfig.of(input=str(prompts), output="o", model=tiny_model, quantize=quantize, lora=(str(prompts),))
         with pytest.raises(ConfigError, match="`--quantize` with LoRA adapters is not supported yet"):
             resolve_adapters(lora, Columns(), [])
     # bitsandbytes on a CPU worker: one line, before the weights load
@@ -170,7 +170,7 @@ def test_only_an_inexact_kernel_is_in_the_fingerprint(tiny_model, tmp_path):
     prompts = write_prompts(tmp_path / "p.parquet", ["a"])
 
     def settings(attention):
-        return make_job(prompts, tiny_model, tmp_path / "o", attention=attention, family="sd").settings()
+        return make_job(prompts, tiny_model, tmp_path / "o", attention=attention, family="sd").generation
 
     assert {settings(a).attention.label for a in ("native", "auto", "flash")} == {"exact"}
     old = {"generation": {"steps": 2}}  # a job.json from before `--attention`: any exact kernel

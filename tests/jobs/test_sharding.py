@@ -37,8 +37,8 @@ def test_big_row_group_splits_into_row_ranges(tmp_path):
     # a worker reads exactly its rows
     rows = shard_rows(
         shards[3],
-        read_shard(shards[3], Columns(id=None, seed=None, negative_prompt=None, **NO_SETTINGS)),
-        Columns(id=None, seed=None, negative_prompt=None, **NO_SETTINGS),
+        read_shard(shards[3], Columns.of(id=None, seed=None, negative_prompt=None, **NO_SETTINGS)),
+        Columns.of(id=None, seed=None, negative_prompt=None, **NO_SETTINGS),
         job_seed=0,
     )
     assert [r.prompt for r in rows] == [f"p{i}" for i in range(900, 1000)]
@@ -55,7 +55,7 @@ def test_a_shard_reads_its_row_group_only_as_far_as_its_last_row(tmp_path, monke
         table, tmp_path / "p.parquet", data_page_size=32 * 1024, use_dictionary=False, compression="none"
     )  # one row group, pages of 32 KiB
     shards = plan_shards(footers(str(tmp_path / "p.parquet")), rows_per_shard=3_000)
-    cols = Columns(seed=None, negative_prompt=None, **NO_SETTINGS)
+    cols = Columns.of(seed=None, negative_prompt=None, **NO_SETTINGS)
     monkeypatch.setattr(shard_module, "READ_BATCH", 1_000)  # shards cross batch boundaries
     opened = []
     monkeypatch.setattr(shard_module, "url_to_fs", counting(shard_module.url_to_fs, opened))
@@ -104,7 +104,7 @@ def test_nulls_become_error_rows_and_seeds_are_used(tmp_path):
     )
     files = footers(str(tmp_path / "p.parquet"))
     cols = resolve_columns(files, Columns())
-    assert cols == Columns("prompt", "id", "seed", None, **NO_SETTINGS)
+    assert cols == Columns.of("prompt", "id", "seed", None, **NO_SETTINGS)
     shard = plan_shards(files, 10)[0]
     rows = shard_rows(shard, read_shard(shard, cols), cols, job_seed=3)
     assert [r.error is None for r in rows] == [True, False, False, False]
@@ -163,7 +163,7 @@ def test_all_files_empty_is_refused(tmp_path, tiny_model):
 
     write_prompts(tmp_path / "a.parquet", [])
     with pytest.raises(InputError, match=r"has no rows \(1 file\(s\), all empty\)"):
-        run_job(JobConfig(input=str(tmp_path / "a.parquet"), output=str(tmp_path / "o"), model=tiny_model))
+        run_job(JobConfig.of(input=str(tmp_path / "a.parquet"), output=str(tmp_path / "o"), model=tiny_model))
 
 
 def test_shard_ids_have_one_width_for_the_job():

@@ -49,7 +49,7 @@ def classes(tmp_path_factory):
 
 def synth(classes, model, out, **kw) -> JobConfig:
     return validate(
-        JobConfig(
+        JobConfig.of(
             input=classes,
             output=str(out),
             model=model,
@@ -72,8 +72,9 @@ def test_synthesis_options_are_validated(tmp_path):
             "images_per_prompt": 4,
         }
     )
-    assert config.lora == (f"{lora}:0.7", "org/style-lora")
-    from fleetgen.jobs.config import parse_lora
+    # parsed where the job is configured: each adapter a record, a local path made absolute
+    assert config.generation.lora == (Adapter(str(lora), 0.7), Adapter("org/style-lora", 1.0))
+    from fleetgen.workers.rows.batches import parse_lora
 
     assert parse_lora(f"{lora}:0.7") == Adapter(str(lora), 0.7)
     assert parse_lora("org/style-lora") == Adapter("org/style-lora", 1.0)
@@ -86,7 +87,7 @@ def test_synthesis_options_are_validated(tmp_path):
         ({"keep_columns": "a", "drop_columns": "b"}, "pass one of them"),
     ):
         with pytest.raises(ConfigError, match=message):
-            validate(JobConfig(**base, **bad))
+            validate(JobConfig.of(**base, **bad))
 
 
 def test_template_job_is_a_dataset_for_real_readers(ray_cluster, tiny_model, classes, tmp_path):
@@ -164,7 +165,7 @@ def test_retry_errors_redoes_exactly_the_error_rows(ray_cluster, tiny_model, tmp
     prompts = ["a cat", long, "a dog", "an owl", long, "a cow"]
     path = write(tmp_path / "p.parquet", prompt=prompts, id=[f"p{i}" for i in range(6)])
     config = validate(
-        JobConfig(
+        JobConfig.of(
             input=path,
             output=str(tmp_path / "out"),
             model=tiny_model,
@@ -186,7 +187,8 @@ def test_retry_errors_redoes_exactly_the_error_rows(ray_cluster, tiny_model, tmp
     manifest_before = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "shards").to_pylist()}
     log = io.StringIO()
     second = run_job(
-        validate(JobConfig(**{**config.to_dict(), "strict_prompts": False, "retry_errors": True})), progress_stream=log
+        validate(JobConfig.of(**{**config.to_dict(), "strict_prompts": False, "retry_errors": True})),
+        progress_stream=log,
     )
     assert "--retry-errors: 2 committed shard(s) have error rows" in log.getvalue()
     assert (second.images_ok, second.images_error, second.complete) == (6, 0, True)
@@ -204,7 +206,7 @@ def test_retry_errors_redoes_exactly_the_error_rows(ray_cluster, tiny_model, tmp
         image = members(r["image"].rsplit("/", 1)[1].removesuffix(".tar"))[r["member"]]
         assert hashlib.sha256(image).hexdigest() == r["sha256"]
     third = run_job(
-        validate(JobConfig(**{**config.to_dict(), "strict_prompts": False, "retry_errors": True})),
+        validate(JobConfig.of(**{**config.to_dict(), "strict_prompts": False, "retry_errors": True})),
         progress_stream=io.StringIO(),
     )
     assert third.images_ok == 6 and third.shards_skipped == 2
@@ -241,8 +243,8 @@ def test_driver_reads_sizes_from_footers_and_adapters_from_the_column(tmp_path, 
     assert largest([*files, read_footer(str(tmp_path / "q.parquet"))], "width") == 512
     values = distinct_strings(files, "lora", 32)
     assert sorted(values) == sorted([str(lora), "", "org/style"])
-    config = JobConfig(input=str(path), output="o", model=tiny_model, lora=("org/base:0.5",))
-    cols = Columns(lora="lora")
+    config = JobConfig.of(input=str(path), output="o", model=tiny_model, lora=("org/base:0.5",))
+    cols = Columns.of(lora="lora")
     assert resolve_adapters(config, cols, values) == (
         ("org/base", "org/base"),
         (str(lora), str(lora)),

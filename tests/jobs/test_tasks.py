@@ -17,8 +17,8 @@ from tests.conftest import write_prompts
 
 def resolve(model, tmp_path, columns: Columns | None = None, **options):
     prompts = write_prompts(tmp_path / "p.parquet", ["a red fox"])
-    config = JobConfig(input=str(prompts), output=str(tmp_path / "o"), model=str(model), steps=4, **options)
-    return resolve_defaults(validate(config), columns or Columns("prompt", None, None, None))
+    config = JobConfig.of(input=str(prompts), output=str(tmp_path / "o"), model=str(model), steps=4, **options)
+    return resolve_defaults(validate(config), columns or Columns.of("prompt", None, None, None))
 
 
 def test_a_task_class_is_its_familys_and_its_task():
@@ -53,9 +53,13 @@ def test_every_task_names_a_diffusers_class_that_takes_what_it_says():
 
 
 def test_the_task_and_its_inputs_must_agree(tiny_model, tmp_path):
-    image = Columns("prompt", None, None, None, image="input_image")
+    image = Columns.of("prompt", None, None, None, image="input_image")
     resolved, _, sources = resolve(tiny_model, tmp_path, image, task="image-to-image")
-    assert (resolved.task, resolved.strength, sources["strength"]) == ("image-to-image", 0.8, "task default")
+    assert (resolved.generation.task, resolved.generation.strength, sources["strength"]) == (
+        "image-to-image",
+        0.8,
+        "task default",
+    )
     assert "task image-to-image (`--task image-to-image`" in describe(resolved, FAMILIES["sd"], sources)
     with pytest.raises(ConfigError, match=r"no `input_image` column: name the column .* `--image-column NAME`"):
         resolve(tiny_model, tmp_path, task="image-to-image")
@@ -80,7 +84,7 @@ def test_the_task_and_its_inputs_must_agree(tiny_model, tmp_path):
 )
 def test_bad_image_options_are_refused(options, message, tiny_model, tmp_path):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-        validate(JobConfig(input="x", output=str(tmp_path), model=str(tiny_model), **options))
+        validate(JobConfig.of(input="x", output=str(tmp_path), model=str(tiny_model), **options))
 
 
 def test_the_planner_counts_encodes_and_reference_tokens():
@@ -108,7 +112,7 @@ def _flux2_workload(**kw):
 
 
 def test_fleetgen_plan_plans_an_edit_with_its_references(capsys):
-    from fleetgen.jobs.cli import main
+    from fleetgen.cli import main
     from fleetgen.jobs.planning import plan_rows
 
     edit, family = _flux2_workload(max_batch=8, task="edit", references=3)

@@ -16,8 +16,8 @@ import pytest
 import fleetgen.jobs.lock
 import fleetgen.jobs.state
 import fleetgen.jobs.summary
+from fleetgen.cli import main
 from fleetgen.errors import ShardError
-from fleetgen.jobs.cli import main
 from fleetgen.jobs.verify import verify
 from fleetgen.workers.output.commit import ATTEMPT_KEY, attempt_of
 from fleetgen.workers.spec import ShardResult

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from fleetgen.cli import main
 from fleetgen.errors import ConfigError
-from fleetgen.jobs.cli import main
 from fleetgen.jobs.config import JobConfig, validate
 from fleetgen.jobs.models import describe, resolve_defaults
 from fleetgen.workers.families.detect import identify, identify_dir
@@ -15,7 +15,7 @@ from fleetgen.workers.rows.shard import Columns
 from fleetgen.workers.tiny import write_tiny_model
 from tests.conftest import write_prompts
 
-NO_COLUMNS = Columns("prompt", None, None, None)
+NO_COLUMNS = Columns.of("prompt", None, None, None)
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def wan(tmp_path_factory) -> str:
 
 def resolve(model, tmp_path, columns: Columns = NO_COLUMNS, **options):
     prompts = write_prompts(tmp_path / "p.parquet", ["a red fox"])
-    config = JobConfig(input=str(prompts), output=str(tmp_path / "o"), model=str(model), **options)
+    config = JobConfig.of(input=str(prompts), output=str(tmp_path / "o"), model=str(model), **options)
     return resolve_defaults(validate(config), columns)
 
 
@@ -42,22 +42,23 @@ def test_the_wan_checkpoints_are_told_apart_by_their_configs(wan, tmp_path):
 
 def test_a_video_job_takes_the_cards_size_frames_and_rate(wan, tmp_path):
     config, family, sources = resolve(wan, tmp_path)
-    assert (config.task, config.width, config.height, config.num_frames, config.fps) == (
-        "text-to-video",
-        832,
-        480,
-        81,
-        16.0,
-    )
-    assert (config.steps, config.guidance) == (50, 5.0)
+    assert (
+        config.generation.task,
+        config.generation.width,
+        config.generation.height,
+        config.generation.num_frames,
+        config.generation.fps,
+    ) == ("text-to-video", 832, 480, 81, 16.0)
+    assert (config.generation.steps, config.generation.guidance) == (50, 5.0)
     assert {k: sources[k] for k in ("width", "num_frames", "fps")} == dict.fromkeys(
         ("width", "num_frames", "fps"), "family default"
     )
     assert "81 frames at 16 fps (family default)" in describe(config, family, sources)
-    settings = config.settings()
+    settings = config.generation
     assert settings.media_format() == "mp4" and settings.companions() == ("poster",)
     given, _, sources = resolve(wan, tmp_path, width=64, height=48, num_frames=9, fps=24)
-    assert (given.width, given.height, given.num_frames, given.fps, sources["num_frames"]) == (64, 48, 9, 24, "given")
+    g = given.generation
+    assert (g.width, g.height, g.num_frames, g.fps, sources["num_frames"]) == (64, 48, 9, 24, "given")
 
 
 def test_frame_counts_wan_would_round_are_refused(wan, tmp_path):
@@ -68,13 +69,17 @@ def test_frame_counts_wan_would_round_are_refused(wan, tmp_path):
 def test_frame_settings_for_a_job_that_makes_images_are_refused(tiny_model, tmp_path):
     with pytest.raises(ConfigError, match="`--num-frames`: sd text-to-image makes images, not clips"):
         resolve(tiny_model, tmp_path, num_frames=9)
-    columns = Columns("prompt", None, None, None, fps="fps")
+    columns = Columns.of("prompt", None, None, None, fps="fps")
     with pytest.raises(ConfigError, match="the `fps` column: sd text-to-image makes images"):
         resolve(tiny_model, tmp_path, columns)
     with pytest.raises(ConfigError, match="`--store-frames`: sd text-to-image makes images, not clips"):
         resolve(tiny_model, tmp_path, store_frames=True)
     config, _, _ = resolve(tiny_model, tmp_path)
-    assert (config.width, config.height, config.num_frames) == (512, 512, None)  # images: as before
+    assert (config.generation.width, config.generation.height, config.generation.num_frames) == (
+        512,
+        512,
+        None,
+    )  # images: as before
 
 
 @pytest.mark.parametrize(
@@ -88,7 +93,7 @@ def test_frame_settings_for_a_job_that_makes_images_are_refused(tiny_model, tmp_
     ],
 )
 def test_bad_video_options_are_refused(options, message, wan, tmp_path):
-    config = JobConfig(input="x", output=str(tmp_path), model=wan, **options)
+    config = JobConfig.of(input="x", output=str(tmp_path), model=wan, **options)
     if message is None:
         validate(config)
         return

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from fleetgen.jobs.cli import main
+from fleetgen.cli import main
 from fleetgen.jobs.planning import plan_rows, plan_workload
 from fleetgen.offload import profile_modules
 from tests.offload.exhaustive import exhaustive_key, plan_key

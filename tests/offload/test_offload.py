@@ -316,7 +316,7 @@ def test_sizes():
 
 
 def test_plan_command_json(capsys):
-    from fleetgen.jobs.cli import main
+    from fleetgen.cli import main
 
     code = main(
         [
@@ -348,7 +348,7 @@ def test_plan_command_json(capsys):
 def test_plans_count_the_denoiser_twice_only_where_guidance_runs_it_twice(capsys):
     """FLUX.1-dev is guidance-distilled: its guidance is an input, one pass per step; with
     `--true-cfg-scale` > 1 (negative prompts) it runs twice, as CFG families always do."""
-    from fleetgen.jobs.cli import main
+    from fleetgen.cli import main
 
     def plan(*args) -> dict:
         assert (
@@ -385,7 +385,7 @@ def test_stale_disk_dirs_of_dead_workers_are_swept(tmp_path, monkeypatch):
 def test_plan_command_on_a_pipeline_directory(tiny_model, capsys):
     """Any pipeline directory plans, e.g. the one `fleetgen tiny-model` writes (its saved
     text-encoder config names its own model_type)."""
-    from fleetgen.jobs.cli import main
+    from fleetgen.cli import main
 
     assert (
         main(

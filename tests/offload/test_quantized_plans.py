@@ -98,7 +98,7 @@ def test_every_plan_of_auto_takes_under_a_second(profiles):
 def test_flux2_dev_on_a_24_gib_card_with_64_gib_of_host_ram(capsys):
     """The issue's case: bf16 does not even load (105 GiB of weights); `auto` fits both budgets and
     says why; a mapping is the same on every worker and fixed."""
-    from fleetgen.jobs.cli import main
+    from fleetgen.cli import main
 
     base = ["plan", "--model", "flux.2-dev", "--gpu-memory", "24GiB", "--host-memory", "64GiB", "--json"]
     assert main([*base, "--quantize", "none"]) == 1  # nothing fits: scripts see it

@@ -82,7 +82,7 @@ def test_wan22_a14b_is_planned_at_every_budget_and_more_memory_never_predicts_sl
 
 
 def test_fleetgen_plan_says_clips_per_hour(capsys):
-    from fleetgen.jobs.cli import main
+    from fleetgen.cli import main
 
     assert main(["plan", "--model", "wan2.2-ti2v-5b", "--gpu-memory", "24GiB", "--host-memory", "64GiB"]) == 0
     out = capsys.readouterr().out

@@ -33,6 +33,8 @@ def shard_input(tmp_path_factory):
 
 def make_worker(model, out, output_format="files", max_batch=2, image_format="png"):
     settings = GenerationSettings(
+        family="sd",
+        task="text-to-image",
         steps=FAST["steps"],
         guidance=FAST["guidance"],
         width=64,
@@ -41,8 +43,8 @@ def make_worker(model, out, output_format="files", max_batch=2, image_format="pn
         image_format=image_format,
         output_format=output_format,
     )
-    cols = Columns("prompt", "id", None, None)
-    return Worker(WorkerSpec("w0", model, str(out), settings, cols, max_batch=max_batch, device="cpu", threads=2))
+    cols = Columns.of("prompt", "id", None, None)
+    return Worker(WorkerSpec.of("w0", model, str(out), settings, cols, max_batch=max_batch, device="cpu", threads=2))
 
 
 def manifest(out, shard_id="shard-00000"):
@@ -159,9 +161,9 @@ def test_seed_column_is_used(tiny_model, tmp_path):
     path = write_prompts(tmp_path / "p.parquet", ["a cat"] * 3, id=["a", "b", "c"], seed=pa.array([9, 9, 10]))
     files = [read_footer(str(path))]
     shard = plan_shards(files, 10)[0]
-    settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64)
+    settings = GenerationSettings(family="sd", task="text-to-image", steps=2, guidance=5.0, width=64, height=64)
     cols = resolve_columns(files, Columns())
-    Worker(WorkerSpec("w0", tiny_model, str(tmp_path / "o"), settings, cols, max_batch=1, device="cpu")).run_shard(
+    Worker(WorkerSpec.of("w0", tiny_model, str(tmp_path / "o"), settings, cols, max_batch=1, device="cpu")).run_shard(
         shard
     )
     rows = manifest(tmp_path / "o").to_pylist()
@@ -173,11 +175,11 @@ def test_budget_on_cpu_plans_offload_and_keeps_images(tiny_model, shard_input, t
     """A CPU worker told it has a small GPU plans (and applies) offloading exactly as a GPU worker
     would; the images are the same bytes as from an all-resident worker at the same batch size."""
     shard, _ = shard_input
-    settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64)
-    cols = Columns("prompt", "id", None, None)
-    resident = Worker(WorkerSpec("w0", tiny_model, str(tmp_path / "a"), settings, cols, max_batch=1, device="cpu"))
+    settings = GenerationSettings(family="sd", task="text-to-image", steps=2, guidance=5.0, width=64, height=64)
+    cols = Columns.of("prompt", "id", None, None)
+    resident = Worker(WorkerSpec.of("w0", tiny_model, str(tmp_path / "a"), settings, cols, max_batch=1, device="cpu"))
     small = Worker(
-        WorkerSpec(
+        WorkerSpec.of(
             "w1", tiny_model, str(tmp_path / "b"), settings, cols, max_batch=1, device="cpu", gpu_memory=20 * 2**20
         )
     )
@@ -205,9 +207,9 @@ def test_budget_on_cpu_plans_offload_and_keeps_images(tiny_model, shard_input, t
 def test_nothing_fits_fails_at_worker_start(tiny_model, tmp_path):
     from fleetgen.errors import OffloadError
 
-    settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64)
+    settings = GenerationSettings(family="sd", task="text-to-image", steps=2, guidance=5.0, width=64, height=64)
     with pytest.raises(OffloadError, match="Nothing fits 1.0 MiB on cpu"):
-        Worker(WorkerSpec("w0", tiny_model, str(tmp_path), settings, Columns(), device="cpu", gpu_memory=2**20))
+        Worker(WorkerSpec.of("w0", tiny_model, str(tmp_path), settings, Columns(), device="cpu", gpu_memory=2**20))
 
 
 def test_out_of_memory_steps_down_batch_then_plan(tiny_model, shard_input, tmp_path):
@@ -216,14 +218,14 @@ def test_out_of_memory_steps_down_batch_then_plan(tiny_model, shard_input, tmp_p
     import torch
 
     shard, _ = shard_input
-    settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64)
+    settings = GenerationSettings(family="sd", task="text-to-image", steps=2, guidance=5.0, width=64, height=64)
     worker = Worker(
-        WorkerSpec(
+        WorkerSpec.of(
             "w0",
             tiny_model,
             str(tmp_path),
             settings,
-            Columns("prompt", "id", None, None),
+            Columns.of("prompt", "id", None, None),
             max_batch=2,
             device="cpu",
             gpu_memory=2**30,
@@ -257,9 +259,11 @@ def test_after_an_oom_the_rest_of_the_batch_runs_at_the_size_stepped_down_to(tin
     path = write_prompts(tmp_path / "p.parquet", [f"a red fox {i}" for i in range(4)])
     files = [read_footer(str(path))]
     shard = plan_shards(files, 100)[0]
-    settings = GenerationSettings(steps=1, guidance=5.0, width=32, height=32)
+    settings = GenerationSettings(family="sd", task="text-to-image", steps=1, guidance=5.0, width=32, height=32)
     worker = Worker(
-        WorkerSpec("w0", tiny_model, str(tmp_path / "out"), settings, Columns("prompt", None, None, None), max_batch=4)
+        WorkerSpec.of(
+            "w0", tiny_model, str(tmp_path / "out"), settings, Columns.of("prompt", None, None, None), max_batch=4
+        )
     )
     sizes = []
 
@@ -281,10 +285,10 @@ def test_a_workers_offload_stats_count_its_whole_run_across_a_re_applied_plan(ti
     import torch
 
     shard, _ = shard_input
-    settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64)
-    cols = Columns("prompt", "id", None, None)
+    settings = GenerationSettings(family="sd", task="text-to-image", steps=2, guidance=5.0, width=64, height=64)
+    cols = Columns.of("prompt", "id", None, None)
     worker = Worker(
-        WorkerSpec("w0", tiny_model, str(tmp_path), settings, cols, max_batch=1, device="cpu", gpu_memory=20 * 2**20)
+        WorkerSpec.of("w0", tiny_model, str(tmp_path), settings, cols, max_batch=1, device="cpu", gpu_memory=20 * 2**20)
     )
     assert worker.plan.modes["unet"] != "resident"
     calls = []
@@ -309,8 +313,8 @@ def test_a_plan_step_down_records_what_changed_beside_the_placements(tiny_model,
 
     from fleetgen.workers.pipeline.fitted import _rung
 
-    settings = GenerationSettings(steps=1, guidance=5.0, width=32, height=32)
-    plan = Worker(WorkerSpec("w0", tiny_model, str(tmp_path), settings, Columns(), device="cpu")).plan
+    settings = GenerationSettings(family="sd", task="text-to-image", steps=1, guidance=5.0, width=32, height=32)
+    plan = Worker(WorkerSpec.of("w0", tiny_model, str(tmp_path), settings, Columns(), device="cpu")).plan
     phased = replace(plan, phases=(("text_encoder",), ("unet", "vae")), chunk=4)
     quantized = replace(plan, formats={"unet": "int8"})
     assert _rung(plan) == plan.modes
@@ -329,14 +333,14 @@ def test_an_oom_in_the_sdxl_decode_leaves_the_vae_as_it_was(shard_input, tmp_pat
 
     shard, _ = shard_input
     pipe = build_tiny_sdxl(0).to(torch.float16)
-    settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64, family="sdxl")
+    settings = GenerationSettings(task="text-to-image", steps=2, guidance=5.0, width=64, height=64, family="sdxl")
     worker = Worker(
-        WorkerSpec(
+        WorkerSpec.of(
             "w0",
             "tiny-sdxl",
             str(tmp_path),
             settings,
-            Columns("prompt", "id", None, None),
+            Columns.of("prompt", "id", None, None),
             max_batch=3,
             device="cpu",
             dtype="float16",
@@ -409,13 +413,13 @@ def test_a_worker_that_cannot_start_leaves_a_given_pipeline_without_hooks(tmp_pa
     from fleetgen.workers.tiny.flux import build_tiny_flux
 
     pipe = build_tiny_flux()
-    settings = GenerationSettings(steps=2, guidance=3.5, width=64, height=64, family="flux")
-    spec = WorkerSpec(
+    settings = GenerationSettings(task="text-to-image", steps=2, guidance=3.5, width=64, height=64, family="flux")
+    spec = WorkerSpec.of(
         "w0",
         "tiny-flux",
         str(tmp_path),
         settings,
-        Columns("prompt", "id", None, None),
+        Columns.of("prompt", "id", None, None),
         device="cpu",
         offload="block",
         gpu_memory=2**30,
@@ -442,11 +446,11 @@ def test_long_prompts_are_truncated_and_noted_or_refused(tiny_model, tmp_path, s
     long = " ".join(["a red fox in the forest"] * 20)  # 120 words: more than CLIP's 77 tokens
     path = write_prompts(tmp_path / "p.parquet", ["a cat", long], id=["short", "long"])
     files = [read_footer(str(path))]
-    spec = WorkerSpec(
+    spec = WorkerSpec.of(
         "w0",
         tiny_model,
         str(tmp_path / "o"),
-        GenerationSettings(steps=2, width=64, height=64),
+        GenerationSettings(family="sd", task="text-to-image", steps=2, guidance=7.5, width=64, height=64),
         resolve_columns(files, Columns()),
         device="cpu",
         strict_prompts=strict,

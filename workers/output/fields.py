@@ -333,6 +333,6 @@ def sidecar_names() -> list[str]:
 
 
 def freeze() -> None:
-    """The table is in use (workers/rows/shard.py built `Columns` from it): no more fields."""
+    """The table is in use (workers/rows/shard.py read its roles, which `JobConfig`'s column settings follow): no more fields."""
     global _frozen
     _frozen = True

@@ -1,4 +1,4 @@
-"""Where everything lives under the output location `OUT` (see DESIGN.md, "Output layout").
+"""Where everything lives under the output location `OUT` (docs/outputs.md, "The output layout").
 
 Keys are deterministic from the shard id and the row id, so a retried shard overwrites its own
 objects instead of adding new ones.

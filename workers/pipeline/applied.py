@@ -45,7 +45,7 @@ class Applied:
         image's) and compilation, in that order."""
         self.place(plan, device)
         self._cache(None, dtype)
-        self.attention = choose_attention(self.fit.attention.backend, self.denoisers, device, dtype, tokens)
+        self.attention = choose_attention(self.settings.attention.backend, self.denoisers, device, dtype, tokens)
         set_attention(self.denoisers, self.attention.backend)
         self._compile(None)
 

@@ -177,7 +177,7 @@ class FittedPipeline:
         """The device as the plans see it, with what the job's scorers hold on it (`--score`: beside a
         per-batch plan; a phase of their own after a phased plan's decode phase)."""
         found = device_spec(self.device, self.probe, self.fit.gpu_memory, self.fit.host_memory, self._formats)
-        return replace(found, beside=self.settings.scores.reserved_bytes(self.profile.dtype_bytes))
+        return replace(found, beside=self.settings.score.reserved_bytes(self.profile.dtype_bytes))
 
     def _apply(self) -> None:
         """Offloading, the step cache, the attention kernel and compilation, in that order

@@ -16,11 +16,13 @@ from __future__ import annotations
 import math
 import string
 from dataclasses import dataclass
+from pathlib import Path
 
 import pyarrow as pa
 
-from fleetgen.errors import InputError
+from fleetgen.errors import ConfigError, InputError
 from fleetgen.workers.families.entry import frame_count_error
+from fleetgen.workers.families.model_dir import HUB_ID
 from fleetgen.workers.output.fields import INPUT_ROLES, extra_settings
 from fleetgen.workers.output.fields import roles as table_roles
 from fleetgen.workers.output.layout import unsafe_id_reason
@@ -33,6 +35,39 @@ from fleetgen.workers.rows.shard import Columns, Shard
 class Adapter:
     source: str  # LoRA path or hub id, as the job or the row named it
     scale: float = 1.0
+
+    @property
+    def label(self) -> str:
+        """As typed: `PATH_OR_ID[:SCALE]` (job.json's `config` holds it so)."""
+        return self.source if self.scale == 1.0 else f"{self.source}:{self.scale:g}"
+
+
+def parse_lora(value: str | Adapter) -> Adapter:
+    """`PATH_OR_ID[:SCALE]`; a local path is made absolute (workers do not share the driver's
+    working directory). An `Adapter` is returned as it is."""
+    if isinstance(value, Adapter):
+        return value
+    source, scale = value, 1.0
+    head, sep, tail = value.rpartition(":")
+    if sep:
+        try:
+            source, scale = head, float(tail)
+        except ValueError:
+            pass  # not a scale: part of the path
+    if not source:
+        raise ConfigError(f"`--lora` must be PATH_OR_ID[:SCALE], got `{value}`.")
+    if not math.isfinite(scale):
+        raise ConfigError(f"`--lora` `{value}`: the scale must be a finite number.")
+    local = Path(source).expanduser()
+    if local.exists():
+        source = str(local.resolve())
+    elif (
+        source.startswith(("/", "./", "../", "~"))
+        or source.endswith((".safetensors", ".bin"))
+        or not HUB_ID.fullmatch(source)
+    ):
+        raise ConfigError(f"`--lora` `{source}` is neither an existing file or directory nor a hub id like `org/name`.")
+    return Adapter(source, scale)
 
 
 @dataclass(frozen=True)
@@ -102,7 +137,7 @@ class Recipe:
 
     def suffixed(self, columns: Columns) -> bool:
         """Whether image ids carry `-<k>`: in any job that can make several images per row."""
-        return self.images_per_prompt > 1 or columns.num_images is not None
+        return self.images_per_prompt > 1 or columns["num_images"] is not None
 
 
 def template_fields(template: str) -> list[str]:
@@ -178,7 +213,7 @@ def _inputs(values: dict, columns: Columns, recipe: Recipe, base: str) -> tuple[
         return (), None
     found = []
     for role in INPUT_ROLES:
-        column = getattr(columns, role)
+        column = columns[role]
         if role == "mask" and not recipe.mask:
             continue
         refs, why = refs_of(values.get(role), role, base)
@@ -215,7 +250,7 @@ def _as_seed(value: object) -> tuple[int | None, str | None]:
 
 def _prompt(data: dict, i: int, columns: Columns, recipe: Recipe) -> tuple[str | None, str | None]:
     if recipe.template is None:
-        prompt = data[columns.prompt][i]
+        prompt = data[columns["prompt"]][i]
     else:
         values = {f: data[f][i] for f in columns.template_fields}
         missing = [f for f, v in values.items() if v is None]
@@ -228,8 +263,8 @@ def _prompt(data: dict, i: int, columns: Columns, recipe: Recipe) -> tuple[str |
 
 
 def _row_id(shard: Shard, data: dict, i: int, columns: Columns) -> str:
-    if columns.id:
-        raw = data[columns.id][i]
+    if columns["id"]:
+        raw = data[columns["id"]][i]
         return "" if raw is None else str(raw)
     return f"{shard.file_index:05d}-{shard.row_group_start + shard.offset + i:09d}"  # position in the input
 
@@ -239,12 +274,12 @@ def _repeated_ids(shard: Shard, data: dict, columns: Columns, examples: int = 3)
     of one shard with one id would overwrite each other, so the shard is refused. Across shards an
     id may repeat: every key is under its shard's name."""
     rows: dict[str, list[int]] = {}
-    for i in range(len(data[columns.id])):
+    for i in range(len(data[columns["id"]])):
         rows.setdefault(_row_id(shard, data, i, columns), []).append(shard.row_group_start + shard.offset + i)
     repeats = {k: v for k, v in rows.items() if len(v) > 1}
     shown = "; ".join(f"`{k}` at rows {', '.join(map(str, v[:4]))}" for k, v in list(repeats.items())[:examples])
     return InputError(
-        f"Shard {shard.id}: {len(repeats)} id(s) of column `{columns.id}` repeat within the shard "
+        f"Shard {shard.id}: {len(repeats)} id(s) of column `{columns['id']}` repeat within the shard "
         f"({shown}; rows of {shard.path}). Ids name a shard's images, so they must be unique within a "
         "shard (across shards they may repeat). Remove the duplicates, or pass `--id-column` naming a "
         "unique column."
@@ -265,7 +300,7 @@ def shard_items(shard: Shard, table: pa.Table, columns: Columns, recipe: Recipe)
             raise _repeated_ids(shard, data, columns)
         values = {role: data[name][i] for role, name in roles.items()}
         look, count, error = _look(values, recipe, settings, extras)
-        seed, seed_error = _as_seed(values.get("seed")) if columns.seed else (None, None)
+        seed, seed_error = _as_seed(values.get("seed")) if columns["seed"] else (None, None)
         prompt, prompt_error = _prompt(data, i, columns, recipe)
         negative = values.get("negative_prompt")
         inputs, input_error = _inputs(values, columns, recipe, shard.path)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, make_dataclass
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -31,38 +31,63 @@ class Shard:
 # table's (workers/output/fields.py). Optional roles are used when the input has a column of that name;
 # per-row setting columns override the job's.
 SETTING_ROLES = setting_roles()
-ROLES = ("prompt", "id", "seed", "negative_prompt", *SETTING_ROLES)
+IDENTITY_ROLES = ("prompt", "id", "seed", "negative_prompt")
+ROLES = (*IDENTITY_ROLES, *SETTING_ROLES)
+freeze()  # the roles are read: a field added after this would have no column option
 
 
-def _roles(self) -> dict[str, str]:
-    """{role: column} for the roles the input has."""
-    return {role: getattr(self, role) for role in ROLES if getattr(self, role)}
+def _identity() -> dict[str, str | None]:
+    return {role: role for role in IDENTITY_ROLES}
 
 
-def _present(self) -> list[str]:
-    """Every input column a worker reads, once each."""
-    return list(dict.fromkeys([*self.roles().values(), *self.template_fields, *self.carry]))
+@dataclass(frozen=True)
+class Columns:
+    """The input's column for each role it plays (`by_role`: {role: column}, a role absent or None
+    where the input has no such column), the columns carried into the outputs as they are, and the
+    columns a prompt template reads. A role of the field table is a key here with no other change."""
 
+    by_role: dict[str, str | None] = field(default_factory=_identity)  # prompt None: a template builds it
+    carry: tuple[str, ...] = ()  # input columns carried into manifests and outputs, as typed
+    template_fields: tuple[str, ...] = ()  # input columns the prompt template reads
 
-# Input column names per role (None: the input has no such column), the columns carried into the
-# outputs as they are, and the columns a prompt template reads. One attribute per role of the
-# field table, so a new per-row setting is a new attribute here with no other change.
-Columns = make_dataclass(
-    "Columns",
-    [
-        ("prompt", "str | None", field(default="prompt")),  # None when `--prompt-template` builds the prompt
-        ("id", "str | None", field(default="id")),
-        ("seed", "str | None", field(default="seed")),
-        ("negative_prompt", "str | None", field(default="negative_prompt")),
-        *[(role, "str | None", field(default=None)) for role in SETTING_ROLES],  # JobConfig names them by role
-        ("carry", "tuple[str, ...]", field(default=())),  # input columns carried into manifests and outputs, as typed
-        ("template_fields", "tuple[str, ...]", field(default=())),
-    ],  # input columns the prompt template reads
-    namespace={"roles": _roles, "present": _present, "__doc__": "Input column names per role; see above."},
-    frozen=True,
-)
-Columns.__module__ = __name__  # pickled by reference (it travels to workers inside a WorkerSpec)
-freeze()
+    @classmethod
+    def of(
+        cls,
+        prompt: str | None = "prompt",
+        id: str | None = "id",
+        seed: str | None = "seed",
+        negative_prompt: str | None = "negative_prompt",
+        *,
+        carry: tuple[str, ...] = (),
+        template_fields: tuple[str, ...] = (),
+        **settings: str | None,
+    ) -> Columns:
+        """The identity roles' columns in order, the per-row settings' by role (`steps="steps"`)."""
+        unknown = [r for r in settings if r not in SETTING_ROLES]
+        if unknown:
+            raise ValueError(f"no role `{unknown[0]}` in the field table (roles: {', '.join(ROLES)})")
+        names = {"prompt": prompt, "id": id, "seed": seed, "negative_prompt": negative_prompt, **settings}
+        return cls(names, tuple(carry), tuple(template_fields))
+
+    def __getitem__(self, role: str) -> str | None:
+        """The input's column for `role`, or None."""
+        return self.by_role.get(role)
+
+    def roles(self) -> dict[str, str]:
+        """{role: column} for the roles the input has."""
+        return {role: self[role] for role in ROLES if self[role]}
+
+    def present(self) -> list[str]:
+        """Every input column a worker reads, once each."""
+        return list(dict.fromkeys([*self.roles().values(), *self.template_fields, *self.carry]))
+
+    def record(self) -> dict:
+        """As job.json's fingerprint holds them: every role (None where absent), then the carried columns."""
+        return {
+            **{role: self[role] for role in ROLES},
+            "carry": list(self.carry),
+            "template_fields": list(self.template_fields),
+        }
 
 
 READ_BATCH = 65_536  # rows decoded at a time when a shard is part of a bigger row group

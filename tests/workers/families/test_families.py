@@ -26,11 +26,11 @@ def _shard(path, **columns):
 def _worker(model, out, family, columns, **settings):
     base = {"steps": 2, "guidance": FAMILIES[family].guidance, "width": 64, "height": 64, "family": family}
     return Worker(
-        WorkerSpec(
+        WorkerSpec.of(
             "w0",
             model,
             str(out),
-            GenerationSettings(**{**base, **settings}),
+            GenerationSettings(**{"task": "text-to-image", **base, **settings}),
             columns,
             max_batch=2,
             device="cpu",

@@ -45,8 +45,14 @@ def _run(model, out, family, path, **settings) -> dict:
     """One shard through a worker in this process (no Ray): {id: its manifest row}."""
     shard, columns = _columns(path)
     base = {"steps": 2, "guidance": FAMILIES[family].guidance, "width": 64, "height": 64, "family": family}
-    spec = WorkerSpec(
-        "w0", model, str(out), GenerationSettings(**{**base, **settings}), columns, max_batch=2, device="cpu"
+    spec = WorkerSpec.of(
+        "w0",
+        model,
+        str(out),
+        GenerationSettings(**{"task": "text-to-image", **base, **settings}),
+        columns,
+        max_batch=2,
+        device="cpu",
     )
     Worker(spec).run_shard(shard)
     return {r["id"]: r for r in pq.read_table(Path(out) / "shards").to_pylist()}

@@ -45,10 +45,10 @@ def run(model, tmp_path, rows: dict, family="wan", task="text-to-video", name="o
     pq.write_table(pa.table(rows), path)
     files = [read_footer(str(path))]
     roles = {k: k for k in ("num_frames", "fps") if k in rows}
-    columns = resolve_columns(files, Columns(image="input_image" if "input_image" in rows else None, **roles))
+    columns = resolve_columns(files, Columns.of(image="input_image" if "input_image" in rows else None, **roles))
     s = GenerationSettings(task=task, family=family, **{**FAST, "output_format": "files", **settings})
     out = tmp_path / name
-    worker = Worker(WorkerSpec("w0", str(model), str(out), s, columns, max_batch=4, device="cpu", threads=1))
+    worker = Worker(WorkerSpec.of("w0", str(model), str(out), s, columns, max_batch=4, device="cpu", threads=1))
     try:
         worker.run_shard(plan_shards(files, 100)[0])
     finally:
@@ -67,8 +67,8 @@ def run_offloaded(model, tmp_path, rows, offload):
         task="text-to-video", family="wan2.2", store_frames=True, **{**FAST, "output_format": "files"}
     )
     out = tmp_path / offload
-    spec = WorkerSpec("w0", str(model), str(out), s, resolve_columns(files, Columns()), max_batch=4, device="cpu")
-    worker = Worker(WorkerSpec(**{**spec.__dict__, "threads": 1, "offload": offload, "gpu_memory": 1 << 30}))
+    spec = WorkerSpec.of("w0", str(model), str(out), s, resolve_columns(files, Columns()), max_batch=4, device="cpu")
+    worker = Worker(spec.with_options(threads=1, offload=offload, gpu_memory=1 << 30))
     try:
         assert set(worker.plan.to_dict()["modes"].values()) != {"resident"}
         worker.run_shard(plan_shards(files, 100)[0])
@@ -242,7 +242,7 @@ def test_ltx_makes_clips_from_text_and_from_images_with_its_frame_rate(wan, tmp_
     from fleetgen.workers.rows.batches import Look
     from fleetgen.workers.spec import Source
 
-    job = GenerationSettings(family="ltx-video", task="text-to-video")
+    job = GenerationSettings(family="ltx-video", task="text-to-video", steps=2, guidance=3.0, width=64, height=64)
     fitted = FittedPipeline(Source(wan["ltx-video"], "cpu"), job)
     look = Look(64, 64, 2, 3.0, extra=(("num_frames", 9), ("fps", 12.0)))
     kwargs = fitted.calls.kwargs(["a cat"], [None], look, None)
@@ -261,9 +261,11 @@ def test_a_clip_that_runs_out_of_memory_steps_down_never_to_fewer_frames(wan, tm
     pq.write_table(pa.table({"id": ["a", "b"], "prompt": ["a cat", "a dog"], "num_frames": [9, 9]}), path)
     files = [read_footer(str(path))]
     s = GenerationSettings(task="text-to-video", family="wan", **{**FAST, "output_format": "files"})
-    columns = resolve_columns(files, Columns(num_frames="num_frames"))
+    columns = resolve_columns(files, Columns.of(num_frames="num_frames"))
     out = tmp_path / "out"
-    spec = WorkerSpec("w0", wan["wan"], str(out), s, columns, max_batch=2, device="cpu", threads=1, gpu_memory=1 << 30)
+    spec = WorkerSpec.of(
+        "w0", wan["wan"], str(out), s, columns, max_batch=2, device="cpu", threads=1, gpu_memory=1 << 30
+    )
     worker = Worker(spec)
     assert worker.batch_size == 2 and set(worker.plan.modes.values()) == {"resident"}
 
@@ -292,7 +294,9 @@ def test_hunyuanvideo15_is_guided_through_its_guider(wan, tmp_path):
     from fleetgen.workers.rows.batches import Look
     from fleetgen.workers.spec import Source
 
-    job = GenerationSettings(family="hunyuanvideo-1.5", task="text-to-video")
+    job = GenerationSettings(
+        family="hunyuanvideo-1.5", task="text-to-video", steps=2, guidance=6.0, width=32, height=32
+    )
     fitted = FittedPipeline(Source(wan["hunyuanvideo-1.5"], "cpu"), job)
     assert fitted.pipe.guider.guidance_scale == 6.0  # as saved
     fitted.calls.kwargs(["a cat"], [None], Look(32, 32, 2, 3.0, extra=(("num_frames", 9),)), None)
@@ -315,7 +319,9 @@ def test_clips_to_a_flaky_s3_store_are_whole_or_not_committed(output_format, wan
     files = [read_footer(str(path))]
     s = GenerationSettings(task="text-to-video", family="wan", **{**FAST, "output_format": output_format})
     out = f"s3://{bucket}/out"
-    spec = WorkerSpec("w0", wan["wan"], out, s, resolve_columns(files, Columns()), max_batch=2, device="cpu", threads=1)
+    spec = WorkerSpec.of(
+        "w0", wan["wan"], out, s, resolve_columns(files, Columns()), max_batch=2, device="cpu", threads=1
+    )
     worker = Worker(spec)
     worker.output.put(
         "job.json", json.dumps({"fingerprint": {"generation": {"output_format": output_format}}}).encode()

@@ -29,7 +29,7 @@ FBC = "first-block:0.3"  # skips a few of 12 steps of the tiny FLUX.1 (random we
 
 def _run(model, out, prompts, cache="none", **spec):
     settings = GenerationSettings(
-        steps=STEPS, guidance=3.5, width=64, height=64, family="flux", cache=parse_cache(cache)
+        task="text-to-image", steps=STEPS, guidance=3.5, width=64, height=64, family="flux", cache=parse_cache(cache)
     )
     return run_one_shard(model, out, prompts, settings, **{"max_batch": 4, **spec})
 
@@ -158,6 +158,6 @@ def test_magcache_skips_whole_steps_by_the_published_ratios_whatever_the_batch(t
     )
     path = tmp_path / "steps.parquet"
     write_prompts(path, ["a"], steps=pa.array([4], pa.int32()))
-    config = JobConfig(input=str(path), output="o", model=tiny_flux, cache="magcache")
+    config = JobConfig.of(input=str(path), output="o", model=tiny_flux, cache="magcache")
     with pytest.raises(ConfigError, match="the input's `steps` column gives rows steps of their own"):
-        resolve_defaults(config, resolve_columns([read_footer(str(path))], Columns(steps="steps")))
+        resolve_defaults(config, resolve_columns([read_footer(str(path))], Columns.of(steps="steps")))

@@ -31,7 +31,9 @@ def _settings(family: str, **over) -> GenerationSettings:
     video = VIDEO if family.startswith("wan") or family.startswith("hunyuanvideo") else {}
     # 64x64: FLUX.2 takes no input image under 64 px (the tests' FAST size is 32)
     base = {**{k: FAST[k] for k in ("steps", "guidance")}, "width": 64, "height": 64}
-    return GenerationSettings(family=family, output_format="files", **{**base, **video, **over})
+    return GenerationSettings(
+        **{"task": "text-to-image", "family": family, "output_format": "files", **base, **video, **over}
+    )
 
 
 def _pipeline(family: str):
@@ -62,12 +64,14 @@ def _run(pipe, settings, tmp_path, name, rows: list[str], inputs: dict | None = 
     if not path.exists():
         write_prompts(path, rows, id=[f"r{i}" for i in range(len(rows))], **(inputs or {}))
     files = [read_footer(str(path))]
-    columns = Columns(
+    columns = Columns.of(
         image="input_image" if inputs else None, mask="mask_image" if "mask_image" in (inputs or {}) else None
     )
     out = tmp_path / name
     worker = Worker(
-        WorkerSpec("w0", "tiny", str(out), settings, resolve_columns(files, columns), device=device, threads=1, **spec),
+        WorkerSpec.of(
+            "w0", "tiny", str(out), settings, resolve_columns(files, columns), device=device, threads=1, **spec
+        ),
         pipe,
     )
     try:
@@ -121,7 +125,7 @@ def test_the_scorers_are_a_phase_of_their_own_after_the_decode(tiny_clip, tmp_pa
     from fleetgen.scores import parse_scores
 
     pipe = _pipeline("flux")
-    settings = _settings("flux", scores=parse_scores(f"clip={tiny_clip}"))
+    settings = _settings("flux", score=parse_scores(f"clip={tiny_clip}"))
     budget = _budget(pipe, settings, max_batch=2)
     rows = [f"a lighthouse at dusk, number {i}" for i in range(5)]
     seen = {}
@@ -376,7 +380,7 @@ def test_on_cuda_the_scorers_phase_leaves_the_device_to_the_next_chunk(tiny_clip
     from fleetgen.scores import parse_scores
 
     pipe = _pipeline("flux")
-    settings = _settings("flux", scores=parse_scores(f"clip={tiny_clip}"))
+    settings = _settings("flux", score=parse_scores(f"clip={tiny_clip}"))
     seen = {}
 
     def state(worker):

@@ -2,7 +2,6 @@
 predicted, the images kept close, offloading a quantized pipeline, `auto` under a budget and after an OOM, GGUF."""
 
 import json
-from dataclasses import replace
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -23,7 +22,7 @@ MIN_PSNR = 30.0  # dB against the unquantized images of the same seeds (tiny SD,
 
 def _run(model, out, path, quantize="none", **spec):
     settings = GenerationSettings(
-        steps=4, guidance=5.0, width=64, height=64, family="sd", quantize=parse_quantize(quantize)
+        task="text-to-image", steps=4, guidance=5.0, width=64, height=64, family="sd", quantize=parse_quantize(quantize)
     )
     return run_one_shard(model, out, path, settings, **{"max_batch": 1, **spec})
 
@@ -126,10 +125,10 @@ def test_an_oom_under_auto_may_quantize_further(tiny_model, tmp_path):
     files = [read_footer(str(path))]
     shard, columns = plan_shards(files, 100)[0], resolve_columns(files, Columns())
     settings = GenerationSettings(
-        steps=2, guidance=5.0, width=64, height=64, family="sd", quantize=parse_quantize("auto")
+        task="text-to-image", steps=2, guidance=5.0, width=64, height=64, family="sd", quantize=parse_quantize("auto")
     )
-    spec = WorkerSpec("w0", tiny_model, str(tmp_path / "o"), settings, columns, device="cpu", gpu_memory=28 << 20)
-    worker = Worker(replace(spec, max_batch=1))
+    spec = WorkerSpec.of("w0", tiny_model, str(tmp_path / "o"), settings, columns, device="cpu", gpu_memory=28 << 20)
+    worker = Worker(spec.with_options(max_batch=1))
     assert worker.plan.formats == {}
     worker.pipe.unet.register_forward_pre_hook(fail_unquantized)
     result = worker.run_shard(shard)
@@ -170,7 +169,7 @@ def test_a_gguf_file_supplies_the_unet(tiny_model, tmp_path):
     with pytest.raises(ConfigError, match=r"gguf takes its file"):
         parse_quantize("unet=gguf")
     with pytest.raises(ConfigError, match=r"`--offload block`: GGUF parameters under diffusers' group offloading"):
-        validate(JobConfig(input="x", output="y", model="org/m", quantize=f"unet=gguf:{file}", offload="block"))
-    vae = JobConfig(input=str(path), output="o", model=tiny_model, quantize=f"vae=gguf:{file}")
+        validate(JobConfig.of(input="x", output="y", model="org/m", quantize=f"unet=gguf:{file}", offload="block"))
+    vae = JobConfig.of(input=str(path), output="o", model=tiny_model, quantize=f"vae=gguf:{file}")
     with pytest.raises(ConfigError, match=r"gguf serves unet, .* only; a GGUF file holds a denoiser"):
         resolve_defaults(vae, Columns())

@@ -53,10 +53,12 @@ def run(
     files = [read_footer(str(path))]
     spec = parse_scores(score)
     base = {"steps": 2, "guidance": 5.0, "width": 64, "height": 64, "output_format": "files"}
-    s = GenerationSettings(family="sd", scores=spec, keep=parse_keep(keep, spec), **{**base, **settings})
+    s = GenerationSettings(
+        task="text-to-image", family="sd", score=spec, keep=parse_keep(keep, spec), **{**base, **settings}
+    )
     out = tmp_path / name
     worker = Worker(
-        WorkerSpec("w0", str(model), str(out), s, resolve_columns(files, Columns()), device="cpu", threads=1)
+        WorkerSpec.of("w0", str(model), str(out), s, resolve_columns(files, Columns()), device="cpu", threads=1)
     )
     if worker_hook is not None:
         worker_hook(worker)

@@ -1,7 +1,6 @@
 """Attention kernels and compilation on a fitted pipeline (workers/pipeline/attention.py, compiling.py)."""
 
 import json
-from dataclasses import replace
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -15,7 +14,7 @@ from fleetgen.workers.pipeline.attention import dispatched
 from fleetgen.workers.spec import GenerationSettings
 from tests.conftest import pixels, run_one_shard, write_prompts
 
-FLUX = GenerationSettings(steps=3, guidance=3.5, width=64, height=64, family="flux")
+FLUX = GenerationSettings(task="text-to-image", steps=3, guidance=3.5, width=64, height=64, family="flux")
 
 
 @pytest.fixture
@@ -92,7 +91,7 @@ def test_an_inexact_kernel_never_falls_back(tiny_flux, prompts, tmp_path):
 
 
 def test_a_unet_takes_no_kernel_choice(tiny_model, prompts, tmp_path):
-    settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64)
+    settings = GenerationSettings(family="sd", task="text-to-image", steps=2, guidance=5.0, width=64, height=64)
     worker, rows = run_one_shard(tiny_model, tmp_path / "o", prompts, settings, attention=parse_attention("auto"))
     assert not dispatched(worker.pipe.unet) and worker.fitted.attention.backend == "native"
     assert "takes no backend in diffusers" in worker.fitted.attention.reason
@@ -110,7 +109,7 @@ def test_compiled_under_offloading_and_again_after_an_oom_step_down(tiny_model, 
     from fleetgen.workers.spec import WorkerSpec
     from fleetgen.workers.worker import Worker
 
-    settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64)
+    settings = GenerationSettings(family="sd", task="text-to-image", steps=2, guidance=5.0, width=64, height=64)
     _, plain = run_one_shard(tiny_model, tmp_path / "plain", prompts, settings, max_batch=1)
 
     def fail_while_resident(module, args):
@@ -119,10 +118,10 @@ def test_compiled_under_offloading_and_again_after_an_oom_step_down(tiny_model, 
 
     files = [read_footer(str(prompts))]
     out = tmp_path / "compiled"
-    spec = WorkerSpec(
+    spec = WorkerSpec.of(
         "w0", tiny_model, str(out), settings, resolve_columns(files, Columns()), max_batch=1, device="cpu"
     )
-    worker = Worker(replace(spec, compile=True, gpu_memory=1 << 30))
+    worker = Worker(spec.with_options(compile=True, gpu_memory=1 << 30))
     assert set(worker.plan.modes.values()) == {"resident"}
     worker.pipe.unet.register_forward_pre_hook(fail_while_resident)
     try:
@@ -175,13 +174,13 @@ def test_lora_switches_recompile_per_adapter_and_scale_kind_not_per_switch(tiny_
     table |= {"lora": [looks[i // 2][0] for i in range(n)], "lora_scale": [looks[i // 2][1] for i in range(n)]}
     pq.write_table(pa.table(table), path)
     files = [read_footer(str(path))]
-    columns = resolve_columns(files, Columns(lora="lora", lora_scale="lora_scale"))
-    settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64)
+    columns = resolve_columns(files, Columns.of(lora="lora", lora_scale="lora_scale"))
+    settings = GenerationSettings(family="sd", task="text-to-image", steps=2, guidance=5.0, width=64, height=64)
     rows = {}
     for compiled in (False, True):
         out = tmp_path / f"o{compiled}"
-        spec = WorkerSpec("w0", tiny_model, str(out), settings, columns, max_batch=2, device="cpu")
-        worker = Worker(replace(spec, adapters=((a, a), (b, b)), compile=compiled))
+        spec = WorkerSpec.of("w0", tiny_model, str(out), settings, columns, max_batch=2, device="cpu")
+        worker = Worker(spec.with_options(adapters=((a, a), (b, b)), compile=compiled))
         warmed = worker.fitted.compiled.snapshot()["graphs"] if compiled else None
         assert worker.run_shard(plan_shards(files, 100)[0]).ok == n
         if compiled:

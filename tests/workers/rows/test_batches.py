@@ -45,7 +45,7 @@ def test_rows_become_images_with_their_settings(tmp_path):
         guidance=[None, 2.5, float("nan"), 1.0, 1.0, math.inf],
         seed=pa.array([None, None, None, None, 7, None], pa.int64()),
     )
-    columns = Columns(num_images="num_images", width="width", steps="steps", guidance="guidance")
+    columns = Columns.of(num_images="num_images", width="width", steps="steps", guidance="guidance")
     images = images_of(path, columns, images_per_prompt=2, seed=5)
     by_id = {im.id: im for im in images}
     # ids are <row id>-<k>; num_images overrides --images-per-prompt (null: the job's 2)
@@ -98,14 +98,14 @@ def test_columns_are_checked_before_any_worker(tmp_path):
     with pytest.raises(InputError, match="`--drop-columns status`"):  # would clash with the manifest's own
         resolve_columns(files, Columns())
     with pytest.raises(InputError, match="Column `steps` .* has type string; the steps column must be an integer"):
-        resolve_columns(files, Columns(steps="steps"), keep=["label"])
+        resolve_columns(files, Columns.of(steps="steps"), keep=["label"])
     assert resolve_columns(files, Columns(), keep=["label", "prompt"]).carry == ("label",)  # roles: manifest columns
     assert resolve_columns(files, Columns(), drop=["status", "steps"]).carry == ("label",)
     with pytest.raises(InputError, match="`--keep-columns` names `nope`"):
         resolve_columns(files, Columns(), keep=["nope"])
     # a template may read a column that is not carried; the prompt column is not a role then
     cols = resolve_columns(files, Columns(), "{prompt} as a {label}", drop=["prompt", "status", "steps"])
-    assert (cols.prompt, cols.template_fields, cols.carry) == (None, ("prompt", "label"), ("label",))
+    assert (cols["prompt"], cols.template_fields, cols.carry) == (None, ("prompt", "label"), ("label",))
 
 
 def test_mixed_sizes_and_adapters_batch_by_look(tiny_model, tmp_path):
@@ -126,9 +126,11 @@ def test_mixed_sizes_and_adapters_batch_by_look(tiny_model, tmp_path):
         lora_scale=[None, None, 0.5] * (n // 3),
     )
     files = [read_footer(path)]
-    cols = resolve_columns(files, Columns(width="width", lora="lora", lora_scale="lora_scale"))
-    settings = GenerationSettings(steps=2, guidance=5.0, width=64, height=64, output_format="parquet")
-    spec = WorkerSpec(
+    cols = resolve_columns(files, Columns.of(width="width", lora="lora", lora_scale="lora_scale"))
+    settings = GenerationSettings(
+        family="sd", task="text-to-image", steps=2, guidance=5.0, width=64, height=64, output_format="parquet"
+    )
+    spec = WorkerSpec.of(
         "w0",
         tiny_model,
         str(tmp_path / "out"),
@@ -140,7 +142,7 @@ def test_mixed_sizes_and_adapters_batch_by_look(tiny_model, tmp_path):
         plan_size=(128, 64),
     )
     worker = Worker(spec)
-    plain = Worker(WorkerSpec("w1", tiny_model, str(tmp_path / "plain"), settings, cols, device="cpu"))
+    plain = Worker(WorkerSpec.of("w1", tiny_model, str(tmp_path / "plain"), settings, cols, device="cpu"))
     assert worker.profile.total_bytes > plain.profile.total_bytes  # the adapters' bytes are planned for
     result = worker.run_shard(plan_shards(files, 100)[0])
     assert (result.ok, result.errors) == (n, 0)

@@ -36,12 +36,12 @@ def run(model, tmp_path, rows: dict, task: str, family: str = "sd", name="out", 
     files = [read_footer(str(path))]
     wanted = {k: k for k in ("strength",) if k in rows}
     columns = resolve_columns(
-        files, Columns(image="input_image", mask="mask_image" if "mask_image" in rows else None, **wanted)
+        files, Columns.of(image="input_image", mask="mask_image" if "mask_image" in rows else None, **wanted)
     )
     base = {"steps": 2, "guidance": 5.0, "width": 64, "height": 64, "output_format": "parquet"}
     s = GenerationSettings(task=task, family=family, **{**base, **settings})
     out = tmp_path / name
-    worker = Worker(WorkerSpec("w0", str(model), str(out), s, columns, max_batch=4, device="cpu", threads=1))
+    worker = Worker(WorkerSpec.of("w0", str(model), str(out), s, columns, max_batch=4, device="cpu", threads=1))
     try:
         worker.run_shard(plan_shards(files, 100)[0])
     finally:

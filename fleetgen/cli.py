@@ -1,6 +1,7 @@
 """`fleetgen` (also `python -m fleetgen`): run, demo, tiny-model, calibrate, plan, status, report,
-verify — a thin layer over the Python API (fleetgen/api.py): parse the options, call, print, exit
-0 (done), 1 (incomplete: a rerun resumes) or 2 (bad input, config or environment)."""
+verify, score — a thin layer over the Python API (fleetgen/api.py): parse the options, call the API,
+print, exit 0 (done), 1 (incomplete: a rerun resumes) or 2 (bad input, config or environment).
+`fleetgen run`'s options are the job's settings table (fleetgen/jobs/config.py `job_settings`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import sys
 import fleetgen
 from fleetgen import __version__
 from fleetgen.errors import FleetgenError
-from fleetgen.jobs.run_options import add_run_options
 
 EXIT_INCOMPLETE = 1  # the job ran but not every shard committed
 EXIT_ERROR = 2  # bad input, config or environment: nothing (more) was generated
@@ -18,6 +18,17 @@ FAILURES_SHOWN = 5  # failed shards listed on screen; summary.json has every one
 
 
 OUT_HELP = "the job's output location (`--output` of the run), any fsspec URL"
+
+
+def add_run_options(p: argparse.ArgumentParser) -> None:
+    """Every setting of a job as an option (`fleetgen run`, `fleetgen calibrate`), grouped as the
+    table groups them, each default None: unset options fall through to `--config`, then to the
+    setting's own default."""
+    from fleetgen.jobs.config import GROUPS, job_settings
+    from fleetgen.settings import add_options
+
+    groups = add_options(p, job_settings(), GROUPS)
+    groups["job"].add_argument("--config", help="TOML file with the same settings (command line wins)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -112,67 +123,14 @@ def _add_calibrate(c: argparse.ArgumentParser) -> None:
 
 
 def _add_plan(pl: argparse.ArgumentParser) -> None:
-    from fleetgen.offload.architectures import NAMES
-    from fleetgen.offload.planner import OFFLOAD_CHOICES
-    from fleetgen.workers.families.table import TASKS
+    """The plan's own options, then the job's settings it plans with: the same rows as `fleetgen run`'s
+    (fleetgen/jobs/planning.py `PLAN_OPTIONS`), with the plan's defaults."""
+    from fleetgen.jobs.planning import plan_settings
+    from fleetgen.settings import add_options
 
-    pl.add_argument(
-        "--model", required=True, help=f"a shipped architecture ({', '.join(NAMES)}) or a pipeline directory"
-    )
-    from fleetgen.offload.devices import GPUS
-
-    pl.add_argument("--gpu-memory", action="append", help="a budget, e.g. 24GiB; repeat for more")
-    pl.add_argument(
-        "--gpu",
-        help=f"a card whose dense bf16 throughput and host link to assume ({', '.join(GPUS)}); its memory is "
-        "the budget unless --gpu-memory is given (default: 100 TFLOP/s and 20 GB/s)",
-    )
-    pl.add_argument("--host-memory", help="host RAM per worker for offloaded copies (default 80%% of this machine's)")
-    pl.add_argument("--width", type=int, help="pixels to plan for (default 1024; video families: their card's)")
-    pl.add_argument("--height", type=int, help="pixels to plan for (default 1024; video families: their card's)")
-    pl.add_argument("--num-frames", type=int, help="video families: frames per clip (default: the family's)")
-    pl.add_argument("--steps", type=int, help="default: the model family's")
-    pl.add_argument("--guidance", type=float, help="default: the model family's")
-    pl.add_argument("--true-cfg-scale", type=float, help="Flux: true CFG scale (> 1 doubles the denoiser's batch)")
-    pl.add_argument("--max-batch", type=int, default=8, help="largest batch the plan may choose (default 8)")
-    pl.add_argument(
-        "--task",
-        choices=TASKS,
-        help="plan for a task the model's weights serve: its input images are VAE-encoded, an edit "
-        "model's join the denoiser's sequence (default: the model's own)",
-    )
-    pl.add_argument(
-        "--references", type=int, default=1, help="edit models: input images per image to plan for (default 1)"
-    )
-    pl.add_argument(
-        "--offload", choices=OFFLOAD_CHOICES, default="auto", help="placements the plan may use (default auto: any)"
-    )
-    pl.add_argument(
-        "--phases",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="text encoders in a phase of their own, then the denoiser (default auto: where predicted faster)",
-    )
-    pl.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: the model family's")
-    pl.add_argument(
-        "--quantize",
-        default="none",
-        help="none | auto | COMPONENT=FORMAT,... (fp8, int8, nf4, bnb-int8, gguf:PATH): formats to plan with",
-    )
-    pl.add_argument(
-        "--cache",
-        default="none",
-        help="none | first-block[:THRESHOLD] | taylorseer[:interval=N,warmup=W,order=K] | magcache[:...]: a step "
-        "cache to plan with",
-    )
-    pl.add_argument(
-        "--score",
-        default="none",
-        metavar="NAME[=MODEL],...",
-        help="scorers that sit on the device beside the pipeline (`fleetgen run --score`): planned in what they leave",
-    )
-    pl.add_argument("--bandwidth", type=float, help="host→device GB/s to assume (default: the --gpu's, else 20)")
-    pl.add_argument("--json", action="store_true", help="machine-readable output")
+    group = add_options(pl, plan_settings(), {"plan": "options"})["plan"]
+    next(a for a in group._group_actions if a.dest == "model").required = True
+    group.add_argument("--json", action="store_true", help="machine-readable output")
 
 
 def _add_verify(v: argparse.ArgumentParser) -> None:
@@ -227,32 +185,15 @@ def _run(args) -> int:
 
 
 def _demo(args) -> int:
-    from fleetgen.jobs.demo import prepare
-    from fleetgen.jobs.driver import run_job
-
-    config = prepare(args.output)
-    code = _print_summary(run_job(config))
-    print(f"demo images: {config.output}/images/  (manifests: {config.output}/shards/)")
+    summary = fleetgen.demo(args.output)
+    code = _print_summary(summary)
+    print(f"demo images: {summary.output}/images/  (manifests: {summary.output}/shards/)")
     return code
 
 
 def _tiny_model(args) -> int:
-    from fleetgen.workers.families.detect import identify_dir
-    from fleetgen.workers.tiny import write_tiny_model
-
-    if args.scorer:
-        from fleetgen.workers.tiny.scorers import write_tiny_scorer
-
-        try:
-            print(f"wrote {write_tiny_scorer(args.dir, args.scorer, args.seed)} (a tiny {args.scorer} scorer)")
-        except ValueError as err:
-            print(f"fleetgen tiny-model: {err}", file=sys.stderr)
-            return 2
-        return 0
-    path = write_tiny_model(args.dir, seed=args.seed, size=args.size, family=args.family)
-    detected, why = identify_dir(path)
-    hint = "" if detected.name == args.family else f"; run it with `--family {args.family}`"
-    print(f"wrote {path} ({args.family}; detected as {detected.name}: {why}{hint})")
+    made = fleetgen.tiny_model(args.dir, family=args.family, size=args.size, seed=args.seed, scorer=args.scorer)
+    print(f"wrote {made}")
     return 0
 
 
@@ -271,22 +212,20 @@ def _drops(text: str | None) -> dict[str, float]:
 
 
 def _calibrate(args) -> int:
-    import tempfile
     from pathlib import Path
 
-    from fleetgen.jobs.calibrate import calibrate
-    from fleetgen.jobs.config import make_config
-
     options = _options(args, "config", "sample", "min_psnr", "min_ssim", "kinds", "write", "max_drop")
-    options["output"] = options["output"] or tempfile.gettempdir()  # nothing is written there: each setting has its own
-    cal = calibrate(
-        make_config(options, args.config),
+    cal = fleetgen.calibrate(
+        options.pop("input"),
+        options.pop("model"),
+        config=args.config,
         sample=args.sample,
         min_psnr=args.min_psnr,
         min_ssim=args.min_ssim,
         kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()),
-        say=_say,
         max_drop=_drops(args.max_drop),
+        progress=_say,
+        **options,
     )
     print(cal.table())
     print()
@@ -300,16 +239,8 @@ def _calibrate(args) -> int:
 def _plan(args) -> int:
     import json
 
-    options = _options(args, "model", "gpu_memory", "gpu", "host_memory", "dtype", "bandwidth", "json")
-    plans = fleetgen.plan(
-        args.model,
-        args.gpu_memory,
-        gpu=args.gpu,
-        host_memory=args.host_memory,
-        dtype=args.dtype,
-        bandwidth=args.bandwidth,
-        **options,
-    )
+    options = {k: v for k, v in _options(args, "model", "json").items() if v is not None}
+    plans = fleetgen.plan(args.model, **options)
     print(json.dumps(plans.to_dict(), indent=2) if args.json else plans.text(), end="\n" if args.json else "")
     return 0 if plans.all_fit else EXIT_INCOMPLETE
 

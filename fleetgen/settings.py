@@ -1,0 +1,320 @@
+"""Settings, each declared once: as a field of the record that carries it, with `setting(...)`.
+
+A job's records nest — `JobConfig` (fleetgen/jobs/config.py) holds the weights' `Source`, the
+`GenerationSettings` every image shares and each worker's `Fit` (fleetgen/workers/spec.py), and the
+input's column names — and every field declared with `setting()` is a row of one table: its name
+(the keyword of `fleetgen.run`, the key of a TOML file, `--name` on the command line), its type
+(the annotation), default, help, and where it applies (`job`, each `worker`'s own, or a per-`row`
+column) and whether it is in the job's fingerprint. `table(JobConfig)` walks the records into those
+rows; the command line's options (`add_options`), the TOML file's coercion (`coerce`), the API's
+accepted keywords (`check_names`), building a record from flat options (`build`, `with_values`,
+`flat`) and docs/reference/options.md are all made from them. Adding a setting is one field with
+its `setting(...)` in the record that carries it, plus the code that uses it.
+
+Plain data: this module imports no room, no torch and no Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleetgen.errors import ConfigError
+
+SCOPES = ("job", "worker", "row")  # one value for every worker; each worker's own; an input column per row
+_SETTING = "fleetgen.setting"  # field metadata keys
+_NESTED = "fleetgen.nested"
+_COLUMNS = "fleetgen.columns"
+_RECORD = "fleetgen.record"
+
+
+@dataclass(frozen=True)
+class Declared:
+    """What `setting()` attaches to a field; unset parts come from the record that nests it."""
+
+    help: str | Callable[[], str]  # a callable: read when the parser is made (it lists what plugins add)
+    group: str | None = None  # the `--help` group the option is listed in
+    scope: str | None = None  # job | worker | row (SCOPES)
+    fingerprint: bool | None = None  # part of the job's fingerprint: a resume must match it
+    flags: tuple[str, ...] = ()  # command-line spellings (default `--name-with-dashes`)
+    aliases: tuple[str, ...] = ()  # other keyword and TOML names of the same setting
+    choices: Sequence[str] | Callable[[], Sequence[str]] | None = None  # a callable: read when the parser is made
+    metavar: str | None = None
+    shown: Callable[[Any], Any] | None = None  # the value as job.json's `config` and the docs show it
+    cli: bool = True  # False: a keyword and a TOML key only
+    written: str | None = None  # typed as text of this kind, parsed by the record (`size`: `24GiB`)
+
+
+def setting(default: Any, help: str | Callable[[], str], **how: Any) -> Any:
+    """A field that is a setting: `steps: int | None = setting(None, "denoising steps ...")`."""
+    return field(default=default, metadata={_SETTING: Declared(help, **how)})
+
+
+def nested(cls: type, *, group: str, scope: str, fingerprint: bool, factory: Callable[[], Any] | None = None) -> Any:
+    """A field holding a record of settings; what its settings do not say of themselves comes from
+    here. `factory`: the record's default where it is not `cls()` (its settings' defaults are its)."""
+    how = {"group": group, "scope": scope, "fingerprint": fingerprint}
+    return field(default_factory=factory or cls, metadata={_NESTED: how, _RECORD: cls})
+
+
+def columns(rows: Callable[[], list[Row]], defaults: Callable[[], dict[str, str]]) -> Any:
+    """A field holding `{role: input column}`: one setting per role, `rows()` (`<role>_column`)."""
+    return field(default_factory=defaults, metadata={_COLUMNS: rows})
+
+
+@dataclass(frozen=True)
+class Row:
+    """One setting: a row of the table."""
+
+    name: str  # the keyword, the TOML key, `--name-with-dashes`
+    path: tuple[str, ...]  # where its value lives in the top record, e.g. ("generation", "steps")
+    type: str  # the annotation, e.g. "int | None"
+    default: Any
+    help: str | Callable[[], str]
+    group: str
+    scope: str
+    fingerprint: bool
+    flags: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()
+    choices: Sequence[str] | Callable[[], Sequence[str]] | None = None
+    metavar: str | None = None
+    shown: Callable[[Any], Any] | None = None
+    cli: bool = True
+    written: str | None = None
+
+    @property
+    def typed(self) -> str:
+        """What a user types for it: `int`, `float`, `bool`, `str` (also the records parsed from text,
+        and sizes), `tuple` (repeatable text)."""
+        base = self.type.replace(" | None", "")
+        if base.startswith("tuple"):
+            return "tuple"
+        return base if base in ("int", "float", "bool") and not self.written else "str"
+
+    @property
+    def option(self) -> str:
+        """How error messages name it: `--max-batch`."""
+        return self.flags[0] if self.flags else f"--{self.name.replace('_', '-')}"
+
+    @property
+    def text(self) -> str:
+        return self.help() if callable(self.help) else self.help
+
+    @property
+    def choice_list(self) -> list[str] | None:
+        return None if self.choices is None else list(self.choices() if callable(self.choices) else self.choices)
+
+    def show(self, value: Any) -> Any:
+        """The value as job.json's `config` holds it, and the docs print its default."""
+        return value if value is None or self.shown is None else self.shown(value)
+
+
+def table(cls: type, **defaults: Any) -> list[Row]:
+    """Every setting of record `cls` and of the records it nests, in declaration order; `defaults`:
+    the group, scope and fingerprint of `cls`'s own settings where they do not say."""
+    rows = _walk(cls, (), defaults)
+    seen: dict[str, Row] = {}
+    for row in rows:
+        for name in (row.name, *row.aliases):
+            if name in seen:
+                raise TypeError(f"{cls.__name__}: two settings named `{name}` ({seen[name].path} and {row.path})")
+            seen[name] = row
+    return rows
+
+
+def _walk(cls: type, path: tuple[str, ...], inherited: dict, defaults: Any = None) -> list[Row]:
+    """`defaults`: the record's default instance where it nests in another (its values are the defaults)."""
+    hints = {f.name: f.type for f in dataclasses.fields(cls)}
+    out: list[Row] = []
+    for f in dataclasses.fields(cls):
+        if _NESTED in f.metadata:
+            out += _walk(f.metadata[_RECORD], (*path, f.name), f.metadata[_NESTED], f.default_factory())
+        elif _COLUMNS in f.metadata:
+            out += [dataclasses.replace(r, path=(*path, f.name, *r.path)) for r in f.metadata[_COLUMNS]()]
+        elif _SETTING in f.metadata:
+            d: Declared = f.metadata[_SETTING]
+            pick = {k: getattr(d, k) if getattr(d, k) is not None else inherited.get(k) for k in _INHERITED}
+            if any(v is None for v in pick.values()):
+                raise TypeError(
+                    f"setting `{f.name}` of {cls.__name__} says no {[k for k, v in pick.items() if v is None]}"
+                )
+            how = {k: getattr(d, k) for k in ("flags", "aliases", "choices", "metavar", "shown", "cli", "written")}
+            default = f.default if defaults is None else getattr(defaults, f.name)
+            out.append(Row(f.name, (*path, f.name), str(hints[f.name]), default, d.help, **pick, **how))
+    return out
+
+
+_INHERITED = ("group", "scope", "fingerprint")
+
+
+def names(rows: list[Row]) -> dict[str, Row]:
+    """{name or alias: row}."""
+    return {n: r for r in rows for n in (r.name, *r.aliases)}
+
+
+def canonical(values: Mapping[str, Any], rows: list[Row]) -> dict[str, Any]:
+    """`values` by each setting's own name (an alias such as `workers` becomes `max_workers`); a
+    setting given under two of its names is refused."""
+    known, out, given_as = names(rows), {}, {}
+    for name, value in values.items():
+        row = known[name]
+        if row.name in out and value != out[row.name]:
+            raise ConfigError(
+                f"`{given_as[row.name]}` ({out[row.name]}) and `{name}` ({value}) name the same setting "
+                f"(`{row.option}`): pass one."
+            )
+        out[row.name], given_as[row.name] = value, name
+    return out
+
+
+def check_names(given: Sequence[str], rows: list[Row], command: str, extra: Sequence[str] = ()) -> None:
+    """A name the command does not take is refused, naming the closest one it has."""
+    known = [*names(rows), *extra]
+    for name in given:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" Did you mean `{close[0]}`?" if close else f" Its options: {', '.join(sorted(known))}."
+            raise ConfigError(f"`{command}` has no option `{name}`.{hint}")
+
+
+def build(cls: type, values: Mapping[str, Any], **fixed: Any) -> Any:
+    """A `cls` from flat settings (`{"steps": 4, "max_batch": 2}`), each put where its row says;
+    `fixed`: `cls`'s own fields given as they are (a record built elsewhere, a name)."""
+    return _assemble(cls, _by_path(cls, values), fixed)
+
+
+def with_values(record: Any, values: Mapping[str, Any]) -> Any:
+    """`record` with flat settings replaced where their rows say (`dataclasses.replace`, nested)."""
+    return _replace(record, _by_path(type(record), values))
+
+
+def flat(record: Any, rows: list[Row] | None = None) -> dict[str, Any]:
+    """{name: value} of every setting of `record`."""
+    return {r.name: value_at(record, r) for r in rows or table(type(record), group="", scope="", fingerprint=False)}
+
+
+def value_at(record: Any, row: Row) -> Any:
+    value = record
+    for part in row.path:
+        value = value[part] if isinstance(value, Mapping) else getattr(value, part)
+    return value
+
+
+def _by_path(cls: type, values: Mapping[str, Any]) -> dict[tuple[str, ...], Any]:
+    rows = names(_fields_and_settings(cls))
+    unknown = [n for n in values if n not in rows]
+    if unknown:
+        raise ConfigError(f"{cls.__name__} has no setting `{unknown[0]}`.")
+    return {rows[n].path: v for n, v in canonical(values, list(rows.values())).items()}
+
+
+def _fields_and_settings(cls: type) -> list[Row]:
+    """The settings, and every other field of the nested records (a WorkerSpec's `threads`, a
+    Fit's resolved `plan_size`) by its own name."""
+    rows = table(cls, group="", scope="", fingerprint=False)
+    taken = {r.name for r in rows}
+    return rows + [
+        Row(f.name, path, "", None, "", "", "", False) for f, path in _plain_fields(cls, ()) if f.name not in taken
+    ]
+
+
+def _plain_fields(cls: type, path: tuple[str, ...]):
+    for f in dataclasses.fields(cls):
+        if _NESTED in f.metadata:
+            yield from _plain_fields(f.metadata[_RECORD], (*path, f.name))
+        elif _SETTING not in f.metadata and _COLUMNS not in f.metadata:
+            yield f, (*path, f.name)
+
+
+def _assemble(cls: type, by_path: dict[tuple[str, ...], Any], fixed: dict) -> Any:
+    kwargs = dict(fixed)
+    for f in dataclasses.fields(cls):
+        mine = {p[1:]: v for p, v in by_path.items() if p[0] == f.name}
+        if not mine:
+            continue
+        if f.name in fixed:  # a record given whole, some of its settings given flat: those win
+            kwargs[f.name] = _replace(fixed[f.name], mine)
+        elif _NESTED in f.metadata:
+            kwargs[f.name] = _replace(f.default_factory(), mine)
+        elif _COLUMNS in f.metadata:
+            kwargs[f.name] = {**f.default_factory(), **{p[0]: v for p, v in mine.items()}}
+        else:
+            kwargs[f.name] = mine[()]
+    return cls(**kwargs)
+
+
+def _replace(record: Any, by_path: dict[tuple[str, ...], Any]) -> Any:
+    changes = {}
+    for f in dataclasses.fields(record):
+        mine = {p[1:]: v for p, v in by_path.items() if p[0] == f.name}
+        if not mine:
+            continue
+        current = getattr(record, f.name)
+        if _NESTED in f.metadata:
+            changes[f.name] = _replace(current, mine)
+        elif _COLUMNS in f.metadata:
+            changes[f.name] = {**current, **{p[0]: v for p, v in mine.items()}}
+        else:
+            changes[f.name] = mine[()]
+    return dataclasses.replace(record, **changes)
+
+
+# TOML: what a key's value must be, by the setting's annotation. Records parsed from a string
+# (`QuantizeSpec`, ...) take the string; a repeatable option takes a list of strings.
+_TOML_TYPES = {"int": int, "float": (int, float), "str": str, "bool": bool}
+
+
+def coerce(row: Row, value: Any, source: str) -> Any:
+    """Type-check one setting read from a TOML file `source` (the command line's are typed by argparse)."""
+    typed = row.typed
+    repeated = typed == "tuple"
+    wanted = list if repeated else _TOML_TYPES[typed]
+    if (
+        (isinstance(value, bool) and typed != "bool")
+        or not isinstance(value, wanted)
+        or (repeated and not all(isinstance(v, str) for v in value))
+    ):
+        shown = "a list of strings" if repeated else row.written or typed
+        raise ConfigError(f"`{row.name}` in {source} must be {shown}, got `{value!r}`.")
+    if repeated:
+        return tuple(value)
+    return float(value) if typed == "float" else value
+
+
+def add_options(
+    parser: argparse.ArgumentParser,
+    rows: list[Row],
+    titles: Mapping[str, str],
+    defaults: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One option per row that has one, in argument groups titled by `titles` ({group: title}, in
+    that order). Every default is None unless `defaults` names one: unset options fall through (to
+    a TOML file, then to the record's default). Returns the groups, by their key in `titles`."""
+    groups = {g: parser.add_argument_group(title) for g, title in titles.items()}
+    for row in rows:
+        if row.cli:
+            _add(groups[row.group], row, (defaults or {}).get(row.name))
+    return groups
+
+
+def _add(group, row: Row, default: Any) -> None:
+    typed = row.typed
+    text, shown = row.text, row.show(row.default)
+    if shown not in (None, "", (), []) and "default" not in text:  # the default the table holds, said once
+        text += f" (default {str(shown).lower() if isinstance(shown, bool) else shown})"
+    kw: dict[str, Any] = {"dest": row.name, "help": text.replace("%", "%%"), "default": default}  # argparse formats
+    if typed == "bool":
+        kw["action"] = "store_true"
+    elif typed == "tuple":
+        kw["action"] = "append"
+    elif typed in ("int", "float"):
+        kw["type"] = int if typed == "int" else float
+    if row.choice_list is not None:
+        kw["choices"] = row.choice_list
+    if row.metavar:
+        kw["metavar"] = row.metavar
+    group.add_argument(*(row.flags or (row.option,)), **kw)
