@@ -7,8 +7,8 @@ input's column names — and every field declared with `setting()` is a row of o
 (the annotation), default, help, and where it applies (`job`, each `worker`'s own, or a per-`row`
 column) and whether it is in the job's fingerprint. `table(JobConfig)` walks the records into those
 rows; the command line's options (`add_options`), the TOML file's coercion (`coerce`), the API's
-accepted keywords (`check_names`), building a record from flat options (`build`, `with_values`,
-`flat`) and docs/reference/options.md are all made from them. Adding a setting is one field with
+accepted keywords (`check_names`), building a record from flat options (`build`, `with_values`) and
+docs/reference/options.md are all made from them. Adding a setting is one field with
 its `setting(...)` in the record that carries it, plus the code that uses it.
 
 Plain data: this module imports no room, no torch and no Ray.
@@ -25,7 +25,6 @@ from typing import Any
 
 from fleetgen.errors import ConfigError
 
-SCOPES = ("job", "worker", "row")  # one value for every worker; each worker's own; an input column per row
 _SETTING = "fleetgen.setting"  # field metadata keys
 _NESTED = "fleetgen.nested"
 _COLUMNS = "fleetgen.columns"
@@ -38,7 +37,7 @@ class Declared:
 
     help: str | Callable[[], str]  # a callable: read when the parser is made (it lists what plugins add)
     group: str | None = None  # the `--help` group the option is listed in
-    scope: str | None = None  # job | worker | row (SCOPES)
+    scope: str | None = None  # job (one value for every worker) | worker (each worker's own) | row (an input column)
     fingerprint: bool | None = None  # part of the job's fingerprint: a resume must match it
     flags: tuple[str, ...] = ()  # command-line spellings (default `--name-with-dashes`)
     aliases: tuple[str, ...] = ()  # other keyword and TOML names of the same setting
@@ -171,9 +170,9 @@ def canonical(values: Mapping[str, Any], rows: list[Row]) -> dict[str, Any]:
     return out
 
 
-def check_names(given: Sequence[str], rows: list[Row], command: str, extra: Sequence[str] = ()) -> None:
+def check_names(given: Sequence[str], rows: list[Row], command: str) -> None:
     """A name the command does not take is refused, naming the closest one it has."""
-    known = [*names(rows), *extra]
+    known = list(names(rows))
     for name in given:
         if name not in known:
             close = difflib.get_close_matches(name, known, n=1)
@@ -183,18 +182,14 @@ def check_names(given: Sequence[str], rows: list[Row], command: str, extra: Sequ
 
 def build(cls: type, values: Mapping[str, Any], **fixed: Any) -> Any:
     """A `cls` from flat settings (`{"steps": 4, "max_batch": 2}`), each put where its row says;
-    `fixed`: `cls`'s own fields given as they are (a record built elsewhere, a name)."""
-    return _assemble(cls, _by_path(cls, values), fixed)
+    `fixed`: `cls`'s own fields given as they are (a record built elsewhere, a name), the flat
+    settings over them."""
+    return _replace(cls(**fixed), _by_path(cls, values))
 
 
 def with_values(record: Any, values: Mapping[str, Any]) -> Any:
     """`record` with flat settings replaced where their rows say (`dataclasses.replace`, nested)."""
     return _replace(record, _by_path(type(record), values))
-
-
-def flat(record: Any, rows: list[Row] | None = None) -> dict[str, Any]:
-    """{name: value} of every setting of `record`."""
-    return {r.name: value_at(record, r) for r in rows or table(type(record), group="", scope="", fingerprint=False)}
 
 
 def value_at(record: Any, row: Row) -> Any:
@@ -228,23 +223,6 @@ def _plain_fields(cls: type, path: tuple[str, ...]):
             yield from _plain_fields(f.metadata[_RECORD], (*path, f.name))
         elif _SETTING not in f.metadata and _COLUMNS not in f.metadata:
             yield f, (*path, f.name)
-
-
-def _assemble(cls: type, by_path: dict[tuple[str, ...], Any], fixed: dict) -> Any:
-    kwargs = dict(fixed)
-    for f in dataclasses.fields(cls):
-        mine = {p[1:]: v for p, v in by_path.items() if p[0] == f.name}
-        if not mine:
-            continue
-        if f.name in fixed:  # a record given whole, some of its settings given flat: those win
-            kwargs[f.name] = _replace(fixed[f.name], mine)
-        elif _NESTED in f.metadata:
-            kwargs[f.name] = _replace(f.default_factory(), mine)
-        elif _COLUMNS in f.metadata:
-            kwargs[f.name] = {**f.default_factory(), **{p[0]: v for p, v in mine.items()}}
-        else:
-            kwargs[f.name] = mine[()]
-    return cls(**kwargs)
 
 
 def _replace(record: Any, by_path: dict[tuple[str, ...], Any]) -> Any:
@@ -285,28 +263,23 @@ def coerce(row: Row, value: Any, source: str) -> Any:
     return float(value) if typed == "float" else value
 
 
-def add_options(
-    parser: argparse.ArgumentParser,
-    rows: list[Row],
-    titles: Mapping[str, str],
-    defaults: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
+def add_options(parser: argparse.ArgumentParser, rows: list[Row], titles: Mapping[str, str]) -> dict[str, Any]:
     """One option per row that has one, in argument groups titled by `titles` ({group: title}, in
-    that order). Every default is None unless `defaults` names one: unset options fall through (to
-    a TOML file, then to the record's default). Returns the groups, by their key in `titles`."""
+    that order). Every default is None: an unset option falls through (to a TOML file, then to the
+    record's default, which its help says). Returns the groups, by their key in `titles`."""
     groups = {g: parser.add_argument_group(title) for g, title in titles.items()}
     for row in rows:
         if row.cli:
-            _add(groups[row.group], row, (defaults or {}).get(row.name))
+            _add(groups[row.group], row)
     return groups
 
 
-def _add(group, row: Row, default: Any) -> None:
+def _add(group, row: Row) -> None:
     typed = row.typed
     text, shown = row.text, row.show(row.default)
     if shown not in (None, "", (), []) and "default" not in text:  # the default the table holds, said once
         text += f" (default {str(shown).lower() if isinstance(shown, bool) else shown})"
-    kw: dict[str, Any] = {"dest": row.name, "help": text.replace("%", "%%"), "default": default}  # argparse formats
+    kw: dict[str, Any] = {"dest": row.name, "help": text.replace("%", "%%"), "default": None}  # argparse formats %
     if typed == "bool":
         kw["action"] = "store_true"
     elif typed == "tuple":
