@@ -73,22 +73,17 @@ def tiny_model(directory: str, family: str = "sd", size: str = "tiny", seed: int
     loadable with `from_pretrained`) to `directory`, or with `scorer` a tiny scorer for `--score
     NAME=DIR`; returns what it wrote, in words."""
     from fleetgen.workers.families.detect import identify_dir
-    from fleetgen.workers.families.table import NO_TINY, TABLE
+    from fleetgen.workers.tiny import write_tiny_model
+    from fleetgen.workers.tiny.scorers import write_tiny_scorer
 
-    if scorer:
-        from fleetgen.workers.tiny.scorers import TINY_SCORERS, write_tiny_scorer
-
-        if scorer not in TINY_SCORERS:
-            raise ConfigError(f"`--scorer` must be one of {', '.join(TINY_SCORERS)}; got `{scorer}`.")
-        return f"{write_tiny_scorer(directory, scorer, seed)} (a tiny {scorer} scorer)"
-    families = [f.name for f in TABLE if f.name not in NO_TINY]
-    if family not in families:
-        raise ConfigError(f"`--family` must be one of {', '.join(families)}; got `{family}`.")
     if size not in ("tiny", "small") or (size == "small" and family != "sd"):
         raise ConfigError(f"`--size` must be tiny, or small for the sd family; got `{size}` for {family}.")
-    from fleetgen.workers.tiny import write_tiny_model
-
-    path = write_tiny_model(directory, seed=seed, size=size, family=family)
+    try:  # the builders name what they take
+        if scorer:
+            return f"{write_tiny_scorer(directory, scorer, seed)} (a tiny {scorer} scorer)"
+        path = write_tiny_model(directory, seed=seed, size=size, family=family)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     detected, why = identify_dir(path)
     hint = "" if detected.name == family else f"; run it with `--family {family}`"
     return f"{path} ({family}; detected as {detected.name}: {why}{hint})"

@@ -21,7 +21,7 @@ from fleetgen.settings import Row, build, canonical, coerce, columns, nested, se
 from fleetgen.workers.families.model_dir import is_hub_id
 from fleetgen.workers.output.fields import roles
 from fleetgen.workers.output.storage import resolve_url
-from fleetgen.workers.rows.shard import IDENTITY_ROLES
+from fleetgen.workers.rows.shard import ROLES
 from fleetgen.workers.spec import Fit, GenerationSettings, Source
 
 DEVICES = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -37,8 +37,8 @@ GROUPS = {
 
 def _column_rows() -> list[Row]:
     """One setting per role of the field table (workers/output/fields.py): `--<role>-column NAME`."""
-    out = []
-    for f in sorted(roles(), key=lambda f: (f.setting, IDENTITY_ROLES.index(f.role) if not f.setting else 0)):
+    by_role, out = {f.role: f for f in roles()}, []
+    for f in (by_role[role] for role in ROLES):  # prompt, id, seed, negative prompt, then the per-row settings
         if f.setting:
             text = f"per-row {f.role.replace('_', ' ')} (default `{f.default_column}`, used when present; `none` to ignore it)"
         else:
