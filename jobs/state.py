@@ -304,4 +304,9 @@ def sweep(output: Output, discard: bool) -> None:
     `discard` (only when every shard is committed): remove every other attempt's staging too — a
     dead driver's workers may still be running until then (workers/output/commit.py, `finish_attempts`)."""
     finish_attempts(output, discard_others=discard)
-    output.sweep_tmp("shards")  # (objects elsewhere reach their keys by a rename or a copy: never partial)
+    # Local writers put an object as a temporary file renamed into place: a writer killed between the two
+    # leaves the temporary file. Manifests and workers' status records are written so (images and data
+    # reach their keys by a rename or a copy from staging: never partial). A live writer whose file this
+    # removed fails its write; status records are best effort (a worker dying is the likelier writer).
+    for prefix in (SHARDS, WORKERS):
+        output.sweep_tmp(prefix)

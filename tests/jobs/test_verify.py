@@ -365,3 +365,19 @@ def test_the_end_of_a_run_counts_from_reports_and_looks_only_at_unreported_shard
     monkeypatch.setattr(fleetgen.jobs.summary, "PROBE_AT_MOST", 1)  # many unreported: one listing instead
     summary, _ = _summarise(run(shards, False, {}, {}))
     assert summary.shards_committed == 2
+
+
+def test_the_sweep_removes_what_a_killed_local_writer_left_of_a_manifest_or_a_status_record(tmp_path):
+    """A local put is a temporary file renamed into place; a worker killed between the two (the
+    chaos test caught one writing `workers/w1.json`) leaves `<key>.tmp-<id>`. Every run's sweep removes
+    those under shards/ and workers/, and nothing whole."""
+    from fleetgen.jobs.state import sweep
+    from fleetgen.workers.output.storage import TMP_MARK, Output
+
+    out = Output(str(tmp_path / "out"))
+    out.put("workers/w0.json", b"{}")
+    out.put("shards/shard-00000.parquet", b"x")
+    for key in ("workers/w1.json", "shards/shard-00001.parquet"):
+        (tmp_path / "out" / f"{key}{TMP_MARK}d01c0689").write_bytes(b"half")
+    sweep(out, discard=False)
+    assert sorted(files_under(tmp_path / "out")) == ["shards/shard-00000.parquet", "workers/w0.json"]
