@@ -193,6 +193,8 @@ def worker_spec(config: JobConfig, name: str, columns, adapters=(), **resolved) 
     if not config.generation.resolved:
         raise ValueError("worker_spec() needs the family's defaults resolved (jobs.models.resolve_defaults)")
     fit = {k: resolved.pop(k) for k in ("gpu_memory", "host_memory", "plan_size") if k in resolved}
+    g = config.generation
+    fit["shard_images"] = config.rows_per_shard * max(g.images_per_prompt, 1) * max(g.best_of, 1)
     return WorkerSpec(
         name,
         config.output,

@@ -50,6 +50,14 @@ class PlanRequest:
     )
     bandwidth: float | None = setting(None, "host→device GB/s to assume (default: the --gpu's, else 20)")
     references: int = setting(1, "edit models: input images per image to plan for")
+    placement: str | None = setting(
+        None,
+        "predict this plan instead of choosing one: COMPONENT=MODE,... with MODE as plans and worker records spell "
+        "it (resident, leaf_level+stream, block_level(4), block_level(1)+disk, ...); components not named stay "
+        "resident",
+        metavar="COMPONENT=MODE,...",
+    )
+    batch: int | None = setting(None, "predict at this batch size (default: the fastest that fits, up to --max-batch)")
     source: Source = nested(Source, group="plan", scope="job", fingerprint=False)
     generation: GenerationSettings = nested(GenerationSettings, group="plan", scope="job", fingerprint=True)
     fit: Fit = nested(Fit, group="plan", scope="worker", fingerprint=False, factory=lambda: Fit(max_batch=8))
@@ -66,7 +74,7 @@ class PlanRequest:
 
 # The job's settings `fleetgen plan` takes (the rest do not change a plan).
 PLAN_OPTIONS = (
-    *("model", "budgets", "gpu", "bandwidth", "references", "dtype", "host_memory"),
+    *("model", "budgets", "gpu", "bandwidth", "references", "placement", "batch", "dtype", "host_memory"),
     *("width", "height", "num_frames", "steps", "guidance", "true_cfg_scale", "task"),
     *("max_batch", "offload", "phases", "quantize", "cache", "score"),
 )
@@ -129,6 +137,8 @@ def plan_rows(
     flops: float = ASSUMED_FLOPS,
     *,
     extra: PlanExtras | None = None,
+    given: dict | None = None,
+    batch: int | None = None,
 ) -> tuple[dict, list[dict]]:
     """(the profile summary, one row per budget: the plan or the reason nothing fits). `extra`: the
     family's VAE upcast and the job's scorers (held beside the pipeline: planned in what they leave)."""
@@ -147,7 +157,7 @@ def plan_rows(
         budget = parse_size(text, "--gpu-memory")
         device = DeviceSpec(budget, host, bandwidth, flops, True, name=f"a {format_size(budget)} GPU", beside=scorers)
         try:
-            rows.append({"gpu_memory": text, **plan(profile, device, work).to_dict()})
+            rows.append({"gpu_memory": text, **plan(profile, device, work, given, batch).to_dict()})
         except OffloadError as err:
             binds = "host RAM" if "(host RAM binds)" in str(err) else "device memory"
             rows.append({"gpu_memory": text, "binds": [binds], "error": str(err)})
@@ -230,6 +240,11 @@ def plan_budgets(request: PlanRequest) -> Plans:
     dtype = family.dtype if request.source.dtype == "auto" else request.source.dtype
     if dtype not in DTYPE_BYTES:
         raise ConfigError(f"`--dtype` must be one of auto, {', '.join(DTYPE_BYTES)}; got `{dtype}`.")
+    given = parse_placement(request.placement)
+    if request.batch is not None and request.batch < 1:
+        raise ConfigError(f"`--batch` must be 1 or more; got {request.batch}.")
+    if request.batch:
+        work = replace(work, max_batch=max(work.max_batch, request.batch))
     summary, rows = plan_rows(
         request.model,
         budgets,
@@ -239,10 +254,39 @@ def plan_budgets(request: PlanRequest) -> Plans:
         bandwidth,
         flops,
         extra=PlanExtras(family.upcasts_vae, request.generation.score),
+        given=given,
+        batch=request.batch,
     )
+    if given is not None:
+        missing = sorted(set(given) - set(summary["components"]))
+        if missing:
+            raise ConfigError(
+                f"`--placement`: no component {', '.join(missing)} in {request.model}; it has "
+                f"{', '.join(summary['components'])}."
+            )
     summary["family"] = family.name
     summary["gpu"] = card.name if card else None
     return Plans(summary, rows)
+
+
+def parse_placement(text: str | None) -> dict | None:
+    """`--placement transformer=leaf_level+stream,text_encoder_2=block_level(4)` as {component: Placement}."""
+    from fleetgen.offload.cost import Placement
+
+    if not text:
+        return None
+    given = {}
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        name, sep, mode = part.partition("=")
+        if not sep or not name.strip():
+            raise ConfigError(f"`--placement`: `{part}` is not COMPONENT=MODE (e.g. transformer=leaf_level+stream).")
+        try:
+            given[name.strip()] = Placement.parse(mode)
+        except ValueError as err:
+            raise ConfigError(f"`--placement` {name.strip()}: {err}.") from None
+    return given
 
 
 def _scorers_line(scoring: dict | None) -> str:
@@ -272,7 +316,7 @@ def print_plans(summary: dict, rows: list[dict], as_json: bool, out=None) -> Non
     out.write(
         f"host RAM {format_size(summary['host_memory_bytes'])} (loading holds {format_size(summary['load_host_bytes'])}, "
         "then the offloaded copies); assumed host→device "
-        f"{summary['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s, {summary['flops'] / 1e12:.0f} TFLOP/s effective"
+        f"{summary['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s, {summary['flops'] / 1e12:.0f} TFLOP/s (a large matmul)"
         + (
             f" (an {summary['gpu']}: offload/devices.py)"
             if summary.get("gpu")
@@ -300,7 +344,8 @@ def print_plans(summary: dict, rows: list[dict], as_json: bool, out=None) -> Non
     for r in rows:
         binds = ", ".join(r.get("binds") or []) or "neither"
         if "error" in r:
-            what = "nothing loads" if r["error"].startswith("Nothing loads") else "nothing fits"
+            error = r["error"]
+            what = next((w.lower() for w in ("Nothing loads", "does not fit") if error.startswith(w)), "nothing fits")
             table.append([r["gpu_memory"], "", what, *[""] * (len(header) - 4), binds])
             continue
         formats = r.get("formats") or {}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from fleetgen.jobs.report_scores import check_columns, scorer_names, scores_section
 from fleetgen.jobs.state import read_manifests
-from fleetgen.jobs.status import job_state
+from fleetgen.jobs.status import job_state, plan_kinds
 from fleetgen.units import format_size
 from fleetgen.workers.output.formats import get_format
 from fleetgen.workers.output.layout import IMAGE_FORMATS, POSTER, beside
@@ -202,6 +202,13 @@ def write_report(url: str, group_by: str | None = None, sort_by: str | None = No
         cards=_cards(out, state, generation, sort_by) or "<p>No images yet.</p>",
         scores=scores_section(out, state.counts, generation, group_by),
         workers="".join(_worker_row(w) for w in state.workers),
+        kinds="".join(
+            "<tr>"
+            + "".join(f"<td>{html.escape(str(k[c]))}</td>" for c in ("kind", "plan", "batch", "chosen", "speed"))
+            + f"<td>{html.escape(', '.join(k['workers']))}</td></tr>"
+            for k in plan_kinds(state.workers)
+        )
+        or '<tr><td colspan="6">no worker has reported yet</td></tr>',
         charts=_charts(state.workers),
         failures="".join(
             f"<tr><td>{html.escape(f['shard'])}</td><td>{f['attempts']}</td><td>{html.escape(f['error'])}</td></tr>"

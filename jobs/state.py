@@ -30,6 +30,7 @@ from fleetgen.workers.output.layout import (
     COUNTS_INDEX,
     FLEET,
     JOB,
+    PLANS,
     SHARDS,
     STAGING,
     SUCCESS,
@@ -56,6 +57,7 @@ _JOB_OBJECTS = (
     COUNTS_INDEX,
     SHARDS,
     WORKERS,
+    PLANS,
     STAGING,
     "images",
     "data",
@@ -308,5 +310,5 @@ def sweep(output: Output, discard: bool) -> None:
     # leaves the temporary file. Manifests and workers' status records are written so (images and data
     # reach their keys by a rename or a copy from staging: never partial). A live writer whose file this
     # removed fails its write; status records are best effort (a worker dying is the likelier writer).
-    for prefix in (SHARDS, WORKERS):
+    for prefix in (SHARDS, WORKERS, PLANS):
         output.sweep_tmp(prefix)

@@ -9,6 +9,7 @@ from fleetgen.errors import FleetgenError
 from fleetgen.jobs.fleet import fleet_lines
 from fleetgen.jobs.lock import live_lock
 from fleetgen.jobs.state import shard_counts
+from fleetgen.units import format_size
 from fleetgen.workers.output.layout import FLEET, JOB, SUCCESS, SUMMARY, WORKERS
 from fleetgen.workers.output.storage import Output
 from fleetgen.workers.spec import makes_clips
@@ -119,6 +120,10 @@ def status_text(state: JobStatus) -> str:
     lines += fleet_lines(state.fleet)
     for w in state.workers_failed:
         lines.append(f"worker {w['worker']} could not run: {w['error']}")
+    kinds = plan_kinds(state.workers)
+    if kinds:
+        lines.append("plans by device kind:")
+        lines += [f"  {k['kind']}: {k['plan']}, batch {k['batch']}; {k['chosen']}; {k['speed']}" for k in kinds]
     for w in state.workers:
         st = w.get("stats") or {}
         rate = st.get("images_per_second") or 0
@@ -129,6 +134,50 @@ def status_text(state: JobStatus) -> str:
             f"plan: {', '.join(f'{k} {v}' for k, v in w['plan']['modes'].items())}"
         )
     return "\n".join(lines)
+
+
+def plan_kinds(workers: list[dict]) -> list[dict]:
+    """Per device kind (its name and budget): the plan its workers kept, how it was chosen (the speed
+    model, trials measured on the device, or another worker's trials: workers/pipeline/trials.py), and
+    seconds per image predicted beside measured."""
+    groups: dict = {}
+    for w in workers:
+        budget = w["plan"].get("budget_bytes")
+        kind = w["device"]["name"] + (f", {format_size(budget)}" if budget else "")
+        groups.setdefault(kind, []).append(w)
+    out = []
+    for kind, ws in groups.items():
+        plan = ws[0]["plan"]
+        how = sorted({w["plan"].get("chosen_by", "model") for w in ws})
+        timed = next((w["plan"].get("trials") for w in ws if w["plan"].get("trials")), None) or []
+        chosen = "chosen by " + " and ".join(how)
+        if timed:
+            chosen += " (" + "; ".join(_trial(t) for t in timed) + ")"
+        elif plan.get("trials_skipped"):
+            chosen += f" (not timed: {plan['trials_skipped']})"
+        seconds = [(w.get("predicted_vs_measured") or {}).get("seconds_per_image") or {} for w in ws]
+        measured = [s["measured"] for s in seconds if s.get("measured")]
+        predicted = plan.get("predicted_seconds_per_image")
+        speed = (f"predicted {predicted:.3g} s/img" if predicted else "no prediction") + (
+            f", measured {sum(measured) / len(measured):.3g}" if measured else ", nothing measured yet"
+        )
+        out.append(
+            {
+                "kind": kind,
+                "workers": [w["worker"] for w in ws],
+                "plan": ", ".join(f"{k} {v}" for k, v in plan["modes"].items() if v != "resident") or "all resident",
+                "batch": ws[0].get("batch_size") or plan.get("batch_size"),
+                "chosen": chosen,
+                "speed": speed,
+            }
+        )
+    return out
+
+
+def _trial(t: dict) -> str:
+    offloaded = ", ".join(f"{k} {v}" for k, v in t["modes"].items() if v != "resident") or "all resident"
+    got = f"{t['measured_seconds_per_image']:.3g}" if t.get("measured_seconds_per_image") else t.get("error", "-")
+    return f"{offloaded} batch {t['batch_size']}: {t['predicted_seconds_per_image']:.3g} predicted, {got} measured"
 
 
 def _filtered_by(fp: dict) -> str:

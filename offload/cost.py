@@ -8,18 +8,18 @@ the grouping; grouping changes the device floor and the number of transfers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import re
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from fleetgen.caches import CacheSpec
+from fleetgen.offload.speed import FP32_SLOWDOWN, Speed, Terms, fitted, kind
 from fleetgen.offload.weight_formats import CHOOSABLE, NONE, QuantizeSpec, allowed, refusal, spec
 
 if TYPE_CHECKING:  # the profile measures torch modules; the cost model reads its numbers only
     from fleetgen.offload.profile import ComponentProfile, PipelineProfile
 
 MARGIN = 0.10  # of the budget: allocator fragmentation, CUDA context, workspace
-SYNC_SECONDS = 30e-6  # a blocking transfer's fixed cost (launch + synchronise), per group
-FORWARD_SECONDS = 1e-3  # fixed cost of one forward (kernel launches, Python): what batching amortises
 # Activation estimates, bytes per image = tokens × width × dtype bytes × factor. Calibrated on
 # published peaks (SDXL UNet and FLUX transformer at 1024², 2-4 GB; SD VAE decode at 1024², ~3 GB);
 # they are estimates: the measured peak is in each worker's stats.
@@ -52,12 +52,14 @@ QUANTIZED_SHARE = 0.05
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """What a plan is fitted to. Bandwidth and FLOP/s are measured by the worker's probe."""
+    """What a plan is fitted to. Bandwidth and FLOP/s are measured by the worker's probe (a large
+    pinned copy, a large matmul); `speed` says what share of them a pipeline's work achieves
+    (offload/speed.py, fitted to measured rows)."""
 
     budget: int  # device bytes the plan may use
     host_budget: int  # host RAM bytes for offloaded copies (pageable and pinned)
-    bandwidth: float = 20e9  # host→device bytes/s
-    flops: float = 100e12  # device FLOP/s at the run dtype (effective)
+    bandwidth: float = 20e9  # host→device bytes/s of a large pinned copy
+    flops: float = 100e12  # FLOP/s of a large matmul at the run dtype
     streams: bool = True  # CUDA streams can overlap transfers with compute
     disk_bandwidth: float = 2e9  # bytes/s reading offloaded groups back from local disk
     name: str = ""
@@ -65,6 +67,7 @@ class DeviceSpec:
     # device bytes the job's scorers (`--score`) hold once on the device: off the whole budget of a per-batch
     # plan; a phase of their own after a phased plan's decode phase, else off every phase's (offload/phasing.py)
     beside: int = 0
+    speed: Speed = field(default_factory=fitted)  # the fitted speed model (offload/speed.py)
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,11 @@ class Workload:
     decode_apart: bool = False
 
 
+_LABEL = re.compile(
+    r"(?P<mode>resident|leaf_level|block_level\((?P<k>[1-9]\d*)\))(?P<a>\+stream|\+disk)?(?P<b>\+stream|\+disk)?"
+)
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where one component lives. The planner offers disk only at block level: leaf level + disk
@@ -106,6 +114,22 @@ class Placement:
     blocks_per_group: int = 1  # block level only
     stream: bool = False  # prefetch the next group on a CUDA side stream (pins a host copy)
     disk: bool = False  # offloaded groups live in files, not host RAM
+
+    @classmethod
+    def parse(cls, label: str) -> Placement:
+        """A placement as plans and worker records spell it: `resident`, `leaf_level+stream`,
+        `block_level(4)`, `block_level(1)+disk`, ...; `ValueError` naming the spellings otherwise."""
+        m = _LABEL.fullmatch(label.strip())
+        if m is None:
+            raise ValueError(
+                f"`{label}` is not a placement: resident, leaf_level, block_level(N), each but resident "
+                "optionally with +stream or +disk"
+            )
+        mode = "resident" if m["mode"] == "resident" else "leaf" if m["mode"] == "leaf_level" else "block"
+        extras = set(filter(None, (m["a"], m["b"])))
+        if mode == "resident" and extras:
+            raise ValueError(f"`{label}`: a resident component is neither streamed nor on disk")
+        return cls(mode, int(m["k"] or 1), "+stream" in extras, "+disk" in extras)
 
     @property
     def label(self) -> str:
@@ -211,25 +235,46 @@ def _call_seconds(
     c: ComponentProfile, p: Placement, prof: PipelineProfile, w: Workload, d: DeviceSpec, batch: int
 ) -> float:
     """Seconds `c` takes in one pipeline call of `batch` images."""
-    forwards = _forwards(c, w, prof)
-    cfg = (2 if w.cfg else 1) + int(w.cfg_calls) if c.per_step else 1
-    slowdown = spec(c.fmt).slowdown if c.fmt != NONE else 1.0  # dequantization (quantize.py's sources)
+    return _call_terms(c, p, prof, w, d, batch).seconds
+
+
+def _flops(c: ComponentProfile, prof: PipelineProfile, w: Workload) -> float:
+    """FLOPs of one forward of `c` for one image (one half of a guidance batch)."""
     tokens = _tokens(c, prof, w)
     flops = 2 * (c.token_params or c.params) * tokens  # a UNet's lower levels run over fewer tokens
     if c.per_step and "Transformer" in c.cls:  # attention over every token in every block (a UNet's runs on
         # its downsampled levels only: not counted): scores and weighted sum, 4 x tokens^2 x width (a clip's dominate)
         flops += 4 * tokens**2 * max(c.hidden, 1) * len(c.blocks)
-    compute = flops * cfg * batch * slowdown / d.flops + FORWARD_SECONDS
+    return flops
+
+
+def _call_terms(
+    c: ComponentProfile, p: Placement, prof: PipelineProfile, w: Workload, d: DeviceSpec, batch: int
+) -> Terms:
+    """`c`'s predicted seconds in one pipeline call of `batch` images, as terms (offload/speed.py):
+    compute at the fitted share of the device's matmul rate; each offloaded group copied at the fitted
+    share of its link rate plus a fixed cost per copy — hidden behind the previous group's compute
+    with streams (all but the first group's, as far as compute lasts), exposed without; a fixed cost
+    per forward."""
+    s, forwards = d.speed, _forwards(c, w, prof)
+    cfg = (2 if w.cfg else 1) + int(w.cfg_calls) if c.per_step else 1
+    slowdown = spec(c.fmt).slowdown if c.fmt != NONE else 1.0  # dequantization (quantize.py's sources)
+    slowdown *= FP32_SLOWDOWN if c.upcast else 1.0  # run in float32 (TF32 convolutions)
+    compute = _flops(c, prof, w) * cfg * batch * slowdown / (d.flops * s.share(kind(c.name, c.per_step)))
+    fixed = s.forward_seconds
     if p.mode == "resident":
-        return forwards * compute
+        return Terms(compute=compute, fixed=fixed).scaled(forwards)
     if p.disk:
-        transfer = c.bytes / min(d.disk_bandwidth, d.bandwidth) + (len(c.blocks) + 1) * SYNC_SECONDS
-        return forwards * (compute + transfer)
-    groups = c.leaves if p.mode == "leaf" else -(-len(c.blocks) // p.blocks_per_group) + 1
-    transfer = c.bytes / d.bandwidth
-    if p.stream:  # prefetch overlaps the next group's copy with this group's compute
-        return forwards * (max(compute, transfer) + transfer / max(groups, 1))
-    return forwards * (compute + transfer + groups * SYNC_SECONDS)
+        groups = len(c.blocks) + 1
+        transfer = c.bytes / min(d.disk_bandwidth, d.bandwidth * s.link) + groups * s.copy_seconds
+        return Terms(compute=compute, transfer_exposed=transfer, fixed=fixed).scaled(forwards)
+    groups = max(c.leaves if p.mode == "leaf" else -(-len(c.blocks) // p.blocks_per_group) + 1, 1)
+    transfer = c.bytes / (d.bandwidth * s.link) + groups * s.copy_seconds
+    if p.stream:  # prefetch overlaps the next group's copy with this group's compute; the first is waited for
+        exposed = max(transfer - compute, 0.0) + transfer / groups
+        exposed = min(exposed, transfer)
+        return Terms(compute, transfer - exposed, exposed, fixed).scaled(forwards)
+    return Terms(compute=compute, transfer_exposed=transfer, fixed=fixed).scaled(forwards)
 
 
 @dataclass(frozen=True)
@@ -246,6 +291,7 @@ class _Option:
     load: int = 0  # host bytes while the pipeline loads (its run-dtype bytes unless its format applies at load)
     fmt: str = NONE  # storage format
     cost: float = 0.0  # seconds, plus QUANTIZED_SHARE of the pipeline's ideal time when quantized
+    terms: Terms = Terms()  # `seconds` split: compute, transfers hidden and exposed, fixed (offload/speed.py)
 
     @property
     def quantized(self) -> bool:
@@ -265,14 +311,24 @@ def _formats(name: str, device: DeviceSpec, w: Workload) -> tuple[str, ...]:
 
 def _ideal(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> float:
     """Seconds per image of the whole pipeline resident, unquantized, at batch 1 (the plans' measure)."""
-    return sum(_call_seconds(prof.variant(n, NONE), Placement("resident"), prof, w, device, 1) for n in prof.components)
+    fixed = device.speed.call_seconds + device.speed.image_seconds  # the call's own (planner.py `_with_call_costs`)
+    return fixed + sum(
+        _call_seconds(prof.variant(n, NONE), Placement("resident"), prof, w, device, 1) for n in prof.components
+    )
 
 
 def _options(
-    name: str, prof: PipelineProfile, device: DeviceSpec, w: Workload, batch: int, ideal: float | None = None
+    name: str,
+    prof: PipelineProfile,
+    device: DeviceSpec,
+    w: Workload,
+    batch: int,
+    ideal: float | None = None,
+    placement: Placement | None = None,
 ) -> list[_Option]:
     """The component's candidate (format, placement) pairs at `batch`, without those another beats
-    on every count (cost included: a quantized one pays QUANTIZED_SHARE of `ideal` per image)."""
+    on every count (cost included: a quantized one pays QUANTIZED_SHARE of `ideal` per image).
+    `placement`: that placement only, in each format (a plan given, `fleetgen plan --placement`)."""
     penalty = QUANTIZED_SHARE * (_ideal(prof, device, w) if ideal is None else ideal) * batch
     out = []
     for fmt in _formats(name, device, w):
@@ -286,7 +342,7 @@ def _options(
         # phased: resident in its phase, it moves on and off the device once per chunk (this call's share)
         swapped = c.bytes * batch // w.swap_chunk if w.swap_chunk else 0
         swap = 2 * swapped / device.bandwidth
-        for p in _candidates(c, device, w.offload):
+        for p in [placement] if placement is not None else _candidates(c, device, w.offload):
             off = p.mode != "resident"
             pinned = (c.pinned or c.bytes) if p.stream else 0  # the pinned copy is the host copy with streams
             out.append(
@@ -297,11 +353,16 @@ def _options(
                     # a phase's resident component keeps its host copy while it is off the device
                     host=pinned or (c.bytes if (off and not p.disk) or (not off and w.swap_chunk) else 0),
                     pinned=pinned,
-                    seconds=(seconds := _call_seconds(c, p, prof, w, device, batch) * share + swap * (not off)),
+                    terms=(
+                        terms := _call_terms(c, p, prof, w, device, batch).scaled(share) + Terms(0, 0, swap * (not off))
+                    ),
+                    seconds=(seconds := terms.seconds),
                     moved=int(c.bytes * forwards) if off else swapped,
                     load=load,
                     fmt=fmt,
                     cost=seconds + (penalty if fmt != NONE else 0.0),
                 )
             )
+    if placement is not None:
+        return out
     return [o for o in out if not any(x.dominates(o) for x in out)]

@@ -2,16 +2,14 @@
 from the vendors' datasheets, instead of one default for every card. Workers never use this table:
 each measures its own device (workers/pipeline/probe.py).
 
-The planner's figures are effective ones, what a diffusion pipeline gets, not peaks:
-- compute: `COMPUTE_EFFICIENCY` × the dense bf16 peak. Calibrated on the published resident timings
-  of FLUX.1-dev at 1024², 50 steps, batch 1 on an H100 SXM: 12 s (Hugging Face blog
-  "diffusers-quantization") and 9.3 s (cache-dit's NVIDIA_GPU benchmark) are what the cost model
-  (offload/cost.py) predicts at 0.46 and 0.60 of 989 TFLOP/s; 0.55 is used (it predicts 10.1 s).
-  BENCHMARKS.md ("Planned beside published") sets the predictions against the other published
-  figures, which were not used to calibrate.
+The planner's figures are what a worker's probe would read (workers/pipeline/probe.py), not peaks:
+- compute: `MATMUL_SHARE` × the dense bf16 peak, the rate of one large matmul (8192³ bf16 ran at
+  769-798 TFLOP/s on the H100 and H200 machines fleetgen was checked on, of 989). What share of it a
+  pipeline's own work achieves is the fitted speed model's (offload/speed.py, BENCHMARKS.md "The speed
+  model fitted").
 - host link: `LINK_EFFICIENCY` × the PCIe x16 rate per direction (gen4 31.5 GB/s, gen5 63 GB/s):
-  pinned host-to-device copies reach about 80 % of it. An assumption, not a measurement of ours;
-  workers measure their own link.
+  a large pinned host-to-device copy reaches about 80 % of it (an assumption; workers measure their
+  own link, and the speed model's `link` share is fitted on top of it).
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ GIB = 1 << 30
 # `--gpu`): the planner then compares plans by bytes moved, as a PCIe-4 GPU would see them.
 ASSUMED_BANDWIDTH = 20e9  # bytes/s host→device
 ASSUMED_FLOPS = 100e12  # FLOP/s
-COMPUTE_EFFICIENCY = 0.55
+MATMUL_SHARE = 0.8
 LINK_EFFICIENCY = 0.8
 PCIE_GEN4 = 31.5  # GB/s per direction, x16
 PCIE_GEN5 = 63.0
@@ -47,8 +45,8 @@ class Gpu:
 
     @property
     def flops(self) -> float:
-        """Effective FLOP/s the planner assumes."""
-        return self.bf16_tflops * 1e12 * COMPUTE_EFFICIENCY
+        """FLOP/s of a large bf16 matmul, as a worker's probe would measure it."""
+        return self.bf16_tflops * 1e12 * MATMUL_SHARE
 
     @property
     def bandwidth(self) -> float:

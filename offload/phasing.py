@@ -132,7 +132,17 @@ def phased_plan(prof: PipelineProfile, device: DeviceSpec, w: Workload, plan) ->
         cost_per_image=sum(p.cost_per_image for p in plans),
         phases=parts,
         chunk=chunk,
+        terms=_merged([p.terms for p in plans]),
     )
+
+
+def _merged(each: list[dict]) -> dict:
+    """The phases' terms per image as one plan's: each component's from its phase, the calls' own summed."""
+    out: dict = {}
+    for terms in each:
+        for name, t in terms.items():
+            out[name] = out[name] + t if name in out else t
+    return out
 
 
 def _phase_plans(prof, parts, device: DeviceSpec, work: Workload, plan) -> list:

@@ -35,6 +35,7 @@ from fleetgen.offload.cost import (
 )
 from fleetgen.offload.phasing import PHASES_CHOICES, phased_plan, split
 from fleetgen.offload.search import _combos
+from fleetgen.offload.speed import Terms
 from fleetgen.offload.weight_formats import NONE, QuantizeSpec
 from fleetgen.units import format_size
 
@@ -68,6 +69,9 @@ class OffloadPlan:
     # `resident` in a phased plan is on the device during its phase only.
     phases: tuple[tuple[str, ...], ...] = ()
     chunk: int = 0  # phased: images per chunk (one swap of the phases' resident components)
+    # predicted seconds per image split per component (and `pipeline`: a call's own fixed cost) into
+    # compute, transfers hidden and exposed, and fixed overheads (offload/speed.py): what a measurement is set beside
+    terms: dict[str, Terms] = field(default_factory=dict)
 
     @property
     def modes(self) -> dict[str, str]:
@@ -89,7 +93,13 @@ class OffloadPlan:
             "formats": dict(self.formats),
             "load_host_bytes": self.load_bytes,
             **({"phases": [list(p) for p in self.phases], "chunk_images": self.chunk} if self.phases else {}),
+            **({"predicted_terms": {n: t.to_dict() for n, t in self.terms.items()}} if self.terms else {}),
         }
+
+    @property
+    def key(self) -> tuple:
+        """What makes two plans the same plan: placements, formats, batch, phases."""
+        return (tuple(sorted(self.modes.items())), tuple(sorted(self.formats.items())), self.batch_size, self.phases)
 
 
 @dataclass(frozen=True)
@@ -140,9 +150,12 @@ def _search(tables: list[list[list[_Option]]], limit: float, host_budget: float,
         if found is None or c.key < found.key:
             found = c
 
-    policies = list(dict.fromkeys(o.fmt for opts in tables[0] for o in opts))  # the run dtype first
+    first = next((t for t in tables if any(t)), tables[0])  # (a batch asked for: the others' tables are empty)
+    policies = list(dict.fromkeys(o.fmt for opts in first for o in opts))  # the run dtype first
     for batch in range(len(tables), 0, -1):
         options = tables[batch - 1]
+        if not all(options):
+            continue  # a batch size left out (`per_batch_plan`'s `batch`)
         # Quick feasible plans bound the search: per format (every component in it where it can
         # be), all resident where that fits (usually the fastest), else offloading the largest first.
         for fmt in policies:
@@ -165,16 +178,32 @@ def _search(tables: list[list[list[_Option]]], limit: float, host_budget: float,
     return found
 
 
-def plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> OffloadPlan:
+def plan(
+    prof: PipelineProfile, device: DeviceSpec, w: Workload, given: dict | None = None, batch: int | None = None
+) -> OffloadPlan:
     """The fastest predicted plan whose peak fits `device.budget` and whose host copies (and the
     weights while loading) fit `device.host_budget`; `OffloadError` when none does. Per batch or
     phased (offload/phasing.py), as `w.phases` asks: under `auto` phased only where it is predicted
-    cheaper per image, and the reason says both."""
+    cheaper per image, and the reason says both. `given` ({component: Placement}, the others
+    resident) and `batch`: that plan predicted (`fleetgen plan --placement --batch`), or why it does
+    not fit."""
     if w.phases not in PHASES_CHOICES:
         raise OffloadError(f"`--phases` must be one of {', '.join(PHASES_CHOICES)}; got `{w.phases}`.")
     per_batch = failed = None
+
+    def per_batch_of(prof, device, w):
+        if given is None:
+            return per_batch_plan(prof, device, w, batch)
+        return given_plan(prof, device, w, {n: p for n, p in given.items() if n in prof.components}, batch)
+
+    if given is not None:
+        unknown = sorted(set(given) - set(prof.components))
+        if unknown:
+            raise OffloadError(
+                f"no component {', '.join(unknown)} in {prof.model}: it has {', '.join(prof.components)}"
+            )
     try:
-        per_batch = per_batch_plan(prof, device, w)
+        per_batch = per_batch_of(prof, device, w)
     except OffloadError as err:
         failed = err
     if (
@@ -186,7 +215,7 @@ def plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> OffloadPlan:
             raise failed
         return per_batch
     try:
-        phased = phased_plan(prof, device, w, per_batch_plan)
+        phased = phased_plan(prof, device, w, per_batch_of)
     except OffloadError as err:
         if failed is not None:
             raise failed from None
@@ -202,8 +231,13 @@ def plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> OffloadPlan:
     return replace(per_batch, reason=f"{per_batch.reason}; not phased: predicted {ratio:.2f}x these images/s")
 
 
-def per_batch_plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> OffloadPlan:
-    """The fastest plan calling the whole pipeline per batch (`plan`'s per-batch half)."""
+def per_batch_plan(
+    prof: PipelineProfile, device: DeviceSpec, w: Workload, batch: int | None = None, given: dict | None = None
+) -> OffloadPlan:
+    """The fastest plan calling the whole pipeline per batch (`plan`'s per-batch half); `batch`: at
+    that batch size only; `given`: {component: Placement} placed so (`given_plan`)."""
+    if given is not None:
+        return given_plan(prof, device, w, given, batch)
     if w.offload not in OFFLOAD_CHOICES:
         raise OffloadError(f"`--offload` must be one of {', '.join(OFFLOAD_CHOICES)}; got `{w.offload}`.")
     beside, whole = device.beside, device.budget  # the scorers: resident beside the pipeline in every call
@@ -214,9 +248,14 @@ def per_batch_plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> Of
     limit, inf = device.budget * (1 - MARGIN), float("inf")
     resident_ref = _ideal(prof, device, w)
     tables = [[_options(n, prof, device, w, b, resident_ref) for n in names] for b in range(1, w.max_batch + 1)]
+    tables = [_with_call_costs(t, b, device) for b, t in enumerate(tables, 1)]
     _check_loading(tables[0], device, w)
+    if batch is not None:  # the other batch sizes' options left out: `_search` skips an empty table
+        tables = [t if b == batch else [[] for _ in names] for b, t in enumerate(tables, 1)]
     best = _search(tables, limit, device.host_budget, inf)
     if best is None:
+        if batch is not None:
+            raise OffloadError(f"Nothing fits at batch {batch} on {device.name or 'the device'} (device memory binds)")
         raise _nothing_fits(prof, device, w, tables[0])
     # A budget binds when lifting it alone finds a faster plan.
     faster = {
@@ -247,7 +286,139 @@ def per_batch_plan(prof: PipelineProfile, device: DeviceSpec, w: Workload) -> Of
         formats=formats,
         load_bytes=sum(o.load for o in best.combo),
         cost_per_image=best.cost,
+        terms=_terms(names, best.combo, best.batch, device),
     )
+
+
+def _with_call_costs(options: list[list[_Option]], batch: int, device: DeviceSpec) -> list[list[_Option]]:
+    """A batch's options with the pipeline call's own fixed costs (offload/speed.py: per call, and per
+    image of it) in the first component's seconds and cost: once per plan, whatever its placements,
+    so that the search compares whole calls; `_terms` shows them apart, as `pipeline`."""
+    fixed = device.speed.call_seconds + device.speed.image_seconds * batch
+    if not options or not fixed:
+        return options
+    first = [replace(o, seconds=o.seconds + fixed, cost=o.cost + fixed) for o in options[0]]
+    return [first, *options[1:]]
+
+
+def _terms(names: list[str], combo: tuple[_Option, ...], batch: int, device: DeviceSpec) -> dict[str, Terms]:
+    """Per image: each component's terms, and the pipeline call's own fixed cost."""
+    terms = {n: o.terms.scaled(1 / batch) for n, o in zip(names, combo, strict=True)}
+    return {**terms, "pipeline": Terms(fixed=device.speed.call_seconds / batch + device.speed.image_seconds)}
+
+
+def given_plan(
+    prof: PipelineProfile, device: DeviceSpec, w: Workload, given: dict, batch: int | None = None
+) -> OffloadPlan:
+    """The plan that places each component as `given` says ({component: Placement}; the others
+    resident), per batch, at `batch` (else the fastest batch up to `w.max_batch` that fits), predicted
+    as the planner predicts its own; `OffloadError` saying in one line why it does not fit."""
+    unknown = sorted(set(given) - set(prof.components))
+    if unknown:
+        raise OffloadError(f"no component {', '.join(unknown)} in {prof.model}: it has {', '.join(prof.components)}")
+    placements = {n: given.get(n, Placement("resident")) for n in prof.components}
+    for n, p in placements.items():
+        why = _not_offered(prof.components[n], p, device)
+        if why:
+            raise OffloadError(f"{n} {p.label}: {why}")
+    beside, whole = device.beside, device.budget
+    if beside:
+        device = replace(device, budget=max(device.budget - beside, 0), beside=0)
+    limit = device.budget * (1 - MARGIN)
+    ideal = _ideal(prof, device, w)
+    names = list(prof.components)
+    best = over = None
+    for b in [batch] if batch else range(w.max_batch, 0, -1):
+        combo = []
+        for n in names:
+            options = _options(n, prof, device, w, b, ideal, placements[n])
+            if not options:
+                raise OffloadError(f"{n} {placements[n].label}: its storage format refuses this placement")
+            combo.append(options)
+        combo = [min(options, key=lambda o: o.cost) for options in _with_call_costs(combo, b, device)]
+        c = _scored(tuple(combo), b)
+        load = sum(o.load for o in c.combo)
+        if c.peak > limit or c.host > device.host_budget or load > device.host_budget:
+            over = over or (c, load)
+            continue
+        if best is None or c.cost < best.cost:
+            best = c
+    if best is None:
+        c, load = over
+        if c.host > device.host_budget or load > device.host_budget:
+            held = max(c.host, load)
+            raise OffloadError(
+                f"does not fit (host RAM binds): it holds {format_size(held)} in host RAM, more than the "
+                f"{format_size(device.host_budget)} host budget"
+            )
+        at = f"at batch {c.batch}" if batch else "even at batch 1"
+        raise OffloadError(
+            f"does not fit (device memory binds): {at} its predicted peak is {format_size(c.peak)}, more than the "
+            f"{format_size(limit)} usable of {format_size(device.budget)}"
+        )
+    formats = {n: o.fmt for n, o in zip(names, best.combo, strict=True) if o.quantized}
+    modes = ", ".join(f"{n} {p.label}" for n, p in placements.items() if p.mode != "resident") or "all resident"
+    return OffloadPlan(
+        placements=placements,
+        batch_size=best.batch,
+        peak_bytes=int(best.peak),
+        host_bytes=best.host,
+        pinned_bytes=sum(o.pinned for o in best.combo),
+        moved_per_image=best.moved,
+        seconds_per_image=best.seconds,
+        relative_speed=ideal / best.seconds,
+        budget=whole,
+        reason=f"as given ({modes}), batch {best.batch}; predicted peak {format_size(best.peak)} "
+        f"({format_size(limit)} usable of {format_size(device.budget)})",
+        formats=formats,
+        load_bytes=sum(o.load for o in best.combo),
+        cost_per_image=best.cost,
+        terms=_terms(names, best.combo, best.batch, device),
+    )
+
+
+def _not_offered(c, p: Placement, device: DeviceSpec) -> str | None:
+    """Why the planner never places `c` so (None: it may)."""
+    if p.mode == "resident":
+        return None
+    if p.stream and not device.streams:
+        return "streams need a CUDA device"
+    if p.stream and c.upcast:
+        return "the pipeline upcasts it to float32, and a stream would copy its float16 weights back"
+    if p.mode == "block" and not c.blocks:
+        return "it has no blocks to group (use leaf_level)"
+    if p.disk and p.mode == "leaf":
+        return "leaf level on disk corrupts tied weights; use block_level(1)+disk"
+    if p.disk and c.adapters:
+        return "LoRA layers offloaded to disk compute wrong images"
+    return None
+
+
+def candidates(
+    prof: PipelineProfile, device: DeviceSpec, w: Workload, best: OffloadPlan, k: int = 3
+) -> list[OffloadPlan]:
+    """The plans worth timing beside `best` (the model's choice), fastest predicted first, `best`
+    first among equals: the best plan at each batch size and the best all resident, per batch;
+    `best`'s own placements at each smaller batch. At most `k`, `best` always among them."""
+    found = {best.key: best}
+    work = replace(w, phases="off")
+
+    def add(make) -> None:
+        try:
+            p = make()
+        except OffloadError:
+            return
+        found.setdefault(p.key, p)
+
+    for b in range(1, w.max_batch + 1):
+        add(lambda b=b: per_batch_plan(prof, device, work, batch=b))
+        if w.offload == "auto":  # `--offload` given is the user's: every candidate keeps it
+            add(lambda b=b: per_batch_plan(prof, device, replace(work, offload="none"), batch=b))
+        if not best.phases:
+            add(lambda b=b: given_plan(prof, device, work, best.placements, b))
+    ranked = sorted(found.values(), key=lambda p: (p.cost_per_image, p is not best))
+    keep = [p for p in ranked if p is not best][: k - 1]
+    return sorted([best, *keep], key=lambda p: (p.cost_per_image, p is not best))
 
 
 def _check_loading(options: list[list[_Option]], device: DeviceSpec, w: Workload) -> None:

@@ -25,7 +25,7 @@ def worker_info(spec: WorkerSpec, fitted: FittedPipeline, load_seconds: float) -
         "device": describe_device(fitted.device),
         "dtype": str(fitted.dtype).removeprefix("torch."),
         "torch_threads": torch.get_num_threads(),
-        "plan": fitted.plan.to_dict(),
+        "plan": {**fitted.plan.to_dict(), **fitted.choice},
         # {component: storage format}: the job's `--quantize` mapping, or what `auto` chose here
         "quantized": dict(fitted.quantized),
         "weight_bytes": fitted.weight_bytes,  # per component, measured from the live modules
@@ -49,7 +49,7 @@ def describe(info: dict, fitted: FittedPipeline, stats: dict) -> dict:
     offload["transfer_seconds_estimated"] = round(moved / fitted.probe["bandwidth"], 4)
     return {
         **info,
-        "plan": fitted.plan.to_dict(),
+        "plan": {**fitted.plan.to_dict(), **fitted.choice},
         "quantized": dict(fitted.quantized),  # a step-down under `auto` may have added one
         "weight_bytes": fitted.weight_bytes,
         "batch_size": fitted.batch_size,

@@ -359,7 +359,15 @@ class Fit:
     strict_prompts: bool = setting(
         False, "a prompt longer than the text encoder takes is an error row (default: truncate, noted per row)"
     )
+    plan_trials: str = setting(
+        "auto",
+        "time the plans the model ranks closest on the worker's own device, a few denoiser steps each with the "
+        "job's shapes, and keep the fastest measured; once per device kind, shared through the output (default "
+        "auto: where the best are closer than the speed model's error; keeps pixels)",
+        choices=("auto", "on", "off"),
+    )
     plan_size: tuple[int, int] | None = None  # the largest (width, height) of the job, planned for (the driver's)
+    shard_images: int = 0  # images in a shard (the driver's): what the plan trials' cap is a share of
 
     def __post_init__(self) -> None:
         for name in ("gpu_memory", "host_memory"):  # as typed (`24GiB`), or bytes

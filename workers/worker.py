@@ -109,7 +109,7 @@ class Worker:
             torch.set_num_threads(spec.threads)
         self.output = Output(spec.output)
         with paused_gc():  # a pipeline's first load imports most of diffusers and transformers
-            self.fitted = FittedPipeline(spec.source, spec.settings, spec.fit, spec.name, pipe)
+            self.fitted = FittedPipeline(spec.source, spec.settings, spec.fit, spec.name, pipe, self.output)
         scores = spec.settings.score
         self.scoring = Scoring(scores, self.fitted.device, self.fitted.dtype) if scores else None
         self.recipe = spec.settings.recipe(self.fitted.size_multiple)

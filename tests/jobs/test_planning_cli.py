@@ -60,13 +60,13 @@ def test_plan_for_a_named_gpu_takes_its_memory_throughput_and_link(capsys):
     (offload/devices.py), so a transformer streamed every step predicts a real slowdown there, where
     the old defaults (100 TFLOP/s, 20 GB/s) predicted nearly none; `--gpu-memory` still sets the budget."""
     from fleetgen.cli import main
-    from fleetgen.offload.devices import COMPUTE_EFFICIENCY, GPUS
+    from fleetgen.offload.devices import GPUS, MATMUL_SHARE
 
     base = ["plan", "--model", "flux.1-dev", "--steps", "50", "--max-batch", "1", "--host-memory", "128GiB", "--json"]
     assert main([*base, "--gpu", "h100-sxm"]) == 0
     card = json.loads(capsys.readouterr().out)
     assert card["gpu"] == "H100" and [r["gpu_memory"] for r in card["plans"]] == ["80GiB"]
-    assert card["flops"] == GPUS["H100"].bf16_tflops * 1e12 * COMPUTE_EFFICIENCY
+    assert card["flops"] == GPUS["H100"].bf16_tflops * 1e12 * MATMUL_SHARE
     assert card["bandwidth_bytes_per_s"] == GPUS["H100"].bandwidth
     resident = card["plans"][0]["predicted_seconds_per_image"]
     assert 8 < resident < 13  # published: 12 s (HF blog) and 9.3 s (cache-dit) on an H100 (BENCHMARKS.md)
@@ -76,7 +76,10 @@ def test_plan_for_a_named_gpu_takes_its_memory_throughput_and_link(capsys):
     assert small["predicted_relative_speed"] < 0.6  # streaming 22 GiB a step over PCIe costs on a fast card
     assert main([*base, "--gpu-memory", "16GiB"]) == 0
     default = json.loads(capsys.readouterr().out)
-    assert default["gpu"] is None and default["plans"][0]["predicted_relative_speed"] > 0.85
+    # the defaults' slow compute hides more of the same transfers
+    assert (
+        default["gpu"] is None and default["plans"][0]["predicted_relative_speed"] > small["predicted_relative_speed"]
+    )
 
 
 def test_an_unknown_gpu_or_no_budget_is_one_line_with_exit_2(capsys):
@@ -104,7 +107,7 @@ def test_scorers_are_planned_beside_the_pipeline():
     assert held == int((428_000_000 + 986_000_000) * 2 * 1.25) and alone.summary["scorers"] is None
     a, s = alone.rows[0], scored.rows[0]
     assert a["budget_bytes"] == s["budget_bytes"] == 24 * 2**30  # the whole card's, as a leaner plan steps down from
-    assert s["batch_size"] < a["batch_size"] and s["peak_bytes"] <= 24 * 2**30 * 0.9 - held
+    assert s["batch_size"] < a["batch_size"] and s["peak_bytes"] <= (24 * 2**30 - held) * 0.9
     assert f"the scorers hold {held / 2**30:.1f} GiB beside the pipeline" in s["reason"]
     assert "scorers clip, pickscore: 3.3 GiB on the device once the pipeline has decoded" in scored.text()
 

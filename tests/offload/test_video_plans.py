@@ -15,7 +15,7 @@ from fleetgen.jobs.planning import plan_rows, plan_workload
 from fleetgen.latents import expert_shares, latent_frames, vae_temporal
 from fleetgen.offload import DeviceSpec, Workload, plan, profile_modules
 from fleetgen.offload.architectures import build_on_meta, pipeline_settings
-from fleetgen.offload.cost import FORWARD_SECONDS, Placement, _activations, _call_seconds, _forwards, _tokens
+from fleetgen.offload.cost import Placement, _activations, _call_seconds, _forwards, _tokens
 
 BUDGETS = ["16GiB", "24GiB", "48GiB", "80GiB", "141GiB"]
 
@@ -158,5 +158,5 @@ def test_ltx2_is_planned_from_its_published_configs_with_every_pass_counted():
     model = profile_modules("ltx-2", build_on_meta("ltx-2"), torch.bfloat16)
     device, t, resident = DeviceSpec(141 << 30, 128 << 30), model.components["transformer"], Placement("resident")
     steps = [_call_seconds(t, resident, model, replace(work, cfg_calls=n), device, 1) for n in (2, 0)]
-    per_step = [(s / _forwards(t, work, model) - FORWARD_SECONDS) for s in steps]
+    per_step = [(s / _forwards(t, work, model) - device.speed.forward_seconds) for s in steps]
     assert per_step[0] == pytest.approx(2 * per_step[1])

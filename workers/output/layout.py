@@ -20,6 +20,7 @@ LOCK = "_LOCK"  # the running driver's name and heartbeat (jobs/lock.py)
 CARD = "README.md"  # the dataset card (jobs/dataset.py), rewritten at the end of every run
 COUNTS_INDEX = "counts.parquet"  # per committed shard: its counts, keyed by the manifest's version (jobs/state.py)
 WIDS_INDEX = "wids-index.json"  # webdataset output: every shard's URL and sample count, for `wids`
+PLANS = "plans"  # per device kind: the plan its first worker measured fastest, reused by the others (workers/pipeline/trials.py)
 FLEET = "fleet.json"  # the workers as the driver last saw them, and the latest fleet events (jobs/fleet.py)
 
 IMAGE_FORMATS = {"png": "png", "jpeg": "jpg", "webp": "webp"}  # --image-format -> file extension

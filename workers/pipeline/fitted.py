@@ -19,6 +19,7 @@ from fleetgen.offload.quantize import held, load_config, quantize
 from fleetgen.offload.weight_formats import describe, pinned_gguf, runnable, spec, unavailable
 from fleetgen.workers.families.table import FAMILIES, GENERIC, Family
 from fleetgen.workers.output.made import Made
+from fleetgen.workers.pipeline import trials
 from fleetgen.workers.pipeline.applied import Applied
 from fleetgen.workers.pipeline.caching import cache_refusal
 from fleetgen.workers.pipeline.calls import Calls, as_task, warm_up_input
@@ -51,10 +52,18 @@ class FittedPipeline:
     the device runs out of memory."""
 
     def __init__(
-        self, source: Source, settings: GenerationSettings, fit: Fit | None = None, tag: str = "worker", pipe=None
+        self,
+        source: Source,
+        settings: GenerationSettings,
+        fit: Fit | None = None,
+        tag: str = "worker",
+        pipe=None,
+        output=None,
     ):
         """`pipe`: a pipeline already built (bench/gpu_check.py's random weights at real sizes)
-        instead of loading `source.model`; `close()` leaves it as it came (no offloading hooks)."""
+        instead of loading `source.model`; `close()` leaves it as it came (no offloading hooks).
+        `output`: the job's output (workers/output/storage.py), where workers of one device kind share
+        the plan their trials measured fastest (workers/pipeline/trials.py)."""
         self.source, self.settings, self.fit, self.tag = source, settings, fit or Fit(), tag
         self.workload = settings.workload(
             self.fit.max_batch, self.fit.offload, self.fit.plan_size, phases=self.fit.phases
@@ -68,6 +77,8 @@ class FittedPipeline:
         self.step_downs: list[dict] = []
         self._pending: list[tuple] = []  # (phases, batch key, its Made records, to pictures): for `decode()`
         self.seconds = 0.0  # wall time in pipeline calls
+        self.warm_seconds: float | None = None  # the warm-up's seconds for its one image (CUDA, compiled)
+        self.choice: dict = {"chosen_by": "model"}  # how the plan was chosen (workers/pipeline/trials.py)
         at_load = self._formats_at_load()
         self.pipe = pipe if pipe is not None else self._load(at_load)
         self._prepare(at_load)
@@ -85,6 +96,7 @@ class FittedPipeline:
         )
         try:
             self._apply()
+            self.choice = trials.choose(self, trials.Shared(output, trials.kind_of(self)) if output else None)
         except BaseException:
             # A pipeline that cannot start leaves a pipeline it was given as it came (no hooks, on the CPU):
             # the next plan applied to it must not find this one's hooks.
@@ -309,19 +321,15 @@ class FittedPipeline:
                 def call(blank=blank):
                     return self.calls.kwargs(["warm up"] * images, [None] * images, look, generator=None, inputs=blank)
 
+                started = time.perf_counter()
                 with components_dtypes_kept(self.pipe), self._cache_context():
                     self._run(("warm up",) * images, call)
                     if self.deferred:  # its decode too, with the VAE alone on the device
                         self.phases.enter(len(self.phases.resident) - 1)
                         self.phases.decoded(("warm up",) * images)
                         self.phases.pending.clear()
-                if self.cache is not None:
-                    self.cache.take()  # the warm-up's skips are no image's
-                if self.phases is not None:
-                    self.phases.reset()  # nor its encodes
-                self.offload_stats.reset()  # nor its transfers (the stats' bytes ÷ the shards' seconds)
-                if self.device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(self.device)
+                self.warm_seconds = (time.perf_counter() - started) / images
+                self.settled()
                 return
             except Exception as err:  # noqa: BLE001 - an OOM and a failed compile are handled; the rest is raised
                 if self.applied.compiling() and is_compile_error(err):
@@ -373,6 +381,50 @@ class FittedPipeline:
             return leaner_plan(self.profile, self.plan, work, device, self.plan.phases[self.phases.failed])
         except FleetgenError:
             return leaner_plan(self.profile, self.plan, replace(work, phases="off"), device)
+
+    def settled(self) -> None:
+        """What a warm-up (or a plan trial) did is no shard's: its cache skips, encodes, transfers and peak."""
+        if self.cache is not None:
+            self.cache.take()  # the warm-up's skips are no image's
+        if self.phases is not None:
+            self.phases.reset()  # nor its encodes
+        self.offload_stats.reset()  # nor its transfers (the stats' bytes ÷ the shards' seconds)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def switch(self, new_plan: OffloadPlan, warm: bool = True) -> None:
+        """Run `new_plan` from now on (a plan measured faster, or another worker's of this kind): applied,
+        then warmed up (its transfers and peak not counted as the shards')."""
+        self._reapply(new_plan)
+        self.plan = new_plan
+        self.batch_size = new_plan.batch_size if self.task.batched else 1
+        if warm:
+            w = self.workload
+            frames = (("num_frames", w.frames),) if w.frames else ()
+            self._warm_up(Look(w.width, w.height, w.steps, self.settings.guidance, extra=frames))
+
+    def timed_call(self, images: int, steps: int) -> float:
+        """Seconds of one pipeline call of `images` at the job's shapes and `steps` denoising steps, with
+        the current plan; nothing kept (a plan trial's: workers/pipeline/trials.py)."""
+        w = self.workload
+        frames = (("num_frames", w.frames),) if w.frames else ()
+        look = Look(w.width, w.height, steps, self.settings.guidance, extra=frames)
+        blank = [[warm_up_input(r, look.width, look.height) for r in self.calls.roles()]] * images
+        kwargs = self.calls.kwargs(["plan trial"] * images, [None] * images, look, generator=None, inputs=blank)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        started = time.perf_counter()
+        with components_dtypes_kept(self.pipe), torch.no_grad():
+            self.pipe(**kwargs)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - started
+
+    def recover(self) -> None:
+        """After an out-of-memory error outside a shard (a plan trial's): what it held let go."""
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _reapply(self, new_plan: OffloadPlan) -> None:
         """Another plan: compilation, cache and offload hooks off, the weights in the new plan's formats,
