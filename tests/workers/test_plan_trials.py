@@ -113,7 +113,8 @@ def test_the_cap_holds(tiny_model, tmp_path):
     w = worker(tiny_model, tmp_path, pipe=slowed(tiny_model), shard_images=2)
     plan = plan_of(w)
     assert len(plan["trials"]) == 1 and plan["cap_seconds"] < plan["trials"][0]["seconds"]
-    assert plan["batch_size"] == 4  # nothing else timed: the model's plan stays
+    assert plan["trials_cut"] == "2 of 3 left untimed by the cap (5% of a shard)"
+    assert plan["batch_size"] == 4 and plan["chosen_by"] == "model"  # nothing else timed: the model's plan stays
     w.close()
 
 

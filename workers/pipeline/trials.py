@@ -206,12 +206,16 @@ def _measure(f: FittedPipeline, pool: list[OffloadPlan]) -> dict:
         f.switch(keep)
     else:
         f.settled()
-    return {
-        "chosen_by": "measured" if best is not None else "model",
+    compared = len(timed) > 1 or (timed and len(trials) > 1)  # another plan timed, or failed where it ran
+    out = {
+        "chosen_by": "measured" if compared else "model",
         "trials": [t.to_dict() for t in trials],
         "trial_seconds": time.perf_counter() - started,
         "cap_seconds": cap,
     }
+    if len(trials) < len(pool):
+        out["trials_cut"] = f"{len(pool) - len(trials)} of {len(pool)} left untimed by the cap ({SHARE:.0%} of a shard)"
+    return out
 
 
 def _time(f: FittedPipeline, plan: OffloadPlan) -> Trial:
