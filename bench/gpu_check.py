@@ -225,7 +225,9 @@ class Run:
         cache: str = "none",
         **speed,
     ) -> tuple[Worker, list]:
-        """`speed`: the worker's own speed settings (`compile`, `attention`)."""
+        """`speed`: the worker's own speed settings (`compile`, `attention`, `plan_trials`: off unless a
+        sweep row asks, so that the other rows measure the model's own plan)."""
+        speed = {"plan_trials": "off", **speed}
         self.count += 1
         shards, columns = write_prompts(self.tmp / f"{self.model}-{self.count}.parquet", images)
         spec = WorkerSpec.of(
@@ -306,6 +308,8 @@ class Run:
             compiled=info["compile"],  # modes, compile seconds, graphs, breaks; why taken off if it was
             attention_kernel=info["attention"],  # the kernel and, under auto, each one measured
             phased=info["phases"],  # chunks, prompts encoded, the device's peak per phase (CUDA)
+            chosen_by=plan.get("chosen_by"),  # model | measured | shared (workers/pipeline/trials.py)
+            trials=plan.get("trials"),  # the candidates a sweep row's worker timed: modes, batch, measured
         )
         if predicted_peak and allocated:
             row["measured_over_predicted_peak"] = round(allocated / predicted_peak, 3)
@@ -399,6 +403,27 @@ def phased_rows(run: Run, results, started: float) -> None:
             row = run.measure(f"{name} {label}", "auto", budget, phases=phases)
         except Exception as err:  # noqa: BLE001 - recorded; the next row runs
             row = {"model": run.model, "run": f"{name} {label}", "budget_bytes": budget, **failure(err)}
+            run.limit(None)
+        results.add(row)
+
+
+SWEEP_SHARD = 1000  # images a sweep worker counts its shard as: its trials' cap then times three candidates
+
+
+def sweep_rows(run: Run, jobs: list, results, started: float) -> None:
+    """The plan sweep: per budget, a worker with `--plan-trials on` times the model's three best plans
+    on this device (each candidate's seconds per image in the row's `trials`), keeps the fastest, and
+    makes the shard with it. Its rows feed bench/fit_speed.py. A dry run sweeps its first budget only."""
+    budgets = [j for j in jobs if j[2] is not None]
+    for label, offload, budget in budgets[:1] if run.args.dry else budgets:
+        name = f"trials {label}"
+        if time.perf_counter() - started > run.args.time_limit:
+            results.add({"model": run.model, "run": name, "skipped": f"--time-limit {run.args.time_limit:g} s reached"})
+            continue
+        try:
+            row = run.measure(name, offload, budget, plan_trials="on", shard_images=SWEEP_SHARD)
+        except Exception as err:  # noqa: BLE001 - recorded; the next row runs
+            row = {"model": run.model, "run": name, "budget_bytes": budget, **failure(err)}
             run.limit(None)
         results.add(row)
 
@@ -699,6 +724,7 @@ def main() -> None:
                 elif resident.get("images_per_second") and row.get("images_per_second"):
                     row["vs_resident"] = round(row["images_per_second"] / resident["images_per_second"], 3)
                 results.add(row)
+            sweep_rows(run, jobs, results, started)
             phased_rows(run, results, started)
             speed_rows(run, jobs, results, started)
             quantized_rows(run, jobs, denoiser, resident, results, started)

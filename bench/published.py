@@ -3,8 +3,9 @@ predicted peak and seconds per image against what others measured with diffusers
 
     python bench/published.py [--json out.json]
 
-Only FLUX.1-dev's H100 timings calibrated the planner's compute efficiency (offload/devices.py); the
-other rows are checks it was not fitted to.
+These rows are among those the speed model is fitted to (bench/fit_speed.py, offload/speed.json), beside
+the rows measured on a GPU; the fit's leave-one-model-out error says how well a model it was not fitted
+to is predicted.
 """
 
 from __future__ import annotations

@@ -107,7 +107,9 @@ def phased_plan(prof: PipelineProfile, device: DeviceSpec, w: Workload, plan) ->
         if fits >= chunk:
             break
         chunk = fits
-    seconds = sum(p.seconds_per_image for p in plans)  # each phase's plan counts its swaps
+    # each phase's plan counts its swaps, and its calls' own costs; an image's own (its post-processing) is once
+    repeated = (len(plans) - 1) * device.speed.image_seconds
+    seconds = sum(p.seconds_per_image for p in plans) - repeated
     if decoder and device.beside:  # the scorers' phase: moved on after each chunk's decode, and off again
         if device.beside > device.budget * (1 - MARGIN):
             raise OffloadError(
@@ -129,36 +131,62 @@ def phased_plan(prof: PipelineProfile, device: DeviceSpec, w: Workload, plan) ->
         binds=tuple(dict.fromkeys(b for p in plans for b in p.binds)),
         formats=formats,
         load_bytes=0 if w.loaded else prof.total_bytes,
-        cost_per_image=sum(p.cost_per_image for p in plans),
+        cost_per_image=sum(p.cost_per_image for p in plans) - repeated,
         phases=parts,
         chunk=chunk,
-        terms=_merged([p.terms for p in plans]),
+        terms=_merged([p.terms for p in plans], repeated),
     )
 
 
-def _merged(each: list[dict]) -> dict:
-    """The phases' terms per image as one plan's: each component's from its phase, the calls' own summed."""
+def _merged(each: list[dict], repeated: float) -> dict:
+    """The phases' terms per image as one plan's: each component's from its phase, the calls' own summed
+    less what `repeated` counts more than once (an image's own cost, in every phase's plan)."""
+    from fleetgen.offload.speed import Terms
+
     out: dict = {}
     for terms in each:
         for name, t in terms.items():
             out[name] = out[name] + t if name in out else t
+    if "pipeline" in out:
+        out["pipeline"] = out["pipeline"] + Terms(fixed=-repeated)
     return out
 
 
 def _phase_plans(prof, parts, device: DeviceSpec, work: Workload, plan) -> list:
-    """Each phase's plan, with the whole device: phase 2's first; phases 1 and 3 encode and decode
-    each of phase 2's batches as it is made (the same pixels), in the host RAM the others' copies leave."""
+    """Each phase's plan, with the whole device: phase 2's first, at its own fastest batch and at the
+    largest batch it allows (a smaller batch faster for the denoiser alone may cost the encoders more
+    calls): the cheaper whole."""
+    first = _phase_plans_at(prof, parts, device, work, plan)
+    found = [first]
+    for batch, same in ((work.max_batch, False), (None, True), (work.max_batch, True)):
+        if batch is not None and first[1].batch_size >= batch:
+            continue
+        try:
+            found.append(_phase_plans_at(prof, parts, device, work, plan, batch, same))
+        except OffloadError:
+            continue
+    return min(found, key=lambda plans: sum(p.cost_per_image for p in plans))
+
+
+def _phase_plans_at(
+    prof, parts, device: DeviceSpec, work: Workload, plan, batch: int | None = None, same: bool = False
+) -> list:
+    """Each phase's plan, with the whole device: phase 2's first (at `batch`, else its fastest); phases 1
+    and 3 encode and decode each of phase 2's batches as it is made (the same pixels), in the host RAM the
+    others' copies leave — at their own fastest batch up to phase 2's, or with `same` at phase 2's (where
+    their fastest alone would hold phase 2 to a smaller batch)."""
     encoders, rest, *decoder = parts
     # The scorers (`DeviceSpec.beside`): with a decode phase, a phase of their own after it (the worker
     # moves the VAE off, then them on); else they stay on the device from their first score, beside each phase.
     alone = replace(device, beside=0)
-    denoise = plan(prof.only(rest), alone if decoder else device, work)
+    denoise = plan(prof.only(rest), alone if decoder else device, work, batch)
     while True:
         others, held = [], denoise.host_bytes
         for names in (encoders, *decoder):
             # with no decode phase the scorers stay on the device: beside every phase
             left = replace(alone if decoder else device, host_budget=max(device.host_budget - held, 0))
-            others.append(plan(prof.only(names), left, replace(work, max_batch=denoise.batch_size)))
+            at = denoise.batch_size if same else None
+            others.append(plan(prof.only(names), left, replace(work, max_batch=denoise.batch_size), at))
             held += others[-1].host_bytes
         smallest = min(p.batch_size for p in others)
         if smallest == denoise.batch_size:

@@ -191,10 +191,12 @@ def plan(
         raise OffloadError(f"`--phases` must be one of {', '.join(PHASES_CHOICES)}; got `{w.phases}`.")
     per_batch = failed = None
 
-    def per_batch_of(prof, device, w):
+    def per_batch_of(prof, device, w, at: int | None = None):
+        """The per-batch plan of `prof` (all of it, or a phase's components), at `at` (a phased plan's
+        try at a larger batch) unless a batch is asked (`batch`), else its fastest."""
         if given is None:
-            return per_batch_plan(prof, device, w, batch)
-        return given_plan(prof, device, w, {n: p for n, p in given.items() if n in prof.components}, batch)
+            return per_batch_plan(prof, device, w, batch or at)
+        return given_plan(prof, device, w, {n: p for n, p in given.items() if n in prof.components}, batch or at)
 
     if given is not None:
         unknown = sorted(set(given) - set(prof.components))

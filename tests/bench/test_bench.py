@@ -92,6 +92,10 @@ def test_gpu_check_dry_run_takes_every_path_on_cpu(tmp_path):
         assert len(measured) >= 4 and all(r["images"] == 2 and r["images_per_second"] > 0 for r in measured)
         assert all(r["seconds_per_image"]["measured"] > 0 for r in measured)
         assert any(set(r["modes"].values()) != {"resident"} for r in measured)  # an offloaded row is measured
+        # the plan sweep: a worker with trials on timed the model's best plans on the device, then made its shard
+        (sweep,) = [r for r in rows.values() if r["run"].startswith("trials ")]
+        assert sweep["images"] == 2 and sweep["chosen_by"] in ("measured", "model") and sweep["trials"], sweep
+        assert all(t["measured_seconds_per_image"] or t.get("error") for t in sweep["trials"])
         oom = rows["forced OOM"]
         assert oom["ok"] and oom["images"] == 8 and oom["hooks_after_close"] == 0
         assert set(oom["final_modes"].values()) != {"resident"}

@@ -3,6 +3,7 @@
 import itertools
 
 from fleetgen.offload.cost import MARGIN, _options
+from fleetgen.offload.planner import _with_call_costs
 
 
 def exhaustive_key(prof, device, w):
@@ -11,7 +12,7 @@ def exhaustive_key(prof, device, w):
     None where nothing fits."""
     best = None
     for batch in range(1, w.max_batch + 1):
-        tables = [_options(n, prof, device, w, batch) for n in prof.components]
+        tables = _with_call_costs([_options(n, prof, device, w, batch) for n in prof.components], batch, device)
         for combo in itertools.product(*tables):
             peak = sum(o.resident for o in combo) + max(o.phase for o in combo)
             if peak > device.budget * (1 - MARGIN) or sum(o.host for o in combo) > device.host_budget:

@@ -103,7 +103,11 @@ def test_flux2_dev_on_four_devices_and_three_hosts_names_the_binding_budget():
     # 256 GiB: both stream from RAM; only the device binds
     assert "+disk" not in seen["256GiB", "24GiB"]["modes"]["text_encoder"]
     assert seen["256GiB", "24GiB"]["binds"] == ["device memory"]
-    assert seen["256GiB", "141GiB"]["modes"] == dict.fromkeys(["transformer", "text_encoder", "vae"], "resident")
+    # an H200's 141 GiB holds the transformer; whether the text encoder stays too (at a smaller batch) or
+    # streams (freeing room for batch 8) is a close call the model leaves to the workers' trials
+    big = seen["256GiB", "141GiB"]
+    assert big["modes"]["transformer"] == big["modes"]["vae"] == "resident"
+    assert big["modes"]["text_encoder"] == "resident" or big["batch_size"] == 8
 
 
 def test_each_plan_takes_under_a_second(profiles):

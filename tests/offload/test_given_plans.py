@@ -57,11 +57,15 @@ def test_streams_hide_transfers_behind_compute_and_blocking_copies_do_not():
 def test_a_plan_that_does_not_fit_says_why_in_one_line():
     prof, work = context("flux.1-dev")
     device = DeviceSpec(16 * GIB, 96 * GIB, **H200)
-    with pytest.raises(OffloadError, match=r"^does not fit \(device memory binds\): at batch 4 its predicted peak") as e:
+    with pytest.raises(
+        OffloadError, match=r"^does not fit \(device memory binds\): at batch 4 its predicted peak"
+    ) as e:
         plan(prof, device, replace(work, phases="off"), {}, 4)
     assert "\n" not in str(e.value)
     with pytest.raises(OffloadError, match="does not fit \\(host RAM binds\\)"):
-        plan(prof, replace(device, host_budget=8 * GIB), replace(work, phases="off"), {"transformer": Placement("leaf")})
+        plan(
+            prof, replace(device, host_budget=8 * GIB), replace(work, phases="off"), {"transformer": Placement("leaf")}
+        )
     with pytest.raises(OffloadError, match="no component transformr in flux.1-dev"):
         plan(prof, device, work, {"transformr": Placement("leaf")})
     with pytest.raises(OffloadError, match="leaf level on disk corrupts tied weights"):
