@@ -411,8 +411,8 @@ SWEEP_SHARD = 1000  # images a sweep worker counts its shard as: its trials' cap
 
 
 def sweep_rows(run: Run, jobs: list, results, started: float) -> None:
-    """The plan sweep: per budget, a worker with `--plan-trials on` times the model's three best plans
-    on this device (each candidate's seconds per image in the row's `trials`), keeps the fastest, and
+    """The plan sweep: per budget, a worker with `--plan-trials on --phases off` times the model's three best
+    per-batch plans on this device (each candidate's seconds per image in the row's `trials`), keeps the fastest, and
     makes the shard with it. Its rows feed bench/fit_speed.py. A dry run sweeps its first budget only."""
     budgets = [j for j in jobs if j[2] is not None]
     for label, offload, budget in budgets[:1] if run.args.dry else budgets:
@@ -421,7 +421,8 @@ def sweep_rows(run: Run, jobs: list, results, started: float) -> None:
             results.add({"model": run.model, "run": name, "skipped": f"--time-limit {run.args.time_limit:g} s reached"})
             continue
         try:
-            row = run.measure(name, offload, budget, plan_trials="on", shard_images=SWEEP_SHARD)
+            # per batch: phased plans are not timed (workers/pipeline/trials.py)
+            row = run.measure(name, offload, budget, plan_trials="on", shard_images=SWEEP_SHARD, phases="off")
         except Exception as err:  # noqa: BLE001 - recorded; the next row runs
             row = {"model": run.model, "run": name, "budget_bytes": budget, **failure(err)}
             run.limit(None)

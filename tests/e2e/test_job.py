@@ -228,3 +228,32 @@ def test_emulated_mixed_fleet_plans_per_worker_same_images(ray_cluster, tiny_mod
     # none: CI saw it); every image is made once, and each worker's bytes are the uniform worker's.
     assert sum(w["images"] for w in mixed.workers) == N and sum(w["share"] for w in mixed.workers) == pytest.approx(1)
     assert shas(tmp_path / "mixed") == {k: r["sha256"] for k, r in uniform.items()}
+
+
+def test_plan_trials_through_a_job_one_measurer_per_device_kind(ray_cluster, tiny_model, prompts, tmp_path):
+    """`--plan-trials on` through the driver and Ray's actors: the driver tells each worker its shard's
+    images (the trials' cap is a share of them), one worker of the kind measures, the others (and a rerun
+    that has work left) take its answer from `OUT/plans/`, and another job written over it (`--overwrite`) removes it."""
+    free_parked()
+    out = tmp_path / "trials"
+    config = job(prompts, tiny_model, out, workers=2, gpu_memory="256MiB", plan_trials="on", **NATIVE)
+    summary = run_job(config, progress_stream=io.StringIO())
+    assert summary.complete
+    records = [json.loads(p.read_text()) for p in (out / "workers").glob("*.json")]
+    plans = [r["plan"] for r in records]
+    assert sorted(p["chosen_by"] for p in plans) in (["measured", "shared"], ["model", "shared"], ["measured"])
+    (measurer,) = [p for p in plans if "trial_seconds" in p]
+    first = measurer["trials"][0]["measured_seconds_per_image"]
+    assert measurer["cap_seconds"] == pytest.approx(0.05 * 3 * first)  # a shard of 3 rows, one image each
+    assert len(list((out / "plans").glob("*.json"))) == 1
+    # a rerun with work left: its worker reuses the answer, times nothing
+    shutil.rmtree(out / "shards")
+    shutil.rmtree(out / "workers")
+    again = run_job(job(prompts, tiny_model, out, workers=1, gpu_memory="256MiB", plan_trials="on", **NATIVE))
+    assert again.complete
+    (record,) = [json.loads(p.read_text()) for p in (out / "workers").glob("*.json")]
+    assert record["plan"]["chosen_by"] == "shared" and "trial_seconds" not in record["plan"]
+    # another job over it (`--overwrite`): the old job's answers go with it
+    other = job(prompts, tiny_model, out, workers=1, overwrite=True, **{**NATIVE, "steps": FAST["steps"] + 1})
+    run_job(other, progress_stream=io.StringIO())
+    assert not (out / "plans").exists()

@@ -42,7 +42,8 @@ def slowed(model: str, per_sample: float = 0.004, oom_from: int | None = None):
 
 
 def worker(model, out, name="w0", pipe=None, **fit):
-    fit = {"max_batch": 4, "gpu_memory": BUDGET, "shard_images": 256, "plan_trials": "on", **fit}
+    # a long shard: the trials' cap (5 % of it) never cuts these tests short on a loaded machine, but the cap's own
+    fit = {"max_batch": 4, "gpu_memory": BUDGET, "shard_images": 10_000, "plan_trials": "on", **fit}
     spec = WorkerSpec.of(name, model, str(out), SETTINGS, COLS, device="cpu", threads=1, **fit)
     return Worker(spec, pipe)
 
@@ -116,6 +117,11 @@ def test_the_cap_holds(tiny_model, tmp_path):
     assert plan["trials_cut"] == "2 of 3 left untimed by the cap (5% of a shard)"
     assert plan["batch_size"] == 4 and plan["chosen_by"] == "model"  # nothing else timed: the model's plan stays
     w.close()
+    # its answer is written all the same: another worker of the kind does not wait for one that never comes
+    started = time.monotonic()
+    other = worker(tiny_model, tmp_path, name="w1", pipe=slowed(tiny_model), shard_images=2)
+    assert plan_of(other)["chosen_by"] == "shared" and time.monotonic() - started < 30
+    other.close()
 
 
 def test_an_oom_in_a_trial_is_that_candidates_and_no_row_fails(tiny_model, tmp_path):

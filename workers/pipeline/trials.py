@@ -155,7 +155,7 @@ def choose(f: FittedPipeline, shared: Shared | None) -> dict:
         if found is not None:
             return _reuse(f, found, device, work)
     answer = _measure(f, pool)
-    if shared is not None and answer["chosen_by"] == "measured":
+    if shared is not None:  # what it kept, measured or (the cap cut the trials short) the model's: none waits in vain
         shared.write({"chosen": _chosen(f.plan), "trials": answer["trials"], "measured_by": f.tag})
     return answer
 
