@@ -273,23 +273,8 @@ def per_batch_plan(
         reason = _why_quantized(prof, device, w, formats, placements, best.seconds) + "; " + reason
     if beside:
         reason += f"; the scorers hold {format_size(beside)} beside the pipeline"
-    return OffloadPlan(
-        placements=placements,
-        batch_size=best.batch,
-        peak_bytes=int(best.peak),
-        host_bytes=best.host,
-        pinned_bytes=sum(o.pinned for o in best.combo),
-        moved_per_image=best.moved,
-        seconds_per_image=best.seconds,
-        relative_speed=resident_ref / best.seconds,
-        budget=whole,  # a leaner plan (workers/pipeline/plans.py) steps down from it, the scorers off it again
-        reason=reason,
-        binds=binds,
-        formats=formats,
-        load_bytes=sum(o.load for o in best.combo),
-        cost_per_image=best.cost,
-        terms=_terms(names, best.combo, best.batch, device),
-    )
+    # a leaner plan (workers/pipeline/plans.py) steps down from the whole budget, the scorers off it again
+    return _plan_of(best, names, placements, formats, resident_ref, whole, device, reason, binds)
 
 
 def _with_call_costs(options: list[list[_Option]], batch: int, device: DeviceSpec) -> list[list[_Option]]:
@@ -360,6 +345,16 @@ def given_plan(
         )
     formats = {n: o.fmt for n, o in zip(names, best.combo, strict=True) if o.quantized}
     modes = ", ".join(f"{n} {p.label}" for n, p in placements.items() if p.mode != "resident") or "all resident"
+    reason = (
+        f"as given ({modes}), batch {best.batch}; predicted peak {format_size(best.peak)} "
+        f"({format_size(limit)} usable of {format_size(device.budget)})"
+    )
+    return _plan_of(best, names, placements, formats, ideal, whole, device, reason)
+
+
+def _plan_of(best: Candidate, names, placements, formats, ideal, whole, device, reason, binds=()) -> OffloadPlan:
+    """The plan a candidate makes: its placements and formats, its predicted peak, bytes and seconds
+    (against `ideal`, all resident at batch 1), the whole budget it was planned in, and its terms."""
     return OffloadPlan(
         placements=placements,
         batch_size=best.batch,
@@ -370,8 +365,8 @@ def given_plan(
         seconds_per_image=best.seconds,
         relative_speed=ideal / best.seconds,
         budget=whole,
-        reason=f"as given ({modes}), batch {best.batch}; predicted peak {format_size(best.peak)} "
-        f"({format_size(limit)} usable of {format_size(device.budget)})",
+        reason=reason,
+        binds=binds,
         formats=formats,
         load_bytes=sum(o.load for o in best.combo),
         cost_per_image=best.cost,

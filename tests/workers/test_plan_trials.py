@@ -78,6 +78,7 @@ def test_trials_off_and_auto_keep_the_models_plan(tiny_model, tmp_path):
     resident.close()
 
 
+@pytest.mark.slow  # four workers, two of them at once (10 s): `make test`, not `make test-fast`
 def test_one_trial_set_per_device_kind_and_a_rerun_measures_nothing(tiny_model, tmp_path):
     """Two workers of one kind starting together: one measures, the other waits for its answer; a
     third (the job run again on the same output) reuses it too, timing nothing."""
@@ -136,6 +137,7 @@ def test_an_oom_in_a_trial_is_that_candidates_and_no_row_fails(tiny_model, tmp_p
     w.close()
 
 
+@pytest.mark.slow  # two workers and two shards, the status and the report (5 s): `make test`
 @pytest.mark.parametrize("trials", ["on"])
 def test_pixels_are_those_without_trials(tiny_model, tmp_path, trials, capsys):
     path = write_prompts(tmp_path / "p.parquet", ["a red fox", "an owl", "the sea"], id=["x", "y", "z"])
