@@ -239,8 +239,12 @@ def _call_seconds(
 
 
 def _flops(c: ComponentProfile, prof: PipelineProfile, w: Workload) -> float:
-    """FLOPs of one forward of `c` for one image (one half of a guidance batch)."""
+    """FLOPs of one forward of `c` for one image (one half of a guidance batch): a denoiser's as torch's
+    FLOP counter counted them (offload/flops.py), else estimated."""
     tokens = _tokens(c, prof, w)
+    if c.flops_terms:
+        fixed, linear, quadratic = c.flops_terms
+        return fixed + linear * tokens + quadratic * tokens**2
     flops = 2 * (c.token_params or c.params) * tokens  # a UNet's lower levels run over fewer tokens
     if c.per_step and "Transformer" in c.cls:  # attention over every token in every block (a UNet's runs on
         # its downsampled levels only: not counted): scores and weighted sum, 4 x tokens^2 x width (a clip's dominate)

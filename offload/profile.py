@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from fleetgen.latents import denoiser_patch, expert_shares, vae_scale, vae_temporal
+from fleetgen.offload.flops import counted
 from fleetgen.offload.profiles import PER_STEP, ComponentProfile, PipelineProfile
 from fleetgen.offload.quantize import FLOAT8, LEAF_TYPES, stored_sizes
 from fleetgen.offload.weight_formats import NONE, spec
@@ -193,6 +194,7 @@ def profile_component(
         pinned=_pinned_bytes(module, size),
         fmt=fmt,
         token_params=_token_params(module),
+        flops_terms=counted(type(module).__name__, getattr(module, "config", None)) or () if name in PER_STEP else (),
     )
 
 

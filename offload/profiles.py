@@ -44,6 +44,9 @@ class ComponentProfile:
     # levels run at 1/4, 1/16, ... of the full resolution's tokens (SDXL's UNet: 185 M of its 2.57 G);
     # 0: every parameter over every token (a transformer)
     token_params: int = 0
+    # a denoiser's FLOPs per forward of one image as torch's FLOP counter counted them on its meta build
+    # (offload/flops.py): (fixed, per image token, per image token squared); () where not counted
+    flops_terms: tuple[float, ...] = ()
 
     def block_floor(self, k: int) -> int:
         """Device bytes while running at block level with `k` blocks per group."""
@@ -116,7 +119,14 @@ def to_json(profile: PipelineProfile) -> dict:
 
 def from_json(data: dict) -> PipelineProfile:
     def component(c: dict) -> ComponentProfile:
-        return ComponentProfile(**{**c, "blocks": tuple(c["blocks"]), "block_modules": tuple(c["block_modules"])})
+        return ComponentProfile(
+            **{
+                **c,
+                "blocks": tuple(c["blocks"]),
+                "block_modules": tuple(c["block_modules"]),
+                "flops_terms": tuple(c.get("flops_terms", ())),
+            }
+        )
 
     return PipelineProfile(
         **{

@@ -53,7 +53,7 @@ def plan_of(w: Worker) -> dict:
 
 
 def test_a_misled_model_keeps_the_plan_that_measured_fastest(tiny_model, tmp_path):
-    w = worker(tiny_model, tmp_path, pipe=slowed(tiny_model, per_sample=0.006))
+    w = worker(tiny_model, tmp_path, pipe=slowed(tiny_model, per_sample=0.01))
     plan = plan_of(w)
     trials = plan["trials"]
     assert plan["chosen_by"] == "measured"
@@ -62,8 +62,10 @@ def test_a_misled_model_keeps_the_plan_that_measured_fastest(tiny_model, tmp_pat
         t["predicted_seconds_per_image"] for t in trials
     )
     fastest = min(trials, key=lambda t: t["measured_seconds_per_image"])
-    assert fastest["batch_size"] == 2  # the device says so: each image costs more in a larger batch
-    assert (plan["batch_size"], w.batch_size, plan["modes"]) == (2, 2, fastest["modes"])
+    # the device says so: each image costs more in a larger batch (0.32 s an image more at 4 than at 2; between 2
+    # and 3, 0.16 s: a loaded machine's noise may pick either)
+    assert fastest["batch_size"] < 4
+    assert (plan["batch_size"], w.batch_size, plan["modes"]) == (fastest["batch_size"],) * 2 + (fastest["modes"],)
     assert plan["trial_seconds"] <= plan["cap_seconds"] + trials[0]["seconds"]
     w.close()
 
@@ -142,7 +144,7 @@ def test_an_oom_in_a_trial_is_that_candidates_and_no_row_fails(tiny_model, tmp_p
 def test_pixels_are_those_without_trials(tiny_model, tmp_path, trials, capsys):
     path = write_prompts(tmp_path / "p.parquet", ["a red fox", "an owl", "the sea"], id=["x", "y", "z"])
     shard = plan_shards([read_footer(str(path))], 10)[0]
-    timed = worker(tiny_model, tmp_path / "a", pipe=slowed(tiny_model, per_sample=0.002), plan_trials=trials)
+    timed = worker(tiny_model, tmp_path / "a", pipe=slowed(tiny_model, per_sample=0.01), plan_trials=trials)
     batch = plan_of(timed)["batch_size"]
     assert plan_of(timed)["chosen_by"] == "measured" and batch < 4
     plain = worker(tiny_model, tmp_path / "b", max_batch=batch, plan_trials="off")  # the same batch, untimed
