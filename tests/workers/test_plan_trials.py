@@ -172,3 +172,31 @@ def test_pixels_are_those_without_trials(tiny_model, tmp_path, trials, capsys):
     assert main(["report", str(tmp_path / "a")]) == 0
     page = (tmp_path / "a" / "report.html").read_text()
     assert "<h2>Plans by device kind</h2>" in page and "chosen by measured (" in page
+
+
+@pytest.mark.slow  # 0.15 s a UNet call through three trials and a shard (17 s): `make test`
+def test_an_out_of_memory_step_down_takes_the_fastest_smaller_batch_measured(tiny_model, tmp_path):
+    """A device whose every UNet call costs a fixed 0.15 s: batch 4 measures fastest, then 3, then 2. Once the
+    trials are done it runs out of memory at batch 4: the worker steps down to 3, the next fastest measured,
+    not to half of 4."""
+    state = {"oom": False}
+    pipe = load_pipeline(tiny_model, torch.float32, False)
+
+    def hook(module, args, kwargs):
+        samples = (args[0] if args else kwargs["sample"]).shape[0]
+        if state["oom"] and samples >= 8:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (emulated)")
+        time.sleep(0.15)
+
+    pipe.unet.register_forward_pre_hook(hook, with_kwargs=True)
+    w = worker(tiny_model, tmp_path, pipe=pipe)
+    plan = plan_of(w)
+    assert plan["chosen_by"] == "measured" and plan["batch_size"] == 4, plan["trials"]
+    measured = {t["batch_size"]: t["measured_seconds_per_image"] for t in plan["trials"]}
+    assert measured[4] < measured[3] < measured[2]
+    state["oom"] = True
+    path = write_prompts(tmp_path / "p.parquet", list("abcdef"), id=list("abcdef"))
+    result = w.run_shard(plan_shards([read_footer(str(path))], 10)[0])
+    assert (result.ok, result.errors) == (6, 0)
+    assert w.step_downs[0]["to"] == "batch 3" and "fastest smaller batch measured" in w.step_downs[0]["reason"]
+    w.close()

@@ -351,14 +351,11 @@ class FittedPipeline:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         if size > 1:
-            before, self.batch_size = self.batch_size, max(1, min(self.batch_size, size) // 2)
-            self.step_downs.append(
-                {
-                    "from": f"batch {before}",
-                    "to": f"batch {self.batch_size}",
-                    "reason": f"out of memory at batch {size}",
-                }
-            )
+            failed = min(self.batch_size, size)
+            measured = trials.smaller_measured(self.choice, self.plan, failed)
+            before, self.batch_size = self.batch_size, measured or max(1, failed // 2)
+            why = f"out of memory at batch {size}" + ("; the fastest smaller batch measured" if measured else "")
+            self.step_downs.append({"from": f"batch {before}", "to": f"batch {self.batch_size}", "reason": why})
             return True
         try:
             leaner = self._leaner()

@@ -241,3 +241,15 @@ def _time(f: FittedPipeline, plan: OffloadPlan) -> Trial:
     per_step = max(more - one, 0.0) / STEPS
     measured = (one + (f.workload.steps - 1) * per_step) / plan.batch_size
     return Trial(plan, measured=measured, seconds=time.perf_counter() - started)
+
+
+def smaller_measured(choice: dict, plan: OffloadPlan, failed: int) -> int | None:
+    """After an out-of-memory error at batch `failed`: the batch, smaller, that this worker's trials
+    measured fastest with the plan's own placements (None: none measured; the batch is halved)."""
+    timed = [
+        t
+        for t in choice.get("trials") or []
+        if t.get("measured_seconds_per_image") and t["modes"] == plan.modes and t["batch_size"] < failed
+    ]
+    best = min(timed, key=lambda t: t["measured_seconds_per_image"], default=None)
+    return best["batch_size"] if best else None
