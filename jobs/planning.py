@@ -147,6 +147,11 @@ def plan_rows(
     formats = CHOOSABLE if work.quantize.auto else tuple(sorted(set(mapping.values())))
     profile = pipeline_profile(model, dtype, extra.vae_upcast, formats)
     check_components(mapping, list(profile.components), model)
+    missing = sorted(set(given or ()) - set(profile.components))
+    if missing:
+        raise ConfigError(
+            f"`--placement`: no component {', '.join(missing)} in {model}; it has {', '.join(profile.components)}."
+        )
     if isinstance(host_memory, str):
         host_memory = parse_size(host_memory, "--host-memory")
     host = host_memory or int(host_available_bytes() * 0.8)
@@ -257,13 +262,6 @@ def plan_budgets(request: PlanRequest) -> Plans:
         given=given,
         batch=request.batch,
     )
-    if given is not None:
-        missing = sorted(set(given) - set(summary["components"]))
-        if missing:
-            raise ConfigError(
-                f"`--placement`: no component {', '.join(missing)} in {request.model}; it has "
-                f"{', '.join(summary['components'])}."
-            )
     summary["family"] = family.name
     summary["gpu"] = card.name if card else None
     return Plans(summary, rows)

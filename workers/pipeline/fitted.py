@@ -198,10 +198,9 @@ class FittedPipeline:
         w = self.workload
         self.applied.on(self.plan, self.device, self.dtype, self.profile.image_tokens(w.width, w.height, w.frames))
         if self.device.type == "cuda" or self.compiled:
-            frames = (("num_frames", w.frames),) if w.frames else ()
             # compiled: batch 1 and any larger batch are a graph each (workers/pipeline/compiling.py), both made here
             for images in (1, 2) if self.compiled and self.plan.batch_size > 1 and self.task.batched else (1,):
-                self._warm_up(Look(w.width, w.height, 1, self.settings.guidance, extra=frames), images)
+                self._warm_up(self._look(1), images)
 
     # What is on the pipeline now (workers/pipeline/applied.py).
     placed = property(lambda self: self.applied.placed)
@@ -316,10 +315,9 @@ class FittedPipeline:
         while True:
             oom = None
             try:
-                blank = [[warm_up_input(r, look.width, look.height) for r in self.calls.roles()]] * images
 
-                def call(blank=blank):
-                    return self.calls.kwargs(["warm up"] * images, [None] * images, look, generator=None, inputs=blank)
+                def call():
+                    return self._blank_call("warm up", images, look)
 
                 started = time.perf_counter()
                 with components_dtypes_kept(self.pipe), self._cache_context():
@@ -396,18 +394,23 @@ class FittedPipeline:
         self.plan = new_plan
         self.batch_size = new_plan.batch_size if self.task.batched else 1
         if warm:
-            w = self.workload
-            frames = (("num_frames", w.frames),) if w.frames else ()
-            self._warm_up(Look(w.width, w.height, w.steps, self.settings.guidance, extra=frames))
+            self._warm_up(self._look(1))
+
+    def _look(self, steps: int) -> Look:
+        """The job's shapes (the planned size, its frames) at `steps` denoising steps: a warm-up's or a trial's."""
+        w = self.workload
+        frames = (("num_frames", w.frames),) if w.frames else ()
+        return Look(w.width, w.height, steps, self.settings.guidance, extra=frames)
+
+    def _blank_call(self, label: str, images: int, look: Look) -> dict:
+        """A call's arguments for `images` placeholder prompts (and blank input images), nothing seeded."""
+        blank = [[warm_up_input(r, look.width, look.height) for r in self.calls.roles()]] * images
+        return self.calls.kwargs([label] * images, [None] * images, look, generator=None, inputs=blank)
 
     def timed_call(self, images: int, steps: int) -> float:
         """Seconds of one pipeline call of `images` at the job's shapes and `steps` denoising steps, with
         the current plan; nothing kept (a plan trial's: workers/pipeline/trials.py)."""
-        w = self.workload
-        frames = (("num_frames", w.frames),) if w.frames else ()
-        look = Look(w.width, w.height, steps, self.settings.guidance, extra=frames)
-        blank = [[warm_up_input(r, look.width, look.height) for r in self.calls.roles()]] * images
-        kwargs = self.calls.kwargs(["plan trial"] * images, [None] * images, look, generator=None, inputs=blank)
+        kwargs = self._blank_call("plan trial", images, self._look(steps))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         started = time.perf_counter()

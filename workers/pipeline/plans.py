@@ -10,7 +10,7 @@ import torch
 
 from fleetgen.errors import OffloadError, one_line
 from fleetgen.offload import DeviceSpec, OffloadPlan, PipelineProfile, Workload, plan, resident_plan
-from fleetgen.offload.planner import batch_cap
+from fleetgen.offload.reasons import batch_cap
 from fleetgen.offload.weight_formats import QuantizeSpec, spec
 
 HOST_SHARE = 0.8  # of available host RAM a worker may fill with offloaded copies
