@@ -43,7 +43,8 @@ NAMES = ("denoiser", "text", "vae", "link", "copy_seconds", "forward_seconds", "
 # rate (their matmuls and convolutions are large; the rows, at 6 steps, cannot tell a VAE's time from an
 # image's fixed cost, and left free the fit pushed the VAE to 0.09, predicting a 1024² FLUX decode at 0.9 s
 # on an RTX 4090); per-copy and per-forward costs within what a launch and a sync can cost.
-BOUNDS = ((0.05, 1.5), (0.25, 1.5), (0.25, 1.5), (0.1, 1.5), (1e-6, 2e-3), (1e-5, 0.05), (1e-4, 1.0), (1e-4, 1.0))
+PEAK = 1 / MATMUL_SHARE  # a share of the probe's rate above this is above the dense peak
+BOUNDS = ((0.05, PEAK), (0.25, PEAK), (0.25, PEAK), (0.1, 1.5), (1e-6, 2e-3), (1e-5, 0.05), (1e-4, 1.0), (1e-4, 1.0))
 
 
 def measured_rows() -> list[dict]:

@@ -300,7 +300,7 @@ class Run:
             average_h2d_gb_per_s=round(moved / stats["generate_seconds"] / 1e9, 2) if moved else 0.0,
             allocator=offload_stats.get("allocator"),  # retries, cudaMalloc and cudaFree calls in the shard
             # what the worker's probe measured, which the plan's predicted seconds are computed from
-            probe={k: info["probe"].get(k) for k in ("bandwidth", "flops", "measured")},
+            probe={k: info["probe"].get(k) for k in ("bandwidth", "flops", "measured", "model")},
             step_downs=info["step_downs"],
             quantized=info["quantized"],
             weight_bytes=info["weight_bytes"],

@@ -1,5 +1,5 @@
 """Denoiser FLOPs counted, not estimated: torch's FlopCounterMode over one forward of the denoiser built
-on the `meta` device (no weights, no compute), at three image sizes, fitted exactly as
+on the `meta` device (no weights, no compute), at three image sizes (a clip's: two frame counts, two sizes), fitted exactly as
 `fixed + per_token × tokens + per_token² × tokens²` (the text's own work; the matmuls over every image
 token; attention's scores among them). Stored per denoiser architecture — its class and config, so a
 real checkpoint of a shipped architecture finds its count — in `architectures/flops.json`;
@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from fleetgen.latents import latent_frames
+
 STORED = Path(__file__).with_name("architectures") / "flops.json"
-SIDES = (512, 768, 1024)  # pixels a side of the three counts
+IMAGE_ONLY = ("qwen-image",)  # a VAE with a time axis (Qwen-Image's), run on images only
 
 
 def config_key(cls: str, config: dict) -> str:
@@ -38,38 +41,70 @@ def counted(cls: str, config: dict | None) -> tuple[float, float, float] | None:
     return tuple(found["terms"]) if found else None
 
 
-# How to call each class for one image of `side` pixels a side, on the meta device: its keyword arguments
-# from its config (text of TEXT_TOKENS tokens). A latent pixel is `scale` image pixels a side.
+# How to call each class for one image (or clip) on the meta device: its keyword arguments from its config
+# and the latent's shape (`Shape`: latent rows, columns and frames, and the denoiser's tokens as the
+# profile counts them); text of TEXT tokens.
 TEXT = 512
 
 
-def _flux(m, side, t):
-    c, tokens = m.config, (side // 16) ** 2
+@dataclass(frozen=True)
+class Shape:
+    height: int  # latent rows (image rows / the VAE's scale)
+    width: int
+    frames: int  # latent frames (1 for an image)
+    tokens: int  # the denoiser's tokens, as PipelineProfile.image_tokens counts them
+
+
+def _flux(m, s, t):
+    c = m.config
     return dict(
-        hidden_states=t(1, tokens, c.in_channels),
+        hidden_states=t(1, s.tokens, c.in_channels),
         encoder_hidden_states=t(1, TEXT, c.joint_attention_dim),
         pooled_projections=t(1, c.pooled_projection_dim),
         timestep=t(1),
-        img_ids=t(tokens, 3),
+        img_ids=t(s.tokens, 3),
         txt_ids=t(TEXT, 3),
         guidance=t(1) if c.guidance_embeds else None,
     )
 
 
-def _sd3(m, side, t):
+def _flux2(m, s, t):
     c = m.config
     return dict(
-        hidden_states=t(1, c.in_channels, side // 8, side // 8),
+        hidden_states=t(1, s.tokens, c.in_channels),
+        encoder_hidden_states=t(1, TEXT, c.joint_attention_dim),
+        timestep=t(1),
+        img_ids=t(1, s.tokens, 4),
+        txt_ids=t(1, TEXT, 4),
+        guidance=t(1) if c.guidance_embeds else None,
+    )
+
+
+def _chroma(m, s, t):
+    c = m.config
+    return dict(
+        hidden_states=t(1, s.tokens, c.in_channels),
+        encoder_hidden_states=t(1, TEXT, c.joint_attention_dim),
+        timestep=t(1),
+        img_ids=t(s.tokens, 3),
+        txt_ids=t(TEXT, 3),
+    )
+
+
+def _sd3(m, s, t):
+    c = m.config
+    return dict(
+        hidden_states=t(1, c.in_channels, s.height, s.width),
         encoder_hidden_states=t(1, 333, c.joint_attention_dim),  # 77 CLIP + 256 T5 tokens, as the pipeline joins them
         pooled_projections=t(1, c.pooled_projection_dim),
         timestep=t(1),
     )
 
 
-def _unet(m, side, t):
+def _unet(m, s, t):
     c = m.config
     kwargs = dict(
-        sample=t(1, c.in_channels, side // 8, side // 8),
+        sample=t(1, c.in_channels, s.height, s.width),
         timestep=t(1),
         encoder_hidden_states=t(1, 77, c.cross_attention_dim),
     )
@@ -79,76 +114,120 @@ def _unet(m, side, t):
     return kwargs
 
 
-def _qwen(m, side, t):
-    c, lat = m.config, side // 16
+def _qwen(m, s, t):
+    c = m.config
     return dict(
-        hidden_states=t(1, lat * lat, c.in_channels),
+        hidden_states=t(1, s.tokens, c.in_channels),
         encoder_hidden_states=t(1, TEXT, c.joint_attention_dim),
         encoder_hidden_states_mask=t(1, TEXT),
         timestep=t(1),
-        img_shapes=[[(1, lat, lat)]],
+        img_shapes=[[(1, s.height // 2, s.width // 2)]],
+    )
+
+
+def _z_image(m, s, t):
+    c = m.config
+    return dict(x=[t(c.in_channels, s.frames, s.height, s.width)], t=t(1), cap_feats=[t(TEXT, c.cap_feat_dim)])
+
+
+def _hunyuan_image(m, s, t):
+    """Qwen2.5-VL text and ByT5 glyph text. (HunyuanVideo 1.5 is not counted: its forward branches on its
+    image embedding's values, which `meta` does not have.)"""
+    c = m.config
+    return dict(
+        hidden_states=t(1, c.in_channels, s.height, s.width),
+        timestep=t(1),
+        encoder_hidden_states=t(1, 1000, c.text_embed_dim),
+        encoder_attention_mask=t(1, 1000),
+        encoder_hidden_states_2=t(1, 128, c.text_embed_2_dim),
+        encoder_attention_mask_2=t(1, 128),
+    )
+
+
+def _wan(m, s, t):
+    c = m.config
+    return dict(
+        hidden_states=t(1, c.in_channels, s.frames, s.height, s.width),
+        timestep=t(1),
+        encoder_hidden_states=t(1, TEXT, c.text_dim),
     )
 
 
 INPUTS = {
     "FluxTransformer2DModel": _flux,
+    "Flux2Transformer2DModel": _flux2,
+    "ChromaTransformer2DModel": _chroma,
     "SD3Transformer2DModel": _sd3,
     "UNet2DConditionModel": _unet,
     "QwenImageTransformer2DModel": _qwen,
+    "ZImageTransformer2DModel": _z_image,
+    "HunyuanImageTransformer2DModel": _hunyuan_image,
+    "WanTransformer3DModel": _wan,
 }
+# Where the counts are taken: (width, height, frames); a clip's at two frame counts and two sizes.
+IMAGE_SIZES = ((512, 512, 0), (768, 768, 0), (1024, 1024, 0))
+CLIP_SIZES = ((512, 512, 9), (512, 512, 17), (768, 768, 9))
 
 
-def count(module, side: int) -> float:
-    """FLOPs of one forward of `module` (built on `meta`) for one image of `side` pixels a side."""
+def shape_of(prof, width: int, height: int, frames: int = 0) -> Shape:
+    """The latent `prof`'s denoiser sees for one image (or clip) of this size."""
+    return Shape(
+        height // prof.vae_scale,
+        width // prof.vae_scale,
+        latent_frames(frames, prof.vae_temporal),
+        prof.image_tokens(width, height, frames),
+    )
+
+
+def count(module, shape: Shape) -> float:
+    """FLOPs of one forward of `module` (built on `meta`) for one image or clip of latent `shape`."""
     import torch
+    import torch.fx.experimental._config
     from torch.utils.flop_counter import FlopCounterMode
 
     dtype = next(module.parameters()).dtype
 
-    def t(*shape):
-        return torch.zeros(*shape, device="meta", dtype=dtype if len(shape) > 1 else torch.float32)
+    def t(*dims):
+        return torch.zeros(*dims, device="meta", dtype=dtype if len(dims) > 1 else torch.float32)
 
-    kwargs = {k: v for k, v in INPUTS[type(module).__name__](module, side, t).items() if v is not None}
-    with FlopCounterMode(display=False) as counter, torch.no_grad():
+    kwargs = {k: v for k, v in INPUTS[type(module).__name__](module, shape, t).items() if v is not None}
+    # a text mask's selections (HunyuanImage's) count every token: no data on `meta` to select by
+    assume_all = torch.fx.experimental._config.patch(meta_nonzero_assume_all_nonzero=True)
+    with assume_all, FlopCounterMode(display=False) as counter, torch.no_grad():
         module(**kwargs, return_dict=False)
     return float(counter.get_total_flops())
 
 
-def terms(module, tokens_at) -> tuple[float, float, float]:
-    """(fixed, per token, per token²) from three counts, solved exactly; `tokens_at(side)`: the
-    denoiser's image tokens at that side."""
+def terms(module, shapes: list[Shape]) -> tuple[float, float, float]:
+    """(fixed, per token, per token²) from three counts at distinct token counts, solved exactly."""
     import numpy as np
 
-    ts = [tokens_at(s) for s in SIDES]
-    flops = [count(module, s) for s in SIDES]
-    a = np.array([[1.0, t, t * t] for t in ts])
-    return tuple(float(x) for x in np.linalg.solve(a, np.array(flops)))
+    a = np.array([[1.0, s.tokens, s.tokens**2] for s in shapes])
+    return tuple(float(x) for x in np.linalg.solve(a, np.array([count(module, s) for s in shapes])))
 
 
 def write_stored(names: list[str] | None = None) -> dict:
-    """Count every shipped architecture's denoiser whose class `INPUTS` knows, and store the terms."""
-    from fleetgen.offload.architectures import NAMES, build_on_meta
-    from fleetgen.offload.profiles import PER_STEP
+    """Count every shipped architecture's denoisers whose class `INPUTS` knows, and store the terms."""
+    from fleetgen.offload.architectures import HERE, NAMES, build_on_meta
+    from fleetgen.offload.profiles import PER_STEP, stored_profile
 
     out = dict(_stored()) if names else {}
     for name in names or NAMES:
         modules = build_on_meta(name)
+        prof = stored_profile(HERE / name, "bfloat16", False, ())
+        sizes = CLIP_SIZES if prof.vae_temporal > 1 and name not in IMAGE_ONLY else IMAGE_SIZES
+        shapes = [shape_of(prof, *size) for size in sizes]
         for part in (n for n in PER_STEP if n in modules):
             module = modules[part]
             cls = type(module).__name__
             if cls not in INPUTS:
                 continue
-            latent = 8 * (1 if cls == "UNet2DConditionModel" else 2)  # a token: 8x8 pixels (UNet) or 16x16
-
-            def tokens_at(side, latent=latent):
-                return (side // latent) ** 2
-
             out[config_key(cls, dict(module.config))] = {
                 "architecture": name,
                 "component": part,
                 "class": cls,
-                "terms": list(terms(module, tokens_at)),
-                "counted_at": [f"{s}x{s}" for s in SIDES],
+                "terms": list(terms(module, shapes)),
+                "counted_at": [f"{w}x{h}" + (f"x{f}" if f else "") for w, h, f in sizes],
             }
     STORED.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
     _stored.cache_clear()

@@ -15,6 +15,7 @@ with the budget, so more memory never yields a plan predicted to cost more.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -104,11 +105,19 @@ class Candidate:
 
     @property
     def key(self) -> tuple:
-        """Lower is better: cost, then (at equal cost) unquantized first (pixels as the weights were
-        trained), fewer bytes moved, fewer components offloaded, the larger batch."""
+        """Lower is better: cost, then (at a cost equal within `TIE`, a difference no measurement could
+        show) unquantized first (pixels as the weights were trained), fewer bytes moved, fewer components
+        offloaded, the larger batch."""
         quantized = sum(o.quantized for o in self.combo)
         offloaded = sum(o.placement.mode != "resident" for o in self.combo)
-        return (self.cost, quantized, self.moved, offloaded, -self.batch)
+        return (_tied(self.cost), quantized, self.moved, offloaded, -self.batch, self.cost)
+
+
+TIE = 0.001  # costs within 0.1 % of each other compare as equal
+
+
+def _tied(cost: float) -> int:
+    return round(math.log(max(cost, 1e-12)) / math.log1p(TIE))
 
 
 def _scored(combo: tuple[_Option, ...], batch: int) -> Candidate:

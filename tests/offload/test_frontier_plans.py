@@ -11,6 +11,7 @@ import torch
 from fleetgen.cli import main
 from fleetgen.jobs.planning import plan_rows, plan_workload
 from fleetgen.offload import profile_modules
+from fleetgen.offload.planner import TIE  # plans within it compare as equal: the tie goes to fewer bytes moved
 from tests.offload.exhaustive import exhaustive_key, plan_key
 
 # Parameter counts as their publishers state them (model cards, the encoders' hub pages), with the
@@ -167,6 +168,6 @@ def test_more_device_memory_never_predicts_slower(arch, profiles):
             assert last is None, f"{arch}: {gib} GiB fails although a smaller budget fitted"
             continue
         if last is not None:
-            assert p.seconds_per_image <= last.seconds_per_image * (1 + 1e-12), (arch, gib, p.modes, last.modes)
+            assert p.seconds_per_image <= last.seconds_per_image * (1 + TIE), (arch, gib, p.modes, last.modes)
         last = p
     assert last is not None

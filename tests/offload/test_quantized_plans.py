@@ -14,6 +14,7 @@ from fleetgen.errors import OffloadError
 from fleetgen.offload import DeviceSpec, Workload, plan, profile_modules
 from fleetgen.offload.architectures import NAMES
 from fleetgen.offload.cost import MARGIN
+from fleetgen.offload.planner import TIE  # plans within it compare as equal: the tie goes to fewer bytes moved
 from fleetgen.offload.weight_formats import CHOOSABLE, FORMATS, parse_quantize, refusal
 from tests.offload.exhaustive import exhaustive_key, plan_key
 
@@ -44,7 +45,7 @@ def test_auto_never_predicts_slower_and_more_memory_never_slows_it(arch, profile
         for gib in BUDGETS:
             none, auto = _plan(prof, gib, host, "none"), _plan(prof, gib, host, "auto")
             if none is not None:
-                assert auto is not None and auto.seconds_per_image <= none.seconds_per_image * (1 + 1e-12), (gib, host)
+                assert auto is not None and auto.seconds_per_image <= none.seconds_per_image * (1 + TIE), (gib, host)
             if auto is None:
                 assert last is None, f"{arch}: {gib} GiB finds nothing although a smaller budget did"
                 continue
@@ -55,11 +56,11 @@ def test_auto_never_predicts_slower_and_more_memory_never_slows_it(arch, profile
             # what the planner minimises: seconds, plus QUANTIZED_SHARE of the ideal per quantized component
             assert auto.seconds_per_image <= auto.cost_per_image
             if last is not None:
-                assert auto.cost_per_image <= last.cost_per_image * (1 + 1e-12), (arch, gib, host)
+                assert auto.cost_per_image <= last.cost_per_image * (1 + TIE), (arch, gib, host)
             last = auto
     for gib in BUDGETS:  # more host RAM never predicts a higher cost either
         costs = [p.cost_per_image for p in (_plan(prof, gib, h, "auto") for h in HOSTS) if p is not None]
-        assert costs == sorted(costs, reverse=True), (arch, gib, costs)
+        assert all(b <= a * (1 + TIE) for a, b in zip(costs, costs[1:], strict=False)), (arch, gib, costs)
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from fleetgen.latents import expert_shares, latent_frames, vae_temporal
 from fleetgen.offload import DeviceSpec, Workload, plan, profile_modules
 from fleetgen.offload.architectures import build_on_meta, pipeline_settings
 from fleetgen.offload.cost import Placement, _activations, _call_seconds, _forwards, _tokens
+from fleetgen.offload.planner import TIE  # plans within it compare as equal: the tie goes to fewer bytes moved
 
 BUDGETS = ["16GiB", "24GiB", "48GiB", "80GiB", "141GiB"]
 
@@ -75,7 +76,7 @@ def test_wan22_a14b_is_planned_at_every_budget_and_more_memory_never_predicts_sl
         assert "two experts alternate (transformer 63% of the steps, transformer_2 37%" in p.reason
         assert "the VAE decodes one clip at a time: 81 frames at 1280x720" in p.reason
         seconds.append(p.seconds_per_image)
-    assert seconds == sorted(seconds, reverse=True)
+    assert all(b <= a * (1 + TIE) for a, b in zip(seconds, seconds[1:], strict=False)), seconds
     # 16 GiB holds neither 26.6 GiB expert: both stream, one on the device at a time
     small = plan(a14b, DeviceSpec(budget=16 << 30, host_budget=128 << 30), work)
     assert small.modes["transformer"] != "resident" and small.modes["transformer_2"] != "resident"

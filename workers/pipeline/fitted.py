@@ -41,7 +41,7 @@ from fleetgen.workers.pipeline.plans import (
     leaner_plan,
     plan_before_loading,
 )
-from fleetgen.workers.pipeline.probe import probe
+from fleetgen.workers.pipeline.probe import model_shapes, probe
 from fleetgen.workers.rows.batches import Adapter, Look, WorkItem
 from fleetgen.workers.spec import Fit, GenerationSettings, Source
 
@@ -86,7 +86,8 @@ class FittedPipeline:
         self.profile = profile_pipeline(
             self.pipe, source.model, vae_upcast=self.family.upcasts_vae, formats=self._formats
         ).holding(self.quantized)
-        self.probe = probe(self.device, self.dtype)
+        w = self.workload
+        self.probe = probe(self.device, self.dtype, model_shapes(self.profile, w.width, w.height, w.frames))
         self._denoisers = {n: m for n, m in pipeline_modules(self.pipe).items() if self.profile.components[n].per_step}
         self._check_cache()
         self.plan = choose_plan(self.profile, self._work(), self._budgeted())
