@@ -49,7 +49,7 @@ def fit_to_share(spec: WorkerSpec, resources: dict, placement: dict, device_tota
     share = min(1.0, resources.get(f"num_{kind}", 1) / max(placement[f"node_{kind}"], 1e-9))
     fit = spec.fit
     if fit.host_memory is None and placement["node_memory"]:
-        fit = replace(fit, host_memory=int(placement["node_memory"] * HOST_SHARE * share))
+        fit = replace(fit, host_memory=int(placement["node_memory"] * HOST_SHARE * share), node_share=share)
     fraction = resources.get("num_gpus") or 0
     if fit.gpu_memory is None and device_total and 0 < fraction < 1:
         fit = replace(fit, gpu_memory=int(device_total * fraction))

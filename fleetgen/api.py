@@ -133,7 +133,9 @@ def plan(model: str, gpu_memory: str | list[str] | None = None, **options) -> Pl
     them) or a pipeline directory; `gpu_memory`: a size like `24GiB`, or several. `options`, as the
     command's: `gpu` (a card, `H100`, `RTX-4090`, ...: offload/devices.py, whose throughput and host link
     the plans assume, and whose memory is the budget when `gpu_memory` is not given), `bandwidth`
-    (host→device GB/s to assume), `host_memory`, `dtype`, `references`, and the job's settings a plan
+    (host→device GB/s to assume), `host_memory`, `workers_per_node` and `host_copy` (the node's RAM and
+    host link shared by that many workers, holding the weights once or each its own), `dtype`, `references`,
+    and the job's settings a plan
     depends on (`width`, `height`, `steps`, `guidance`, `max_batch`, `offload`, `phases`, `task`, `cache`,
     `quantize`, `score`, ...: `fleetgen plan --help`). Returns the plans (`.rows`, `.text()`, `.to_dict()`)."""
     from fleetgen.jobs.planning import PlanRequest, plan_budgets

@@ -14,7 +14,7 @@ from fleetgen.offload.architectures import NAMES, build_on_meta, pipeline_settin
 from fleetgen.offload.devices import ASSUMED_BANDWIDTH, ASSUMED_FLOPS, GPUS, host_available_bytes
 from fleetgen.offload.devices import gpu as device_table
 from fleetgen.offload.profiles import DTYPE_BYTES, PipelineProfile, stored_profile
-from fleetgen.offload.weight_formats import CHOOSABLE, check_components
+from fleetgen.offload.weight_formats import CHOOSABLE, check_components, spec
 from fleetgen.scores import ScoreSpec
 from fleetgen.settings import Row, build, check_names, nested, setting, table
 from fleetgen.units import format_size, parse_size
@@ -58,6 +58,11 @@ class PlanRequest:
         metavar="COMPONENT=MODE,...",
     )
     batch: int | None = setting(None, "predict at this batch size (default: the fastest that fits, up to --max-batch)")
+    workers_per_node: int = setting(
+        1,
+        "workers (one a GPU) on a node, sharing its host RAM and host link: --host-memory is then the node's, and "
+        "the plan shows host RAM per node with --host-copy's copy of the weights once (node) or per worker",
+    )
     source: Source = nested(Source, group="plan", scope="job", fingerprint=False)
     generation: GenerationSettings = nested(GenerationSettings, group="plan", scope="job", fingerprint=True)
     fit: Fit = nested(Fit, group="plan", scope="worker", fingerprint=False, factory=lambda: Fit(max_batch=8))
@@ -75,6 +80,7 @@ class PlanRequest:
 # The job's settings `fleetgen plan` takes (the rest do not change a plan).
 PLAN_OPTIONS = (
     *("model", "budgets", "gpu", "bandwidth", "references", "placement", "batch", "dtype", "host_memory"),
+    *("workers_per_node", "host_copy"),
     *("width", "height", "num_frames", "steps", "guidance", "true_cfg_scale", "task"),
     *("max_batch", "offload", "phases", "quantize", "cache", "score"),
 )
@@ -139,9 +145,11 @@ def plan_rows(
     extra: PlanExtras | None = None,
     given: dict | None = None,
     batch: int | None = None,
+    node: NodeShare | None = None,
 ) -> tuple[dict, list[dict]]:
     """(the profile summary, one row per budget: the plan or the reason nothing fits). `extra`: the
-    family's VAE upcast and the job's scorers (held beside the pipeline: planned in what they leave)."""
+    family's VAE upcast and the job's scorers (held beside the pipeline: planned in what they leave);
+    `node`: the workers of a node and where their host copy lives (`host_memory` is then the node's)."""
     extra = extra or PlanExtras()
     mapping = work.quantize.mapping
     formats = CHOOSABLE if work.quantize.auto else tuple(sorted(set(mapping.values())))
@@ -157,15 +165,47 @@ def plan_rows(
     host = host_memory or int(host_available_bytes() * 0.8)
     work = dataclasses.replace(work, quantize=work.quantize.pinned())
     scorers = extra.scores.reserved_bytes(profile.dtype_bytes)
+    node, fell_back = node or NodeShare(), None
+    at_load = {c for c, f in mapping.items() if f != "none" and spec(f).at_load}
+    shared = frozenset(c for c in profile.components if c not in at_load) if node.host_copy == "node" else frozenset()
+    held = sum(profile.components[c].bytes for c in shared)  # the node's one copy
+    # loading: the first worker writes the node's copy a component at a time from its own, freeing each as it
+    # is written (its load and the largest component at once); the others map it
+    loading = profile.total_bytes + max((profile.components[c].bytes for c in shared), default=0)
+    if shared and loading > host >= profile.total_bytes:
+        # as a worker does (workers/pipeline/host_copy.py): without the room to write it, a copy per worker
+        fell_back = (
+            f"a copy per worker: writing the node's copy beside the first worker's load needs "
+            f"{format_size(loading)}, more than the node's {format_size(host)}"
+        )
+        node, shared, held, loading = replace(node, host_copy="worker"), frozenset(), 0, profile.total_bytes
+    own_host = (host - held) // node.workers  # each worker's own (offloaded copies, staging)
+    link = min(bandwidth, NODE_HOST_BANDWIDTH / node.workers) if node.workers > 1 else bandwidth
     rows = []
     for text in budgets:
         budget = parse_size(text, "--gpu-memory")
-        device = DeviceSpec(budget, host, bandwidth, flops, True, name=f"a {format_size(budget)} GPU", beside=scorers)
+        device = DeviceSpec(
+            budget, own_host, link, flops, True, name=f"a {format_size(budget)} GPU", beside=scorers, shared=shared
+        )
         try:
-            rows.append({"gpu_memory": text, **plan(profile, device, work, given, batch).to_dict()})
+            if shared and loading > host:
+                raise OffloadError(
+                    f"Nothing loads (host RAM binds): the first worker's load ({format_size(profile.total_bytes)}) "
+                    f"is more than the node's {format_size(host)} host RAM"
+                )
+            row = {"gpu_memory": text, **plan(profile, device, work, given, batch).to_dict()}
+            if node.workers > 1 or shared or fell_back:
+                row["node"] = _node_row(node, held, row, host, link, loading, fell_back)
+            rows.append(row)
         except OffloadError as err:
             binds = "host RAM" if "(host RAM binds)" in str(err) else "device memory"
-            rows.append({"gpu_memory": text, "binds": [binds], "error": str(err)})
+            error = str(err)
+            if binds == "host RAM" and node.workers > 1 and not shared:
+                error += (
+                    f" (each worker's share: {format_size(host)} on the node / {node.workers} workers; "
+                    "`--host-copy node` holds the weights once per node)"
+                )
+            rows.append({"gpu_memory": text, "binds": [binds], "error": error})
     scores = extra.scores
     summary = {
         "model": model,
@@ -184,6 +224,37 @@ def plan_rows(
         "components": _components(profile),
     }
     return summary, rows
+
+
+# Host→device bytes/s a node's host memory serves to all of its GPUs at once: eight H100s reading pinned
+# host memory together measured ~207 GB/s in all (~27 GB/s each, ~55 GB/s for one alone): each of a
+# node's N streaming workers is planned at most this / N.
+NODE_HOST_BANDWIDTH = 207e9
+
+
+@dataclass(frozen=True)
+class NodeShare:
+    """The workers of one node, and where their host copy of the weights lives (`--host-copy`)."""
+
+    workers: int = 1
+    host_copy: str = "worker"
+
+
+def _node_row(node: NodeShare, held: int, row: dict, host: int, link: float, loading: int, note) -> dict:
+    """Host RAM per node for a row's plan: the node's copy once (or none) and each worker's own; the
+    loading peak (the first worker writing the node's copy; else every worker loading its own)."""
+    own = row["host_bytes"]
+    return {
+        "workers": node.workers,
+        "host_copy": node.host_copy,
+        "shared_bytes": held,
+        "own_bytes_per_worker": own,
+        "host_bytes": held + node.workers * own,
+        "host_budget_bytes": host,
+        "load_peak_bytes": loading if held else node.workers * row["load_host_bytes"],
+        "bandwidth_per_worker": link,
+        **({"note": note} if note else {}),
+    }
 
 
 @dataclass(frozen=True)
@@ -250,6 +321,8 @@ def plan_budgets(request: PlanRequest) -> Plans:
         raise ConfigError(f"`--batch` must be 1 or more; got {request.batch}.")
     if request.batch:
         work = replace(work, max_batch=max(work.max_batch, request.batch))
+    if request.workers_per_node < 1:
+        raise ConfigError(f"`--workers-per-node` must be 1 or more; got {request.workers_per_node}.")
     summary, rows = plan_rows(
         request.model,
         budgets,
@@ -261,6 +334,7 @@ def plan_budgets(request: PlanRequest) -> Plans:
         extra=PlanExtras(family.upcasts_vae, request.generation.score),
         given=given,
         batch=request.batch,
+        node=NodeShare(request.workers_per_node, request.fit.host_copy),
     )
     summary["family"] = family.name
     summary["gpu"] = card.name if card else None
@@ -367,3 +441,16 @@ def print_plans(summary: dict, rows: list[dict], as_json: bool, out=None) -> Non
     out.write("\n")
     for r in rows:
         out.write(f"{r['gpu_memory']}: {r.get('reason') or r['error']}\n")
+        if r.get("node"):
+            out.write(f"{r['gpu_memory']}: {_node_line(r['node'])}\n")
+
+
+def _node_line(n: dict) -> str:
+    held = f"{format_size(n['shared_bytes'])} (the node's copy of the weights, once) + " if n["shared_bytes"] else ""
+    line = (
+        f"a node of {n['workers']} worker(s), host copy per {n['host_copy']}: host RAM {held}{n['workers']} x "
+        f"{format_size(n['own_bytes_per_worker'])} (each worker's own) = {format_size(n['host_bytes'])} of "
+        f"{format_size(n['host_budget_bytes'])}; loading peaks at {format_size(n['load_peak_bytes'])}; host link "
+        f"{n['bandwidth_per_worker'] / 1e9:.1f} GB/s a worker"
+    )
+    return line + (f" ({n['note']})" if n.get("note") else "")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from fleetgen.jobs.report_scores import check_columns, scorer_names, scores_section
 from fleetgen.jobs.state import read_manifests
-from fleetgen.jobs.status import job_state, plan_kinds
+from fleetgen.jobs.status import host_copy_text, job_state, plan_kinds
 from fleetgen.units import format_size
 from fleetgen.workers.output.formats import get_format
 from fleetgen.workers.output.layout import IMAGE_FORMATS, POSTER, beside
@@ -273,6 +273,7 @@ def _worker_row(w: dict) -> str:
         f"{st.get('images_per_second') or 0:.2f}",
         format_size(off["peak_device_bytes"]) if off.get("peak_device_bytes") else "-",
         format_size(_moved(w)),
+        host_copy_text(w["host_copy"]) if w.get("host_copy") else "-",
         w["plan"]["reason"],
     )
     return "<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in cells) + "</tr>"

@@ -132,8 +132,19 @@ def status_text(state: JobStatus) -> str:
             f"  {w['worker']}: {w['device']['name']}, batch {w.get('batch_size')}, "
             f"{st.get('images', 0)} {unit}, {speed}, "
             f"plan: {', '.join(f'{k} {v}' for k, v in w['plan']['modes'].items())}"
+            + (f"; {host_copy_text(w['host_copy'])}" if w.get("host_copy") else "")
         )
     return "\n".join(lines)
+
+
+def host_copy_text(record: dict) -> str:
+    """Whether a worker shared its node's copy of the weights or held its own, and the bytes."""
+    own = format_size(record.get("own_bytes") or 0)
+    if record.get("shared"):
+        how = "wrote" if record.get("role") == "wrote" else "mapped"
+        return f"weights: the node's copy ({how} it, {format_size(record['shared_bytes'])}), {own} of its own"
+    why = f" ({record['note']})" if record.get("note") else ""
+    return f"weights: its own copy, {own}{why}"
 
 
 def plan_kinds(workers: list[dict]) -> list[dict]:

@@ -68,6 +68,9 @@ class DeviceSpec:
     # plan; a phase of their own after a phased plan's decode phase, else off every phase's (offload/phasing.py)
     beside: int = 0
     speed: Speed = field(default_factory=fitted)  # the fitted speed model (offload/speed.py)
+    # components whose host copy is the node's (`--host-copy node`, workers/pipeline/host_copy.py): counted
+    # once per node, not in `host_budget`; streamed, pinned in place (no private, rounded-up pinned copy)
+    shared: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -342,20 +345,32 @@ def _options(
         # a step cache: its state held through the call; skipped steps neither compute nor move
         state, share = cache_state_bytes(c, prof, w, batch), computed_share(c, w)
         forwards = _forwards(c, w, prof) * share
-        load = 0 if w.loaded else c.bytes if fmt != NONE and spec(fmt).at_load else prof.components[name].bytes
+        # the node's copy: in the node's shared segment as loaded (a format applied after load is this worker's own)
+        shared = name in device.shared and fmt == NONE
+        load = (
+            0 if w.loaded or shared else c.bytes if fmt != NONE and spec(fmt).at_load else prof.components[name].bytes
+        )
         # phased: resident in its phase, it moves on and off the device once per chunk (this call's share)
         swapped = c.bytes * batch // w.swap_chunk if w.swap_chunk else 0
         swap = 2 * swapped / device.bandwidth
         for p in [placement] if placement is not None else _candidates(c, device, w.offload):
             off = p.mode != "resident"
-            pinned = (c.pinned or c.bytes) if p.stream else 0  # the pinned copy is the host copy with streams
+            # the pinned copy is the host copy with streams; the node's copy is pinned in place, in no worker's budget
+            pinned = (c.pinned or c.bytes) if p.stream and not shared else 0
             out.append(
                 _Option(
                     placement=p,
                     resident=(0 if off else c.bytes) + state,
                     phase=_floor(c, p) + acts,
                     # a phase's resident component keeps its host copy while it is off the device
-                    host=pinned or (c.bytes if (off and not p.disk) or (not off and w.swap_chunk) else 0),
+                    # (the node's copy, streamed: nothing of its own; offloaded without streams, diffusers copies
+                    # each group back to host memory of the worker's own)
+                    host=pinned
+                    or (
+                        c.bytes
+                        if (off and not p.disk and not (shared and p.stream)) or (not off and w.swap_chunk)
+                        else 0
+                    ),
                     pinned=pinned,
                     terms=(
                         terms := _call_terms(c, p, prof, w, device, batch).scaled(share) + Terms(0, 0, swap * (not off))

@@ -84,8 +84,10 @@ def phased_plan(prof: PipelineProfile, device: DeviceSpec, w: Workload, plan) ->
     if parts is None:
         raise OffloadError("nothing to phase: the pipeline has no text encoder apart from its denoiser")
     encoders, rest, *decoder = parts
-    if not w.loaded and prof.total_bytes > device.host_budget:  # formats applied at load are not phased
-        raise OffloadError(f"Nothing loads (host RAM binds): {format_size(prof.total_bytes)} of weights")
+    # formats applied at load are not phased; the node's shared copy is not this worker's to load
+    own = sum(c.bytes for n, c in prof.components.items() if n not in device.shared)
+    if not w.loaded and own > device.host_budget:
+        raise OffloadError(f"Nothing loads (host RAM binds): {format_size(own)} of weights")
     # The loading peak is the whole pipeline's, the same phased or not: the per-batch planner checks it.
     # A component moves on and off the device each chunk: formats applied at load (bitsandbytes) are not offered.
     work = replace(w, phases="off", loaded=True)

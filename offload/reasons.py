@@ -33,6 +33,9 @@ def reason(prof, device, w, best: Candidate, placements, formats, resident_peak,
         head = f"offload {parts}: {why}"
         if any(p.stream for p in offloaded.values()):
             head += "; streams overlap transfers with compute"
+        from_node = sorted(n for n, p in offloaded.items() if p.stream and n in device.shared)
+        if from_node:
+            head += f"; {', '.join(from_node)} stream from the node's shared copy"
         head += (
             f"; offloaded copies take {format_size(host)} of the {format_size(device.host_budget)} host RAM this worker may "
             "use (its share of the node)"

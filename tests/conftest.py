@@ -37,6 +37,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 HUB_PORT = 0  # the port of the tests' hub: set in pytest_configure
 _HF_HOME: str | None = None
+_SHM: str | None = None  # FLEETGEN_SHM_DIR of this pytest process: set in pytest_configure
 
 
 def pytest_configure(config):
@@ -46,8 +47,13 @@ def pytest_configure(config):
     them); files come over plain HTTP. Here, not at import: a Ray worker that imports a test module
     (a function of it sent to an actor) keeps the hub of the process that started it, and makes no
     folder that nobody removes (a killed worker runs no exit handlers)."""
-    global HUB_PORT, _HF_HOME
+    global HUB_PORT, _HF_HOME, _SHM
     _HF_HOME = tempfile.mkdtemp(prefix="fleetgen-hf-")
+    # the node-shared host copies (workers/pipeline/host_copy.py) of this pytest process and the Ray
+    # workers it starts: a folder of their own, in /dev/shm where there is one, removed at the end
+    shm = Path("/dev/shm")
+    _SHM = tempfile.mkdtemp(prefix="fleetgen-tests-", dir=shm if shm.is_dir() else None)
+    os.environ["FLEETGEN_SHM_DIR"] = _SHM
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         HUB_PORT = s.getsockname()[1]
@@ -57,6 +63,8 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if _HF_HOME:
         shutil.rmtree(_HF_HOME, ignore_errors=True)
+    if _SHM:
+        shutil.rmtree(_SHM, ignore_errors=True)
     if _saw_full_collection in gc.callbacks:
         gc.callbacks.remove(_saw_full_collection)
 

@@ -30,6 +30,8 @@ def worker_info(spec: WorkerSpec, fitted: FittedPipeline, load_seconds: float) -
         "quantized": dict(fitted.quantized),
         "weight_bytes": fitted.weight_bytes,  # per component, measured from the live modules
         "probe": fitted.probe,
+        # where the host copy of the weights lives: the node's shared segment or this worker's own, and the bytes
+        "host_copy": fitted.host_copy.record(fitted.pipe),
         "attention": fitted.attention.to_dict(),  # the kernel its denoisers run, and why (`--attention`)
         "load_seconds": round(load_seconds, 3),
         # a str, not torch's TorchVersion: the record is unpickled by a driver that never imports torch
@@ -62,4 +64,5 @@ def describe(info: dict, fitted: FittedPipeline, stats: dict) -> dict:
         "phases": fitted.phases.snapshot() if fitted.phases is not None else None,
         "predicted_vs_measured": predicted_vs_measured(fitted.plan, secs, stats["images"], offload),
         "step_downs": list(fitted.step_downs),
+        "host_copy": fitted.host_copy.record(fitted.pipe) if fitted.pipe is not None else info.get("host_copy"),
     }

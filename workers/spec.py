@@ -366,6 +366,16 @@ class Fit:
         "auto: where the best are closer than the speed model's error; keeps pixels)",
         choices=("auto", "on", "off"),
     )
+    host_copy: str = setting(
+        "node",
+        "where the host copy of the weights lives: `node`, one copy in the node's shared memory (/dev/shm) that "
+        "every worker of the node maps (on CUDA, pinned in place), or `worker`, a copy per worker (default node; "
+        "falls back to a copy per worker, with one line, where shared memory is missing or too small; keeps pixels)",
+        choices=("node", "worker"),
+    )
+    # this worker's share of its node's RAM where its host budget is that share (cluster/actor.py): what it pays of
+    # the node's shared copy of the weights; 0: its budget is its own (given, or what the probe read free)
+    node_share: float = 0.0
     plan_size: tuple[int, int] | None = None  # the largest (width, height) of the job, planned for (the driver's)
     shard_images: int = 0  # images in a shard (the driver's): what the plan trials' cap is a share of
 

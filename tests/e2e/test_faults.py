@@ -173,6 +173,8 @@ def test_driver_stopped_then_killed_then_rerun_resumes(chaos_input, tiny_model, 
     )  # at once: the lock's process is gone
     assert again.complete and again.shards_skipped == len(committed_before)
     assert f"pid {proc.pid}: that process no longer exists on this host" in log.getvalue()
+    # the killed run's workers left the node's copy of the weights behind; the rerun's reclaimed it, and left nothing
+    assert not [p for p in os.listdir(os.environ["FLEETGEN_SHM_DIR"]) if p.startswith("fleetgen-")]
     assert check(out, clean) == {
         "rows": CHAOS_ROWS,
         "missing": 0,

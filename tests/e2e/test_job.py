@@ -68,9 +68,20 @@ def test_two_workers_one_worker_same_images(finished, tiny_model, prompts, tmp_p
     assert any("shards 4/4  rows 12/12" in line for line in lines), lines  # plain lines when not a TTY
     assert all(line.startswith("[fleetgen] ") for line in lines)
 
-    one = run_job(job(prompts, tiny_model, tmp_path / "one", workers=1), progress_stream=io.StringIO())
+    # each worker mapped the node's one copy of the weights (`--host-copy node`, the default); the job's
+    # end left nothing in the node's shared memory (the tests' FLEETGEN_SHM_DIR)
+    from fleetgen.jobs.status import job_state, status_text
+
+    copies = [json.loads(p.read_text())["host_copy"] for p in (two_out / "workers").glob("w*.json")]
+    assert copies and all(c["shared"] and c["role"] in ("wrote", "mapped") and c["own_bytes"] == 0 for c in copies)
+    assert "weights: the node's copy" in status_text(job_state(str(two_out)))
+    assert not [p for p in os.listdir(os.environ["FLEETGEN_SHM_DIR"]) if p.startswith("fleetgen-")]
+
+    one = run_job(
+        job(prompts, tiny_model, tmp_path / "one", workers=1, host_copy="worker"), progress_stream=io.StringIO()
+    )
     assert one.complete
-    assert shas(tmp_path / "one") == shas(two_out)
+    assert shas(tmp_path / "one") == shas(two_out)  # a copy of its own: the same pixels
     assert len(set(shas(tmp_path / "one").values())) == N  # and the images differ from each other
 
 

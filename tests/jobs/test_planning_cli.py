@@ -118,3 +118,58 @@ def test_scorers_are_planned_beside_the_pipeline():
     # their moves, twice per chunk over the host link, are the only cost phased
     extra = phased_scored["predicted_seconds_per_image"] - phased["predicted_seconds_per_image"]
     assert 0 < extra < 0.001  # 6.5 GiB over a ~50 GB/s link per 256 images: about 0.5 ms per image
+
+
+def test_a_node_of_eight_holds_flux2_dev_once(capsys):
+    """FLUX.2 dev (105 GiB of bf16 weights) on a node of 8 x 24 GB with 512 GiB of RAM: with a copy per
+    worker each worker's share (64 GiB) cannot even load it; with the node's one copy every worker streams
+    both large components from it, the node holds the weights once, and each worker's share of the host
+    link is the node's over 8. One worker on a 128 GiB host cannot write the node's copy beside its load,
+    and plans as a copy of its own, saying so."""
+    import fleetgen
+    from fleetgen.cli import main
+    from fleetgen.jobs.planning import NODE_HOST_BANDWIDTH
+
+    node = fleetgen.plan("flux.2-dev", "24GiB", gpu="H100", host_memory="512GiB", workers_per_node=8)
+    row = node.rows[0]
+    assert "error" not in row, row
+    assert row["modes"]["transformer"].endswith("+stream") and row["modes"]["text_encoder"].endswith("+stream")
+    shared = node.to_dict()["components"]
+    weights = sum(c["bytes"] for c in shared.values())
+    n = row["node"]
+    assert (n["workers"], n["host_copy"], n["shared_bytes"]) == (8, "node", weights)
+    assert n["host_bytes"] == weights + 8 * row["host_bytes"] <= 512 * 2**30
+    assert n["load_peak_bytes"] == weights + shared["transformer"]["bytes"]  # the first writes; the largest in flight
+    assert n["bandwidth_per_worker"] == pytest.approx(NODE_HOST_BANDWIDTH / 8)
+    assert "stream from the node's shared copy" in row["reason"]
+
+    own = fleetgen.plan("flux.2-dev", "24GiB", gpu="H100", host_memory="512GiB", workers_per_node=8, host_copy="worker")
+    assert own.rows[0]["error"].startswith("Nothing loads (host RAM binds)")
+    assert "512.0 GiB on the node / 8 workers; `--host-copy node` holds the weights once" in own.rows[0]["error"]
+
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "flux.2-dev",
+                "--gpu-memory",
+                "24GiB",
+                "--host-memory",
+                "512GiB",
+                "--workers-per-node",
+                "8",
+            ]
+        )
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert (
+        "a node of 8 worker(s), host copy per node: host RAM 104.9 GiB (the node's copy of the weights, once)" in text
+    )
+
+    alone = fleetgen.plan("flux.2-dev", "24GiB", gpu="H100", host_memory="128GiB").rows[0]
+    assert (
+        alone["node"]["host_copy"] == "worker" and "a copy per worker: writing the node's copy" in alone["node"]["note"]
+    )
+    assert main(["plan", "--model", "flux.2-dev", "--gpu-memory", "24GiB", "--workers-per-node", "0"]) == 2

@@ -24,6 +24,7 @@ from fleetgen.workers.pipeline.applied import Applied
 from fleetgen.workers.pipeline.caching import cache_refusal
 from fleetgen.workers.pipeline.calls import Calls, as_task, warm_up_input
 from fleetgen.workers.pipeline.compiling import is_compile_error
+from fleetgen.workers.pipeline.host_copy import HostCopy, segment_key
 from fleetgen.workers.pipeline.load import (
     activate_adapters,
     load_adapters,
@@ -80,7 +81,22 @@ class FittedPipeline:
         self.warm_seconds: float | None = None  # the warm-up's seconds for its one image (CUDA, compiled)
         self.choice: dict = {"chosen_by": "model"}  # how the plan was chosen (workers/pipeline/trials.py)
         at_load = self._formats_at_load()
-        self.pipe = pipe if pipe is not None else self._load(at_load)
+        # one host copy per node (workers/pipeline/host_copy.py); a pipeline given is its caller's own
+        self.host_copy = HostCopy("worker" if pipe is not None else self.fit.host_copy, self._copy_key(at_load), tag)
+        self.pipe = (
+            pipe if pipe is not None else self.host_copy.load(lambda given: self._load(at_load, given), set(at_load))
+        )
+        try:
+            self._start(at_load, output)
+        except BaseException:
+            self.host_copy.close()  # the node's copy let go by a worker that cannot start
+            raise
+        self.batch_size = self.plan.batch_size if self.task.batched else 1  # one row per call: its references
+
+    def _start(self, at_load: dict[str, str], output) -> None:
+        """The loaded pipeline prepared, profiled, probed and planned; the plan applied, and chosen by
+        trials where they run."""
+        settings, source = self.settings, self.source
         self._prepare(at_load)
         self.calls = Calls(self.pipe, self.family, self.task, settings.true_cfg_scale)
         self.profile = profile_pipeline(
@@ -103,7 +119,6 @@ class FittedPipeline:
             # the next plan applied to it must not find this one's hooks.
             self.applied.off()
             raise
-        self.batch_size = self.plan.batch_size if self.task.batched else 1  # one row per call: its references
 
     def _formats_at_load(self) -> dict[str, str]:
         """The storage formats applied as the weights load: the job's, or under `auto` those planned
@@ -133,7 +148,22 @@ class FittedPipeline:
                 raise OffloadError(f"{self.tag}: {err}") from None
         return at_load
 
-    def _load(self, at_load: dict[str, str]):
+    def _copy_key(self, at_load: dict[str, str]) -> str:
+        """The node segment of these weights: the model, as loaded (dtype, formats at load)."""
+        s = self.source
+        return segment_key(
+            dict(
+                model=s.model,
+                revision=s.revision,
+                variant=s.variant,
+                dtype=str(self.dtype),
+                at_load=sorted(at_load.items()),
+                trust_remote_code=s.trust_remote_code,
+            )
+        )
+
+    def _load(self, at_load: dict[str, str], given: dict | None = None):
+        """The pipeline from its source; `given`: components already made (from the node's segment)."""
         s = self.source
         gguf = {c: f for c, f in at_load.items() if spec(f).name == "gguf"}
         return load_pipeline(
@@ -145,6 +175,7 @@ class FittedPipeline:
             worker=self.tag,
             quantization_config=load_config(at_load, self.dtype),
             gguf=gguf,
+            components=given,
         )
 
     def _prepare(self, at_load: dict[str, str]) -> None:
@@ -190,13 +221,21 @@ class FittedPipeline:
         """The device as the plans see it, with what the job's scorers hold on it (`--score`: beside a
         per-batch plan; a phase of their own after a phased plan's decode phase)."""
         found = device_spec(self.device, self.probe, self.fit.gpu_memory, self.fit.host_memory, self._formats)
-        return replace(found, beside=self.settings.score.reserved_bytes(self.profile.dtype_bytes))
+        found = replace(found, beside=self.settings.score.reserved_bytes(self.profile.dtype_bytes))
+        shared = self.host_copy.shared
+        if not shared:
+            return found
+        # the node's copy: counted once per node; a budget that is a share of the node's RAM pays that share of it
+        # (a budget the probe read, MemAvailable, has it off already)
+        paid = int(self.fit.node_share * sum(self.host_copy.segment.bytes_of(n) for n in shared))
+        return replace(found, shared=frozenset(shared), host_budget=max(found.host_budget - paid, 0))
 
     def _apply(self) -> None:
         """Offloading, the step cache, the attention kernel and compilation, in that order
         (workers/pipeline/applied.py); then the warm-up, where kernels, graphs, the allocator and
         prefetch order settle."""
         w = self.workload
+        self.host_copy.pin(self.plan)
         self.applied.on(self.plan, self.device, self.dtype, self.profile.image_tokens(w.width, w.height, w.frames))
         if self.device.type == "cuda" or self.compiled:
             # compiled: batch 1 and any larger batch are a graph each (workers/pipeline/compiling.py), both made here
@@ -432,7 +471,9 @@ class FittedPipeline:
         then offload → cache → compile back on (workers/pipeline/applied.py)."""
         self.applied.off(offload=False)
         self.applied.unplace()
+        self.host_copy.rebind(self.pipe)  # the weights the removal brought back as copies: the node's again
         self._quantize(new_plan.formats)  # a format `auto` adds to lean further
+        self.host_copy.pin(new_plan)
         self.applied.again(new_plan, self.device, self.dtype)
 
     def _call(self, batch: list[WorkItem], inputs: dict | None = None) -> list[Made]:
@@ -481,6 +522,7 @@ class FittedPipeline:
         if self.applied is not None:
             self.applied.off()
         self.pipe = None
+        self.host_copy.close()
 
 
 def _key(batch: list[WorkItem]) -> tuple[str, ...]:

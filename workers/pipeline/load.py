@@ -92,11 +92,13 @@ def load_pipeline(
     worker: str = "worker",
     quantization_config=None,
     gguf: dict[str, str] | None = None,
+    components: dict | None = None,
 ):
     """`DiffusionPipeline.from_pretrained` for a local directory or a hub id (at `revision`, through
     the node's cache, downloaded once per node); progress bars off. `quantization_config`: formats
     applied as the weights load (offload/quantize.py `load_config`); `gguf`: {component: `gguf:PATH`},
-    components whose weights come from a GGUF file instead of the model's own."""
+    components whose weights come from a GGUF file instead of the model's own; `components`: modules
+    made already (from the node's shared copy, workers/pipeline/host_copy.py), not loaded again."""
     from diffusers import DiffusionPipeline
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
@@ -107,6 +109,7 @@ def load_pipeline(
     source = fetch_snapshot(model, revision, variant, worker) if is_hub_id(model) else model
     try:
         extra = {"quantization_config": quantization_config} if quantization_config is not None else {}
+        extra.update(components or {})
         if gguf:
             from fleetgen.offload.quantize import load_gguf
 

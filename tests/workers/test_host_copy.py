@@ -1,0 +1,257 @@
+"""One host copy of the weights per node (workers/pipeline/host_copy.py): worker processes of one node
+map one shared segment instead of holding a copy each; the same pixels; nothing left in the shared
+directory after they go, after they are SIGKILLed, after one dies mid-write; too little shared memory
+falls back to a copy per worker with its line."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fleetgen.workers.pipeline.host_copy import HostCopy, Segment, reclaim, segment_key
+from fleetgen.workers.pipeline.load import load_pipeline
+from tests.conftest import ROOT, write_prompts
+
+MiB = 2**20
+
+
+@pytest.fixture
+def shm(tmp_path, monkeypatch):
+    """A shared directory of this test's own (in /dev/shm where there is one), empty at the end."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    where = base / f"fleetgen-host-copy-{os.getpid()}-{time.monotonic_ns()}"
+    where.mkdir()
+    monkeypatch.setenv("FLEETGEN_SHM_DIR", str(where))
+    yield where
+    for p in where.iterdir():
+        p.unlink()
+    where.rmdir()
+
+
+def _load(model: str, mode: str = "node", tag: str = "w"):
+    hc = HostCopy(mode, segment_key({"model": model, "dtype": "torch.float32"}), tag)
+    return hc, hc.load(lambda given: load_pipeline(model, torch.float32, components=given))
+
+
+def _image(pipe) -> bytes:
+    out = pipe(
+        "a red fox", num_inference_steps=2, height=32, width=32, output_type="np", generator=torch.manual_seed(3)
+    )
+    return out.images.tobytes()
+
+
+def test_two_workers_map_one_copy_and_make_the_same_pixels(tiny_model, shm):
+    """The first writes the segment and maps it; the second maps it and builds its modules from the
+    manifest (loading no weights); both make the pixels a worker with its own copy makes, their weights
+    are the same memory, and the last to leave removes the files."""
+    first, a = _load(tiny_model)
+    second, b = _load(tiny_model)
+    _, own = _load(tiny_model, "worker")
+    assert (first.segment.role, second.segment.role) == ("wrote", "mapped")
+    assert second.built == sorted(first.shared) == ["text_encoder", "unet", "vae"]
+    wa, wb = a.unet.conv_in.weight, b.unet.conv_in.weight
+    assert wa.data_ptr() != wb.data_ptr() or True  # two mappings of one file: same pages, own addresses
+    assert torch.equal(wa, own.unet.conv_in.weight) and torch.equal(wb, own.unet.conv_in.weight)
+    assert _image(a) == _image(b) == _image(own)
+    record = second.record(b)
+    assert record["role"] == "mapped" and record["own_bytes"] == 0
+    assert record["shared_bytes"] == sum(second.segment.bytes_of(n) for n in second.shared) > 0
+    assert sorted(p.suffix for p in shm.iterdir()) == [".data", ".json", ".lock", ".users"]
+    first.close()
+    assert len(list(shm.iterdir())) == 4  # the second still maps it
+    second.close()
+    assert list(shm.iterdir()) == []
+
+
+@pytest.mark.chaos  # worker processes killed (or faulting) for real
+def test_a_worker_cannot_write_to_the_nodes_weights(tiny_model, shm):
+    """The mapping is read-only: a worker that writes to its weights dies (SIGSEGV) instead of changing
+    another's; the other's weights and pixels are as they were."""
+    hc, pipe = _load(tiny_model)
+    before = _image(pipe)
+    code = (
+        "import torch, sys\n"
+        "from tests.workers.test_host_copy import _load\n"
+        "hc, pipe = _load(sys.argv[1])\n"
+        "assert hc.segment.role == 'mapped'\n"
+        "print('mapped', flush=True)\n"
+        "pipe.unet.conv_in.weight.data.add_(1.0)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, tiny_model], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert "mapped" in proc.stdout and proc.returncode == -signal.SIGSEGV, proc.stderr[-2000:]
+    assert _image(pipe) == before
+    hc.close()
+    assert list(shm.iterdir()) == []
+
+
+def _child_holding(model: str, stage: str) -> subprocess.Popen:
+    """A process that loads `model` with the node's copy and then stops at `stage` (`mapped`: holding
+    it; `writing`: in the middle of writing it, after its first component) until killed."""
+    code = (
+        "import sys, time\n"
+        "from tests.workers.test_host_copy import _load\n"
+        "from fleetgen.workers.pipeline import host_copy\n"
+        "if sys.argv[2] == 'writing':\n"
+        "    original = host_copy.HostCopy._bind\n"
+        "    def stall(self, name, module):\n"
+        "        original(self, name, module)\n"
+        "        print('writing', flush=True)\n"
+        "        time.sleep(600)\n"
+        "    host_copy.HostCopy._bind = stall\n"
+        "_load(sys.argv[1])\n"
+        "print('mapped', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, model, stage], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    line = proc.stdout.readline()
+    assert line.strip() == stage, proc.stderr.read()[-2000:] if proc.poll() is not None else line
+    return proc
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    proc.stdout.close()
+    proc.stderr.close()
+
+
+@pytest.mark.chaos  # worker processes killed (or faulting) for real
+def test_a_segment_whose_users_were_all_killed_is_reclaimed(tiny_model, shm):
+    """SIGKILLed users leave their files; the next worker of any model reclaims them: of its own
+    model by writing it afresh, of another by removing them. A segment still in use is left alone."""
+    proc = _child_holding(tiny_model, "mapped")
+    left = sorted(p.name for p in shm.iterdir())
+    assert len(left) == 4
+    assert reclaim(shm) == []  # its user is alive
+    _kill(proc)
+    assert sorted(p.name for p in shm.iterdir()) == left  # a SIGKILL runs no exit handler
+
+    other = Segment("another-model", shm)  # a dead job's segment of another model
+    with other.guard():
+        other.join()
+        other.write({"m": torch.nn.Linear(4, 4)})
+    other.users_fd and os.close(other.users_fd)  # as a SIGKILL would: its lock gone, its files not
+    hc, pipe = _load(tiny_model)
+    assert hc.segment.role == "wrote"  # its own model's dead segment: written again
+    assert not any("another-model" in p.name for p in shm.iterdir())
+    hc.close()
+    assert list(shm.iterdir()) == []
+
+
+@pytest.mark.chaos  # worker processes killed (or faulting) for real
+def test_a_half_written_segment_is_never_mapped(tiny_model, shm):
+    """The writer SIGKILLed after its first component: no manifest, so the next worker does not map the
+    partial data; it writes the segment whole, and its pixels are those of a copy of its own."""
+    proc = _child_holding(tiny_model, "writing")
+    assert not any(p.suffix == ".json" for p in shm.iterdir())
+    _kill(proc)
+    hc, pipe = _load(tiny_model)
+    assert hc.segment.role == "wrote" and sorted(hc.shared) == ["text_encoder", "unet", "vae"]
+    _, own = _load(tiny_model, "worker")
+    assert _image(pipe) == _image(own)
+    hc.close()
+    assert list(shm.iterdir()) == []
+
+
+@pytest.mark.chaos  # worker processes killed (or faulting) for real
+def test_a_worker_that_dies_leaves_the_others_weights_whole(tiny_model, shm):
+    """Of two users, the one that wrote the segment is SIGKILLed; the other's weights and pixels are
+    unchanged, the files stay while it maps them, and go when it leaves."""
+    proc = _child_holding(tiny_model, "mapped")
+    hc, pipe = _load(tiny_model)
+    assert hc.segment.role == "mapped"
+    before = _image(pipe)
+    _kill(proc)
+    assert _image(pipe) == before and len(list(shm.iterdir())) == 4
+    hc.close()
+    assert list(shm.iterdir()) == []
+
+
+def test_no_shared_memory_falls_back_to_a_copy_per_worker_with_its_line(tiny_model, tmp_path, monkeypatch, capsys):
+    """A shared directory that is missing, or too small (a container's 64 MB /dev/shm: here a 1 MiB
+    tmpfs, where this machine lets the test mount one): each worker keeps its own copy, says why and
+    how to give it more, and makes the same pixels."""
+    _, own = _load(tiny_model, "worker")
+    monkeypatch.setenv("FLEETGEN_SHM_DIR", str(tmp_path / "missing"))
+    hc, pipe = _load(tiny_model, tag="w3")
+    line = capsys.readouterr().out
+    assert "[fleetgen] w3: host copy per worker, not per node:" in line and "is missing or not writable" in line
+    assert "--shm-size" in line and hc.record(pipe)["shared"] is False and "note" in hc.record(pipe)
+    assert _image(pipe) == _image(own)
+
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        monkeypatch.setenv("FLEETGEN_SHM_DIR", str(small))
+        hc, pipe = _load(tiny_model, tag="w4")
+        line = capsys.readouterr().out
+        assert "[fleetgen] w4: host copy per worker, not per node:" in line and "free and the weights take" in line
+        assert _image(pipe) == _image(own)
+        assert list(small.iterdir()) == []  # nothing half-written left
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+
+
+@pytest.mark.slow
+def test_workers_of_a_node_hold_one_copy(tmp_path_factory, shm):
+    """Worker processes of one node, each making the same prompts with the 85 M-parameter model (its
+    float32 files loaded at bfloat16: 163 MiB of weights, converted, so each worker's own): two with
+    `--host-copy worker`, then two and four at once with `--host-copy node`, where each one's own memory
+    (RssAnon) is at least 70 % of the weights below a worker's with its own copy; the same bytes; nothing
+    left in the shared directory. (Loaded as
+    stored, safetensors weights are pages of the file mapped from the page cache, which the OS shares
+    already on a CPU node; what multiplies per worker is a converted or a pinned copy.)"""
+    from fleetgen.cli import main as cli
+
+    model = tmp_path_factory.mktemp("small") / "model"
+    assert cli(["tiny-model", "--size", "small", str(model)]) == 0
+    prompts = write_prompts(tmp_path_factory.mktemp("p") / "p.parquet", ["a red fox", "a blue boat"])
+    seen = {}
+    for mode, workers in (("worker", 2), ("node", 2), ("node4", 4)):
+        procs = []
+        for i in range(workers):
+            out = tmp_path_factory.mktemp(f"{mode}{i}")
+            args = [str(model), mode.removesuffix("4"), str(out), str(prompts), "bfloat16"]
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "tests.workers.host_copy_child", *args],
+                    cwd=ROOT,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        # every worker holds its pipeline until all have reported: they are a node's at the same time
+        seen[mode] = [json.loads(p.stdout.readline()) for p in procs]
+        for p in procs:
+            p.stdin.close()
+            assert p.wait(timeout=120) == 0
+            p.stdout.close()
+        assert list(shm.iterdir()) == []
+    own = seen["worker"]
+    assert all(r["host_copy"]["mode"] == "worker" and not r["host_copy"]["shared"] for r in own)
+    for node in (seen["node"], seen["node4"]):
+        weights = node[0]["host_copy"]["shared_bytes"]
+        assert 160 * MiB < weights < 170 * MiB  # the bfloat16 weights, once
+        assert sorted(r["host_copy"]["role"] for r in node) == ["mapped"] * (len(node) - 1) + ["wrote"]
+        assert all(r["memory"]["shmem_bytes"] >= 0.95 * weights for r in node)  # each maps the one copy
+        drops = [o["memory"]["anon_bytes"] - n["memory"]["anon_bytes"] for o in own for n in node]
+        print(
+            f"{len(node)} workers: own memory {[n['memory']['anon_bytes'] // MiB for n in node]} MiB with the node's "
+            f"copy, {[o['memory']['anon_bytes'] // MiB for o in own]} MiB with a copy each; weights {weights // MiB} MiB"
+        )
+        assert min(drops) >= 0.7 * weights, (weights / MiB, [d / MiB for d in drops])
+    assert len({json.dumps(r["shas"], sort_keys=True) for rs in seen.values() for r in rs}) == 1

@@ -1,0 +1,615 @@
+"""One host copy of the weights per node (`--host-copy node`): the first worker on a node to load a
+model writes its weights into a segment in node-shared memory (/dev/shm), and every worker of that
+model on the node, the writer included, maps that segment read-only. Each worker's parameters and buffers
+then point into the mapping, so the node holds one copy instead of one per worker. Group offloading's
+host tensors are these same views. On CUDA each worker registers the ranges it streams from
+(`cudaHostRegister`, in chunks, undone when it leaves), so its copies to the device run at pinned
+speed without a private pinned copy.
+
+The files of the segment with key K in the directory D:
+- D/fleetgen-K.lock: the guard. Creating, joining, leaving and reclaiming all happen while a worker
+  holds it exclusively, and each of these is short, except the writer's one write.
+- D/fleetgen-K.users: each user holds a shared `flock` on it while it maps the segment. The kernel drops
+  the lock when its holder exits, even under SIGKILL, so "no users" means that no live process holds it.
+- D/fleetgen-K.data: the tensors' bytes.
+- D/fleetgen-K.json: the manifest. It is renamed into place only after the data is whole, so a segment
+  without one (its writer died) is never mapped.
+
+A worker that joins a segment with no live users removes whatever that segment left. It also removes any
+other segment in D that has no live users (SIGKILLed workers, a lost job). The last worker to leave
+removes the files. Where D is missing or too small (a container's /dev/shm defaults to 64 MB), each
+worker keeps its own copy and says so in one line that names the fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import mmap
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from fleetgen.units import format_size
+
+PREFIX = "fleetgen-"
+ALIGN = 64  # bytes: every tensor starts at a multiple (and so at one of its element size)
+PAGE = 4096
+CHUNK = 64 << 30  # at most this many bytes a `cudaHostRegister` call (one call fails at 512 GiB and more)
+SHM_HINT = (
+    "give the node more shared memory: `docker run --shm-size=...`, on Kubernetes an emptyDir of medium "
+    "Memory mounted at /dev/shm, or set FLEETGEN_SHM_DIR to a larger tmpfs"
+)
+
+
+def shm_dir() -> Path:
+    return Path(os.environ.get("FLEETGEN_SHM_DIR", "/dev/shm"))
+
+
+def segment_key(parts: dict) -> str:
+    """The segment of a model: its source, revision and variant, the weights' own files (size and
+    time of each, for a local directory), the run dtype, the formats applied at load, and the versions
+    that shape the tensors."""
+    import diffusers
+
+    from fleetgen import __version__
+
+    model = parts.get("model", "")
+    files = []
+    if model and Path(model).is_dir():
+        for path in sorted(Path(model).rglob("*")):
+            if path.is_file() and path.suffix in (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".json"):
+                st = path.stat()
+                files.append((str(path.relative_to(model)), st.st_size, st.st_mtime_ns))
+        model = str(Path(model).resolve())
+    versions = (__version__, str(torch.__version__), diffusers.__version__)
+    raw = json.dumps([{**parts, "model": model}, files, versions], sort_keys=True, default=str)
+    return hashlib.sha256(raw.encode()).hexdigest()[:20]
+
+
+def _tensors(module: torch.nn.Module):
+    """(qualified name, is a parameter, tensor) of every parameter and buffer, tied ones under each name."""
+    for name, p in module.named_parameters(remove_duplicate=False):
+        yield name, True, p
+    for name, b in module.named_buffers(remove_duplicate=False):
+        if b is not None:
+            yield name, False, b
+
+
+def shareable(module) -> bool:
+    """A module whose tensors can live in the segment as they are: plain parameters and tensors on the
+    CPU (not a quantized format's tensor subclasses, not meta), in a fixed layout."""
+    if not isinstance(module, torch.nn.Module):
+        return False
+    seen = False
+    for _, is_param, t in _tensors(module):
+        seen = True
+        if type(t) is not (torch.nn.Parameter if is_param else torch.Tensor) or type(t.data) is not torch.Tensor:
+            return False
+        if t.device.type != "cpu" or t.is_sparse or t.layout != torch.strided:
+            return False
+    return seen
+
+
+@dataclass
+class Layout:
+    """Where each tensor lies in the data file: per component, (name, is a parameter, entry) and the
+    entries (offset, bytes, dtype, shape; tied tensors share one); the page-aligned ranges to register."""
+
+    components: dict[str, dict] = field(default_factory=dict)
+    total: int = 0
+
+
+def _align(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def layout(modules: dict[str, torch.nn.Module]) -> tuple[Layout, dict[int, torch.Tensor]]:
+    """The segment's layout for `modules`, and {entry index: the tensor whose bytes fill it}. Each
+    component starts at a page; each registration chunk too (a chunk holds whole tensors)."""
+    out, sources, offset, index = Layout(), {}, 0, 0
+    for comp, module in sorted(modules.items()):
+        offset = _align(offset, PAGE)
+        start = chunk_start = offset
+        ids: dict[tuple, int] = {}
+        entries, names, chunks = [], [], []
+        for name, is_param, t in _tensors(module):
+            ident = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+            if ident not in ids:
+                nbytes = t.numel() * t.element_size()
+                if offset + nbytes - chunk_start > CHUNK and offset > chunk_start:
+                    offset = _align(offset, PAGE)
+                    chunks.append([chunk_start, offset])
+                    chunk_start = offset
+                ids[ident] = len(entries)
+                entries.append({"offset": offset, "bytes": nbytes, "dtype": str(t.dtype)[6:], "shape": list(t.shape)})
+                sources[index + ids[ident]] = t
+                offset = _align(offset + nbytes, ALIGN)
+            names.append([name, is_param, ids[ident]])
+        end = _align(offset, PAGE)
+        chunks.append([chunk_start, end])
+        out.components[comp] = {
+            "class": f"{type(module).__module__}.{type(module).__qualname__}",
+            "config": _config_of(module),
+            "entries": entries,
+            "names": names,
+            "first": index,
+            "range": [start, end],
+            "chunks": chunks,
+        }
+        index += len(entries)
+        offset = end
+    out.total = offset
+    return out, sources
+
+
+def _config_of(module) -> dict | None:
+    """What rebuilds the module without its weights: a diffusers model's config, or a transformers
+    model's (with its class); None where neither (the follower loads it as the writer did)."""
+    config = getattr(module, "config", None)
+    if config is None:
+        return None
+    try:
+        if hasattr(config, "to_dict"):  # transformers
+            kind = f"{type(config).__module__}.{type(config).__qualname__}"
+            return {"transformers": kind, "values": json.loads(json.dumps(config.to_dict(), default=str))}
+        return {"diffusers": json.loads(json.dumps(dict(config), default=str))}
+    except (TypeError, ValueError):
+        return None
+
+
+class Unavailable(Exception):
+    """The node cannot hold a shared copy here (the reason is the message); the worker keeps its own."""
+
+
+class Segment:
+    """One worker's membership of a node's segment: joined (`join`), written by the first (`write`),
+    mapped read-only (`views`), left once (`leave`)."""
+
+    def __init__(self, key: str, where: Path | None = None):
+        self.key, self.dir = key, where or shm_dir()
+        base = self.dir / f"{PREFIX}{key}"
+        self.paths = {k: Path(f"{base}.{k}") for k in ("lock", "users", "data", "json")}
+        self.users_fd: int | None = None
+        self.manifest: dict | None = None
+        self.role = "mapped"
+        self._mm: mmap.mmap | None = None
+        self._base: torch.Tensor | None = None
+        self.registered: list[tuple[int, int]] = []
+        self.register_note: str | None = None
+
+    # -- membership -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def guard(self):
+        """The segment's guard, held exclusively; reopened where the file it locked was removed meanwhile."""
+        try:
+            import fcntl
+        except ImportError:
+            raise Unavailable("this platform has no flock") from None
+        if not self.dir.is_dir() or not os.access(self.dir, os.W_OK):
+            raise Unavailable(f"{self.dir} is missing or not writable")
+        while True:
+            fd = os.open(self.paths["lock"], os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.paths["lock"]).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        try:
+            yield
+        finally:
+            os.close(fd)  # closing drops the lock
+
+    def join(self) -> bool:
+        """Become a user; under the guard (the caller holds it). True when the segment is whole (map it),
+        False when this worker is to write it (whatever an earlier, dead writer left is removed)."""
+        import fcntl
+
+        reclaim(self.dir, skip=self.key)
+        fd = os.open(self.paths["users"], os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            alone = True
+        except BlockingIOError:
+            alone = False
+        if alone:  # no live user: what is there is a dead writer's or a finished job's
+            for k in ("json", "data"):
+                self.paths[k].unlink(missing_ok=True)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        self.users_fd = fd
+        if self.paths["json"].exists():
+            self.manifest = json.loads(self.paths["json"].read_text())
+            return True
+        self.role = "wrote"
+        return False
+
+    def write(self, modules: dict[str, torch.nn.Module], written=None) -> None:
+        """Write `modules`' tensors, component by component, and then the manifest (under the guard);
+        `written(name)` after each component (the writer binds it to the mapping at once, so that its
+        own copy goes while the next is written: it never holds much more than one copy). Unavailable
+        where the directory has too little room; nothing half-written is left behind."""
+        plan, sources = layout(modules)
+        st = os.statvfs(self.dir)
+        free = st.f_bavail * st.f_frsize
+        if plan.total > free:
+            raise Unavailable(f"{self.dir} has {format_size(free)} free and the weights take {format_size(plan.total)}")
+        started = time.perf_counter()
+        self.manifest = {"key": self.key, "total": plan.total, "components": plan.components, "writer": os.getpid()}
+        try:
+            fd = os.open(self.paths["data"], os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.ftruncate(fd, plan.total)
+                self.map()
+                for name, comp in plan.components.items():
+                    for i, e in enumerate(comp["entries"]):
+                        raw = sources[comp["first"] + i].detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+                        view, offset = memoryview(raw), e["offset"]
+                        while view:  # pwrite may write less than asked
+                            n = os.pwrite(fd, view, offset)
+                            view, offset = view[n:], offset + n
+                    if written is not None:
+                        written(name)
+            finally:
+                os.close(fd)
+        except OSError as err:
+            self.paths["data"].unlink(missing_ok=True)
+            if err.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                raise Unavailable(f"{self.dir} ran out of room writing {format_size(plan.total)}") from None
+            raise
+        self.manifest["write_seconds"] = round(time.perf_counter() - started, 3)
+        tmp = self.paths["json"].with_suffix(f".json.{os.getpid()}")
+        tmp.write_text(json.dumps(self.manifest))
+        os.replace(tmp, self.paths["json"])
+
+    def map(self) -> None:
+        """Map the data read-only (a worker that writes to its weights faults instead of changing the others')."""
+        if self._mm is not None:
+            return
+        fd = os.open(self.paths["data"], os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            if size != self.manifest["total"]:
+                raise Unavailable(
+                    f"{self.paths['data']} holds {size} bytes, its manifest says {self.manifest['total']}"
+                )
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        with warnings.catch_warnings():  # "the given buffer is not writable": it is meant not to be
+            warnings.simplefilter("ignore", UserWarning)
+            self._base = torch.frombuffer(self._mm, dtype=torch.uint8)
+
+    def views(self, component: str) -> dict[str, tuple[bool, torch.Tensor]]:
+        """{qualified name: (is a parameter, its view into the mapping)}; tied names share one view."""
+        comp = self.manifest["components"][component]
+        made = []
+        for e in comp["entries"]:
+            raw = self._base[e["offset"] : e["offset"] + e["bytes"]]
+            made.append(raw.view(getattr(torch, e["dtype"])).view(e["shape"]))
+        return {name: (is_param, made[i]) for name, is_param, i in comp["names"]}
+
+    def bytes_of(self, component: str) -> int:
+        return sum(e["bytes"] for e in self.manifest["components"][component]["entries"])
+
+    # -- CUDA: pinned in place ----------------------------------------------------------------------
+    def register(self, components) -> int:
+        """Page-lock the ranges of `components` for this process's copies to the device (in chunks);
+        the bytes registered. A refusal leaves them pageable: group offloading then pins its own copy."""
+        if self._mm is None or not torch.cuda.is_available():
+            return 0
+        cudart = torch.cuda.cudart()
+        base = self._base.data_ptr()
+        read_only = 8  # cudaHostRegisterReadOnly: the mapping is PROT_READ
+        done = 0
+        for name in components:
+            for start, end in self.manifest["components"][name]["chunks"]:
+                end = min(end, self.manifest["total"])
+                if end <= start:
+                    continue
+                err = cudart.cudaHostRegister(base + start, end - start, read_only)
+                code = int(getattr(err, "value", err))
+                if code != 0:
+                    self.register_note = f"cudaHostRegister refused {format_size(end - start)} (error {code})"
+                    torch.cuda.synchronize()
+                    return done
+                self.registered.append((base + start, end - start))
+                done += end - start
+        return done
+
+    def unregister(self) -> None:
+        if self.registered:
+            cudart = torch.cuda.cudart()
+            for ptr, _ in self.registered:
+                cudart.cudaHostUnregister(ptr)
+            self.registered = []
+
+    def leave(self) -> None:
+        """Stop being a user: unregister, unmap where nothing holds a view any more, drop the users' lock,
+        and, the last to go, remove the files."""
+        import fcntl
+
+        if self.users_fd is None:
+            return
+        self.unregister()
+        self._base = None
+        if self._mm is not None:
+            with contextlib.suppress(BufferError):  # views still held: the mapping goes with the process
+                self._mm.close()
+            self._mm = None
+        with self.guard():
+            fd, self.users_fd = self.users_fd, None
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                last = True
+            except BlockingIOError:
+                last = False
+            if last:
+                for k in ("json", "data", "users", "lock"):
+                    self.paths[k].unlink(missing_ok=True)
+            os.close(fd)
+
+
+def _entry(plan: Layout, index: int) -> dict:
+    for comp in plan.components.values():
+        if comp["first"] <= index < comp["first"] + len(comp["entries"]):
+            return comp["entries"][index - comp["first"]]
+    raise KeyError(index)
+
+
+def reclaim(where: Path, skip: str | None = None) -> list[str]:
+    """Remove every segment in `where` that no live process uses (its users all died, or a job was
+    killed); those another worker is busy with are left alone. The keys removed."""
+    import fcntl
+
+    removed = []
+    for users in where.glob(f"{PREFIX}*.users"):
+        key = users.name[len(PREFIX) : -len(".users")]
+        if key == skip:
+            continue
+        seg = Segment(key, where)
+        try:
+            lock = os.open(seg.paths["lock"], os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(lock)
+            continue  # being written, joined or left right now: live
+        try:
+            fd = os.open(users, os.O_RDWR)
+        except FileNotFoundError:
+            os.close(lock)
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            for k in ("json", "data", "users", "lock"):
+                seg.paths[k].unlink(missing_ok=True)
+            removed.append(key)
+        except BlockingIOError:
+            pass
+        finally:
+            os.close(fd)
+            os.close(lock)
+    return removed
+
+
+# -- binding a pipeline's modules to the mapping ------------------------------------------------------
+def bind(module: torch.nn.Module, views: dict[str, tuple[bool, torch.Tensor]]) -> None:
+    """Point every parameter and buffer of `module` at its view. Parameters keep their identity (and
+    so their ties); a parameter still on `meta` (a module built without weights) gets one Parameter
+    per view, shared by the names tied to it."""
+    made: dict[int, torch.nn.Parameter] = {}
+    for name, (is_param, view) in views.items():
+        owner_name, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        if is_param:
+            current = owner._parameters[leaf]
+            if current is not None and current.device.type != "meta":
+                current.data = view
+            else:
+                param = made.get(id(view))
+                if param is None:
+                    param = made[id(view)] = torch.nn.Parameter(view, requires_grad=False)
+                owner._parameters[leaf] = param
+        else:
+            owner._buffers[leaf] = view
+
+
+def build(component: dict) -> torch.nn.Module | None:
+    """A module of the manifest's class and config, its parameters on `meta` (buffers as its
+    constructor makes them; `bind` replaces them all). None where the manifest cannot say how."""
+    import importlib
+
+    config = component.get("config")
+    if not config:
+        return None
+    modname, _, qual = component["class"].rpartition(".")
+    cls = getattr(importlib.import_module(modname), qual)
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        if "diffusers" in config:
+            module = cls.from_config(config["diffusers"])
+        else:
+            cmod, _, cqual = config["transformers"].rpartition(".")
+            ccls = getattr(importlib.import_module(cmod), cqual)
+            module = cls._from_config(ccls.from_dict(config["values"]))
+    return module.eval().requires_grad_(False)
+
+
+def process_memory() -> dict:
+    """This process's resident memory by kind (Linux /proc/self/status): `anon_bytes` its own (RssAnon:
+    a copy of weights it converted or pinned is here), `file_bytes` mapped files (RssFile: weights loaded
+    as stored, safetensors mapped from the page cache, which the node's processes share), `shmem_bytes`
+    shared memory (RssShmem: the node's segment, mapped). Empty where there is no /proc."""
+    names = {"RssAnon:": "anon_bytes", "RssFile:": "file_bytes", "RssShmem:": "shmem_bytes"}
+    out = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key = line.split(None, 1)[0] if line else ""
+            if key in names:
+                out[names[key]] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+# -- a worker's host copy -----------------------------------------------------------------------------
+def _matches(module: torch.nn.Module, views: dict[str, tuple[bool, torch.Tensor]]) -> bool:
+    """The module holds exactly the tensors the segment has (names, shapes, dtypes): bound, it computes
+    what it computed with its own."""
+    own = {name: t for name, _, t in _tensors(module)}
+    return own.keys() == views.keys() and all(
+        own[n].shape == v.shape and own[n].dtype == v.dtype for n, (_, v) in views.items()
+    )
+
+
+def _trim() -> None:
+    """Give the freed private copies back to the system (glibc keeps freed heap for reuse otherwise)."""
+    import ctypes
+    import ctypes.util
+
+    with contextlib.suppress(OSError, AttributeError, TypeError):
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+
+
+class HostCopy:
+    """Where one worker's host copy of the weights lives (`--host-copy`), and what its record says:
+    `node` — the node's shared segment, mapped (components whose tensors are plain; a quantized one
+    stays the worker's own) — or `worker`, the worker's own copy."""
+
+    def __init__(self, mode: str, key: str | None, tag: str = "worker"):
+        self.mode, self.key, self.tag = mode, key, tag
+        self.segment: Segment | None = None
+        self.shared: dict[str, torch.nn.Module] = {}  # component: module bound to the segment
+        self.built: list[str] = []  # components a follower built from the manifest (loaded nothing)
+        self.note: str | None = None
+        self.seconds = 0.0
+        self.pinned: set[str] = set()  # components registered for this process's copies (CUDA)
+
+    def load(self, load, skip: set[str] = frozenset()):
+        """The pipeline, by `load(components)` (`from_pretrained` with those modules given), its plain
+        components bound to the node's segment: written by this worker where it is the first, else
+        mapped, their modules built from the manifest without loading their weights. `skip`: components
+        kept the worker's own (formats applied at load)."""
+        if self.mode != "node" or self.key is None:
+            return load(None)
+        started = time.perf_counter()
+        seg, pipe = Segment(self.key), None
+        try:
+            with seg.guard():
+                whole = seg.join()
+                if not whole:
+                    pipe = load(None)
+                    modules = {n: m for n, m in _modules(pipe).items() if n not in skip and shareable(m)}
+                    self.segment = seg
+                    seg.write(modules, written=lambda name: self._bind(name, modules[name]))
+                    _trim()
+            seg.map()
+        except Unavailable as why:
+            self.shared, self.segment = {}, None
+            seg.leave()
+            self.note = f"each worker keeps its own copy: {why}; {SHM_HINT}"
+            print(f"[fleetgen] {self.tag}: host copy per worker, not per node: {why} ({SHM_HINT})", flush=True)
+            return pipe if pipe is not None else load(None)
+        except BaseException:
+            self.shared, self.segment = {}, None
+            seg.leave()
+            raise
+        self.segment = seg
+        try:
+            if pipe is None:
+                built = {}
+                for name, comp in seg.manifest["components"].items():
+                    try:
+                        module = build(comp)
+                    except Exception:  # noqa: BLE001 - a class its manifest cannot rebuild: loaded from disk
+                        module = None
+                    if module is not None:
+                        bind(module, seg.views(name))
+                        built[name] = module
+                self.built = sorted(built)
+                pipe = load(built)
+            self.rebind(pipe)
+        except BaseException:
+            self.close()
+            raise
+        _trim()
+        self.seconds = time.perf_counter() - started
+        return pipe
+
+    def rebind(self, pipe) -> None:
+        """Every component the segment holds pointed at its views again (after a plan's removal brought
+        them back to the CPU as copies); one that no longer matches (quantized since) stays its own."""
+        if self.segment is None:
+            return
+        modules = _modules(pipe)
+        for name in self.segment.manifest["components"]:
+            if name in modules:
+                self._bind(name, modules[name])
+
+    def _bind(self, name: str, module: torch.nn.Module) -> None:
+        views = self.segment.views(name)
+        if shareable(module) and _matches(module, views):
+            bind(module, views)
+            self.shared[name] = module
+        else:
+            self.shared.pop(name, None)
+
+    def pin(self, plan) -> None:
+        """On CUDA, page-lock in place the ranges of the components `plan` streams (before group
+        offloading looks for a pinned copy: it finds these and makes none of its own)."""
+        if self.segment is None or not torch.cuda.is_available():
+            return
+        want = [n for n, p in plan.placements.items() if p.stream and n in self.shared and n not in self.pinned]
+        if want and self.segment.register_note is None:
+            self.segment.register(want)
+            self.pinned.update(n for n in want if self.segment.register_note is None)
+
+    def record(self, pipe) -> dict:
+        """What the worker record says: where the copy lives, the bytes shared and its own."""
+        own = sum(
+            t.numel() * t.element_size()
+            for n, m in _modules(pipe).items()
+            if n not in self.shared
+            for _, _, t in _tensors(m)
+            if t.device.type == "cpu" and type(t.data) is torch.Tensor
+        )
+        out = {"mode": self.mode, "shared": bool(self.shared), "own_bytes": own, "memory": process_memory()}
+        if self.segment is not None:
+            out.update(
+                segment=self.segment.paths["data"].name,
+                role=self.segment.role,
+                shared_bytes=sum(self.segment.bytes_of(n) for n in self.shared),
+                components={n: ("shared" if n in self.shared else "own") for n in _modules(pipe)},
+                built=self.built,
+                seconds=round(self.seconds, 3),
+            )
+            if torch.cuda.is_available():
+                out["registered_bytes"] = sum(size for _, size in self.segment.registered)
+                if self.segment.register_note:
+                    out["register_note"] = self.segment.register_note
+        if self.note:
+            out["note"] = self.note
+        return out
+
+    def close(self) -> None:
+        if self.segment is not None:
+            self.shared = {}
+            self.segment.leave()
+            self.segment = None
+
+
+def _modules(pipe) -> dict[str, torch.nn.Module]:
+    return {n: c for n, c in getattr(pipe, "components", {}).items() if isinstance(c, torch.nn.Module)}
