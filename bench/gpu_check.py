@@ -72,6 +72,7 @@ GPU_TESTS = [
     "tests/offload/test_gpu.py",
     "tests/workers/pipeline/test_phases.py",  # a phased image-to-image on the device (#40), the scorers' phase (#41)
     "tests/workers/pipeline/test_scoring.py",  # the scorers on the device (#41)
+    "tests/workers/test_host_copy.py",  # the node's copy registered in place, streamed from (#60)
 ]  # the files holding `gpu`-marked tests (no Ray imports)
 GPU_TESTS_TIMEOUT = 240  # seconds
 # model: (shipped architecture, family, dtype on CUDA, tiny builder and dtype for --dry)

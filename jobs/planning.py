@@ -172,8 +172,9 @@ def plan_rows(
     # loading: the first worker writes the node's copy a component at a time from its own, freeing each as it
     # is written (its load and the largest component at once); the others map it
     loading = profile.total_bytes + max((profile.components[c].bytes for c in shared), default=0)
-    if shared and loading > host >= profile.total_bytes:
+    if shared and loading > host:
         # as a worker does (workers/pipeline/host_copy.py): without the room to write it, a copy per worker
+        # (and where even one load does not fit, the planner's own refusal says what would)
         fell_back = (
             f"a copy per worker: writing the node's copy beside the first worker's load needs "
             f"{format_size(loading)}, more than the node's {format_size(host)}"
@@ -188,11 +189,6 @@ def plan_rows(
             budget, own_host, link, flops, True, name=f"a {format_size(budget)} GPU", beside=scorers, shared=shared
         )
         try:
-            if shared and loading > host:
-                raise OffloadError(
-                    f"Nothing loads (host RAM binds): the first worker's load ({format_size(profile.total_bytes)}) "
-                    f"is more than the node's {format_size(host)} host RAM"
-                )
             row = {"gpu_memory": text, **plan(profile, device, work, given, batch).to_dict()}
             if node.workers > 1 or shared or fell_back:
                 row["node"] = _node_row(node, held, row, host, link, loading, fell_back)
@@ -244,12 +240,14 @@ def _node_row(node: NodeShare, held: int, row: dict, host: int, link: float, loa
     """Host RAM per node for a row's plan: the node's copy once (or none) and each worker's own; the
     loading peak (the first worker writing the node's copy; else every worker loading its own)."""
     own = row["host_bytes"]
+    # a plan that holds everything on the device for good leaves the node's copy once loaded
+    kept = held if row.get("phases") or any(m != "resident" for m in row["modes"].values()) else 0
     return {
         "workers": node.workers,
         "host_copy": node.host_copy,
-        "shared_bytes": held,
+        "shared_bytes": kept,
         "own_bytes_per_worker": own,
-        "host_bytes": held + node.workers * own,
+        "host_bytes": kept + node.workers * own,
         "host_budget_bytes": host,
         "load_peak_bytes": loading if held else node.workers * row["load_host_bytes"],
         "bandwidth_per_worker": link,

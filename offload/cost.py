@@ -363,12 +363,13 @@ def _options(
                     resident=(0 if off else c.bytes) + state,
                     phase=_floor(c, p) + acts,
                     # a phase's resident component keeps its host copy while it is off the device
-                    # (the node's copy, streamed: nothing of its own; offloaded without streams, diffusers copies
-                    # each group back to host memory of the worker's own)
+                    # (the node's copy, streamed or swapped between phases: nothing of its own, bound to it again;
+                    # offloaded without streams, diffusers copies each group back to host memory of the worker's own)
                     host=pinned
                     or (
                         c.bytes
-                        if (off and not p.disk and not (shared and p.stream)) or (not off and w.swap_chunk)
+                        if (off and not p.disk and not (shared and p.stream))
+                        or (not off and w.swap_chunk and not shared)
                         else 0
                     ),
                     pinned=pinned,

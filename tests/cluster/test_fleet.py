@@ -352,6 +352,7 @@ def test_a_worker_that_fits_nothing_is_reported_and_the_job_goes_on(ray_cluster,
             output=str(tmp_path / "out"),
             model=tiny_model,
             **{**FAST, "rows_per_shard": 3, "worker_memory": "3MiB,1GiB", "workers": None},
+            host_copy="worker",  # both load at once (with the node's copy the second waits for the first's)
         )
     )
     summary = run_job(config, progress_stream=log, progress_interval=0)

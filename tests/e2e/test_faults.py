@@ -161,6 +161,12 @@ def test_driver_stopped_then_killed_then_rerun_resumes(chaos_input, tiny_model, 
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL
+    # and its workers, as a lost node would take them: the node's copy of the weights is left with no user
+    for record in (out / "workers").glob("w*.json"):
+        pid = json.loads(record.read_text())["pid"]
+        cmdline = Path(f"/proc/{pid}/cmdline")
+        if cmdline.exists() and b"FleetWorker" in cmdline.read_bytes():  # ours, alive
+            os.kill(pid, signal.SIGKILL)
     lock = json.loads((out / "_LOCK").read_text())  # a dead driver's lock, its heartbeat still fresh
     assert lock["pid"] == proc.pid
     assert not (out / "_SUCCESS").exists()
@@ -347,6 +353,7 @@ def test_straggler_is_given_to_an_idle_worker_and_only_the_winners_bytes_are_sto
             rows_per_shard=40,
             max_batch=2,
             output_format="webdataset",
+            host_copy="worker",  # both load at once (with the node's copy the second waits for the first's)
         ),
         progress_stream=log,
     )

@@ -216,7 +216,16 @@ def test_emulated_mixed_fleet_plans_per_worker_same_images(ray_cluster, tiny_mod
     # ready at once and make all four shards before the other had loaded (seen once in a full run).
     free_parked()
     mixed = run_job(
-        job(prompts, tiny_model, tmp_path / "mixed", worker_memory="20MiB,1GiB", max_batch=1, workers=None, **NATIVE),
+        job(
+            prompts,
+            tiny_model,
+            tmp_path / "mixed",
+            worker_memory="20MiB,1GiB",
+            max_batch=1,
+            workers=None,
+            host_copy="worker",  # both load at once (with the node's copy the second waits for the first's)
+            **NATIVE,
+        ),
         progress_stream=io.StringIO(),
     )
     # the uniform worker: one in this process, one thread as each of the job's, batches of 1 in shards of 3
@@ -247,7 +256,10 @@ def test_plan_trials_through_a_job_one_measurer_per_device_kind(ray_cluster, tin
     that has work left) take its answer from `OUT/plans/`, and another job written over it (`--overwrite`) removes it."""
     free_parked()
     out = tmp_path / "trials"
-    config = job(prompts, tiny_model, out, workers=2, gpu_memory="256MiB", plan_trials="on", **NATIVE)
+    # both load at once (with the node's copy the second waits for the first's load)
+    config = job(
+        prompts, tiny_model, out, workers=2, gpu_memory="256MiB", plan_trials="on", host_copy="worker", **NATIVE
+    )
     summary = run_job(config, progress_stream=io.StringIO())
     assert summary.complete
     records = [json.loads(p.read_text()) for p in (out / "workers").glob("*.json")]

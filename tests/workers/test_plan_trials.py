@@ -176,27 +176,31 @@ def test_pixels_are_those_without_trials(tiny_model, tmp_path, trials, capsys):
 
 @pytest.mark.slow  # 0.15 s a UNet call through three trials and a shard (17 s): `make test`
 def test_an_out_of_memory_step_down_takes_the_fastest_smaller_batch_measured(tiny_model, tmp_path):
-    """A device whose every UNet call costs a fixed 0.15 s: batch 4 measures fastest, then 3, then 2. Once the
-    trials are done it runs out of memory at batch 4: the worker steps down to 3, the next fastest measured,
-    not to half of 4."""
+    """A device whose every UNet call costs a fixed 0.15 s: batch 4 or 3 measures fastest, 2 slower. Once the
+    trials are done it runs out of memory at the kept batch: the worker steps down to the fastest smaller batch
+    measured, not to half."""
     state = {"oom": False}
     pipe = load_pipeline(tiny_model, torch.float32, False)
 
     def hook(module, args, kwargs):
         samples = (args[0] if args else kwargs["sample"]).shape[0]
-        if state["oom"] and samples >= 8:
+        if state["oom"] and samples >= state["oom"]:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (emulated)")
         time.sleep(0.15)
 
     pipe.unet.register_forward_pre_hook(hook, with_kwargs=True)
     w = worker(tiny_model, tmp_path, pipe=pipe)
     plan = plan_of(w)
-    assert plan["chosen_by"] == "measured" and plan["batch_size"] == 4, plan["trials"]
     measured = {t["batch_size"]: t["measured_seconds_per_image"] for t in plan["trials"]}
-    assert measured[4] < measured[3] < measured[2]
-    state["oom"] = True
+    # the larger batches measure faster (each call's fixed 0.15 s over more images); which of two close ones
+    # wins is the loaded machine's: the step-down is checked against what was measured
+    kept = plan["batch_size"]
+    assert plan["chosen_by"] == "measured" and kept == min(measured, key=measured.get) >= 3, plan["trials"]
+    smaller = {b: s for b, s in measured.items() if b < kept}
+    state["oom"] = kept * 2  # out of memory at the kept batch (and above); classifier-free guidance doubles it
     path = write_prompts(tmp_path / "p.parquet", list("abcdef"), id=list("abcdef"))
     result = w.run_shard(plan_shards([read_footer(str(path))], 10)[0])
     assert (result.ok, result.errors) == (6, 0)
-    assert w.step_downs[0]["to"] == "batch 3" and "fastest smaller batch measured" in w.step_downs[0]["reason"]
+    to = min(smaller, key=smaller.get)
+    assert w.step_downs[0]["to"] == f"batch {to}" and "fastest smaller batch measured" in w.step_downs[0]["reason"]
     w.close()

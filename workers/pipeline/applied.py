@@ -39,6 +39,9 @@ class Applied:
         self.denoisers, self.adapters, self.tag, self.given = denoisers, adapters, tag, given
         self.placed = self.offload_stats = self.phases = self.cache = self.compiled = None
         self.attention: AttentionChoice | None = None
+        self.to_host = (
+            None  # how a phase's component leaves the device (the node's copy: workers/pipeline/host_copy.py)
+        )
 
     def on(self, plan: OffloadPlan, device: torch.device, dtype: torch.dtype, tokens: int) -> None:
         """Offloading, the step cache, the attention kernel (`auto` measures the kernels at `tokens`, an
@@ -67,7 +70,7 @@ class Applied:
         old, self.phases = self.phases, None
         if plan.phases:
             swapped = lambda name, size: self.offload_stats.swapped(name, size)  # noqa: E731 - the live stats
-            self.phases = Phases(self.pipe, plan, modules, device, swapped).carry(old)
+            self.phases = Phases(self.pipe, plan, modules, device, swapped, self.to_host).carry(old)
 
     def _cache(self, carried: AppliedCache | None, dtype: torch.dtype) -> None:
         """The job's step cache, after offloading (so that skipped blocks stay where they are); `carried`:

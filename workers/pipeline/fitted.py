@@ -111,6 +111,7 @@ class FittedPipeline:
         self.applied = Applied(
             self.pipe, self.profile, settings, self.fit, self._denoisers, len(self.adapters), self.tag, self._given
         )
+        self.applied.to_host = self.host_copy.to_host
         try:
             self._apply()
             self.choice = trials.choose(self, trials.Shared(output, trials.kind_of(self)) if output else None)
@@ -119,6 +120,7 @@ class FittedPipeline:
             # the next plan applied to it must not find this one's hooks.
             self.applied.off()
             raise
+        self.host_copy.settle(self.plan, self.device)
 
     def _formats_at_load(self) -> dict[str, str]:
         """The storage formats applied as the weights load: the job's, or under `auto` those planned

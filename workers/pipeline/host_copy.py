@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from fleetgen.offload.devices import host_available_bytes
 from fleetgen.units import format_size
 
 PREFIX = "fleetgen-"
@@ -183,6 +184,7 @@ class Segment:
         self._base: torch.Tensor | None = None
         self.registered: list[tuple[int, int]] = []
         self.register_note: str | None = None
+        self.waiting: str | None = None  # said when another worker holds the guard (writing the copy)
 
     # -- membership -------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -196,7 +198,12 @@ class Segment:
             raise Unavailable(f"{self.dir} is missing or not writable")
         while True:
             fd = os.open(self.paths["lock"], os.O_RDWR | os.O_CREAT, 0o600)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if self.waiting:
+                    print(self.waiting, flush=True)
+                fcntl.flock(fd, fcntl.LOCK_EX)
             try:
                 same = os.fstat(fd).st_ino == os.stat(self.paths["lock"]).st_ino
             except FileNotFoundError:
@@ -242,6 +249,18 @@ class Segment:
         free = st.f_bavail * st.f_frsize
         if plan.total > free:
             raise Unavailable(f"{self.dir} has {format_size(free)} free and the weights take {format_size(plan.total)}")
+        # written a component at a time, each freed from this worker's own copy once written: beside what is
+        # loaded, the largest component at once
+        largest = max((c["range"][1] - c["range"][0] for c in plan.components.values()), default=0)
+        try:
+            available = host_available_bytes()
+        except OSError:  # no /proc/meminfo
+            available = None
+        if available is not None and largest > available:
+            raise Unavailable(
+                f"host RAM has {format_size(available)} available and writing the node's copy beside this "
+                f"worker's load needs {format_size(largest)}"
+            )
         started = time.perf_counter()
         self.manifest = {"key": self.key, "total": plan.total, "components": plan.components, "writer": os.getpid()}
         try:
@@ -497,6 +516,7 @@ class HostCopy:
         self.note: str | None = None
         self.seconds = 0.0
         self.pinned: set[str] = set()  # components registered for this process's copies (CUDA)
+        self.released: list[str] = []  # components it mapped, then held on the device for good (`settle`)
 
     def load(self, load, skip: set[str] = frozenset()):
         """The pipeline, by `load(components)` (`from_pretrained` with those modules given), its plain
@@ -507,6 +527,9 @@ class HostCopy:
             return load(None)
         started = time.perf_counter()
         seg, pipe = Segment(self.key), None
+        seg.waiting = (
+            f"[fleetgen] {self.tag}: waiting for another worker on this node to write the node's copy of the weights"
+        )
         try:
             with seg.guard():
                 whole = seg.join()
@@ -568,14 +591,33 @@ class HostCopy:
             self.shared.pop(name, None)
 
     def pin(self, plan) -> None:
-        """On CUDA, page-lock in place the ranges of the components `plan` streams (before group
-        offloading looks for a pinned copy: it finds these and makes none of its own)."""
+        """On CUDA, page-lock in place the ranges of the components `plan` streams, or swaps on and off the
+        device between phases (before group offloading looks for a pinned copy: it finds these and makes
+        none of its own)."""
         if self.segment is None or not torch.cuda.is_available():
             return
-        want = [n for n, p in plan.placements.items() if p.stream and n in self.shared and n not in self.pinned]
+        want = [n for n in _host_held(plan) if n in self.shared and n not in self.pinned]
         if want and self.segment.register_note is None:
             self.segment.register(want)
             self.pinned.update(n for n in want if self.segment.register_note is None)
+
+    def to_host(self, name: str, module: torch.nn.Module) -> None:
+        """A phase's component off the device: bound to the node's copy again (no copy back, nothing of
+        this worker's own), or moved to the CPU where it is this worker's own."""
+        if self.segment is not None and name in self.shared and _matches(module, self.segment.views(name)):
+            bind(module, self.segment.views(name))
+        else:
+            module.to("cpu")
+
+    def settle(self, plan, device: torch.device) -> None:
+        """Once the plan is kept: where it holds every shared component on the device for good (all
+        resident, not phased), this worker needs the node's copy no more, and leaves it (the node's copy
+        goes with its last user). A later re-plan (a step-down) then copies back a copy of its own."""
+        if self.segment is None or device.type == "cpu":
+            return
+        if not any(n in self.shared for n in _host_held(plan)):
+            self.released = sorted(self.shared)
+            self.close()
 
     def record(self, pipe) -> dict:
         """What the worker record says: where the copy lives, the bytes shared and its own."""
@@ -600,6 +642,9 @@ class HostCopy:
                 out["registered_bytes"] = sum(size for _, size in self.segment.registered)
                 if self.segment.register_note:
                     out["register_note"] = self.segment.register_note
+        if self.released:
+            out["released"] = self.released
+            out["note"] = "its plan holds every component on the device: it left the node's copy once loaded"
         if self.note:
             out["note"] = self.note
         return out
@@ -609,6 +654,13 @@ class HostCopy:
             self.shared = {}
             self.segment.leave()
             self.segment = None
+
+
+def _host_held(plan) -> list[str]:
+    """The components `plan` keeps a host copy of while it runs: offloaded (not to disk), or resident in
+    a phase (swapped on and off the device)."""
+    phased = {n for phase in plan.phases or () for n in phase}
+    return [n for n, p in plan.placements.items() if (p.mode != "resident" and not p.disk) or n in phased]
 
 
 def _modules(pipe) -> dict[str, torch.nn.Module]:

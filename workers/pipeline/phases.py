@@ -84,8 +84,12 @@ class Phases:
     """The phases of a phased plan on one pipeline: which resident components each puts on the
     device, what phase 1 encoded for each batch, and counts for the worker's stats."""
 
-    def __init__(self, pipe, plan, modules: dict[str, torch.nn.Module], device: torch.device, on_swap=None):
+    def __init__(
+        self, pipe, plan, modules: dict[str, torch.nn.Module], device: torch.device, on_swap=None, to_host=None
+    ):
         self.pipe, self.device, self.modules = pipe, device, modules
+        # (component, module) off the device: the node's copy bound again (workers/pipeline/host_copy.py), else moved
+        self.to_host = to_host or (lambda name, module: module.to("cpu"))
         self.resident = [[n for n in phase if plan.placements[n].mode == "resident"] for phase in plan.phases]
         self.on_swap = on_swap  # (component, bytes) per move onto the device: the offload stats count it
         self.current: int | None = None
@@ -120,7 +124,7 @@ class Phases:
         for i, names in enumerate(self.resident):
             if i != phase:
                 for name in names:
-                    self.modules[name].to("cpu")
+                    self.to_host(name, self.modules[name])
         for name in self.resident[phase] if phase is not None else ():
             module = self.modules[name]
             module.to(self.device)
