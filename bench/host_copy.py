@@ -9,15 +9,15 @@ table gives the RAM a node needs: steady (the node's copy once plus each worker'
 pinned copies) and while loading (the first worker writing the node's copy beside its load, or every
 worker loading its own at once).
 
-Measured: two worker processes with a copy each, then four mapping the node's copy, each making the same
-prompts with the 85 M-parameter built-in model loaded at bfloat16 (tests/workers/host_copy_child.py);
-each one's own memory (RssAnon) and the shared memory it maps (RssShmem), and the node's sum.
+Measured: a process loading as a worker does with a copy of its own, then four at once mapping the node's
+copy, each making an image with the 85 M-parameter built-in model loaded at bfloat16 from its float32 files
+(tests/workers/host_copy_child.py); each one's own memory (RssAnon) and the shared memory it maps
+(RssShmem), and the node's sum.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -58,33 +58,30 @@ def predicted() -> list[dict]:
 
 
 def measured(workers: int = 4) -> dict:
-    """Worker processes of this node: two with a copy each, then `workers` with the node's."""
+    """Processes of this node loading as workers do: one with a copy of its own, then `workers` at once
+    with the node's (tests/workers/host_copy_child.py)."""
     from fleetgen.cli import main as cli
+    from tests.workers.test_host_copy import report
 
     tmp = Path(tempfile.mkdtemp(prefix="fleetgen-host-copy-bench-"))
     shm = Path(tempfile.mkdtemp(prefix="fleetgen-host-copy-bench-", dir="/dev/shm"))
     model = tmp / "model"
     cli(["tiny-model", "--size", "small", str(model)])
-    prompts = tmp / "p.parquet"
-    from tests.conftest import write_prompts
-
-    write_prompts(prompts, ["a red fox", "a blue boat"])
     env = {**os.environ, "FLEETGEN_SHM_DIR": str(shm)}
     seen = {}
-    for mode, n in (("worker", 2), ("node", workers)):
+    for mode, n in (("worker", 1), ("node", workers)):
         procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "tests.workers.host_copy_child", str(model), mode, str(tmp / f"{mode}{i}")]
-                + [str(prompts), "bfloat16"],
+                [sys.executable, "-m", "tests.workers.host_copy_child", str(model), mode, "bfloat16"],
                 cwd=ROOT,
                 env=env,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
             )
-            for i in range(n)
+            for _ in range(n)
         ]
-        seen[mode] = [json.loads(p.stdout.readline()) for p in procs]
+        seen[mode] = [report(p) for p in procs]
         for p in procs:
             p.stdin.close()
             p.wait(timeout=300)

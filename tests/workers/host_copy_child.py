@@ -1,24 +1,34 @@
-"""One worker process of a node, for tests/workers/test_host_copy.py: makes a prompt file as one shard
-with `--host-copy MODE`, prints one JSON line (its host copy record, its private memory after the
-shard, its images' sha256), then holds its pipeline until its standard input closes, and closes.
+"""One process of a node loading a pipeline as a worker does (workers/pipeline/host_copy.py), for
+tests/workers/test_host_copy.py and bench/host_copy.py: loads MODEL at DTYPE with `--host-copy MODE`, makes
+one image, prints one JSON line (its host copy record, its memory by kind, the image's sha256), then holds
+its pipeline until its standard input closes, and leaves.
 
-    python -m tests.workers.host_copy_child MODEL MODE OUT PROMPTS DTYPE
+    python -m tests.workers.host_copy_child MODEL MODE DTYPE
 """
 
+import hashlib
 import json
 import sys
 
-from fleetgen.workers.pipeline.host_copy import process_memory
-from tests.conftest import fast_settings, run_one_shard
+import torch
+
+from fleetgen.workers.pipeline.host_copy import HostCopy, process_memory, segment_key
+from fleetgen.workers.pipeline.load import load_pipeline
 
 
-def main(model: str, mode: str, out: str, prompts: str, dtype: str) -> None:
-    worker, rows = run_one_shard(model, out, prompts, fast_settings(), host_copy=mode, dtype=dtype)
-    record = worker.fitted.host_copy.record(worker.fitted.pipe)
-    shas = {i: r["sha256"] for i, r in rows.items()}
-    print(json.dumps({"host_copy": record, "memory": process_memory(), "shas": shas}), flush=True)
+def main(model: str, mode: str, dtype: str) -> None:
+    hc = HostCopy(mode, segment_key({"model": model, "dtype": dtype}), f"{mode}-{dtype}")
+    pipe = hc.load(lambda given: load_pipeline(model, getattr(torch, dtype), components=given))
+    pipe.set_progress_bar_config(disable=True)
+    out = pipe(
+        "a red fox", num_inference_steps=2, height=32, width=32, output_type="np", generator=torch.manual_seed(3)
+    )
+    image = out.images
+    sha = hashlib.sha256(image.tobytes()).hexdigest()
+    print(json.dumps({"host_copy": hc.record(pipe), "memory": process_memory(), "sha": sha}), flush=True)
     sys.stdin.read()
-    worker.close()
+    del pipe
+    hc.close()
 
 
 if __name__ == "__main__":
