@@ -134,6 +134,17 @@ def _wait_for_images(out: Path, proc: subprocess.Popen, timeout: float = 120) ->
         time.sleep(0.1)
 
 
+def _segment_users(shm: Path) -> set[int]:
+    """The processes holding a lock on a node's copy of weights in `shm` (its users: /proc/locks)."""
+    inodes = {p.stat().st_ino for p in shm.glob("fleetgen-*.users")}
+    pids = set()
+    for line in Path("/proc/locks").read_text().splitlines():
+        parts = line.split()
+        if "FLOCK" in parts and int(parts[-3].split(":")[-1]) in inodes:
+            pids.add(int(parts[-4]))
+    return pids - {os.getpid()}
+
+
 @pytest.mark.chaos
 def test_driver_stopped_then_killed_then_rerun_resumes(chaos_input, tiny_model, tmp_path, ray_address):
     """A driver SIGTERMed mid-run stops in time, writes its summary and releases the lock; its rerun,
@@ -161,12 +172,10 @@ def test_driver_stopped_then_killed_then_rerun_resumes(chaos_input, tiny_model, 
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL
-    # and its workers, as a lost node would take them: the node's copy of the weights is left with no user
-    for record in (out / "workers").glob("w*.json"):
-        pid = json.loads(record.read_text())["pid"]
-        cmdline = Path(f"/proc/{pid}/cmdline")
-        if cmdline.exists() and b"FleetWorker" in cmdline.read_bytes():  # ours, alive
-            os.kill(pid, signal.SIGKILL)
+    # and every worker using the node's copy of the weights (loading ones too), as a lost node would take
+    # them: the copy is left with no live user
+    for pid in _segment_users(Path(os.environ["FLEETGEN_SHM_DIR"])):
+        os.kill(pid, signal.SIGKILL)
     lock = json.loads((out / "_LOCK").read_text())  # a dead driver's lock, its heartbeat still fresh
     assert lock["pid"] == proc.pid
     assert not (out / "_SUCCESS").exists()

@@ -8,7 +8,7 @@ from fleetgen.offload.flops import INPUTS, count, counted, shape_of
 
 def test_the_stored_counts_are_a_fresh_count(meta_build):
     """`architectures/flops.json` against torch's FlopCounterMode on the meta build now (FLUX.1's
-    transformer at the three sides, and at a fourth the fit never saw)."""
+    transformer at one side it was counted at, and at one the fit never saw)."""
     from fleetgen.jobs.planning import pipeline_profile
 
     module = meta_build("flux.1-dev")["transformer"]
@@ -16,7 +16,7 @@ def test_the_stored_counts_are_a_fresh_count(meta_build):
     terms = counted(type(module).__name__, dict(module.config))
     assert terms is not None
     fixed, linear, quadratic = terms
-    for side in (512, 768, 1024, 1280):
+    for side in (1024, 1280):  # one the counts were taken at, one they never saw
         shape = shape_of(prof, side, side)
         assert shape.tokens == (side // 16) ** 2
         tokens = shape.tokens

@@ -378,13 +378,6 @@ class Segment:
             os.close(fd)
 
 
-def _entry(plan: Layout, index: int) -> dict:
-    for comp in plan.components.values():
-        if comp["first"] <= index < comp["first"] + len(comp["entries"]):
-            return comp["entries"][index - comp["first"]]
-    raise KeyError(index)
-
-
 def reclaim(where: Path, skip: str | None = None) -> list[str]:
     """Remove every segment in `where` that no live process uses (its users all died, or a job was
     killed); those another worker is busy with are left alone. The keys removed."""
