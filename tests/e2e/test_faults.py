@@ -134,15 +134,22 @@ def _wait_for_images(out: Path, proc: subprocess.Popen, timeout: float = 120) ->
         time.sleep(0.1)
 
 
-def _segment_users(shm: Path) -> set[int]:
-    """The processes holding a lock on a node's copy of weights in `shm` (its users: /proc/locks)."""
-    inodes = {p.stat().st_ino for p in shm.glob("fleetgen-*.users")}
-    pids = set()
-    for line in Path("/proc/locks").read_text().splitlines():
-        parts = line.split()
-        if "FLOCK" in parts and int(parts[-3].split(":")[-1]) in inodes:
-            pids.add(int(parts[-4]))
-    return pids - {os.getpid()}
+def _kill_workers(shm: Path, quiet: float = 2.0, limit: float = 30.0) -> None:
+    """SIGKILL every fleetgen worker process of this session's Ray (its environment names this pytest
+    process's shared directory, `shm`), until none has been seen for `quiet` seconds: a worker a dead
+    driver's pool was still starting appears late. The session's parked workers were freed already."""
+    marker = f"FLEETGEN_SHM_DIR={shm}".encode()
+    deadline, last_seen = time.monotonic() + limit, time.monotonic()
+    while time.monotonic() - last_seen < quiet and time.monotonic() < deadline:
+        for proc in Path("/proc").iterdir():
+            try:
+                if proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(b"ray::FleetWorker"):
+                    if marker in (proc / "environ").read_bytes().split(b"\0"):
+                        os.kill(int(proc.name), signal.SIGKILL)
+                        last_seen = time.monotonic()
+            except (OSError, ProcessLookupError):
+                continue
+        time.sleep(0.2)
 
 
 @pytest.mark.chaos
@@ -172,10 +179,9 @@ def test_driver_stopped_then_killed_then_rerun_resumes(chaos_input, tiny_model, 
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL
-    # and every worker using the node's copy of the weights (loading ones too), as a lost node would take
-    # them: the copy is left with no live user
-    for pid in _segment_users(Path(os.environ["FLEETGEN_SHM_DIR"])):
-        os.kill(pid, signal.SIGKILL)
+    # and every worker of the killed runs (loading ones, and ones still starting, too), as a lost node would
+    # take them: the node's copy of the weights is left with no live user
+    _kill_workers(Path(os.environ["FLEETGEN_SHM_DIR"]))
     lock = json.loads((out / "_LOCK").read_text())  # a dead driver's lock, its heartbeat still fresh
     assert lock["pid"] == proc.pid
     assert not (out / "_SUCCESS").exists()

@@ -338,7 +338,6 @@ class Segment:
                 code = int(getattr(err, "value", err))
                 if code != 0:
                     self.register_note = f"cudaHostRegister refused {format_size(end - start)} (error {code})"
-                    torch.cuda.synchronize()
                     return done
                 self.registered.append((base + start, end - start))
                 done += end - start
@@ -536,8 +535,11 @@ class HostCopy:
         except Unavailable as why:
             self.shared, self.segment = {}, None
             seg.leave()
-            self.note = f"each worker keeps its own copy: {why}; {SHM_HINT}"
-            print(f"[fleetgen] {self.tag}: host copy per worker, not per node: {why} ({SHM_HINT})", flush=True)
+            hint = (
+                SHM_HINT if "missing" not in str(why) else "set FLEETGEN_SHM_DIR to a tmpfs, or pass --host-copy worker"
+            )
+            self.note = f"each worker keeps its own copy: {why}; {hint}"
+            print(f"[fleetgen] {self.tag}: host copy per worker, not per node: {why} ({hint})", flush=True)
             return pipe if pipe is not None else load(None)
         except BaseException:
             self.shared, self.segment = {}, None
