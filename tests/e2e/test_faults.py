@@ -345,6 +345,7 @@ def test_straggler_is_given_to_an_idle_worker_and_only_the_winners_bytes_are_sto
             rows_per_shard=40,
             max_batch=2,
             output_format="webdataset",
+            host_copy="worker",  # both load at once (with the node's copy the second waits for the first's)
         ),
         progress_stream=log,
     )
