@@ -46,6 +46,7 @@ class Declared:
     shown: Callable[[Any], Any] | None = None  # the value as job.json's `config` and the docs show it
     cli: bool = True  # False: a keyword and a TOML key only
     written: str | None = None  # typed as text of this kind, parsed by the record (`size`: `24GiB`)
+    stage: str | None = None  # why a Ray Data stage (`fleetgen.ray_data.generate`) has no such setting
 
 
 def setting(default: Any, help: str | Callable[[], str], **how: Any) -> Any:
@@ -84,6 +85,7 @@ class Row:
     shown: Callable[[Any], Any] | None = None
     cli: bool = True
     written: str | None = None
+    stage: str | None = None  # why a Ray Data stage refuses it (None: the stage takes it as a job does)
 
     @property
     def typed(self) -> str:
@@ -141,7 +143,9 @@ def _walk(cls: type, path: tuple[str, ...], inherited: dict, defaults: Any = Non
                 raise TypeError(
                     f"setting `{f.name}` of {cls.__name__} says no {[k for k, v in pick.items() if v is None]}"
                 )
-            how = {k: getattr(d, k) for k in ("flags", "aliases", "choices", "metavar", "shown", "cli", "written")}
+            how = {
+                k: getattr(d, k) for k in ("flags", "aliases", "choices", "metavar", "shown", "cli", "written", "stage")
+            }
             default = f.default if defaults is None else getattr(defaults, f.name)
             out.append(Row(f.name, (*path, f.name), str(hints[f.name]), default, d.help, **pick, **how))
     return out

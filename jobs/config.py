@@ -22,7 +22,7 @@ from fleetgen.workers.families.model_dir import is_hub_id
 from fleetgen.workers.output.fields import roles
 from fleetgen.workers.output.storage import resolve_url
 from fleetgen.workers.rows.shard import ROLES
-from fleetgen.workers.spec import Fit, GenerationSettings, Source
+from fleetgen.workers.spec import STAGE_SINKS, Fit, GenerationSettings, Source
 
 DEVICES = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -33,6 +33,9 @@ GROUPS = {
     "synthesis": "dataset synthesis (part of the job fingerprint)",
     "execution": "execution",
 }
+
+# Why a Ray Data stage has no retry setting of a job: Ray Data retries its own tasks and actors.
+STAGE_RETRIES = "Ray Data retries its tasks and restarts its actors (`max_restarts` of `ray_remote_args`)"
 
 
 def _column_rows() -> list[Row]:
@@ -57,8 +60,14 @@ class JobConfig:
     """A job: every setting of `fleetgen run`, frozen. Built from flat options with `JobConfig.of`
     (or `make_config`, which also reads a TOML file and validates)."""
 
-    input: str = setting("", "Parquet file, directory or glob (any fsspec URL)", group="job", fingerprint=True)
-    output: str = setting("", "output location (any fsspec URL)", group="job", fingerprint=False)
+    input: str = setting(
+        "",
+        "Parquet file, directory or glob (any fsspec URL)",
+        group="job",
+        fingerprint=True,
+        stage="the stage's input is the dataset it is given",
+    )
+    output: str = setting("", "output location (any fsspec URL)", group="job", fingerprint=False, stage=STAGE_SINKS)
     source: Source = nested(Source, group="execution", scope="worker", fingerprint=False)
     generation: GenerationSettings = nested(GenerationSettings, group="generation", scope="job", fingerprint=True)
     # {role: input column}: `prompt`, `id`, `seed`, `negative_prompt`, and each per-row setting's
@@ -69,6 +78,7 @@ class JobConfig:
         "rows per unit of work and of commit; a row group is split into such ranges",
         group="generation",
         fingerprint=True,
+        stage="Ray Data hands the stage its blocks; `batch_rows` sets the rows of a call",
     )
     keep_columns: str | None = setting(
         None,
@@ -90,25 +100,44 @@ class JobConfig:
         "Ray GPUs each worker asks for (default 1 for GPU workers; 0.5 packs two on one GPU, each planning "
         "within its share)",
     )
-    placement_timeout: float = setting(300.0, "seconds to wait with no worker placed before giving up with exit 2")
+    placement_timeout: float = setting(
+        300.0,
+        "seconds to wait with no worker placed before giving up with exit 2",
+        stage="Ray Data waits for its actor pool itself",
+    )
     cpu_threads: int = setting(
         1,
         "torch threads per CPU worker; CPU kernels round differently per thread count, so a fixed number "
         "keeps images independent of how many workers run",
     )
-    max_attempts: int = setting(3, "tries per shard before it is marked failed")
-    max_restarts: int = setting(3, "restarts of a worker whose process died, before it is dropped")
-    stop_grace: float = setting(0.0, "seconds running shards get to commit after SIGTERM/SIGINT (0: abandon)")
-    worker_memory: str | None = setting(None, "emulate a mixed fleet: one worker per budget, e.g. 16GiB,24GiB,80GiB")
-    ray_address: str | None = setting(None, "Ray cluster to join (default RAY_ADDRESS, else start a local one)")
-    overwrite: bool = setting(False, "replace a different job at --output")
+    max_attempts: int = setting(3, "tries per shard before it is marked failed", stage=STAGE_RETRIES)
+    max_restarts: int = setting(3, "restarts of a worker whose process died, before it is dropped", stage=STAGE_RETRIES)
+    stop_grace: float = setting(
+        0.0,
+        "seconds running shards get to commit after SIGTERM/SIGINT (0: abandon)",
+        stage="a stage commits nothing: its rows are the sink's",
+    )
+    worker_memory: str | None = setting(
+        None,
+        "emulate a mixed fleet: one worker per budget, e.g. 16GiB,24GiB,80GiB",
+        stage="a Ray Data actor pool's actors are alike: give `gpu_memory`",
+    )
+    ray_address: str | None = setting(
+        None,
+        "Ray cluster to join (default RAY_ADDRESS, else start a local one)",
+        stage="the stage runs on the dataset's Ray",
+    )
+    overwrite: bool = setting(False, "replace a different job at --output", stage=STAGE_SINKS)
     retry_errors: bool = setting(
-        False, "also redo the error rows of committed shards; their ok images are kept as they are"
+        False,
+        "also redo the error rows of committed shards; their ok images are kept as they are",
+        stage="a stage resumes nothing: filter the error rows and run them again",
     )
     allow_unsafe_commits: bool = setting(
         False,
         "run on an output store whose fsspec backend cannot create an object only if absent "
         "(local disks, s3://, gs:// and az:// can): two attempts of a shard could then both commit",
+        stage=STAGE_SINKS,
     )
 
     @classmethod
@@ -185,22 +214,23 @@ def resolve_paths(config: JobConfig) -> JobConfig:
     return config.with_options(input=resolve_url(config.input), output=resolve_url(config.output), model=model)
 
 
-def make_config(options: dict, config_file: str | None = None) -> JobConfig:
-    """Options given on the command line (or as keywords) override the file; absent ones (None) fall through."""
+def make_config(options: dict, config_file: str | None = None, required: tuple[str, ...] = REQUIRED) -> JobConfig:
+    """Options given on the command line (or as keywords) override the file; absent ones (None) fall
+    through. `required`: what must be given (a Ray Data stage's input and output are its dataset's)."""
     values = load_toml(config_file) if config_file else {}
     given = canonical(
         {k: tuple(v) if isinstance(v, list) else v for k, v in options.items() if v is not None}, job_settings()
     )
     values = {**canonical(values, job_settings()), **given}
-    missing = [n for n in REQUIRED if not values.get(n)]
+    missing = [n for n in required if not values.get(n)]
     if missing:
         raise ConfigError(f"{', '.join(option(n) for n in missing)} required (on the command line or in `--config`).")
-    return validate(JobConfig.of(**values))
+    return validate(JobConfig.of(**values), required)
 
 
-def validate(config: JobConfig) -> JobConfig:
+def validate(config: JobConfig, required: tuple[str, ...] = REQUIRED) -> JobConfig:
     """Raise `ConfigError` naming the first invalid setting; return the config unchanged (the checks:
     jobs/validate.py, which reads this module's record and constants)."""
     from fleetgen.jobs.validate import validate as checked
 
-    return checked(config)
+    return checked(config, required)

@@ -36,7 +36,9 @@ def options_page() -> str:
         "(each worker's own: workers may differ), `row` (an input column that sets it per row). *Fingerprint*: part",
         "of the job's identity in `job.json`; a rerun with another value is another job (refused unless",
         "`--overwrite`). Every setting that changes pixels is in it, except `--device` and `--dtype`, which each",
-        "worker resolves for its own device and records in `workers/<w>.json`.",
+        "worker resolves for its own device and records in `workers/<w>.json`. The same settings are the keywords",
+        "of `fleetgen.ray_data.generate(ds, model, ...)` (docs/guides/ray-data.md), except those marked *not in a",
+        "Ray Data stage*, a job's own, which it refuses saying why.",
     ]
     for group, title in GROUPS.items():
         lines += ["", f"## {title}", "", "| option | type | default | applies to | fingerprint | meaning |"]
@@ -54,8 +56,9 @@ def options_page() -> str:
                 "" if shown in (None, "", (), []) else f"`{str(shown).lower() if isinstance(shown, bool) else shown}`"
             )
             kind = _kind(row)
+            text = row.text + (f" (*not in a Ray Data stage*: {row.stage})" if row.stage else "")
             lines.append(
-                f"| {names} | {kind} | {shown} | {row.scope} | {'yes' if row.fingerprint else ''} | {_cell(row.text)} |"
+                f"| {names} | {kind} | {shown} | {row.scope} | {'yes' if row.fingerprint else ''} | {_cell(text)} |"
             )
     return "\n".join(lines) + "\n"
 

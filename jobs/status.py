@@ -120,11 +120,17 @@ def status_text(state: JobStatus) -> str:
     lines += fleet_lines(state.fleet)
     for w in state.workers_failed:
         lines.append(f"worker {w['worker']} could not run: {w['error']}")
-    kinds = plan_kinds(state.workers)
+    return "\n".join(lines + worker_lines(state.workers, clips))
+
+
+def worker_lines(workers: list[dict], clips: bool = False) -> list[str]:
+    """The plans by device kind, then a line per worker (its records: `OUT/workers/<name>.json`)."""
+    unit, lines = "clips" if clips else "images", []
+    kinds = plan_kinds(workers)
     if kinds:
         lines.append("plans by device kind:")
         lines += [f"  {k['kind']}: {k['plan']}, batch {k['batch']}; {k['chosen']}; {k['speed']}" for k in kinds]
-    for w in state.workers:
+    for w in workers:
         st = w.get("stats") or {}
         rate = st.get("images_per_second") or 0
         speed = f"{1 / rate:.1f} s/clip" if clips and rate else f"{rate:.2f} {'clips' if clips else 'img'}/s"
@@ -134,7 +140,16 @@ def status_text(state: JobStatus) -> str:
             f"plan: {', '.join(f'{k} {v}' for k, v in w['plan']['modes'].items())}"
             + (f"; {host_copy_text(w['host_copy'])}" if w.get("host_copy") else "")
         )
-    return "\n".join(lines)
+    return lines
+
+
+def fleet_text(url: str) -> str:
+    """The workers recorded at `url` (`workers/<name>.json`, a job's or a Ray Data stage's `stats`)."""
+    out = Output(url)
+    workers = [w for w in (_json(out, f"{WORKERS}/{name}") for name in out.list(WORKERS, ".json")) if w]
+    if not workers:
+        raise FleetgenError(f"{out.url} holds no worker records ({WORKERS}/*.json).")
+    return "\n".join([f"{len(workers)} worker(s) at {out.url}:", *worker_lines(workers)])
 
 
 def host_copy_text(record: dict) -> str:

@@ -27,11 +27,12 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def validate(config: JobConfig) -> JobConfig:
+def validate(config: JobConfig, required: tuple[str, ...] = REQUIRED) -> JobConfig:
     """Raise `ConfigError` naming the first invalid setting; return the config unchanged. (The
-    settings parsed into records — quantize, cache, attention — were checked when it was built.)"""
+    settings parsed into records — quantize, cache, attention — were checked when it was built.)
+    `required`: the settings that must be given (a Ray Data stage's input and output are its dataset's)."""
     for name, value in zip(REQUIRED, (config.input, config.output, config.source.model), strict=True):
-        _check(bool(value), f"{option(name)} is required.")
+        _check(bool(value) or name not in required, f"{option(name)} is required.")
     for check in (_check_generation, _check_model_sizes, _check_media, _check_execution, _check_columns):
         check(config)
     return config

@@ -29,6 +29,9 @@ from fleetgen.workers.rows.shard import Columns
 DTYPE_NAMES = ("float32", "float16", "bfloat16")  # `--dtype` besides auto (workers/pipeline/load.py maps them)
 DTYPES = ("auto", *DTYPE_NAMES)
 
+# Why a Ray Data stage (cluster/ray_data.py) has no output setting of a job: its rows go to a sink.
+STAGE_SINKS = "a Ray Data pipeline stores its rows with its own sinks (`write_parquet`, `write_webdataset`, ...)"
+
 
 @dataclass(frozen=True)
 class GenerationSettings:
@@ -97,11 +100,13 @@ class GenerationSettings:
         False,
         "webdataset/parquet output: carry each image's input beside it (<id>.input.png; an "
         "`input_image` column), for before/after datasets",
+        stage="each row keeps its input columns as they were: the input is beside the image already",
     )
     store_frames: bool = setting(
         False,
         "video tasks: store every frame of a clip as a PNG beside it (<id>.frame-0000.png ...; parquet: a "
         "`frames` column), lossless, for datasets that train on frames",
+        stage="a stage's row holds the clip (`video`); decode its frames where the pipeline needs them",
     )
     width: int | None = setting(
         None, "pixels, a multiple of 8 (default 512, `fleetgen plan` 1024; video families: their card's)"
@@ -127,6 +132,7 @@ class GenerationSettings:
         "files",
         lambda: "default files; " + "; ".join(f"{n}: {FORMATS[n].description}" for n in format_names()),
         choices=format_names,
+        stage=STAGE_SINKS,
     )
     prompt_template: str | None = setting(
         None,

@@ -30,9 +30,10 @@ from fleetgen.workers.output.commit import (
     promote,
     staging,
 )
-from fleetgen.workers.output.formats import get_format, open_sink
+from fleetgen.workers.output.formats import Kept, get_format, open_sink
 from fleetgen.workers.output.layout import manifest_key, worker_key
 from fleetgen.workers.output.made import Made
+from fleetgen.workers.output.rows import as_rows
 from fleetgen.workers.output.storage import Output
 from fleetgen.workers.output.video import Clip
 from fleetgen.workers.output.writer import Writer, encode_and_store
@@ -64,6 +65,7 @@ class _Attempt:
     counts: dict | None = None  # the committed manifest's counts
     pending: list = field(default_factory=list)  # phased with a decode phase: (made, inputs) awaiting it
     best_of: BestOf | None = None  # `--best-of`: each image's candidates, held until all are made
+    watch: bool = True  # stop once another attempt commits (False: rows of a Ray Data stage, never committed)
 
     def result(self, worker: str, ok: int = 0, errors: int = 0, **kw) -> ShardResult:
         return ShardResult(self.shard.id, worker, ok, errors, time.perf_counter() - self.started, **kw)
@@ -107,7 +109,7 @@ class Worker:
         self.spec = spec
         if spec.threads:
             torch.set_num_threads(spec.threads)
-        self.output = Output(spec.output)
+        self.output = Output(spec.output) if spec.output else None  # None: a Ray Data stage's, storing nothing
         with paused_gc():  # a pipeline's first load imports most of diffusers and transformers
             self.fitted = FittedPipeline(spec.source, spec.settings, spec.fit, spec.name, pipe, self.output)
         scores = spec.settings.score
@@ -141,7 +143,9 @@ class Worker:
 
     def write_info(self) -> None:
         """`OUT/workers/<w>.json`. A status record: when the store does not take it, the work goes
-        on (the next shard writes it again)."""
+        on (the next shard writes it again). A worker with no output keeps it (`describe()`)."""
+        if self.output is None:
+            return
         try:
             self.output.put(worker_key(self.spec.name), json.dumps(self.describe(), indent=2).encode())
         except StorageError as err:
@@ -193,9 +197,46 @@ class Worker:
         self.write_info()
         yield at.result(self.spec.name, ok, len(fresh) - ok, counts=at.counts, version=version)
 
-    def _prepare(self, shard: Shard) -> _Attempt:
-        """Read the shard, build its images and their manifest records, open its sink."""
-        table = read_shard(shard, self.spec.columns)
+    def make_rows(self, table: pa.Table, base: str, name: str) -> pa.Table:
+        """Rows of a Ray Data stage (cluster/ray_data.py): `table`'s images made as a shard's are, from the
+        same items, seeds and records, encoded and kept instead of stored (`base`: what relative input
+        paths are relative to; `name`: the rows' name in errors). Returns a row per image record, in the
+        shard's order (workers/output/rows.py). Nothing is written or committed."""
+        shard = Shard(name, base, 0, 0, 0, 0, table.num_rows)
+        images, records = self._items(shard, table)
+        sink = Kept()
+        todo = [im for im in images if records[im.id]["status"] == "ok"]
+        at = _Attempt(
+            shard, name, table, images, records, todo, set(), None, sink, best_of=self._best_of(), watch=False
+        )
+        try:
+            for _ in self._make(at):
+                pass
+            self._writer.drain()
+        except BaseException:
+            self._writer.cancel()
+            raise
+        final = [records[im.id] for im in images]
+        ok = sum(r["status"] == "ok" for r in final)
+        self.stats["images"] += ok
+        self.stats["errors"] += len(final) - ok
+        data = [getattr(sink.made.get(im.id), "data", None) for im in images]
+        media = "video" if self.spec.settings.task_spec().video else "image"
+        plan = self.fitted.plan
+        offloaded = ", ".join(f"{n} {m}" for n, m in plan.modes.items() if m != "resident") or "all resident"
+        return as_rows(
+            final,
+            data,
+            table,
+            self.spec.columns.carry,
+            [im.row for im in images],
+            media,
+            self.spec.source.model,
+            f"{offloaded}, batch {self.batch_size}",
+        )
+
+    def _items(self, shard: Shard, table: pa.Table) -> tuple[list, dict[str, dict]]:
+        """A shard's images (workers/rows/batches.py) and their records as far as known before they are made."""
         images = shard_items(shard, table, self.spec.columns, self.recipe)
         records = {im.id: self._records.new(im) for im in images}
         for im in images:
@@ -205,8 +246,17 @@ class Worker:
                         self.pipe, self.fitted.family, im.prompt, im.negative_prompt, self.spec.fit.strict_prompts
                     )
                 )
+        return images, records
+
+    def _best_of(self) -> BestOf | None:
         settings = self.spec.settings
-        best_of = BestOf(settings.best_of, settings.rank_by) if settings.best_of > 1 else None
+        return BestOf(settings.best_of, settings.rank_by) if settings.best_of > 1 else None
+
+    def _prepare(self, shard: Shard) -> _Attempt:
+        """Read the shard, build its images and their manifest records, open its sink."""
+        table = read_shard(shard, self.spec.columns)
+        images, records = self._items(shard, table)
+        best_of = self._best_of()
         where = place if best_of is not None else None  # a stored best is its candidate's record
         base, kept = keep_committed(self.output, shard.id, records, where) if shard.retry_errors else (None, set())
         todo = [im for im in images if records[im.id]["status"] == "ok" and im.id not in kept]
@@ -224,7 +274,7 @@ class Worker:
         with Prefetcher([im for g in groups for im in g], self.spec.settings.resize) as prefetch:
             for group in groups:
                 for loaded, chunk_done in self._batches(at, group, prefetch):
-                    if committed_since(self.output, at.shard.id, at.base):
+                    if at.watch and committed_since(self.output, at.shard.id, at.base):
                         yield None
                         return
                     yield self._batch(at, loaded, sum(1 / counts[im.row] for im in loaded.asked))

@@ -114,6 +114,29 @@ def test_editing_a_folder_of_images_runs_as_written(user_env, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_ray_data_pipeline_runs_as_written(user_env, tmp_path):
+    """docs/guides/ray-data.md: a filter, the stage, three of Ray Data's own sinks, the fleet's records."""
+    import pyarrow.parquet as pq
+    import webdataset as wds
+    from PIL import Image
+
+    from fleetgen.cluster.warm import free_parked
+
+    free_parked()  # the stage's actors run on the session's Ray, in this process (the last block is exec'd)
+    _, _, namespace = walk_through("ray-data", user_env, tmp_path)
+    rows = pq.read_table(tmp_path / "out" / "parquet").to_pylist()
+    assert sorted(r["id"] for r in rows) == ["cat", "dog", "owl"]  # the filter ran before the stage
+    assert all(r["status"] == "ok" and r["width"] == 64 and r["label"] in (0, 1, 2) for r in rows)
+    images = {r["id"]: r["image"] for r in rows}
+    samples = list(
+        wds.WebDataset(sorted(map(str, (tmp_path / "out" / "webdataset").glob("*.tar"))), shardshuffle=False)
+    )
+    assert {s["__key__"]: s["png"] for s in samples} == images  # the same bytes through Ray Data's webdataset sink
+    pngs = sorted((tmp_path / "out" / "png").glob("*.png"))
+    assert len(pngs) == 3 and all(Image.open(p).size == (64, 64) for p in pngs)
+    assert "plans by device kind:" in namespace["fleetgen"].ray_data.fleet(str(tmp_path / "out" / "stats"))
+
+
 def test_the_plan_example_runs_as_written(tmp_path):
     text = (DOCS / "fitting.md").read_text()
     line = next(line for line in text.splitlines() if line.startswith("fleetgen plan --model"))

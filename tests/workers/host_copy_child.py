@@ -1,7 +1,8 @@
 """One process of a node loading a pipeline as a worker does (workers/pipeline/host_copy.py), for
 tests/workers/test_host_copy.py and bench/host_copy.py: loads MODEL at DTYPE with `--host-copy MODE`, makes
 one image, prints one JSON line (its host copy record, its memory by kind, the image's sha256), then holds
-its pipeline until its standard input closes, and leaves.
+its pipeline, printing the line again (its memory measured anew) for each line read, until its standard
+input closes, and leaves.
 
     python -m tests.workers.host_copy_child MODEL MODE DTYPE
 """
@@ -26,7 +27,8 @@ def main(model: str, mode: str, dtype: str) -> None:
     image = out.images
     sha = hashlib.sha256(image.tobytes()).hexdigest()
     print(json.dumps({"host_copy": hc.record(pipe), "memory": process_memory(), "sha": sha}), flush=True)
-    sys.stdin.read()
+    for _ in sys.stdin:
+        print(json.dumps({"host_copy": hc.record(pipe), "memory": process_memory(), "sha": sha}), flush=True)
     del pipe
     hc.close()
 

@@ -218,45 +218,60 @@ def report(proc: subprocess.Popen) -> dict:
 def test_workers_of_a_node_hold_one_copy(tmp_path_factory, shm):
     """Processes of one node loading the 85 M-parameter model as workers do, at bfloat16 from its float32
     files (163 MiB of weights, converted: each one's own) and making an image: one with `--host-copy
-    worker`, then three at once with `--host-copy node`, where each one's own memory (RssAnon) is at least
-    70 % of the weights below the first's, each maps the one copy (RssShmem); the same pixels; nothing
-    left in the shared directory. (Loaded as stored, safetensors weights are pages of the file mapped from
-    the page cache, which the OS shares already on a CPU node; what multiplies per worker is a converted
-    or a pinned copy.)"""
+    worker`; then two at once with `--host-copy node`, then two more beside them (four at once, the first
+    two measured again). Each one's own memory (RssAnon) is at least 70 % of the weights below the first's,
+    with two and with four; each maps the one copy (RssShmem); the same pixels; nothing left in the shared
+    directory. (Loaded as stored, safetensors weights are pages of the file mapped from the page cache,
+    which the OS shares already on a CPU node; what multiplies per worker is a converted or a pinned copy.)"""
     from fleetgen.cli import main as cli
 
     model = tmp_path_factory.mktemp("small") / "model"
     assert cli(["tiny-model", "--size", "small", str(model)]) == 0
-    seen = {}
-    for mode, workers in (("worker", 1), ("node", 3)):
-        procs = [
+
+    def start(mode: str, n: int) -> list[subprocess.Popen]:
+        return [
             subprocess.Popen(
                 [sys.executable, "-m", "tests.workers.host_copy_child", str(model), mode, "bfloat16"],
                 cwd=ROOT,
-                env={**os.environ, "OMP_NUM_THREADS": "1"},  # four processes on this machine's cores
+                env={**os.environ, "OMP_NUM_THREADS": "1"},  # up to five processes on this machine's cores
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
             )
-            for _ in range(workers)
+            for _ in range(n)
         ]
-        # every one holds its pipeline until all have reported: they are a node's at the same time
-        seen[mode] = [report(p) for p in procs]
+
+    def leave(procs: list[subprocess.Popen]) -> None:
         for p in procs:
             p.stdin.close()
             assert p.wait(timeout=120) == 0
             p.stdout.close()
-        assert list(shm.iterdir()) == []
-    (own,), node = seen["worker"], seen["node"]
+
+    (solo,) = start("worker", 1)
+    own = report(solo)
+    leave([solo])
+    assert list(shm.iterdir()) == []
+    first = start("node", 2)
+    two = [report(p) for p in first]  # both hold their pipelines until both have reported: a node's at once
+    more = start("node", 2)
+    later = [report(p) for p in more]
+    for p in first:  # measured again with four at once
+        p.stdin.write("\n")
+        p.stdin.flush()
+    four = [report(p) for p in first] + later
+    leave(first + more)
+    assert list(shm.iterdir()) == []
     assert own["host_copy"]["mode"] == "worker" and not own["host_copy"]["shared"]
-    weights = node[0]["host_copy"]["shared_bytes"]
+    weights = two[0]["host_copy"]["shared_bytes"]
     assert 160 * MiB < weights < 170 * MiB  # the bfloat16 weights, once
-    assert sorted(r["host_copy"]["role"] for r in node) == ["mapped"] * 2 + ["wrote"]
-    assert all(r["memory"]["shmem_bytes"] >= 0.95 * weights for r in node)  # each maps the one copy
-    assert len({r["sha"] for r in [own, *node]}) == 1
-    anon = [r["memory"]["anon_bytes"] // MiB for r in node]
-    print(f"own memory: {own['memory']['anon_bytes'] // MiB} MiB with a copy, {anon} MiB with the node's")
-    assert all(own["memory"]["anon_bytes"] - r["memory"]["anon_bytes"] >= 0.7 * weights for r in node), anon
+    assert sorted(r["host_copy"]["role"] for r in two) == ["mapped", "wrote"]
+    assert [r["host_copy"]["role"] for r in later] == ["mapped"] * 2  # the two already there hold the copy
+    for node in (two, four):
+        assert all(r["memory"]["shmem_bytes"] >= 0.95 * weights for r in node)  # each maps the one copy
+        assert len({r["sha"] for r in [own, *node]}) == 1
+        anon = [r["memory"]["anon_bytes"] // MiB for r in node]
+        print(f"own memory: {own['memory']['anon_bytes'] // MiB} MiB with a copy, {anon} MiB with the node's")
+        assert all(own["memory"]["anon_bytes"] - r["memory"]["anon_bytes"] >= 0.7 * weights for r in node), anon
 
 
 @pytest.mark.gpu

@@ -31,6 +31,7 @@ from fleetgen.workers.output.storage import Output
 
 __all__ = [
     "FORMATS",
+    "Kept",
     "PLUGINS_ENV",
     "OutputFormat",
     "Sink",
@@ -57,6 +58,28 @@ class Sink(Protocol):
 
     def abort(self) -> None:
         """Give up: objects not yet complete do not appear."""
+
+
+class Kept:
+    """A sink that stores nothing: each image kept, encoded, by its record's id (`made`), for a caller that
+    hands the bytes on itself (a Ray Data stage's rows: cluster/ray_data.py)."""
+
+    def __init__(self):
+        self.made: dict[str, Made] = {}
+
+    def add(self, made: list[Made], carried: pa.Table | None) -> list[tuple[str | None, str | None]]:
+        for m in made:
+            self.made[m.record_id or m.id] = m
+        return [(None, None)] * len(made)
+
+    def keep_existing(self) -> None:
+        raise NotImplementedError("a kept batch has no stored shard to keep")
+
+    def close(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        self.made.clear()
 
 
 class Unreadable(Exception):

@@ -1,0 +1,129 @@
+"""fleetgen as a Ray Data stage: an actor pool whose actors are fleetgen's workers (`fleetgen.ray_data.generate`).
+
+The stage is resolved in the caller's process before any actor starts (jobs/stage.py: the settings table,
+the family's defaults, the dataset's columns). Each actor is a `FleetWorker` (cluster/actor.py): placed by
+Ray, it plans its own device within its share of the node, shares the node's copy of the weights, and makes
+each block's rows as a job's worker makes a shard's (workers/worker.py `make_rows`): the same items, seeds,
+batches, retries and records; the pictures come back as bytes in the rows instead of going to a store.
+Progress is Ray Data's own."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import replace
+
+import pyarrow as pa
+import ray
+
+from fleetgen.cluster.actor import FleetWorker
+from fleetgen.cluster.connect import connect
+from fleetgen.cluster.sizing import size_fleet
+from fleetgen.workers.spec import WorkerSpec
+
+BATCH_ROWS = 16  # rows a stage call makes by default: a few of the worker's batches, one block's worth
+STATS_EVERY = 30.0  # seconds between an actor's records at `stats` (its first call and its end write too)
+NO_SHARDS = 1 << 30  # sizing a pool that pulls blocks, not shards: no cap from the work's count
+
+
+def pool_of(concurrency):
+    """Ray Data's actor pool for `concurrency`: an int (that many actors) or `(min, max)` (autoscaling)."""
+    from ray.data import ActorPoolStrategy
+
+    from fleetgen.errors import ConfigError
+
+    if isinstance(concurrency, int) and not isinstance(concurrency, bool) and concurrency >= 1:
+        return ActorPoolStrategy(size=concurrency)
+    if (
+        isinstance(concurrency, tuple | list)
+        and len(concurrency) == 2
+        and all(isinstance(n, int) for n in concurrency)
+        and 1 <= concurrency[0] <= concurrency[1]
+    ):
+        low, high = concurrency
+        return ActorPoolStrategy(size=low) if low == high else ActorPoolStrategy(min_size=low, max_size=high)
+    raise ConfigError(
+        f"`concurrency` must be a number of actors or `(min, max)` with 1 <= min <= max; got {concurrency!r}."
+    )
+
+
+class StageWorker:
+    """One Ray Data actor: a fleetgen worker, started once, called per block (`pyarrow.Table` in and out)."""
+
+    def __init__(self, spec: WorkerSpec, resources: dict, base: str):
+        actor_id = ray.get_runtime_context().get_actor_id() or f"{os.getpid()}"
+        self.name = f"rd-{actor_id[:8]}"  # an actor id's first bytes are its own (its last, the job's)
+        self.base, self.calls = base, itertools.count()
+        self.actor = FleetWorker(replace(spec, name=self.name), resources)
+        self.actor.start()  # loads, fits its device, shares the node's weights; `stats` gets its record
+        self.written = time.monotonic()
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        worker = self.actor.worker
+        rows = worker.make_rows(batch, self.base, f"{self.name} call {next(self.calls)}")
+        if time.monotonic() - self.written > STATS_EVERY:
+            worker.write_info()
+            self.written = time.monotonic()
+        return rows
+
+    def __del__(self):
+        try:
+            if self.actor.worker is not None:
+                self.actor.worker.write_info()
+            self.actor.close()
+        except Exception:  # noqa: BLE001, S110 - an actor going away; nothing to report to
+            pass
+
+
+def apply(
+    ds,
+    spec: WorkerSpec,
+    base: str,
+    *,
+    workers: int | None = None,
+    gpus_per_worker: float | None = None,
+    cpu_threads: int = 1,
+    concurrency=None,
+    batch_rows: int | None = None,
+    **ray_remote_args,
+):
+    """`ds` with the stage mapped over it: actors asking what a job's workers ask (`gpus_per_worker`, or
+    `cpu_threads` CPUs on CPU); `concurrency` Ray Data's (an int, or `(min, max)` for an autoscaling pool),
+    else `workers` of them, else an autoscaling pool up to one worker per GPU (on CPU: per `cpu_threads`
+    CPUs, one CPU left for Ray Data's reads)."""
+    from fleetgen.errors import ConfigError
+
+    if batch_rows is not None and batch_rows < 1:
+        raise ConfigError(f"`batch_rows` must be 1 or more, got {batch_rows}.")
+    shape = connect()
+    sizing = size_fleet(
+        shape,
+        device=spec.source.device,
+        gpus_per_worker=gpus_per_worker,
+        cpu_threads=cpu_threads,
+        max_workers=None,
+        budgets=0,
+        host_memory=spec.fit.host_memory,
+        shards=NO_SHARDS,
+    )
+    if concurrency is None and workers:
+        concurrency = workers
+    elif concurrency is None:
+        room = sizing.max_workers if sizing.gpu else max(1, (shape.cpus - 1) // cpu_threads)
+        concurrency = (1, room)
+    pool = pool_of(concurrency)
+    resources = dict(sizing.options)
+    asks = {"num_gpus": resources.get("num_gpus"), "num_cpus": resources.get("num_cpus")}
+    if resources.get("memory"):
+        asks["memory"] = resources["memory"]
+    return ds.map_batches(
+        StageWorker,
+        fn_constructor_kwargs={"spec": replace(spec, threads=sizing.threads), "resources": resources, "base": base},
+        batch_size=batch_rows or BATCH_ROWS,
+        batch_format="pyarrow",
+        zero_copy_batch=True,
+        compute=pool,
+        **{k: v for k, v in asks.items() if v is not None},
+        **ray_remote_args,
+    )
