@@ -1,6 +1,7 @@
 """fleetgen against what users would otherwise write: Ray Data `read_parquet` → `map_batches` with
 an actor pool (each actor loads the pipeline and writes PNGs) — same prompts, model, seeds, batch
-size, worker count and torch threads, on one local Ray.
+size, worker count and torch threads, on one local Ray. And fleetgen as that Ray Data stage
+(`fleetgen.ray_data.generate`, the same read and blocks; the driver writes each row's PNG as it arrives).
 
 Measured per side: steady-state images/s (images after the first batch over the time after it,
 from file mtimes), time to first image, and a run in which one worker process is SIGKILLed once
@@ -86,6 +87,45 @@ def ray_data_run(prompts: str, model: str, out: Path) -> dict:
     }
 
 
+def stage_run(prompts: str, model: str, out: Path) -> dict:
+    """`fleetgen.ray_data.generate` over the same read and blocks; each row's PNG written as it arrives
+    (its actors' records at `out`, where the kill scenario finds their pids)."""
+    import pyarrow.parquet as pq
+    import ray.data
+
+    import fleetgen.ray_data
+
+    rows = pq.ParquetFile(prompts).metadata.num_rows
+    started = time.time()
+    ds = ray.data.read_parquet(prompts).repartition(-(-rows // (BATCH * 2)))
+    ds = fleetgen.ray_data.generate(
+        ds,
+        model,
+        steps=STEPS,
+        guidance=5.0,
+        width=64,
+        height=64,
+        workers=WORKERS,
+        max_batch=BATCH,
+        device="cpu",
+        batch_rows=BATCH * 2,
+        stats=str(out),
+        progress=io.StringIO(),
+    )
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    ids = []
+    for row in ds.iter_rows():
+        (out / "images" / f"{row['id']}.png").write_bytes(row["image"])
+        ids.append(row["id"])
+    return {
+        "started": started,
+        "seconds": time.time() - started,
+        "rows_returned": len(ids),
+        "rows_returned_twice": len(ids) - len(set(ids)),
+        "complete": True,
+    }
+
+
 def fleetgen_run(prompts: str, model: str, out: Path) -> dict:
     from fleetgen.jobs.config import JobConfig, validate
     from fleetgen.jobs.driver import run_job
@@ -142,7 +182,11 @@ def main() -> None:
             tmp = Path(tmp)
             model = str(write_tiny_model(tmp / "model", size=args.size))
             prompts = str(write_prompts(tmp / "p.parquet", n=args.rows, row_group_size=args.rows))
-            sides = {"ray_data": (ray_data_run, "images/*.png"), "fleetgen": (fleetgen_run, "images/*/*.png")}
+            sides = {
+                "ray_data": (ray_data_run, "images/*.png"),
+                "fleetgen": (fleetgen_run, "images/*/*.png"),
+                "stage": (stage_run, "images/*.png"),
+            }
             for scenario in ("clean", "kill"):
                 for side, (run, pattern) in sides.items():
                     out = tmp / f"{side}-{scenario}"
@@ -169,9 +213,11 @@ def main() -> None:
     finally:
         ray.shutdown()
     for scenario in ("clean", "kill"):
-        a, b = results[f"ray_data/{scenario}"], results[f"fleetgen/{scenario}"]
-        if a.get("steady_ips") and b.get("steady_ips"):
-            print(f"{scenario}: fleetgen/ray_data steady images/s = {b['steady_ips'] / a['steady_ips']:.3f}")
+        a = results[f"ray_data/{scenario}"]
+        for side in ("fleetgen", "stage"):
+            b = results[f"{side}/{scenario}"]
+            if a.get("steady_ips") and b.get("steady_ips"):
+                print(f"{scenario}: {side}/ray_data steady images/s = {b['steady_ips'] / a['steady_ips']:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

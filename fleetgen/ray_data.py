@@ -88,11 +88,14 @@ def fleet(stats: str) -> str:
 
 
 def _arrow_schema(ds: Dataset) -> pa.Schema:
-    """The dataset's columns as Arrow types (a pandas-block dataset's dtypes converted)."""
+    """The dataset's columns as Arrow types (a pandas-block dataset's dtypes converted). A LoRA column's
+    values and a size column's largest are read from the whole dataset (`DatasetFacts`): a pass over
+    those columns before the stage runs."""
     import numpy as np
     import pyarrow as pa
 
-    schema = ds.schema()
+    # without running the pipeline where its plan knows the schema (a read), else from its first row only
+    schema = ds.schema(fetch_if_missing=False) or ds.limit(1).schema()
     if schema is None:
         from fleetgen.errors import InputError
 

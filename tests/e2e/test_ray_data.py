@@ -122,6 +122,25 @@ def test_an_unreadable_input_image_is_an_error_row(tiny_model, tmp_path, ray_clu
     assert out["none"]["status"] == "error" and "no input image" in out["none"]["error"]
 
 
+def test_scores_and_a_keep_rule_work_as_in_a_job(tiny_model, tiny_clip, ray_cluster):
+    """`score` scores each picture in the pass; `keep` filters as a job's does: a filtered row keeps its
+    scores and its record, says which rule, and carries no picture. (A cosine is never above 1: the rule
+    `clip > 1` filters every image, `clip >= -1` none.)"""
+    table = pa.table({"id": ["a", "b", "c"], "prompt": ["a red fox", "an owl", "a ship"]})
+    kept = fleetgen.ray_data.generate(
+        dataset(table), tiny_model, score=f"clip={tiny_clip}", keep="clip >= -1", **OPTIONS
+    )
+    dropped = fleetgen.ray_data.generate(
+        dataset(table), tiny_model, score=f"clip={tiny_clip}", keep="clip > 1", **OPTIONS
+    )
+    kept, dropped = ({r["id"]: r for r in ds.take_all()} for ds in (kept, dropped))
+    for name in "abc":
+        assert kept[name]["status"] == "ok" and -1 <= kept[name]["score_clip"] <= 1 and kept[name]["image"]
+        assert dropped[name]["status"] == "filtered" and dropped[name]["image"] is None
+        assert "--keep 'clip > 1'" in dropped[name]["error"]
+        assert dropped[name]["score_clip"] == pytest.approx(kept[name]["score_clip"])  # the same picture, scored
+
+
 def test_an_autoscaling_pool_makes_every_row_once(tiny_model, ray_cluster):
     """`concurrency=(1, 2)` on the local Ray: every row made once, whichever actors Ray Data ran."""
     table = pa.table({"id": [f"r{i}" for i in range(12)], "prompt": [f"a boat {i}" for i in range(12)]})
