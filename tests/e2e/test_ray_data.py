@@ -1,7 +1,7 @@
 """fleetgen as a Ray Data stage (`fleetgen.ray_data.generate`, cluster/ray_data.py), in real Ray Data
 pipelines on the session's Ray, with the tiny models: the pixels a job makes for the same rows, the
 input's columns carried, options refused before anything runs, a bad row an error row, an autoscaling
-pool, video rows."""
+pool with scores and a keep rule, video rows."""
 
 from __future__ import annotations
 
@@ -52,10 +52,10 @@ def test_the_same_rows_make_a_jobs_pixels_and_keep_their_columns(tiny_model, tmp
     assert job.complete and job.images_ok == 5
     manifest = {r["id"]: r for r in pq.read_table(tmp_path / "job" / "shards" / "shard-00000.parquet").to_pylist()}
     said = io.StringIO()
-    made = fleetgen.ray_data.generate(
+    stage = fleetgen.ray_data.generate(
         dataset(table), tiny_model, stats=str(tmp_path / "stats"), progress=said, **OPTIONS
     ).materialize()
-    out = made.take_all()
+    out = stage.take_all()
     assert "model family sd" in said.getvalue() and "per-row settings: steps ← `steps`" in said.getvalue()
     assert sorted(r["id"] for r in out) == sorted(manifest)
     for row in out:
@@ -66,7 +66,7 @@ def test_the_same_rows_make_a_jobs_pixels_and_keep_their_columns(tiny_model, tmp
         assert row["label"] == table.column("label")[int(row["id"][1:])].as_py()  # carried as it was
         assert row["model"] == tiny_model and row["plan"] == "all resident, batch 4"
         assert row["worker"].startswith("rd-") and row["image"][:8] == b"\x89PNG\r\n\x1a\n"
-    schema = made.schema().base_schema
+    schema = stage.schema().base_schema
     assert schema.field("label").type == pa.int16() and schema.field("image").type == pa.binary()
     (record,) = (tmp_path / "stats" / "workers").glob("rd-*.json")
     assert json.loads(record.read_text())["plan"]["batch_size"] == 4
@@ -122,33 +122,29 @@ def test_an_unreadable_input_image_is_an_error_row(tiny_model, tmp_path, ray_clu
     assert out["none"]["status"] == "error" and "no input image" in out["none"]["error"]
 
 
-def test_scores_and_a_keep_rule_work_as_in_a_job(tiny_model, tiny_clip, ray_cluster):
-    """`score` scores each picture in the pass; `keep` filters as a job's does: a filtered row keeps its
-    scores and its record, says which rule, and carries no picture. (A cosine is never above 1: the rule
-    `clip > 1` filters every image, `clip >= -1` none.)"""
-    table = pa.table({"id": ["a", "b", "c"], "prompt": ["a red fox", "an owl", "a ship"]})
-    kept = fleetgen.ray_data.generate(
-        dataset(table), tiny_model, score=f"clip={tiny_clip}", keep="clip >= -1", **OPTIONS
+def test_an_autoscaling_pool_scores_and_keeps_as_a_job_does(tiny_model, tiny_clip, ray_cluster):
+    """`concurrency=(1, 2)` on the local Ray, two rows a call: every row made once, whichever actors Ray
+    Data ran. `score` scores each picture in the pass; `keep` filters as a job's does: a row its rule
+    rejects is `filtered`, keeps its score, says which rule and carries no picture; a row it passes is made."""
+    table = pa.table({"id": list("abcdef"), "prompt": ["a red fox", "an owl", "a ship", "a cat", "rain", "a hat"]})
+    stage = fleetgen.ray_data.generate(
+        dataset(table),
+        tiny_model,
+        score=f"clip={tiny_clip}",
+        keep="clip > 0",
+        concurrency=(1, 2),
+        batch_rows=2,
+        **OPTIONS,
     )
-    dropped = fleetgen.ray_data.generate(
-        dataset(table), tiny_model, score=f"clip={tiny_clip}", keep="clip > 1", **OPTIONS
-    )
-    kept, dropped = ({r["id"]: r for r in ds.take_all()} for ds in (kept, dropped))
-    for name in "abc":
-        assert kept[name]["status"] == "ok" and -1 <= kept[name]["score_clip"] <= 1 and kept[name]["image"]
-        assert dropped[name]["status"] == "filtered" and dropped[name]["image"] is None
-        assert "--keep 'clip > 1'" in dropped[name]["error"]
-        assert dropped[name]["score_clip"] == pytest.approx(kept[name]["score_clip"])  # the same picture, scored
-
-
-def test_an_autoscaling_pool_makes_every_row_once(tiny_model, ray_cluster):
-    """`concurrency=(1, 2)` on the local Ray: every row made once, whichever actors Ray Data ran."""
-    table = pa.table({"id": [f"r{i}" for i in range(12)], "prompt": [f"a boat {i}" for i in range(12)]})
-    out = fleetgen.ray_data.generate(dataset(table), tiny_model, concurrency=(1, 2), batch_rows=3, **OPTIONS)
-    rows = out.take_all()
-    assert sorted(r["id"] for r in rows) == sorted(table.column("id").to_pylist())
-    assert all(r["status"] == "ok" and r["image"] for r in rows)
+    rows = stage.take_all()
+    assert sorted(r["id"] for r in rows) == list("abcdef")
     assert 1 <= len({r["worker"] for r in rows}) <= 2
+    for row in rows:
+        assert -1 <= row["score_clip"] <= 1
+        if row["score_clip"] > 0:
+            assert row["status"] == "ok" and row["image"] and row["error"] is None
+        else:
+            assert row["status"] == "filtered" and row["image"] is None and "--keep 'clip > 0'" in row["error"]
 
 
 def test_video_rows_hold_their_clips(tmp_path, ray_cluster):

@@ -218,8 +218,8 @@ def report(proc: subprocess.Popen) -> dict:
 def test_workers_of_a_node_hold_one_copy(tmp_path_factory, shm):
     """Processes of one node loading the 85 M-parameter model as workers do, at bfloat16 from its float32
     files (163 MiB of weights, converted: each one's own) and making an image: one with `--host-copy
-    worker`; then two at once with `--host-copy node`, then two more beside them (four at once, the first
-    two measured again). Each one's own memory (RssAnon) is at least 70 % of the weights below the first's,
+    worker` beside two at once with `--host-copy node`, then two more beside those (four at once, the
+    first two measured again). Each one's own memory (RssAnon) is at least 70 % of the weights below the first's,
     with two and with four; each maps the one copy (RssShmem); the same pixels; nothing left in the shared
     directory. (Loaded as stored, safetensors weights are pages of the file mapped from the page cache,
     which the OS shares already on a CPU node; what multiplies per worker is a converted or a pinned copy.)"""
@@ -247,12 +247,11 @@ def test_workers_of_a_node_hold_one_copy(tmp_path_factory, shm):
             assert p.wait(timeout=120) == 0
             p.stdout.close()
 
-    (solo,) = start("worker", 1)
-    own = report(solo)
-    leave([solo])
-    assert list(shm.iterdir()) == []
+    (solo,) = start("worker", 1)  # its own copy: nothing in the shared directory, beside the first two
     first = start("node", 2)
+    own = report(solo)
     two = [report(p) for p in first]  # both hold their pipelines until both have reported: a node's at once
+    leave([solo])
     more = start("node", 2)
     later = [report(p) for p in more]
     for p in first:  # measured again with four at once
@@ -260,7 +259,7 @@ def test_workers_of_a_node_hold_one_copy(tmp_path_factory, shm):
         p.stdin.flush()
     four = [report(p) for p in first] + later
     leave(first + more)
-    assert list(shm.iterdir()) == []
+    assert list(shm.iterdir()) == []  # the last to leave removed the copy
     assert own["host_copy"]["mode"] == "worker" and not own["host_copy"]["shared"]
     weights = two[0]["host_copy"]["shared_bytes"]
     assert 160 * MiB < weights < 170 * MiB  # the bfloat16 weights, once
