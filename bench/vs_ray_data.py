@@ -24,6 +24,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 WORKERS, BATCH, STEPS = 2, 4, 8
+# fleetgen's settings for both of its sides: the job's and the stage's
+OPTIONS = {
+    "steps": STEPS,
+    "guidance": 5.0,
+    "width": 64,
+    "height": 64,
+    "workers": WORKERS,
+    "max_batch": BATCH,
+    "device": "cpu",
+}
 
 
 class RayDataGenerator:
@@ -78,9 +88,15 @@ def ray_data_run(prompts: str, model: str, out: Path) -> dict:
         )
     )
     ids = [r["id"] for r in ds.iter_rows()]
+    return returned(started, ids)
+
+
+def returned(started: float, ids: list[str]) -> dict:
+    """A Ray Data side's result: its rows came back (none twice?)."""
+    seconds = time.time() - started
     return {
         "started": started,
-        "seconds": time.time() - started,
+        "seconds": seconds,
         "rows_returned": len(ids),
         "rows_returned_twice": len(ids) - len(set(ids)),
         "complete": True,
@@ -98,32 +114,13 @@ def stage_run(prompts: str, model: str, out: Path) -> dict:
     rows = pq.ParquetFile(prompts).metadata.num_rows
     started = time.time()
     ds = ray.data.read_parquet(prompts).repartition(-(-rows // (BATCH * 2)))
-    ds = fleetgen.ray_data.generate(
-        ds,
-        model,
-        steps=STEPS,
-        guidance=5.0,
-        width=64,
-        height=64,
-        workers=WORKERS,
-        max_batch=BATCH,
-        device="cpu",
-        batch_rows=BATCH * 2,
-        stats=str(out),
-        progress=io.StringIO(),
-    )
+    ds = fleetgen.ray_data.generate(ds, model, **OPTIONS, batch_rows=BATCH * 2, stats=str(out), progress=io.StringIO())
     (out / "images").mkdir(parents=True, exist_ok=True)
     ids = []
     for row in ds.iter_rows():
         (out / "images" / f"{row['id']}.png").write_bytes(row["image"])
         ids.append(row["id"])
-    return {
-        "started": started,
-        "seconds": time.time() - started,
-        "rows_returned": len(ids),
-        "rows_returned_twice": len(ids) - len(set(ids)),
-        "complete": True,
-    }
+    return returned(started, ids)
 
 
 def fleetgen_run(prompts: str, model: str, out: Path) -> dict:
@@ -137,14 +134,8 @@ def fleetgen_run(prompts: str, model: str, out: Path) -> dict:
                 input=prompts,
                 output=str(out),
                 model=model,
-                steps=STEPS,
-                guidance=5.0,
-                width=64,
-                height=64,
-                workers=WORKERS,
-                max_batch=BATCH,
+                **OPTIONS,
                 rows_per_shard=BATCH * 2,
-                device="cpu",
                 id_column="id",
                 max_restarts=3,
             )

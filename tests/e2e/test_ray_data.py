@@ -123,22 +123,25 @@ def test_an_unreadable_input_image_is_an_error_row(tiny_model, tmp_path, ray_clu
 
 
 def test_an_autoscaling_pool_scores_and_keeps_as_a_job_does(tiny_model, tiny_clip, ray_cluster):
-    """`concurrency=(1, 2)` on the local Ray, two rows a call: every row made once, whichever actors Ray
-    Data ran. `score` scores each picture in the pass; `keep` filters as a job's does: a row its rule
+    """`concurrency=(1, 2)` on the local Ray, two rows a call, two images a row: every image made once, a
+    row each (the input's columns repeated), whichever actors Ray Data ran. `score` scores each picture in the pass; `keep` filters as a job's does: a row its rule
     rejects is `filtered`, keeps its score, says which rule and carries no picture; a row it passes is made."""
-    table = pa.table({"id": list("abcdef"), "prompt": ["a red fox", "an owl", "a ship", "a cat", "rain", "a hat"]})
+    prompts = ["a red fox", "an owl", "a ship", "a cat", "rain", "a hat"]
+    table = pa.table({"id": list("abcdef"), "prompt": prompts, "label": list("ABCDEF")})
     stage = fleetgen.ray_data.generate(
         dataset(table),
         tiny_model,
         score=f"clip={tiny_clip}",
         keep="clip > 0",
+        images_per_prompt=2,
         concurrency=(1, 2),
         batch_rows=2,
         **OPTIONS,
     )
     rows = stage.take_all()
-    assert sorted(r["id"] for r in rows) == list("abcdef")
-    assert 1 <= len({r["worker"] for r in rows}) <= 2
+    assert sorted(r["id"] for r in rows) == [f"{i}-{k}" for i in "abcdef" for k in (0, 1)]  # a row per image
+    assert all(r["label"] == r["row_id"].upper() and r["id"] == f"{r['row_id']}-{r['image_index']}" for r in rows)
+    assert len({r["seed"] for r in rows}) == 12 and 1 <= len({r["worker"] for r in rows}) <= 2
     for row in rows:
         assert -1 <= row["score_clip"] <= 1
         if row["score_clip"] > 0:
