@@ -13,8 +13,9 @@ import sys
 
 import torch
 
-from fleetgen.workers.pipeline.host_copy import HostCopy, process_memory, segment_key
+from fleetgen.workers.pipeline.host_copy import HostCopy, process_memory
 from fleetgen.workers.pipeline.load import load_pipeline
+from fleetgen.workers.pipeline.segment import segment_key
 
 
 def main(model: str, mode: str, dtype: str) -> None:

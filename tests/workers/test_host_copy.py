@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fleetgen.workers.pipeline.host_copy import HostCopy, Segment, reclaim, segment_key
+from fleetgen.workers.pipeline.host_copy import HostCopy
 from fleetgen.workers.pipeline.load import load_pipeline
+from fleetgen.workers.pipeline.segment import Segment, reclaim, segment_key
 from tests.conftest import ROOT
 
 MiB = 2**20

@@ -24,7 +24,7 @@ from fleetgen.workers.pipeline.applied import Applied
 from fleetgen.workers.pipeline.caching import cache_refusal
 from fleetgen.workers.pipeline.calls import Calls, as_task, warm_up_input
 from fleetgen.workers.pipeline.compiling import is_compile_error
-from fleetgen.workers.pipeline.host_copy import HostCopy, segment_key
+from fleetgen.workers.pipeline.host_copy import HostCopy
 from fleetgen.workers.pipeline.load import (
     activate_adapters,
     load_adapters,
@@ -43,6 +43,7 @@ from fleetgen.workers.pipeline.plans import (
     plan_before_loading,
 )
 from fleetgen.workers.pipeline.probe import model_shapes, probe
+from fleetgen.workers.pipeline.segment import segment_key
 from fleetgen.workers.rows.batches import Adapter, Look, WorkItem
 from fleetgen.workers.spec import Fit, GenerationSettings, Source
 
