@@ -24,7 +24,7 @@ from fleetgen.jobs.models import MAX_ADAPTERS, describe, resolve_adapters, resol
 from fleetgen.jobs.sharding import InputFile, resolve_columns
 from fleetgen.settings import canonical, check_names, names
 from fleetgen.workers.families.model_dir import is_hub_id
-from fleetgen.workers.output.rows import ADDED, rows_schema
+from fleetgen.workers.output.rows import ADDED
 from fleetgen.workers.output.storage import resolve_url
 from fleetgen.workers.rows.shard import Columns
 from fleetgen.workers.spec import WorkerSpec
@@ -50,10 +50,6 @@ class Stage:
     media: str  # the column of what each row made: `image`, or `video` for a video task
     base: str  # what relative input-image paths are relative to (the caller's working directory)
     lines: tuple[str, ...]  # what the stage says of itself before it runs, as a job's driver does
-
-    def schema(self, given: pa.Schema) -> pa.Schema:
-        """The rows out, from the dataset's schema (workers/output/rows.py)."""
-        return rows_schema(pa.schema([given.field(n) for n in self.columns.carry]), self.media)
 
 
 def stage_settings() -> dict[str, str]:

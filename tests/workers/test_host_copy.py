@@ -217,48 +217,40 @@ def report(proc: subprocess.Popen) -> dict:
 
 @pytest.mark.slow
 def test_workers_of_a_node_hold_one_copy(tmp_path_factory, shm):
-    """Processes of one node loading the 85 M-parameter model as workers do, at bfloat16 from its float32
-    files (163 MiB of weights, converted: each one's own) and making an image: one with `--host-copy
-    worker` beside two at once with `--host-copy node`, then two more beside those (four at once, the
-    first two measured again). Each one's own memory (RssAnon) is at least 70 % of the weights below the first's,
-    with two and with four; each maps the one copy (RssShmem); the same pixels; nothing left in the shared
-    directory. (Loaded as stored, safetensors weights are pages of the file mapped from the page cache,
+    """Processes of one node (forked from one that imported torch and diffusers once) loading the 85
+    M-parameter model as workers do, at bfloat16 from its float32 files (163 MiB of weights, converted:
+    each one's own) and making an image: one with `--host-copy worker` beside two at once with
+    `--host-copy node`, then two more beside those (four at once, the first two measured again). Each one's
+    own memory (RssAnon) is at least 70 % of the weights below the first's, with two and with four; each
+    maps the one copy (RssShmem); the same pixels; nothing left in the shared directory. (Loaded as stored, safetensors weights are pages of the file mapped from the page cache,
     which the OS shares already on a CPU node; what multiplies per worker is a converted or a pinned copy.)"""
     from fleetgen.cli import main as cli
+    from tests.workers.host_copy_child import forked
 
     model = tmp_path_factory.mktemp("small") / "model"
     assert cli(["tiny-model", "--size", "small", str(model)]) == 0
 
-    def start(mode: str, n: int) -> list[subprocess.Popen]:
-        return [
-            subprocess.Popen(
-                [sys.executable, "-m", "tests.workers.host_copy_child", str(model), mode, "bfloat16"],
-                cwd=ROOT,
-                env={**os.environ, "OMP_NUM_THREADS": "1"},  # up to five processes on this machine's cores
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            for _ in range(n)
-        ]
+    def start(mode: str, n: int) -> list:
+        return [forked(str(model), mode, "bfloat16", str(shm)) for _ in range(n)]
 
-    def leave(procs: list[subprocess.Popen]) -> None:
-        for p in procs:
-            p.stdin.close()
-            assert p.wait(timeout=120) == 0
-            p.stdout.close()
+    def leave(procs: list) -> None:
+        for _, conn in procs:
+            conn.send(None)
+        for proc, conn in procs:
+            proc.join(timeout=120)
+            assert proc.exitcode == 0
+            conn.close()
 
     (solo,) = start("worker", 1)  # its own copy: nothing in the shared directory, beside the first two
     first = start("node", 2)
-    own = report(solo)
-    two = [report(p) for p in first]  # both hold their pipelines until both have reported: a node's at once
+    own = solo[1].recv()
+    two = [conn.recv() for _, conn in first]  # both hold their pipelines until both have reported: a node's at once
     leave([solo])
     more = start("node", 2)
-    later = [report(p) for p in more]
-    for p in first:  # measured again with four at once
-        p.stdin.write("\n")
-        p.stdin.flush()
-    four = [report(p) for p in first] + later
+    later = [conn.recv() for _, conn in more]
+    for _, conn in first:  # measured again with four at once
+        conn.send(True)
+    four = [conn.recv() for _, conn in first] + later
     leave(first + more)
     assert list(shm.iterdir()) == []  # the last to leave removed the copy
     assert own["host_copy"]["mode"] == "worker" and not own["host_copy"]["shared"]
