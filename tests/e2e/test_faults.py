@@ -208,10 +208,11 @@ def test_driver_stopped_then_killed_then_rerun_resumes(chaos_input, tiny_model, 
     # this pytest process only: an in-process worker of another test on the same model, never closed.
     from fleetgen.workers.pipeline.segment import reclaim
 
-    shm = Path(os.environ["FLEETGEN_SHM_DIR"])
+    base = Path(os.environ["FLEETGEN_SHM_DIR"])
+    shm = base / f"fleetgen-{os.geteuid()}"  # this user's directory of segments
     deadline = time.monotonic() + 30
     while (held := _held_by_others(shm)) and time.monotonic() < deadline:
-        reclaim(shm)
+        reclaim(base)
         time.sleep(0.5)
     assert not held, held
     assert check(out, clean) == {

@@ -5,6 +5,7 @@ falls back to a copy per worker with its line."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,15 +25,16 @@ MiB = 2**20
 
 @pytest.fixture
 def shm(tmp_path, monkeypatch):
-    """A shared directory of this test's own (in /dev/shm where there is one), empty at the end."""
+    """This user's directory of segments (workers/pipeline/segment.py: `UserDir`) in a shared directory of
+    this test's own (in /dev/shm where there is one); empty at the end."""
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
     where = base / f"fleetgen-host-copy-{os.getpid()}-{time.monotonic_ns()}"
     where.mkdir()
     monkeypatch.setenv("FLEETGEN_SHM_DIR", str(where))
-    yield where
-    for p in where.iterdir():
-        p.unlink()
-    where.rmdir()
+    mine = where / f"fleetgen-{os.geteuid()}"
+    mine.mkdir(mode=0o700)
+    yield mine
+    shutil.rmtree(where)
 
 
 def _load(model: str, mode: str = "node", tag: str = "w"):
@@ -133,11 +135,11 @@ def test_a_segment_whose_users_were_all_killed_is_reclaimed(tiny_model, shm):
     proc = _child_holding(tiny_model, "mapped")
     left = sorted(p.name for p in shm.iterdir())
     assert len(left) == 4
-    assert reclaim(shm) == []  # its user is alive
+    assert reclaim(shm.parent) == []  # its user is alive
     _kill(proc)
     assert sorted(p.name for p in shm.iterdir()) == left  # a SIGKILL runs no exit handler
 
-    other = Segment("another-model", shm)  # a dead job's segment of another model
+    other = Segment("another-model", shm.parent)  # a dead job's segment of another model
     with other.guard():
         other.join()
         other.write({"m": torch.nn.Linear(4, 4)})
@@ -202,7 +204,7 @@ def test_no_shared_memory_falls_back_to_a_copy_per_worker_with_its_line(tiny_mod
         assert "[fleetgen] w4: host copy per worker, not per node:" in line and "free and the weights take" in line
         assert "--shm-size" in line  # the fix named
         assert _image(pipe) == _image(own)
-        assert list(small.iterdir()) == []  # nothing half-written left
+        assert list((small / f"fleetgen-{os.geteuid()}").iterdir()) == []  # nothing half-written left
     finally:
         subprocess.run(["umount", str(small)], check=True)
 
@@ -231,7 +233,7 @@ def test_workers_of_a_node_hold_one_copy(tmp_path_factory, shm):
     assert cli(["tiny-model", "--size", "small", str(model)]) == 0
 
     def start(mode: str, n: int) -> list:
-        return [forked(str(model), mode, "bfloat16", str(shm)) for _ in range(n)]
+        return [forked(str(model), mode, "bfloat16", str(shm.parent)) for _ in range(n)]
 
     def leave(procs: list) -> None:
         for _, conn in procs:
@@ -272,7 +274,7 @@ def test_a_registered_mapping_copies_to_the_device_at_pinned_speed(shm):
     to the device within 10 % of a private pinned copy's rate; unregistered when its worker leaves."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    seg = Segment("gpu-rate", shm)
+    seg = Segment("gpu-rate", shm.parent)
     module = torch.nn.Linear(16384, 16384, bias=False).to(torch.bfloat16)
     with seg.guard():
         seg.join()

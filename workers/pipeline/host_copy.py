@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from fleetgen.workers.pipeline.segment import SHM_HINT, Segment, Unavailable, shareable, tensors
+from fleetgen.workers.pipeline.segment import PRIVATE_HINT, SHM_HINT, Segment, Unavailable, shareable, tensors
 
 
 # -- binding a pipeline's modules to the mapping ------------------------------------------------------
@@ -127,23 +127,26 @@ class HostCopy:
             f"[fleetgen] {self.tag}: waiting for another worker on this node to write the node's copy of the weights"
         )
         try:
-            with seg.guard():
+            with seg.guard() as guard:
                 whole = seg.join()
                 if not whole:
+                    Segment.say(guard, "loading the model to write the node's copy of the weights")
                     pipe = load(None)
                     modules = {n: m for n, m in _modules(pipe).items() if n not in skip and shareable(m)}
                     self.segment = seg
-                    seg.write(modules, written=lambda name: self._bind(name, modules[name]))
+                    Segment.say(guard, "writing the node's copy of the weights")
+                    try:
+                        seg.write(modules, written=lambda name: self._bind(name, modules[name]))
+                    except BaseException:
+                        self._own()  # what was bound to the half-written mapping: this worker's own again
+                        raise
                     _trim()
             seg.map()
         except Unavailable as why:
             self.shared, self.segment = {}, None
             seg.leave()
-            hint = (
-                SHM_HINT if "missing" not in str(why) else "set FLEETGEN_SHM_DIR to a tmpfs, or pass --host-copy worker"
-            )
-            self.note = f"each worker keeps its own copy: {why}; {hint}"
-            print(f"[fleetgen] {self.tag}: host copy per worker, not per node: {why} ({hint})", flush=True)
+            self.note = f"each worker keeps its own copy: {why}; {_hint(str(why))}"
+            print(f"[fleetgen] {self.tag}: host copy per worker, not per node: {why} ({_hint(str(why))})", flush=True)
             return pipe if pipe is not None else load(None)
         except BaseException:
             self.shared, self.segment = {}, None
@@ -170,6 +173,14 @@ class HostCopy:
         _trim()
         self.seconds = time.perf_counter() - started
         return pipe
+
+    def _own(self) -> None:
+        """Every component bound to the segment given private copies of its tensors (ties kept): the
+        worker goes on with its own copy where the node's could not be finished."""
+        for module in self.shared.values():
+            copies: dict[int, torch.Tensor] = {}
+            bind(module, {n: (p, copies.setdefault(id(t), t.detach().clone())) for n, p, t in tensors(module)})
+        self.shared = {}
 
     def rebind(self, pipe) -> None:
         """Every component the segment holds pointed at its views again (after a plan's removal brought
@@ -253,6 +264,17 @@ class HostCopy:
             self.shared = {}
             self.segment.leave()
             self.segment = None
+
+
+def _hint(why: str) -> str:
+    """The fix a fallback's line names: more room, a directory of one's own, or a shared directory at all."""
+    if "missing" in why:
+        return "set FLEETGEN_SHM_DIR to a tmpfs, or pass --host-copy worker"
+    if "belongs to uid" in why or "not a directory" in why or "has mode" in why or "cannot open" in why:
+        return PRIVATE_HINT
+    if "waited" in why:
+        return "raise FLEETGEN_HOST_COPY_WAIT, or pass --host-copy worker"
+    return SHM_HINT
 
 
 def _host_held(plan) -> list[str]:

@@ -1,30 +1,47 @@
 """A node's shared segment of weights (`--host-copy node`, workers/pipeline/host_copy.py uses it): its files,
-its layout, its membership — written once, mapped read-only, counted by its users, reclaimed when they are
-all gone. (Binding a pipeline's modules to it is host_copy.py's.)
+its layout, its membership — written once, sealed, mapped read-only, counted by its users, reclaimed when
+they are all gone. (Binding a pipeline's modules to it is host_copy.py's.)
 
-The files of the segment with key K in the directory D:
+Shared memory is shared with every user of the node, so nothing found there is trusted until checked:
+- The segments of a user live in that user's own directory, B/fleetgen-UID (B: /dev/shm or
+  FLEETGEN_SHM_DIR), created mode 0700 and opened once without following links; it is used only when
+  `fstat` says it is a directory of this user's with mode 0700, and every file in it is opened relative to
+  that open directory, `O_NOFOLLOW`, and used only when it is a regular file of this user's. Another user
+  can neither read nor replace what is in it; a directory this user cannot own (another user made it first,
+  a link) falls back to a copy per worker with one line naming why and the fix.
+- The data file is created exclusively and its whole size reserved (`posix_fallocate`) before a byte is
+  written: a directory without room refuses at once (ENOSPC), never with a SIGBUS later.
+- The manifest is the seal: renamed into place after every byte is written, and a worker maps a segment
+  only when the manifest is its user's, sealed, and of the key the worker computed for itself.
+- A mapping is never unmapped under live views: the tensors built on it hold the mapping, which goes when
+  the last of them does (a worker leaving drops its lock and its files, not the memory its modules use).
+- Waits on another process (the writer holding the guard) end after FLEETGEN_HOST_COPY_WAIT seconds
+  (default 900), saying whom they waited for; the worker then keeps its own copy.
+
+The files of the segment with key K in this user's directory D:
 - D/fleetgen-K.lock: the guard. Creating, joining, leaving and reclaiming all happen while a worker
-  holds it exclusively, and each of these is short, except the writer's one write.
+  holds it exclusively, and each of these is short, except the writer's one write. Its holder writes
+  what it does into it, which a waiting worker prints.
 - D/fleetgen-K.users: each user holds a shared `flock` on it while it maps the segment. The kernel drops
   the lock when its holder exits, even under SIGKILL, so "no users" means that no live process holds it.
 - D/fleetgen-K.data: the tensors' bytes.
-- D/fleetgen-K.json: the manifest. It is renamed into place only after the data is whole, so a segment
-  without one (its writer died) is never mapped.
+- D/fleetgen-K.json: the manifest, the seal.
 
 A worker that joins a segment with no live users removes whatever that segment left. It also removes any
-other segment in D that has no live users (SIGKILLed workers, a lost job). The last worker to leave
-removes the files. Where D is missing or too small (a container's /dev/shm defaults to 64 MB), each
+other segment in D that has no live users (SIGKILLed workers, a lost job); a job's driver at its end and a
+Ray Data stage at its end do the same on every node that ran their workers (`reclaim`). The last worker to
+leave removes the files. Where D is missing or too small (a container's /dev/shm defaults to 64 MB), each
 worker keeps its own copy and says so in one line that names the fix.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import mmap
 import os
+import stat
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -45,8 +62,22 @@ SHM_HINT = (
 )
 
 
+PRIVATE_HINT = "set FLEETGEN_SHM_DIR to a directory only you can write, or pass --host-copy worker"
+WAIT = 900.0  # seconds a worker waits for another holding a segment's guard (a writer loading, downloading)
+SAY_EVERY = 60.0  # seconds between a waiting worker's lines
+OPEN = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
 def shm_dir() -> Path:
+    """The node-shared directory that holds each user's directory of segments."""
     return Path(os.environ.get("FLEETGEN_SHM_DIR", "/dev/shm"))
+
+
+def wait_limit() -> float:
+    try:
+        return float(os.environ.get("FLEETGEN_HOST_COPY_WAIT", WAIT))
+    except ValueError:
+        return WAIT
 
 
 def segment_key(parts: dict) -> str:
@@ -165,14 +196,87 @@ class Unavailable(Exception):
     """The node cannot hold a shared copy here (the reason is the message); the worker keeps its own."""
 
 
+class UserDir:
+    """This user's directory of segments in `base`, opened once (not following a link) and checked
+    (`fstat`: a directory of this user's, mode 0700); its files are opened relative to it, never by a
+    path another user could redirect. Unavailable, naming why, where it cannot be trusted."""
+
+    def __init__(self, base: Path | None = None):
+        base = base or shm_dir()
+        self.path = base / f"{PREFIX}{os.geteuid()}"
+        if not base.is_dir():
+            raise Unavailable(f"{base} is missing or not writable")
+        try:
+            os.mkdir(self.path, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as err:
+            raise Unavailable(f"{base} is missing or not writable ({err.strerror})") from None
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | OPEN)
+        except OSError as err:  # ELOOP: a link in its place; ENOTDIR: a file
+            raise Unavailable(f"{self.path} is not a directory of this user's ({err.strerror})") from None
+        why = _not_mine(os.fstat(self.fd), 0o700, "directory")
+        if why:
+            os.close(self.fd)
+            raise Unavailable(f"{self.path} {why}")
+
+    def open(self, name: str, flags: int, what: str = "file") -> int:
+        """A file of this directory, not following a link; Unavailable where it is not this user's own."""
+        try:
+            fd = os.open(name, flags | OPEN, 0o600, dir_fd=self.fd)
+        except OSError as err:
+            raise Unavailable(f"cannot open {self.path / name}: {err.strerror}") from None
+        why = _not_mine(os.fstat(fd), None, what)
+        if why:
+            os.close(fd)
+            raise Unavailable(f"{self.path / name} {why}")
+        return fd
+
+    def remove(self, *names: str) -> None:
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=self.fd)
+
+    def names(self) -> list[str]:
+        return os.listdir(self.fd)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _not_mine(st: os.stat_result, mode: int | None, what: str) -> str | None:
+    """Why a file or directory is not this user's own (None: it is)."""
+    kind = stat.S_ISDIR if what == "directory" else stat.S_ISREG
+    if not kind(st.st_mode):
+        return f"is not a {'directory' if what == 'directory' else 'regular file'}"
+    if st.st_uid != os.geteuid():
+        return f"belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})"
+    if mode is not None and stat.S_IMODE(st.st_mode) != mode:
+        return f"has mode {stat.S_IMODE(st.st_mode):04o}, not {mode:04o}"
+    if mode is None and stat.S_IMODE(st.st_mode) & 0o077:
+        return f"has mode {stat.S_IMODE(st.st_mode):04o}: others may read or write it"
+    return None
+
+
+def _read(fd: int) -> bytes:
+    chunks, offset = [], 0
+    while chunk := os.pread(fd, 1 << 20, offset):
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
+
+
 class Segment:
     """One worker's membership of a node's segment: joined (`join`), written by the first (`write`),
     mapped read-only (`views`), left once (`leave`)."""
 
-    def __init__(self, key: str, where: Path | None = None):
-        self.key, self.dir = key, where or shm_dir()
-        base = self.dir / f"{PREFIX}{key}"
-        self.paths = {k: Path(f"{base}.{k}") for k in ("lock", "users", "data", "json")}
+    def __init__(self, key: str, base: Path | None = None):
+        self.key, self.base = key, base
+        self.names = {k: f"{PREFIX}{key}.{k}" for k in ("lock", "users", "data", "json")}
+        self.home: UserDir | None = None
         self.users_fd: int | None = None
         self.manifest: dict | None = None
         self.role = "mapped"
@@ -182,69 +286,118 @@ class Segment:
         self.register_note: str | None = None
         self.waiting: str | None = None  # said when another worker holds the guard (writing the copy)
 
+    @property
+    def paths(self) -> dict[str, Path]:
+        where = self.home.path if self.home else (self.base or shm_dir()) / f"{PREFIX}{os.geteuid()}"
+        return {k: where / name for k, name in self.names.items()}
+
     # -- membership -------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def guard(self):
-        """The segment's guard, held exclusively; reopened where the file it locked was removed meanwhile."""
-        try:
-            import fcntl
-        except ImportError:
-            raise Unavailable("this platform has no flock") from None
-        if not self.dir.is_dir() or not os.access(self.dir, os.W_OK):
-            raise Unavailable(f"{self.dir} is missing or not writable")
+    def guard(self, doing: str = "joining"):
+        """The segment's guard, held exclusively (reopened where the file it locked was removed meanwhile),
+        waiting at most `wait_limit()` seconds for another holder; its holder's `doing` written in it."""
+        import importlib.util
+
+        if importlib.util.find_spec("fcntl") is None:
+            raise Unavailable("this platform has no flock")
+        if self.home is None:
+            self.home = UserDir(self.base)
         while True:
-            fd = os.open(self.paths["lock"], os.O_RDWR | os.O_CREAT, 0o600)
+            fd = self.home.open(self.names["lock"], os.O_RDWR | os.O_CREAT)
+            if not self._lock(fd):
+                holder = _read(fd).decode(errors="replace").strip() or "another worker"
+                os.close(fd)
+                raise Unavailable(f"waited {wait_limit():g} s for {holder} (FLEETGEN_HOST_COPY_WAIT)")
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                if self.waiting:
-                    print(self.waiting, flush=True)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            try:
-                same = os.fstat(fd).st_ino == os.stat(self.paths["lock"]).st_ino
+                same = os.fstat(fd).st_ino == os.stat(self.names["lock"], dir_fd=self.home.fd).st_ino
             except FileNotFoundError:
                 same = False
             if same:
                 break
             os.close(fd)
         try:
-            yield
+            self.say(fd, doing)
+            yield fd
         finally:
             os.close(fd)  # closing drops the lock
 
-    def join(self) -> bool:
-        """Become a user; under the guard (the caller holds it). True when the segment is whole (map it),
-        False when this worker is to write it (whatever an earlier, dead writer left is removed)."""
+    def _lock(self, fd: int) -> bool:
+        """The guard's exclusive lock, within the wait limit; a waiting worker says whom it waits for."""
         import fcntl
 
-        reclaim(self.dir, skip=self.key)
-        fd = os.open(self.paths["users"], os.O_RDWR | os.O_CREAT, 0o600)
+        started = said = time.monotonic()
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                pass
+            now = time.monotonic()
+            if now - started >= wait_limit():
+                return False
+            if self.waiting and (now == started or now - said >= SAY_EVERY):
+                holder = _read(fd).decode(errors="replace").strip() or "another worker"
+                print(f"{self.waiting} ({holder}; {now - started:.0f} s so far)", flush=True)
+                said = now
+            time.sleep(0.05 if now - started < 1 else 0.5)
+
+    @staticmethod
+    def say(fd: int, doing: str) -> None:
+        """What the guard's holder does, for the workers that wait on it."""
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} {doing}".encode(), 0)
+
+    def join(self) -> bool:
+        """Become a user; under the guard (the caller holds it). True when the segment is whole and sealed
+        (map it), False when this worker is to write it (whatever an earlier writer left is removed)."""
+        import fcntl
+
+        reclaim(self.home, skip=self.key)
+        fd = self.home.open(self.names["users"], os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             alone = True
         except BlockingIOError:
             alone = False
         if alone:  # no live user: what is there is a dead writer's or a finished job's
-            for k in ("json", "data"):
-                self.paths[k].unlink(missing_ok=True)
+            self.home.remove(self.names["json"], self.names["data"])
         fcntl.flock(fd, fcntl.LOCK_SH)
         self.users_fd = fd
-        if self.paths["json"].exists():
-            self.manifest = json.loads(self.paths["json"].read_text())
+        self.manifest = self._sealed()
+        if self.manifest is not None:
             return True
+        self.home.remove(self.names["json"], self.names["data"])  # unsealed or not its key: never mapped
         self.role = "wrote"
         return False
+
+    def _sealed(self) -> dict | None:
+        """The manifest where it is this user's, sealed and of this worker's key; else None."""
+        try:
+            fd = self.home.open(self.names["json"], os.O_RDONLY)
+        except Unavailable:
+            return None
+        try:
+            manifest = json.loads(_read(fd))
+        except ValueError:
+            return None
+        finally:
+            os.close(fd)
+        ok = isinstance(manifest, dict) and manifest.get("sealed") is True and manifest.get("key") == self.key
+        return manifest if ok and isinstance(manifest.get("total"), int) else None
 
     def write(self, modules: dict[str, torch.nn.Module], written=None) -> None:
         """Write `modules`' tensors, component by component, and then the manifest (under the guard);
         `written(name)` after each component (the writer binds it to the mapping at once, so that its
-        own copy goes while the next is written: it never holds much more than one copy). Unavailable
-        where the directory has too little room; nothing half-written is left behind."""
+        own copy goes while the next is written: it never holds much more than one copy). The whole size
+        is reserved first. Unavailable where the directory has too little room or a write fails (whatever
+        `written` bound is then the caller's to take back); nothing half-written is left behind."""
         plan, sources = layout(modules)
-        st = os.statvfs(self.dir)
+        st = os.fstatvfs(self.home.fd)
         free = st.f_bavail * st.f_frsize
         if plan.total > free:
-            raise Unavailable(f"{self.dir} has {format_size(free)} free and the weights take {format_size(plan.total)}")
+            raise Unavailable(
+                f"{self.home.path} has {format_size(free)} free and the weights take {format_size(plan.total)}"
+            )
         # written a component at a time, each freed from this worker's own copy once written: beside what is
         # loaded, the largest component at once
         largest = max((c["range"][1] - c["range"][0] for c in plan.components.values()), default=0)
@@ -259,49 +412,61 @@ class Segment:
             )
         started = time.perf_counter()
         self.manifest = {"key": self.key, "total": plan.total, "components": plan.components, "writer": os.getpid()}
+        fd = self.home.open(self.names["data"], os.O_RDWR | os.O_CREAT | os.O_EXCL)
         try:
-            fd = os.open(self.paths["data"], os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
-                os.ftruncate(fd, plan.total)
-                self.map()
-                for name, comp in plan.components.items():
-                    for i, e in enumerate(comp["entries"]):
-                        raw = sources[comp["first"] + i].detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-                        view, offset = memoryview(raw), e["offset"]
-                        while view:  # pwrite may write less than asked
-                            n = os.pwrite(fd, view, offset)
-                            view, offset = view[n:], offset + n
-                    if written is not None:
-                        written(name)
-            finally:
-                os.close(fd)
+                if plan.total:
+                    os.posix_fallocate(fd, 0, plan.total)  # every page now, or ENOSPC now (never SIGBUS later)
+            except OSError as err:
+                raise Unavailable(
+                    f"{self.home.path} could not reserve {format_size(plan.total)} ({err.strerror})"
+                ) from None
+            self.map()
+            for name, comp in plan.components.items():
+                for i, e in enumerate(comp["entries"]):
+                    raw = sources[comp["first"] + i].detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+                    view, offset = memoryview(raw), e["offset"]
+                    while view:  # pwrite may write less than asked
+                        n = os.pwrite(fd, view, offset)
+                        view, offset = view[n:], offset + n
+                if written is not None:
+                    written(name)
         except OSError as err:
-            self.paths["data"].unlink(missing_ok=True)
-            if err.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-                raise Unavailable(f"{self.dir} ran out of room writing {format_size(plan.total)}") from None
+            self.home.remove(self.names["data"])
+            raise Unavailable(f"writing {self.home.path / self.names['data']} failed ({err.strerror})") from None
+        except BaseException:
+            self.home.remove(self.names["data"])
             raise
+        finally:
+            os.close(fd)
         self.manifest["write_seconds"] = round(time.perf_counter() - started, 3)
-        tmp = self.paths["json"].with_suffix(f".json.{os.getpid()}")
-        tmp.write_text(json.dumps(self.manifest))
-        os.replace(tmp, self.paths["json"])
+        self.manifest["sealed"] = True  # written last, after every byte: what a follower maps
+        tmp = f"{self.names['json']}.tmp-{os.getpid()}"
+        self.home.remove(tmp)
+        out = self.home.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            os.write(out, json.dumps(self.manifest).encode())
+        finally:
+            os.close(out)
+        os.replace(tmp, self.names["json"], src_dir_fd=self.home.fd, dst_dir_fd=self.home.fd)
 
     def map(self) -> None:
         """Map the data read-only (a worker that writes to its weights faults instead of changing the others')."""
         if self._mm is not None:
             return
-        fd = os.open(self.paths["data"], os.O_RDONLY)
+        fd = self.home.open(self.names["data"], os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
             if size != self.manifest["total"]:
                 raise Unavailable(
                     f"{self.paths['data']} holds {size} bytes, its manifest says {self.manifest['total']}"
                 )
-            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ) if size else None
         finally:
             os.close(fd)
         with warnings.catch_warnings():  # "the given buffer is not writable": it is meant not to be
             warnings.simplefilter("ignore", UserWarning)
-            self._base = torch.frombuffer(self._mm, dtype=torch.uint8)
+            self._base = torch.frombuffer(self._mm, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
 
     def views(self, component: str) -> dict[str, tuple[bool, torch.Tensor]]:
         """{qualified name: (is a parameter, its view into the mapping)}; tied names share one view."""
@@ -347,65 +512,78 @@ class Segment:
             self.registered = []
 
     def leave(self) -> None:
-        """Stop being a user: unregister, unmap where nothing holds a view any more, drop the users' lock,
-        and, the last to go, remove the files."""
+        """Stop being a user: unregister, drop this worker's hold on the mapping (the mapping itself lasts as
+        long as a tensor built on it: never unmapped under a module still bound to it), drop the users'
+        lock and, the last to go, remove the files."""
         import fcntl
 
         if self.users_fd is None:
+            if self.home is not None:
+                self.home.close()
             return
         self.unregister()
-        self._base = None
-        if self._mm is not None:
-            with contextlib.suppress(BufferError):  # views still held: the mapping goes with the process
-                self._mm.close()
-            self._mm = None
-        with self.guard():
-            fd, self.users_fd = self.users_fd, None
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                last = True
-            except BlockingIOError:
-                last = False
-            if last:
-                for k in ("json", "data", "users", "lock"):
-                    self.paths[k].unlink(missing_ok=True)
-            os.close(fd)
-
-
-def reclaim(where: Path, skip: str | None = None) -> list[str]:
-    """Remove every segment in `where` that no live process uses (its users all died, or a job was
-    killed); those another worker is busy with are left alone. The keys removed."""
-    import fcntl
-
-    removed = []
-    for users in where.glob(f"{PREFIX}*.users"):
-        key = users.name[len(PREFIX) : -len(".users")]
-        if key == skip:
-            continue
-        seg = Segment(key, where)
+        self._base = self._mm = None  # not closed: the views hold the mapping, which goes with the last of them
+        fd, self.users_fd = self.users_fd, None
         try:
-            lock = os.open(seg.paths["lock"], os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(lock)
-            continue  # being written, joined or left right now: live
-        try:
-            fd = os.open(users, os.O_RDWR)
-        except FileNotFoundError:
-            os.close(lock)
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            for k in ("json", "data", "users", "lock"):
-                seg.paths[k].unlink(missing_ok=True)
-            removed.append(key)
-        except BlockingIOError:
+            with self.guard("leaving"):
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    last = True
+                except BlockingIOError:
+                    last = False
+                if last:
+                    self.home.remove(*(self.names[k] for k in ("json", "data", "users", "lock")))
+        except Unavailable:  # the guard not had in time: the files stay for the next worker's or a driver's reclaim
             pass
         finally:
             os.close(fd)
-            os.close(lock)
+            self.home.close()
+
+
+def reclaim(home: UserDir | Path | None = None, skip: str | None = None) -> list[str]:
+    """Remove every segment of this user's directory (`home`, or the one in the node-shared directory `home`
+    names, by default FLEETGEN_SHM_DIR's or /dev/shm's) that no live process uses (its users all died, or a
+    job was killed); those another worker is busy with are left alone. The keys removed; none where this
+    user has no directory it can trust."""
+    import fcntl
+
+    own = not isinstance(home, UserDir)
+    if own:
+        try:
+            home = UserDir(home)
+        except Unavailable:
+            return []
+    removed = []
+    try:
+        for name in home.names():
+            if not (name.startswith(PREFIX) and name.endswith(".users")):
+                continue
+            key = name[len(PREFIX) : -len(".users")]
+            if key == skip:
+                continue
+            seg = Segment(key)
+            try:
+                lock = home.open(seg.names["lock"], os.O_RDWR | os.O_CREAT)
+            except Unavailable:
+                continue
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fd = home.open(name, os.O_RDWR)
+            except (BlockingIOError, Unavailable):
+                os.close(lock)
+                continue  # being written, joined or left right now: live (or gone meanwhile)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                stale = [n for n in home.names() if n.startswith(f"{seg.names['json']}.tmp-")]
+                home.remove(*(seg.names[k] for k in ("json", "data", "users", "lock")), *stale)
+                removed.append(key)
+            except BlockingIOError:
+                pass
+            finally:
+                os.close(fd)
+                os.close(lock)
+    finally:
+        if own:
+            home.close()
     return removed
