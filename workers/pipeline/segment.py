@@ -307,7 +307,7 @@ class Segment:
             if not self._lock(fd):
                 holder = _read(fd).decode(errors="replace").strip() or "another worker"
                 os.close(fd)
-                raise Unavailable(f"waited {wait_limit():g} s for {holder} (FLEETGEN_HOST_COPY_WAIT)")
+                raise Unavailable(f"waited {wait_limit():g} s for {holder}")
             try:
                 same = os.fstat(fd).st_ino == os.stat(self.names["lock"], dir_fd=self.home.fd).st_ino
             except FileNotFoundError:
@@ -325,7 +325,7 @@ class Segment:
         """The guard's exclusive lock, within the wait limit; a waiting worker says whom it waits for."""
         import fcntl
 
-        started = said = time.monotonic()
+        started, said = time.monotonic(), None
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -335,7 +335,7 @@ class Segment:
             now = time.monotonic()
             if now - started >= wait_limit():
                 return False
-            if self.waiting and (now == started or now - said >= SAY_EVERY):
+            if self.waiting and (said is None or now - said >= SAY_EVERY):
                 holder = _read(fd).decode(errors="replace").strip() or "another worker"
                 print(f"{self.waiting} ({holder}; {now - started:.0f} s so far)", flush=True)
                 said = now
