@@ -16,6 +16,7 @@ from fleetgen.cluster.events import (
     WorkerUnreachable,
 )
 from fleetgen.cluster.pool import WorkerPool
+from fleetgen.cluster.reclaim import reclaim_at_exit, reclaim_nodes
 from fleetgen.cluster.sizing import Sizing, size_fleet
 
 __all__ = [
@@ -35,5 +36,7 @@ __all__ = [
     "WorkerUnreachable",
     "connect",
     "disconnect",
+    "reclaim_at_exit",
+    "reclaim_nodes",
     "size_fleet",
 ]

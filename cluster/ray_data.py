@@ -9,9 +9,10 @@ Progress is Ray Data's own."""
 
 from __future__ import annotations
 
+import atexit
 import itertools
+import json
 import os
-import time
 from dataclasses import replace
 
 import pyarrow as pa
@@ -23,7 +24,6 @@ from fleetgen.cluster.sizing import size_fleet
 from fleetgen.workers.spec import WorkerSpec
 
 BATCH_ROWS = 16  # rows a stage call makes by default: a few of the worker's batches, one block's worth
-STATS_EVERY = 30.0  # seconds between an actor's records at `stats` (its first call and its end write too)
 NO_SHARDS = 1 << 30  # sizing a pool that pulls blocks, not shards: no cap from the work's count
 
 
@@ -49,7 +49,11 @@ def pool_of(concurrency):
 
 
 class StageWorker:
-    """One Ray Data actor: a fleetgen worker, started once, called per block (`pyarrow.Table` in and out)."""
+    """One Ray Data actor: a fleetgen worker, started once, called per block (`pyarrow.Table` in and out).
+    Its record (at `stats`) is written after every block, so the last one holds its counts whatever way
+    the actor ends; a restarted actor (the same name) goes on from the counts its record holds. It leaves
+    the node's copy when Ray Data lets it go (`__del__`) or its process exits (`atexit`); what an actor
+    ended without either leaves, its driver reclaims (cluster/reclaim.py)."""
 
     def __init__(self, spec: WorkerSpec, resources: dict, base: str):
         actor_id = ray.get_runtime_context().get_actor_id() or f"{os.getpid()}"
@@ -57,23 +61,44 @@ class StageWorker:
         self.base, self.calls = base, itertools.count()
         self.actor = FleetWorker(replace(spec, name=self.name), resources)
         self.actor.start()  # loads, fits its device, shares the node's weights; `stats` gets its record
-        self.written = time.monotonic()
+        worker = self.actor.worker
+        earlier = _earlier_record(worker)
+        if earlier:  # this actor restarted: its counts go on
+            for k in ("images", "errors"):
+                worker.stats[k] += int(earlier.get("stats", {}).get(k) or 0)
+            worker.info["restarts"] = int(earlier.get("restarts") or 0) + 1
+            worker.write_info()
+        atexit.register(self.close)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         worker = self.actor.worker
         rows = worker.make_rows(batch, self.base, f"{self.name} call {next(self.calls)}")
-        if time.monotonic() - self.written > STATS_EVERY:
-            worker.write_info()
-            self.written = time.monotonic()
+        worker.write_info()
         return rows
 
-    def __del__(self):
+    def close(self) -> None:
         try:
-            if self.actor.worker is not None:
-                self.actor.worker.write_info()
             self.actor.close()
         except Exception:  # noqa: BLE001, S110 - an actor going away; nothing to report to
             pass
+
+    def __del__(self):
+        self.close()
+
+
+def _earlier_record(worker) -> dict | None:
+    """The record an earlier life of this actor left at `stats` (None: its first life, or no `stats`)."""
+    if worker.output is None:
+        return None
+    from fleetgen.workers.output.layout import worker_key
+
+    try:
+        return json.loads(worker.output.get(worker_key(worker.spec.name), attempts=1))
+    except Exception:  # noqa: BLE001 - none there (its first life), or unreadable: counted from zero
+        return None
+
+
+RESTARTS = 3  # a stage actor's restarts, and a batch's retries, by default (Ray Data's own: without end)
 
 
 def apply(
@@ -86,12 +111,15 @@ def apply(
     cpu_threads: int = 1,
     concurrency=None,
     batch_rows: int | None = None,
+    say=print,
     **ray_remote_args,
 ):
     """`ds` with the stage mapped over it: actors asking what a job's workers ask (`gpus_per_worker`, or
     `cpu_threads` CPUs on CPU); `concurrency` Ray Data's (an int, or `(min, max)` for an autoscaling pool),
     else `workers` of them, else an autoscaling pool up to one worker per GPU (on CPU: per `cpu_threads`
-    CPUs, one CPU left for Ray Data's reads)."""
+    CPUs, one CPU left for Ray Data's reads). A pool that would leave Ray Data's reads no CPU is refused
+    (or, autoscaling, capped with a line); an actor restarts, and a batch is retried, at most `RESTARTS`
+    times unless `ray_remote_args` say otherwise. `say`: where the stage's lines go."""
     from fleetgen.errors import ConfigError
 
     if batch_rows is not None and batch_rows < 1:
@@ -107,16 +135,39 @@ def apply(
         host_memory=spec.fit.host_memory,
         shards=NO_SHARDS,
     )
-    if concurrency is None and workers:
-        concurrency = workers
-    elif concurrency is None:
-        room = sizing.max_workers if sizing.gpu else max(1, (shape.cpus - 1) // cpu_threads)
-        concurrency = (1, room)
-    pool = pool_of(concurrency)
     resources = dict(sizing.options)
     asks = {"num_gpus": resources.get("num_gpus"), "num_cpus": resources.get("num_cpus")}
     if resources.get("memory"):
         asks["memory"] = resources["memory"]
+    each = ray_remote_args.get("num_cpus", asks["num_cpus"]) or 0
+    room = (shape.cpus - 1) // each if each else None  # actors that leave Ray Data's reads a CPU
+    given = "concurrency" if concurrency is not None else "workers"
+    if concurrency is None and workers:
+        concurrency = workers
+    elif concurrency is None:
+        most = sizing.max_workers if sizing.gpu else max(1, (shape.cpus - 1) // cpu_threads)
+        concurrency = (1, most)
+    pool_of(concurrency)  # its shape checked before its size
+    low, high = (concurrency, concurrency) if isinstance(concurrency, int) else concurrency
+    if room is not None and high > room:
+        numbers = (
+            f"{high} actor(s) of {each:g} CPU(s) each take {high * each:g} of the Ray cluster's {shape.cpus} CPUs, "
+            "and Ray Data's read tasks need one of their own"
+        )
+        if shape.on_cluster:  # nodes may join (an autoscaler): said, not refused
+            say(f"{numbers} now: the stage waits for the cluster to grow")
+        elif low > room or isinstance(concurrency, int) or room < 1:
+            raise ConfigError(
+                f"`{given}={concurrency!r}`: {numbers}, so the stage would wait forever. Pass "
+                f"`{given}={max(room, 1)}` or fewer{', or fewer `cpu_threads`' if each > 1 else ''}, "
+                "or give Ray more CPUs."
+            )
+        else:
+            say(f"{numbers}: the pool grows to {room} actor(s), not {high}")
+            concurrency = (low, room)
+    pool = pool_of(concurrency)
+    ray_remote_args.setdefault("max_restarts", RESTARTS)
+    ray_remote_args.setdefault("max_task_retries", RESTARTS)
     return ds.map_batches(
         StageWorker,
         fn_constructor_kwargs={"spec": replace(spec, threads=sizing.threads), "resources": resources, "base": base},
@@ -124,6 +175,6 @@ def apply(
         batch_format="pyarrow",
         zero_copy_batch=True,
         compute=pool,
-        **{k: v for k, v in asks.items() if v is not None},
+        **{k: v for k, v in asks.items() if v is not None and k not in ray_remote_args},
         **ray_remote_args,
     )

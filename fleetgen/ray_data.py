@@ -50,7 +50,11 @@ def generate(
     (default 16). `stats`: a location (any fsspec URL) where each actor keeps its record as a job's workers
     do (`workers/<name>.json`: plan, offload statistics, host copy), and `fleet(stats)` reads them.
     `progress`: where the stage's lines go (default standard error). `ray_remote_args`: passed to the
-    actors (e.g. `{"max_restarts": 2}`). Raises `ConfigError` / `InputError` before anything runs."""
+    actors (default `{"max_restarts": 3, "max_task_retries": 3}`: a batch that keeps killing its actor fails
+    the stage instead of reloading the model for good). A pool that would leave Ray Data's reads no CPU is
+    refused (an autoscaling one capped, with a line). Raises `ConfigError` / `InputError` before anything
+    runs. The node's copies of the weights the actors leave are reclaimed on every node when this process
+    exits (cluster/reclaim.py)."""
     from fleetgen.cluster.ray_data import apply
     from fleetgen.jobs.stage import DatasetFacts, resolve_stage
     from fleetgen.workers.output.storage import Output, resolve_url
@@ -66,7 +70,7 @@ def generate(
         where.check()  # a store that cannot be written: one line, before anything runs
         spec = dataclasses.replace(spec, output=where.url)
     c = stage.config
-    return apply(
+    out = apply(
         ds,
         spec,
         stage.base,
@@ -75,8 +79,14 @@ def generate(
         cpu_threads=c.cpu_threads,
         concurrency=concurrency,
         batch_rows=batch_rows,
+        say=lambda line: print(f"[fleetgen] {line}", file=say, flush=True),
         **(ray_remote_args or {}),
     )
+    if c.fit.host_copy == "node":  # what actors ended without their exit handlers left, reclaimed at the end
+        from fleetgen.cluster import reclaim_at_exit
+
+        reclaim_at_exit()
+    return out
 
 
 def fleet(stats: str) -> str:

@@ -35,7 +35,10 @@ GROUPS = {
 }
 
 # Why a Ray Data stage has no retry setting of a job: Ray Data retries its own tasks and actors.
-STAGE_RETRIES = "Ray Data retries its tasks and restarts its actors (`max_restarts` of `ray_remote_args`)"
+STAGE_RETRIES = (
+    "a stage's actors restart, and its batches are retried, 3 times at most: `ray_remote_args` "
+    "(`max_restarts`, `max_task_retries`) change that"
+)
 
 
 def _column_rows() -> list[Row]:

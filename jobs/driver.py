@@ -234,7 +234,7 @@ def _with_errors(output: Output, committed: list[Shard], listing: dict[str, str]
 def _dispatch(job: Job, run: Run, fleet: FleetRecord) -> None:
     """Run `run.todo` on a pool of actors that follows the cluster; the run records its failures,
     commits and per-worker table."""
-    from fleetgen.cluster import WorkerPool, connect, disconnect, size_fleet
+    from fleetgen.cluster import WorkerPool, connect, disconnect, reclaim_nodes, size_fleet
 
     config, columns = job.config, job.columns
     todo, progress, stop = run.todo, run.progress, run.stop
@@ -283,5 +283,7 @@ def _dispatch(job: Job, run: Run, fleet: FleetRecord) -> None:
             # Under `ray job stop` the driver has seconds before SIGKILL: close briefly, then kill.
             pool.close(timeout=STOPPING_CLOSE if stop.is_set() else CLOSE_TIMEOUT)
             fleet.close_all("stopped" if stop.is_set() else "the job ended")
+            if not stop.is_set():  # the node copies its killed workers left (a stopping driver has no time)
+                reclaim_nodes()
         run.workers = fleet.table()
         disconnect()

@@ -20,6 +20,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -93,7 +94,25 @@ def _quiet_adlfs(spec) -> None:
     spec._create_aio_blob_service_client_from_connection_string = from_connection_string
 
 
-_QUIET = {"gcsfs.core": _quiet_gcsfs, "adlfs.spec": _quiet_adlfs}
+def _dies_on_a_prompt(module) -> None:
+    """A Ray Data stage's actor whose block holds the prompt FLEETGEN_TESTS_DIE_ON dies as a host OOM
+    kills a process (SIGKILL), after a line in FLEETGEN_TESTS_DIE_LOG (tests/e2e/test_ray_data.py)."""
+    prompt = os.environ.get("FLEETGEN_TESTS_DIE_ON")
+    if not prompt:
+        return
+    make_rows = module.Worker.make_rows
+
+    def dying(self, table, base, name):
+        if prompt in table.column("prompt").to_pylist():
+            with open(os.environ["FLEETGEN_TESTS_DIE_LOG"], "a") as log:
+                log.write(f"{os.getpid()}\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return make_rows(self, table, base, name)
+
+    module.Worker.make_rows = dying
+
+
+_QUIET = {"gcsfs.core": _quiet_gcsfs, "adlfs.spec": _quiet_adlfs, "fleetgen.workers.worker": _dies_on_a_prompt}
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

@@ -10,7 +10,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pyarrow as pa
 import torch
@@ -41,9 +41,9 @@ from fleetgen.workers.pipeline.calls import prompt_note
 from fleetgen.workers.pipeline.fitted import FittedPipeline
 from fleetgen.workers.pipeline.scoring import Scoring
 from fleetgen.workers.records import Records
-from fleetgen.workers.rows.batches import WorkItem, group_items, shard_items
+from fleetgen.workers.rows.batches import REPEATED, WorkItem, content_ids, group_items, shard_items
 from fleetgen.workers.rows.inputs import Prefetcher
-from fleetgen.workers.rows.shard import Shard, read_shard
+from fleetgen.workers.rows.shard import Columns, Shard, read_shard
 from fleetgen.workers.spec import BatchDone, ShardResult, WorkerSpec
 
 
@@ -99,6 +99,15 @@ class _Loaded:
 
 class _CommitUnknown(ShardError):
     """The manifest's write failed without saying whether it landed: its staging must stay."""
+
+
+def _as_given(record: dict) -> dict:
+    """A repeated id's error record with its id as the input has it (items carry `<id>^<row>`)."""
+    given = record["row_id"].rsplit(REPEATED, 1)[0]
+    return {**record, "id": given, "row_id": given}
+
+
+CONTENT_ID = "__fleetgen_content_id"  # a stage's rows' id column where the input has none (never carried)
 
 
 class Worker:
@@ -203,7 +212,11 @@ class Worker:
         paths are relative to; `name`: the rows' name in errors). Returns a row per image record, in the
         shard's order (workers/output/rows.py). Nothing is written or committed."""
         shard = Shard(name, base, 0, 0, 0, 0, table.num_rows)
-        images, records = self._items(shard, table)
+        columns = self.spec.columns
+        if not columns["id"]:  # a seed column and no id: the id is the row's content (never its position)
+            table = table.append_column(CONTENT_ID, pa.array(content_ids(table), pa.string()))
+            columns = replace(columns, by_role={**columns.by_role, "id": CONTENT_ID})
+        images, records = self._items(shard, table, columns, repeats="error")
         sink = Kept()
         todo = [im for im in images if records[im.id]["status"] == "ok"]
         at = _Attempt(
@@ -217,6 +230,7 @@ class Worker:
             self._writer.cancel()
             raise
         final = [records[im.id] for im in images]
+        final = [_as_given(r) if REPEATED in r["id"] else r for r in final]
         ok = sum(r["status"] == "ok" for r in final)
         self.stats["images"] += ok
         self.stats["errors"] += len(final) - ok
@@ -235,9 +249,11 @@ class Worker:
             f"{offloaded}, batch {self.batch_size}",
         )
 
-    def _items(self, shard: Shard, table: pa.Table) -> tuple[list, dict[str, dict]]:
+    def _items(
+        self, shard: Shard, table: pa.Table, columns: Columns | None = None, repeats: str = "refuse"
+    ) -> tuple[list, dict[str, dict]]:
         """A shard's images (workers/rows/batches.py) and their records as far as known before they are made."""
-        images = shard_items(shard, table, self.spec.columns, self.recipe)
+        images = shard_items(shard, table, columns or self.spec.columns, self.recipe, repeats)
         records = {im.id: self._records.new(im) for im in images}
         for im in images:
             if im.error is None:

@@ -46,6 +46,7 @@ class Field:
     sidecar: bool = False  # also in the sidecar record stored beside each image (parquet rows, webdataset JSON)
     record: bool = True  # a manifest column (False: a per-row role with no column, `num_images`)
     column: str | None = None  # the role's default column name where it is not the role's (`--image-column`)
+    clip: bool = False  # a clip's alone (video tasks): null for every image, and no column of an image stage's rows
 
     @property
     def default_column(self) -> str | None:
@@ -165,6 +166,7 @@ FIELDS: list[Field] = [
         pixels=True,
         call_arg="num_frames",
         sidecar=True,
+        clip=True,
     ),
     Field(
         "fps",
@@ -178,17 +180,25 @@ FIELDS: list[Field] = [
         pixels=True,
         call_arg="frame_rate",
         sidecar=True,
+        clip=True,
     ),
-    Field("duration", pa.float32(), "seconds of the stored clip (video tasks)", sidecar=True),
-    Field("codec", pa.string(), "the stored clip's codec, e.g. h264 (video tasks)", sidecar=True),
+    Field("duration", pa.float32(), "seconds of the stored clip (video tasks)", sidecar=True, clip=True),
+    Field("codec", pa.string(), "the stored clip's codec, e.g. h264 (video tasks)", sidecar=True, clip=True),
     Field(
         "audio_codec",
         pa.string(),
         "the codec of the clip's sound (aac in mp4, opus in webm) for models that make it (LTX-2); null for silent "
         "clips and images",
         sidecar=True,
+        clip=True,
     ),
-    Field("sample_rate", pa.int32(), "Hz of the clip's stored sound (Opus: 48000); null without one", sidecar=True),
+    Field(
+        "sample_rate",
+        pa.int32(),
+        "Hz of the clip's stored sound (Opus: 48000); null without one",
+        sidecar=True,
+        clip=True,
+    ),
     Field(
         "inputs",
         pa.list_(INPUT),
@@ -302,6 +312,11 @@ def table() -> list[Field]:
 
 def records() -> list[Field]:
     return [f for f in table() if f.record]
+
+
+def clip_names() -> tuple[str, ...]:
+    """The fields a clip alone has (null for images)."""
+    return tuple(f.name for f in table() if f.clip)
 
 
 def manifest_schema() -> pa.Schema:

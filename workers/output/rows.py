@@ -10,15 +10,21 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from fleetgen.workers.output.fields import clip_names
 from fleetgen.workers.output.layout import MANIFEST_SCHEMA
 
 ADDED = ("model", "plan")  # a row's columns beyond its record's
 DROPPED = ("image", "member")  # the record's that a row leaves out
 
 
+def dropped(media: str) -> tuple[str, ...]:
+    """The record's fields a row of `media` leaves out: DROPPED, and an image's rows a clip's fields."""
+    return DROPPED + (clip_names() if media == "image" else ())
+
+
 def rows_schema(carried: pa.Schema, media: str) -> pa.Schema:
-    """The rows' columns: `carried` (the input's), the record's, ADDED, then `media` (binary)."""
-    record = [f for f in MANIFEST_SCHEMA if f.name not in DROPPED]
+    """The rows' columns: `carried` (the input's), the record's of its task, ADDED, then `media` (binary)."""
+    record = [f for f in MANIFEST_SCHEMA if f.name not in dropped(media)]
     added = [pa.field(n, pa.string()) for n in ADDED] + [pa.field(media, pa.binary())]
     return pa.schema([*carried, *record, *added])
 
@@ -36,7 +42,7 @@ def as_rows(
     """`records` (each image's, in order; `rows`: each one's row of `table`; `data`: each one's encoded
     picture, None where none was made) as rows."""
     carried = table.select(list(carry))
-    record = pa.Table.from_pylist(records, schema=MANIFEST_SCHEMA).drop_columns(list(DROPPED))
+    record = pa.Table.from_pylist(records, schema=MANIFEST_SCHEMA).drop_columns(list(dropped(media)))
     columns = [
         *carried.take(pa.array(rows, pa.int64())).columns,
         *record.columns,

@@ -286,8 +286,37 @@ def _repeated_ids(shard: Shard, data: dict, columns: Columns, examples: int = 3)
     )
 
 
-def shard_items(shard: Shard, table: pa.Table, columns: Columns, recipe: Recipe) -> list[WorkItem]:
-    """A shard's images, in row order then k; error images where a row cannot be generated."""
+def content_ids(table: pa.Table) -> list[str]:
+    """Each row's id made from its values alone (a Ray Data stage's rows with a seed column and no id): the
+    first 16 hex digits of the SHA-256 of every column's value, by column name. The same row gets the same
+    id on every run, whatever block or batch it lands in; two rows alike get one id (the second an error)."""
+    import hashlib
+    import json
+
+    def plain(value: object) -> object:
+        if isinstance(value, bytes | bytearray):
+            return {"sha256": hashlib.sha256(value).hexdigest()}
+        return str(value)
+
+    names = sorted(table.column_names)
+    columns = [table.column(n).to_pylist() for n in names]
+    return [
+        hashlib.sha256(
+            json.dumps([names, [c[i] for c in columns]], sort_keys=True, default=plain).encode()
+        ).hexdigest()[:16]
+        for i in range(table.num_rows)
+    ]
+
+
+REPEATED = "^"  # a stage's row whose id repeats an earlier one's: `<id>^<row>` inside (`^` is in no id)
+
+
+def shard_items(
+    shard: Shard, table: pa.Table, columns: Columns, recipe: Recipe, repeats: str = "refuse"
+) -> list[WorkItem]:
+    """A shard's images, in row order then k; error images where a row cannot be generated. A row whose
+    id repeats an earlier one's refuses the shard (`repeats="refuse"`: a job's), or is an error row of
+    its own (`"error"`: a Ray Data stage's, whose items then carry `<id>^<row>` as their id)."""
     data = {name: table.column(name).to_pylist() for name in columns.present()}
     roles = columns.roles()
     settings, extras = [f for f in table_roles() if f.setting], extra_settings()  # once per shard, not per row
@@ -296,15 +325,25 @@ def shard_items(shard: Shard, table: pa.Table, columns: Columns, recipe: Recipe)
     first: dict[str, int] = {}  # row id -> its first row
     for i in range(table.num_rows):
         row_id = _row_id(shard, data, i, columns)
+        repeated = None
         if first.setdefault(row_id, i) != i:
-            raise _repeated_ids(shard, data, columns)
+            if repeats == "refuse":
+                raise _repeated_ids(shard, data, columns)
+            repeated = (
+                f"id `{row_id[:80]}` repeats row {first[row_id]}'s of this batch: each row of a stage needs an id of "
+                f"its own (`{columns['id']}`), which names its pictures downstream"
+            )
+        if repeats != "refuse" and columns["id"] and data[columns["id"]][i] is None:
+            repeated = f"id is null: each row of a stage needs an id of its own (`{columns['id']}`)"
         values = {role: data[name][i] for role, name in roles.items()}
         look, count, error = _look(values, recipe, settings, extras)
         seed, seed_error = _as_seed(values.get("seed")) if columns["seed"] else (None, None)
         prompt, prompt_error = _prompt(data, i, columns, recipe)
         negative = values.get("negative_prompt")
         inputs, input_error = _inputs(values, columns, recipe, shard.path)
-        row_error = unsafe_id_reason(row_id) or seed_error or error or prompt_error or input_error
+        if repeated is not None and first[row_id] != i:
+            row_id = f"{row_id}{REPEATED}{i}"  # its items' own ids (the row's is restored in its output row)
+        row_error = repeated or unsafe_id_reason(row_id) or seed_error or error or prompt_error or input_error
         if row_error is None and recipe.dotless_ids and "." in row_id:
             row_error = f"id `{row_id}` has a `.`: webdataset readers take what follows the first dot as the extension"
         for k in range(count if error is None or count else 1):
