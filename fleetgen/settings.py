@@ -47,6 +47,9 @@ class Declared:
     cli: bool = True  # False: a keyword and a TOML key only
     written: str | None = None  # typed as text of this kind, parsed by the record (`size`: `24GiB`)
     stage: str | None = None  # why a Ray Data stage (`fleetgen.ray_data.generate`) has no such setting
+    at_least: float | None = None  # the smallest value it takes (a number setting)
+    at_most: float | None = None  # the largest
+    more_than: float | None = None  # every value it takes is more than this
 
 
 def setting(default: Any, help: str | Callable[[], str], **how: Any) -> Any:
@@ -86,6 +89,9 @@ class Row:
     cli: bool = True
     written: str | None = None
     stage: str | None = None  # why a Ray Data stage refuses it (None: the stage takes it as a job does)
+    at_least: float | None = None
+    at_most: float | None = None
+    more_than: float | None = None
 
     @property
     def typed(self) -> str:
@@ -144,7 +150,8 @@ def _walk(cls: type, path: tuple[str, ...], inherited: dict, defaults: Any = Non
                     f"setting `{f.name}` of {cls.__name__} says no {[k for k, v in pick.items() if v is None]}"
                 )
             how = {
-                k: getattr(d, k) for k in ("flags", "aliases", "choices", "metavar", "shown", "cli", "written", "stage")
+                k: getattr(d, k)
+                for k in ("flags", "aliases", "choices", "metavar", "shown", "cli", "written", "stage", *_BOUNDS)
             }
             default = f.default if defaults is None else getattr(defaults, f.name)
             out.append(Row(f.name, (*path, f.name), str(hints[f.name]), default, d.help, **pick, **how))
@@ -152,6 +159,50 @@ def _walk(cls: type, path: tuple[str, ...], inherited: dict, defaults: Any = Non
 
 
 _INHERITED = ("group", "scope", "fingerprint")
+_BOUNDS = ("at_least", "at_most", "more_than")
+
+
+def check_value(row: Row, value: Any) -> None:
+    """`value` is one the setting declares (its choices, its bounds), else `ConfigError` in its option's
+    words: the one check of every value that enters, from the command line, a TOML file, the API or a
+    stage (`build` and `with_values` run it). Rules across settings are jobs/validate.py's."""
+    if value is None:
+        return
+    choices = row.choice_list
+    if choices is not None:
+        for v in value if row.typed == "tuple" and isinstance(value, tuple | list) else (value,):
+            if v not in choices:
+                close = difflib.get_close_matches(str(v), [str(c) for c in choices], n=1)
+                hint = f" Did you mean `{close[0]}`?" if close else ""
+                raise ConfigError(f"`{row.option}` must be one of {', '.join(map(str, choices))}; got `{v}`.{hint}")
+    if row.at_least is None and row.at_most is None and row.more_than is None:
+        return
+    rule = bounds_text(row)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"`{row.option}` must be a number, {rule}; got `{value!r}`.")
+    if (
+        (row.at_least is not None and value < row.at_least)
+        or (row.more_than is not None and value <= row.more_than)
+        or (row.at_most is not None and value > row.at_most)
+    ):
+        raise ConfigError(f"`{row.option}` must be {rule}, got `{value}`.")
+
+
+def bounds_text(row: Row) -> str:
+    """The bounds as a sentence says them: `1 or more`, `0 to 1`, `more than 0 and at most 240` ("": none)."""
+
+    def n(x: float) -> str:
+        return f"{x:g}"
+
+    low = n(row.at_least) if row.at_least is not None else None
+    if low is not None and row.at_most is not None:
+        return f"{low} to {n(row.at_most)}"
+    parts = [f"{low} or more"] if low is not None else []
+    if row.more_than is not None:
+        parts.append(f"more than {n(row.more_than)}")
+    if row.at_most is not None:
+        parts.append(f"at most {n(row.at_most)}")
+    return " and ".join(parts)
 
 
 def names(rows: list[Row]) -> dict[str, Row]:
@@ -208,7 +259,11 @@ def _by_path(cls: type, values: Mapping[str, Any]) -> dict[tuple[str, ...], Any]
     unknown = [n for n in values if n not in rows]
     if unknown:
         raise ConfigError(f"{cls.__name__} has no setting `{unknown[0]}`.")
-    return {rows[n].path: v for n, v in canonical(values, list(rows.values())).items()}
+    out = {}
+    for n, v in canonical(values, list(rows.values())).items():
+        check_value(rows[n], v)
+        out[rows[n].path] = v
+    return out
 
 
 def _fields_and_settings(cls: type) -> list[Row]:

@@ -82,6 +82,7 @@ class JobConfig:
         group="generation",
         fingerprint=True,
         stage="Ray Data hands the stage its blocks; `batch_rows` sets the rows of a call",
+        at_least=1,
     )
     keep_columns: str | None = setting(
         None,
@@ -97,6 +98,7 @@ class JobConfig:
         "on a cluster one per shard to do, up to 1000: the autoscaler adds nodes for them)",
         flags=("--workers", "--max-workers"),
         aliases=("workers",),
+        at_least=1,
     )
     gpus_per_worker: float | None = setting(
         None,
@@ -107,18 +109,23 @@ class JobConfig:
         300.0,
         "seconds to wait with no worker placed before giving up with exit 2",
         stage="Ray Data waits for its actor pool itself",
+        more_than=0,
     )
     cpu_threads: int = setting(
         1,
         "torch threads per CPU worker; CPU kernels round differently per thread count, so a fixed number "
         "keeps images independent of how many workers run",
+        at_least=1,
     )
-    max_attempts: int = setting(3, "tries per shard before it is marked failed", stage=STAGE_RETRIES)
-    max_restarts: int = setting(3, "restarts of a worker whose process died, before it is dropped", stage=STAGE_RETRIES)
+    max_attempts: int = setting(3, "tries per shard before it is marked failed", stage=STAGE_RETRIES, at_least=1)
+    max_restarts: int = setting(
+        3, "restarts of a worker whose process died, before it is dropped", stage=STAGE_RETRIES, at_least=0
+    )
     stop_grace: float = setting(
         0.0,
         "seconds running shards get to commit after SIGTERM/SIGINT (0: abandon)",
         stage="a stage commits nothing: its rows are the sink's",
+        at_least=0,
     )
     worker_memory: str | None = setting(
         None,

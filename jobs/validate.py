@@ -1,5 +1,7 @@
 """A job's settings checked before anything starts: `validate` raises `ConfigError` naming the
-first invalid setting, in the words of its option (`--steps`, `--offload`, ...)."""
+first invalid setting, in the words of its option (`--steps`, `--offload`, ...). A setting's own choices
+and bounds are declared with it and checked where its value enters (fleetgen/settings.py `check_value`):
+here are the rules across settings, and those no declaration can say (a model's sizes, a scorer's package)."""
 
 from __future__ import annotations
 
@@ -7,19 +9,11 @@ from pathlib import Path
 
 from fleetgen.errors import ConfigError
 from fleetgen.jobs.config import DEVICES, REQUIRED, JobConfig, option
-from fleetgen.offload.phasing import PHASES_CHOICES
-from fleetgen.offload.planner import OFFLOAD_CHOICES
 from fleetgen.offload.weight_formats import refusal
-from fleetgen.scores import MAX_CANDIDATES, SCORERS, ScoreSpec
+from fleetgen.scores import SCORERS, ScoreSpec
 from fleetgen.workers.families.model_dir import HUB_ID, size_multiple
-from fleetgen.workers.families.table import TASKS
-from fleetgen.workers.output.fields import MAX_FPS, MAX_FRAMES, MAX_IMAGES_PER_ROW
-from fleetgen.workers.output.formats import format_names
-from fleetgen.workers.output.layout import IMAGE_FORMATS
-from fleetgen.workers.output.video import MAX_CRF, VIDEO_FORMATS
+from fleetgen.workers.output.video import MAX_CRF
 from fleetgen.workers.rows.batches import template_fields
-from fleetgen.workers.rows.inputs import RESIZE_RULES
-from fleetgen.workers.spec import DTYPES
 
 
 def _check(ok: bool, message: str) -> None:
@@ -41,24 +35,10 @@ def validate(config: JobConfig, required: tuple[str, ...] = REQUIRED) -> JobConf
 def _check_generation(c: JobConfig) -> None:
     """The numbers every image is made with, and how the quantization meets the offload."""
     g, offload = c.generation, c.fit.offload
-    _check(g.steps is None or g.steps >= 1, f"`--steps` must be a positive integer, got `{g.steps}`.")
-    _check(g.guidance is None or g.guidance >= 0, f"`--guidance` must be 0 or more, got `{g.guidance}`.")
-    _check(
-        g.true_cfg_scale is None or g.true_cfg_scale > 0,
-        f"`--true-cfg-scale` must be more than 0, got `{g.true_cfg_scale}`.",
-    )
     for component, name in g.quantize.mapping.items():  # the combination table, before any worker starts
         if offload in ("block", "leaf", "disk"):
             why = refusal(name, "block" if offload == "disk" else offload, False, offload == "disk")
             _check(why is None, f"`--quantize {component}={name}` with `--offload {offload}`: {why}.")
-    _check(g.seed >= 0, f"`--seed` must be 0 or more, got `{g.seed}`.")
-    _check(g.task is None or g.task in TASKS, f"`--task` must be one of {', '.join(TASKS)}; got `{g.task}`.")
-    _check(g.strength is None or 0 <= g.strength <= 1, f"`--strength` must be between 0 and 1, got `{g.strength}`.")
-    _check(g.resize in RESIZE_RULES, f"`--resize` must be one of {', '.join(RESIZE_RULES)}; got `{g.resize}`.")
-    _check(
-        1 <= g.images_per_prompt <= MAX_IMAGES_PER_ROW,
-        f"`--images-per-prompt` must be 1 to {MAX_IMAGES_PER_ROW}, got `{g.images_per_prompt}`.",
-    )
     if g.prompt_template is not None:
         try:
             template_fields(g.prompt_template)
@@ -68,7 +48,6 @@ def _check_generation(c: JobConfig) -> None:
                 "`a {style} photo of a {label}`."
             ) from err
     check_scorers(g.score)
-    _check(1 <= g.best_of <= MAX_CANDIDATES, f"`--best-of` must be 1 to {MAX_CANDIDATES}, got `{g.best_of}`.")
     ranked = (g.rank_by or "").removeprefix("-")
     if g.best_of > 1 or g.rank_by:
         _check(
@@ -130,52 +109,20 @@ def _check_media(c: JobConfig) -> None:
         f"`--output-format {g.output_format}` the inputs are your own objects already (the manifest names them).",
     )
     _check(
-        g.image_format in IMAGE_FORMATS,
-        f"`--image-format` must be one of {', '.join(IMAGE_FORMATS)}; got `{g.image_format}`.",
-    )
-    _check(
-        g.video_format in VIDEO_FORMATS,
-        f"`--video-format` must be one of {', '.join(VIDEO_FORMATS)}; got `{g.video_format}`.",
-    )
-    _check(
         0 <= g.crf <= MAX_CRF[g.video_format],
         f"`--crf` must be 0 to {MAX_CRF[g.video_format]} for {g.video_format}, got `{g.crf}`.",
-    )
-    _check(
-        g.num_frames is None or 1 <= g.num_frames <= MAX_FRAMES,
-        f"`--num-frames` must be 1 to {MAX_FRAMES}, got `{g.num_frames}`.",
-    )
-    _check(g.fps is None or 0 < g.fps <= MAX_FPS, f"`--fps` must be more than 0 and at most {MAX_FPS}, got `{g.fps}`.")
-    _check(
-        g.output_format in format_names(),
-        f"`--output-format` must be one of {', '.join(format_names())}; got `{g.output_format}`.",
     )
 
 
 def _check_execution(c: JobConfig) -> None:
     """How the job runs: workers, placement, retries, devices and memory budgets."""
-    _check(c.max_workers is None or c.max_workers >= 1, f"`--workers` must be 1 or more, got `{c.max_workers}`.")
     _check(
         c.gpus_per_worker is None or 0 < c.gpus_per_worker <= 1 or float(c.gpus_per_worker).is_integer(),
         f"`--gpus-per-worker` must be a fraction in (0, 1] or a whole number, got `{c.gpus_per_worker}`.",
     )
-    _check(c.placement_timeout > 0, f"`--placement-timeout` must be more than 0 seconds, got `{c.placement_timeout}`.")
-    _check(c.max_restarts >= 0, f"`--max-restarts` must be 0 or more, got `{c.max_restarts}`.")
-    _check(c.stop_grace >= 0, f"`--stop-grace` must be 0 or more, got `{c.stop_grace}`.")
-    counts = {"max_batch": c.fit.max_batch, "rows_per_shard": c.rows_per_shard, "max_attempts": c.max_attempts}
-    for name, v in {**counts, "cpu_threads": c.cpu_threads}.items():
-        _check(v >= 1, f"{option(name)} must be 1 or more, got `{v}`.")
     _check(
         DEVICES.fullmatch(c.source.device) is not None,
         f"`--device` must be auto, cpu, cuda or cuda:N; got `{c.source.device}`.",
-    )
-    _check(c.source.dtype in DTYPES, f"`--dtype` must be one of {', '.join(DTYPES)}; got `{c.source.dtype}`.")
-    _check(
-        c.fit.offload in OFFLOAD_CHOICES,
-        f"`--offload` must be one of {', '.join(OFFLOAD_CHOICES)}; got `{c.fit.offload}`.",
-    )
-    _check(
-        c.fit.phases in PHASES_CHOICES, f"`--phases` must be one of {', '.join(PHASES_CHOICES)}; got `{c.fit.phases}`."
     )
     if c.worker_memory is not None:
         budgets = c.worker_budgets()

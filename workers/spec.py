@@ -15,10 +15,11 @@ from fleetgen.offload.cost import Workload
 from fleetgen.offload.phasing import PHASES_CHOICES
 from fleetgen.offload.planner import OFFLOAD_CHOICES
 from fleetgen.offload.weight_formats import QuantizeSpec, parse_quantize
-from fleetgen.scores import SCORERS, KeepRule, ScoreSpec, parse_keep, parse_scores
+from fleetgen.scores import MAX_CANDIDATES, SCORERS, KeepRule, ScoreSpec, parse_keep, parse_scores
 from fleetgen.settings import build, nested, setting, with_values
 from fleetgen.units import format_size, parse_size
 from fleetgen.workers.families.table import FAMILIES, GENERIC, TASKS, Task
+from fleetgen.workers.output.fields import MAX_FPS, MAX_FRAMES, MAX_IMAGES_PER_ROW
 from fleetgen.workers.output.formats import FORMATS, format_names, get_format
 from fleetgen.workers.output.layout import IMAGE_FORMATS
 from fleetgen.workers.output.video import VIDEO_FORMATS
@@ -48,13 +49,13 @@ class GenerationSettings:
         group="job",
     )
     steps: int | None = setting(
-        None, "denoising steps (default: the model family's, e.g. 30 for SD, 28 for FLUX.1-dev)"
+        None, "denoising steps (default: the model family's, e.g. 30 for SD, 28 for FLUX.1-dev)", at_least=1
     )
     guidance: float | None = setting(
-        None, "guidance scale (default: the model family's, e.g. 7.5 for SD, 3.5 for FLUX.1-dev)"
+        None, "guidance scale (default: the model family's, e.g. 7.5 for SD, 3.5 for FLUX.1-dev)", at_least=0
     )
     true_cfg_scale: float | None = setting(
-        None, "Flux: apply negative prompts with true CFG at this scale (> 1; doubles the compute)"
+        None, "Flux: apply negative prompts with true CFG at this scale (> 1; doubles the compute)", more_than=0
     )
     quantize: QuantizeSpec = setting(
         QuantizeSpec(),
@@ -89,6 +90,8 @@ class GenerationSettings:
         None,
         "image-to-image, inpaint: how far from the input, 0 to 1 (default: the task's, e.g. 0.8 for SD "
         "img2img); a `strength` column sets it per row",
+        at_least=0,
+        at_most=1,
     )
     resize: str = setting(
         "crop",
@@ -114,17 +117,21 @@ class GenerationSettings:
     height: int | None = setting(
         None, "pixels, a multiple of 8 (default 512, `fleetgen plan` 1024; video families: their card's)"
     )
-    seed: int = setting(0, "job seed: rows without a `seed` column derive theirs from it and their id")
+    seed: int = setting(0, "job seed: rows without a `seed` column derive theirs from it and their id", at_least=0)
     image_format: str = setting("png", "how each image is stored", choices=IMAGE_FORMATS)
     num_frames: int | None = setting(
         None,
         "video tasks: frames per clip (default: the family's, e.g. 81 for Wan, which makes 4k+1); "
         "a `num_frames` column sets it per row",
+        at_least=1,
+        at_most=MAX_FRAMES,
     )
     fps: float | None = setting(
         None,
         "video tasks: frames per second of the stored clip (default: the family's, e.g. 16 for Wan); an "
         "`fps` column sets it per row",
+        more_than=0,
+        at_most=MAX_FPS,
     )
     video_format: str = setting("mp4", "video tasks: mp4 (H.264, yuv420p) or webm (AV1)", choices=tuple(VIDEO_FORMATS))
     crf: int = setting(18, "video tasks: the encoder's quality, 0 (lossless) to 51; lower is larger")
@@ -145,6 +152,8 @@ class GenerationSettings:
         "images per row; ids become <id>-<k>, each with its own stable seed; a `num_images` column overrides "
         "it per row",
         group="synthesis",
+        at_least=1,
+        at_most=MAX_IMAGES_PER_ROW,
     )
     lora: tuple[Adapter, ...] = setting(
         (),
@@ -177,6 +186,8 @@ class GenerationSettings:
         "scores stay in the manifest",
         group="synthesis",
         metavar="N",
+        at_least=1,
+        at_most=MAX_CANDIDATES,
     )
     rank_by: str | None = setting(
         None, "the score --best-of ranks by, highest first (`-NAME`: lowest first)", group="synthesis", metavar="NAME"
@@ -323,6 +334,7 @@ class Source:
         "auto",
         "auto | float32 | float16 | bfloat16 (default auto: the family's on CUDA, float32 on CPU; `fleetgen plan`: "
         "the family's)",
+        choices=DTYPES,
     )
     trust_remote_code: bool = setting(False, "allow the model repo to run its own code (off by default)", scope="job")
     adapters: tuple[tuple[str, str], ...] = ()  # every LoRA the job uses (flags, `lora` column): (as named, location)
@@ -333,7 +345,9 @@ class Fit:
     """How each worker fits the pipeline to its device and runs it: its own choices, none of which
     changes an image's pixels (they are in its record, not in the fingerprint)."""
 
-    max_batch: int = setting(4, "images per pipeline call, at most (each worker sizes its own batch up to it)")
+    max_batch: int = setting(
+        4, "images per pipeline call, at most (each worker sizes its own batch up to it)", at_least=1
+    )
     offload: str = setting(
         "auto", "how workers place the pipeline (default auto: planned per device)", choices=OFFLOAD_CHOICES
     )

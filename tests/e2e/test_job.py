@@ -164,7 +164,7 @@ def test_cli_errors_exit_2_with_message(tmp_path, tiny_model, capsys):
     assert not (tmp_path / "o").exists()  # refused before anything was written
     code = main(["run", "--input", "x", "--output", "o", "--model", "m", "--steps", "0"])
     assert code == 2
-    assert "`--steps` must be a positive integer, got `0`." in capsys.readouterr().err
+    assert "`--steps` must be 1 or more, got `0`." in capsys.readouterr().err
 
 
 def test_s3_input_and_output(ray_cluster, s3_server, tiny_model, tmp_path, monkeypatch):

@@ -81,7 +81,7 @@ def test_options_are_refused_before_anything_runs(tiny_model, tmp_path, ray_clus
         fleetgen.ray_data.generate(ds, tiny_model, stpes=4)
     with pytest.raises(ConfigError, match=r"takes no `output_format`: a Ray Data pipeline stores its rows"):
         fleetgen.ray_data.generate(ds, tiny_model, output_format="webdataset")
-    with pytest.raises(ConfigError, match=r"`--steps` must be a positive integer, got `0`"):
+    with pytest.raises(ConfigError, match=r"`--steps` must be 1 or more, got `0`"):
         fleetgen.ray_data.generate(ds, tiny_model, steps=0)
     with pytest.raises(ConfigError, match="`batch_rows` must be 1 or more"):
         fleetgen.ray_data.generate(ds, tiny_model, batch_rows=0, **OPTIONS)

@@ -24,7 +24,7 @@ def test_defaults_and_cli_over_file(tmp_path):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ({"steps": 0}, "`--steps` must be a positive integer, got `0`."),
+        ({"steps": 0}, "`--steps` must be 1 or more, got `0`."),
         ({"width": 100}, "`--width` must be a positive multiple of 8, got `100`."),
         ({"height": -8}, "`--height` must be a positive multiple of 8, got `-8`."),
         ({"guidance": -1.0}, "`--guidance` must be 0 or more, got `-1.0`."),

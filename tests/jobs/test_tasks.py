@@ -77,7 +77,7 @@ def test_the_task_and_its_inputs_must_agree(tiny_model, tmp_path):
     ("options", "message"),
     [
         ({"task": "upscale"}, "`--task` must be one of text-to-image, image-to-image, inpaint, edit"),
-        ({"strength": 1.5}, "`--strength` must be between 0 and 1"),
+        ({"strength": 1.5}, "`--strength` must be 0 to 1"),
         ({"resize": "zoom"}, "`--resize` must be one of crop, pad, fit"),
         ({"store_inputs": True}, "`--store-inputs` puts each input beside its image in webdataset or parquet"),
     ],
