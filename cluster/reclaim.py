@@ -47,7 +47,8 @@ def reclaim_nodes(timeout: float = RECLAIM_TIMEOUT) -> int:
 def reclaim_local(settle: float = SETTLE) -> int:
     """This user's orphaned segments removed on this node, retrying for `settle` seconds while some
     remain (workers that Ray is ending drop their locks as their processes exit): how many."""
-    from fleetgen.workers.pipeline.segment import PREFIX, Unavailable, UserDir, reclaim
+    from fleetgen.workers.pipeline.segment import reclaim
+    from fleetgen.workers.pipeline.user_dir import PREFIX, Unavailable, UserDir
 
     removed, deadline = 0, time.monotonic() + settle
     while True:

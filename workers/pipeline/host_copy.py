@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from fleetgen.workers.pipeline.segment import PRIVATE_HINT, SHM_HINT, Segment, Unavailable, shareable, tensors
+from fleetgen.workers.pipeline.segment import SHM_HINT, Segment, Unavailable, shareable, tensors
+from fleetgen.workers.pipeline.user_dir import PRIVATE_HINT
 
 
 # -- binding a pipeline's modules to the mapping ------------------------------------------------------

@@ -3,7 +3,7 @@ its layout, its membership — written once, sealed, mapped read-only, counted b
 they are all gone. (Binding a pipeline's modules to it is host_copy.py's.)
 
 Shared memory is shared with every user of the node, so nothing found there is trusted until checked:
-- The segments of a user live in that user's own directory, B/fleetgen-UID (B: /dev/shm or
+- The segments of a user live in that user's own directory (workers/pipeline/user_dir.py), B/fleetgen-UID (B: /dev/shm or
   FLEETGEN_SHM_DIR), created mode 0700 and opened once without following links; it is used only when
   `fstat` says it is a directory of this user's with mode 0700, and every file in it is opened relative to
   that open directory, `O_NOFOLLOW`, and used only when it is a regular file of this user's. Another user
@@ -41,7 +41,6 @@ import hashlib
 import json
 import mmap
 import os
-import stat
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -51,8 +50,8 @@ import torch
 
 from fleetgen.offload.devices import host_available_bytes
 from fleetgen.units import format_size
+from fleetgen.workers.pipeline.user_dir import PREFIX, Unavailable, UserDir, read_all, shm_dir
 
-PREFIX = "fleetgen-"
 ALIGN = 64  # bytes: every tensor starts at a multiple (and so at one of its element size)
 PAGE = 4096
 CHUNK = 64 << 30  # at most this many bytes a `cudaHostRegister` call (one call fails at 512 GiB and more)
@@ -62,15 +61,8 @@ SHM_HINT = (
 )
 
 
-PRIVATE_HINT = "set FLEETGEN_SHM_DIR to a directory only you can write, or pass --host-copy worker"
 WAIT = 900.0  # seconds a worker waits for another holding a segment's guard (a writer loading, downloading)
 SAY_EVERY = 60.0  # seconds between a waiting worker's lines
-OPEN = os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def shm_dir() -> Path:
-    """The node-shared directory that holds each user's directory of segments."""
-    return Path(os.environ.get("FLEETGEN_SHM_DIR", "/dev/shm"))
 
 
 def wait_limit() -> float:
@@ -192,83 +184,6 @@ def _config_of(module) -> dict | None:
         return None
 
 
-class Unavailable(Exception):
-    """The node cannot hold a shared copy here (the reason is the message); the worker keeps its own."""
-
-
-class UserDir:
-    """This user's directory of segments in `base`, opened once (not following a link) and checked
-    (`fstat`: a directory of this user's, mode 0700); its files are opened relative to it, never by a
-    path another user could redirect. Unavailable, naming why, where it cannot be trusted."""
-
-    def __init__(self, base: Path | None = None):
-        base = base or shm_dir()
-        self.path = base / f"{PREFIX}{os.geteuid()}"
-        if not base.is_dir():
-            raise Unavailable(f"{base} is missing or not writable")
-        try:
-            os.mkdir(self.path, 0o700)
-        except FileExistsError:
-            pass
-        except OSError as err:
-            raise Unavailable(f"{base} is missing or not writable ({err.strerror})") from None
-        try:
-            self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | OPEN)
-        except OSError as err:  # ELOOP: a link in its place; ENOTDIR: a file
-            raise Unavailable(f"{self.path} is not a directory of this user's ({err.strerror})") from None
-        why = _not_mine(os.fstat(self.fd), 0o700, "directory")
-        if why:
-            os.close(self.fd)
-            raise Unavailable(f"{self.path} {why}")
-
-    def open(self, name: str, flags: int, what: str = "file") -> int:
-        """A file of this directory, not following a link; Unavailable where it is not this user's own."""
-        try:
-            fd = os.open(name, flags | OPEN, 0o600, dir_fd=self.fd)
-        except OSError as err:
-            raise Unavailable(f"cannot open {self.path / name}: {err.strerror}") from None
-        why = _not_mine(os.fstat(fd), None, what)
-        if why:
-            os.close(fd)
-            raise Unavailable(f"{self.path / name} {why}")
-        return fd
-
-    def remove(self, *names: str) -> None:
-        for name in names:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(name, dir_fd=self.fd)
-
-    def names(self) -> list[str]:
-        return os.listdir(self.fd)
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
-def _not_mine(st: os.stat_result, mode: int | None, what: str) -> str | None:
-    """Why a file or directory is not this user's own (None: it is)."""
-    kind = stat.S_ISDIR if what == "directory" else stat.S_ISREG
-    if not kind(st.st_mode):
-        return f"is not a {'directory' if what == 'directory' else 'regular file'}"
-    if st.st_uid != os.geteuid():
-        return f"belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})"
-    if mode is not None and stat.S_IMODE(st.st_mode) != mode:
-        return f"has mode {stat.S_IMODE(st.st_mode):04o}, not {mode:04o}"
-    if mode is None and stat.S_IMODE(st.st_mode) & 0o077:
-        return f"has mode {stat.S_IMODE(st.st_mode):04o}: others may read or write it"
-    return None
-
-
-def _read(fd: int) -> bytes:
-    chunks, offset = [], 0
-    while chunk := os.pread(fd, 1 << 20, offset):
-        chunks.append(chunk)
-        offset += len(chunk)
-    return b"".join(chunks)
-
-
 class Segment:
     """One worker's membership of a node's segment: joined (`join`), written by the first (`write`),
     mapped read-only (`views`), left once (`leave`)."""
@@ -305,7 +220,7 @@ class Segment:
         while True:
             fd = self.home.open(self.names["lock"], os.O_RDWR | os.O_CREAT)
             if not self._lock(fd):
-                holder = _read(fd).decode(errors="replace").strip() or "another worker"
+                holder = read_all(fd).decode(errors="replace").strip() or "another worker"
                 os.close(fd)
                 raise Unavailable(f"waited {wait_limit():g} s for {holder}")
             try:
@@ -336,16 +251,17 @@ class Segment:
             if now - started >= wait_limit():
                 return False
             if self.waiting and (said is None or now - said >= SAY_EVERY):
-                holder = _read(fd).decode(errors="replace").strip() or "another worker"
+                holder = read_all(fd).decode(errors="replace").strip() or "another worker"
                 print(f"{self.waiting} ({holder}; {now - started:.0f} s so far)", flush=True)
                 said = now
             time.sleep(0.05 if now - started < 1 else 0.5)
 
     @staticmethod
     def say(fd: int, doing: str) -> None:
-        """What the guard's holder does, for the workers that wait on it."""
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} {doing}".encode(), 0)
+        """What the guard's holder does, for the workers that wait on it (where the directory has room to say it)."""
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} {doing}".encode(), 0)
 
     def join(self) -> bool:
         """Become a user; under the guard (the caller holds it). True when the segment is whole and sealed
@@ -366,9 +282,13 @@ class Segment:
         self.manifest = self._sealed()
         if self.manifest is not None:
             return True
-        self.home.remove(self.names["json"], self.names["data"])  # unsealed or not its key: never mapped
+        self.home.remove(self.names["json"], self.names["data"], *self.seals())  # unsealed or not its key: never mapped
         self.role = "wrote"
         return False
+
+    def seals(self) -> list[str]:
+        """The seals being written (or left by dead writers) of this segment."""
+        return [n for n in self.home.names() if n.startswith(f"{self.names['json']}.tmp-")]
 
     def _sealed(self) -> dict | None:
         """The manifest where it is this user's, sealed and of this worker's key; else None."""
@@ -377,7 +297,7 @@ class Segment:
         except Unavailable:
             return None
         try:
-            manifest = json.loads(_read(fd))
+            manifest = json.loads(read_all(fd))
         except ValueError:
             return None
         finally:
@@ -412,11 +332,19 @@ class Segment:
             )
         started = time.perf_counter()
         self.manifest = {"key": self.key, "total": plan.total, "components": plan.components, "writer": os.getpid()}
-        fd = self.home.open(self.names["data"], os.O_RDWR | os.O_CREAT | os.O_EXCL)
+        tmp = f"{self.names['json']}.tmp-{os.getpid()}"
+        self.home.remove(tmp, self.names["data"])
+        seal = self.home.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+        fd = None
         try:
+            # every page of the data and of the seal now, or ENOSPC now (never SIGBUS, nor a seal unwritable, later)
+            reserve = [(seal, len(json.dumps({**self.manifest, "write_seconds": 1e9, "sealed": True})))]
+            fd = self.home.open(self.names["data"], os.O_RDWR | os.O_CREAT | os.O_EXCL)
+            reserve.append((fd, plan.total))
             try:
-                if plan.total:
-                    os.posix_fallocate(fd, 0, plan.total)  # every page now, or ENOSPC now (never SIGBUS later)
+                for f, size in reserve:
+                    if size:
+                        os.posix_fallocate(f, 0, size)
             except OSError as err:
                 raise Unavailable(
                     f"{self.home.path} could not reserve {format_size(plan.total)} ({err.strerror})"
@@ -431,23 +359,21 @@ class Segment:
                         view, offset = view[n:], offset + n
                 if written is not None:
                     written(name)
+            self.manifest["write_seconds"] = round(time.perf_counter() - started, 3)
+            self.manifest["sealed"] = True  # written last, after every byte: what a follower maps
+            body = json.dumps(self.manifest).encode()
+            os.pwrite(seal, body, 0)  # into its reserved pages
+            os.ftruncate(seal, len(body))
         except OSError as err:
-            self.home.remove(self.names["data"])
+            self.home.remove(self.names["data"], tmp)
             raise Unavailable(f"writing {self.home.path / self.names['data']} failed ({err.strerror})") from None
         except BaseException:
-            self.home.remove(self.names["data"])
+            self.home.remove(self.names["data"], tmp)
             raise
         finally:
-            os.close(fd)
-        self.manifest["write_seconds"] = round(time.perf_counter() - started, 3)
-        self.manifest["sealed"] = True  # written last, after every byte: what a follower maps
-        tmp = f"{self.names['json']}.tmp-{os.getpid()}"
-        self.home.remove(tmp)
-        out = self.home.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        try:
-            os.write(out, json.dumps(self.manifest).encode())
-        finally:
-            os.close(out)
+            os.close(seal)
+            if fd is not None:
+                os.close(fd)
         os.replace(tmp, self.names["json"], src_dir_fd=self.home.fd, dst_dir_fd=self.home.fd)
 
     def map(self) -> None:
@@ -533,7 +459,7 @@ class Segment:
                 except BlockingIOError:
                     last = False
                 if last:
-                    self.home.remove(*(self.names[k] for k in ("json", "data", "users", "lock")))
+                    self.home.remove(*(self.names[k] for k in ("json", "data", "users", "lock")), *self.seals())
         except Unavailable:  # the guard not had in time: the files stay for the next worker's or a driver's reclaim
             pass
         finally:
@@ -575,8 +501,8 @@ def reclaim(home: UserDir | Path | None = None, skip: str | None = None) -> list
                 continue  # being written, joined or left right now: live (or gone meanwhile)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                stale = [n for n in home.names() if n.startswith(f"{seg.names['json']}.tmp-")]
-                home.remove(*(seg.names[k] for k in ("json", "data", "users", "lock")), *stale)
+                seg.home = home
+                home.remove(*(seg.names[k] for k in ("json", "data", "users", "lock")), *seg.seals())
                 removed.append(key)
             except BlockingIOError:
                 pass
