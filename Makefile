@@ -25,7 +25,7 @@ $(AZURITE):
 	npm install --silent --no-audit --no-fund --prefix .cache/azurite azurite@$(AZURITE_VERSION)
 azurite: $(AZURITE)
 
-.PHONY: demo test test-fast docs lint bench gpu-check gpu-check-dry gpu-wheelhouse azurite
+.PHONY: demo test test-fast test-ray docs lint bench gpu-check gpu-check-dry gpu-wheelhouse azurite
 demo: $(VENV)/.installed
 	$(VENV)/bin/fleetgen demo --output demo-output
 
@@ -35,10 +35,16 @@ test: $(VENV)/.installed $(AZURITE)
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15
 
-# The inner loop: no Ray, no extra clusters, no chaos, nothing slow (under 2 minutes on 2 cores).
-test-fast: $(VENV)/.installed $(AZURITE)
+# The inner loop: no Ray, no extra clusters, no chaos, nothing slow (under 2 minutes on 2 cores). Needs no
+# npm: without Azurite the Azure tests skip, saying why.
+test-fast: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q -n 2 -m "not ray and not cluster and not chaos and not slow"
+
+# The Ray lane alone: the tests on the session's local Ray and those that start Ray heads of their own.
+test-ray: $(VENV)/.installed $(AZURITE)
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "ray or cluster" --durations=15
 
 # The docs site: the reference pages rendered from the code's tables, then mkdocs with warnings as errors.
 docs: $(VENV)/.installed

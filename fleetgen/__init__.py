@@ -1,11 +1,14 @@
 """fleetgen: bulk image generation with diffusers on mixed-GPU Ray clusters.
 
-One installed name. Its rooms are `fleetgen.jobs` (what a job is, the driver, the CLI),
-`fleetgen.workers` (one device's work), `fleetgen.offload` (fitting a pipeline to a device) and
-`fleetgen.cluster` (Ray at the edge); this package itself holds the version, the exception tree
-and the few plain-data modules every room shares (`errors`, `units`, `caches`, `attention`,
-`latents`), with `imports` (the garbage collector paused over a worker's start). Nothing here imports
-torch or Ray.
+One installed name. Its rooms are `fleetgen.jobs` (what a job is, its config, the driver, its records:
+the folder jobs/), `fleetgen.workers` (one device's work: workers/), `fleetgen.offload` (fitting a pipeline
+to a device: offload/) and `fleetgen.cluster` (Ray at the edge: cluster/), folders at the repository's top
+that pyproject.toml's `package-dir` maps into this package (and the code below, in a source tree). This
+package itself is two floors: under the rooms, the version, the exception tree, the settings machinery and
+the few plain-data modules every room shares (`errors`, `units`, `settings`, `caches`, `attention`,
+`latents`, `imports`: the garbage collector paused over a worker's start); over them, the Python API
+(fleetgen/api.py), the command line (fleetgen/cli.py) and the Ray Data stage (fleetgen/ray_data.py), which
+no room imports. Nothing here imports torch or Ray at import time.
 
 The Python API mirrors the commands (fleetgen/api.py): `fleetgen.run`, `fleetgen.plan`,
 `fleetgen.status`, `fleetgen.verify`, `fleetgen.report`, `fleetgen.score`, `fleetgen.calibrate`,

@@ -121,7 +121,7 @@ def warm_workers(address: str | None = None) -> AbstractContextManager:
     process instead of starting a new one (seconds of imports saved per worker; nothing carried from
     one job to the next). Joins `address` (else `RAY_ADDRESS`, else a local Ray started for the
     block); the workers hold their Ray resources until a run takes them or the block ends
-    (fleetgen/cluster/warm.py)."""
+    (cluster/warm.py)."""
     from fleetgen.cluster.warm import warm_workers as block
 
     return block(address)

@@ -1,7 +1,7 @@
 """`fleetgen` (also `python -m fleetgen`): run, demo, tiny-model, calibrate, plan, status, report,
 verify, score — a thin layer over the Python API (fleetgen/api.py): parse the options, call the API,
 print, exit 0 (done), 1 (incomplete: a rerun resumes) or 2 (bad input, config or environment).
-`fleetgen run`'s options are the job's settings table (fleetgen/jobs/config.py `job_settings`)."""
+`fleetgen run`'s options are the job's settings table (jobs/config.py `job_settings`)."""
 
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def _add_calibrate(c: argparse.ArgumentParser) -> None:
 
 def _add_plan(pl: argparse.ArgumentParser) -> None:
     """The plan's own options, then the job's settings it plans with: the same rows as `fleetgen run`'s
-    (fleetgen/jobs/planning.py `PLAN_OPTIONS`), with the plan's defaults."""
+    (jobs/planning.py `PLAN_OPTIONS`), with the plan's defaults."""
     from fleetgen.jobs.planning import plan_settings
     from fleetgen.settings import add_options
 

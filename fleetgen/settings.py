@@ -1,7 +1,7 @@
 """Settings, each declared once: as a field of the record that carries it, with `setting(...)`.
 
-A job's records nest — `JobConfig` (fleetgen/jobs/config.py) holds the weights' `Source`, the
-`GenerationSettings` every image shares and each worker's `Fit` (fleetgen/workers/spec.py), and the
+A job's records nest — `JobConfig` (jobs/config.py) holds the weights' `Source`, the
+`GenerationSettings` every image shares and each worker's `Fit` (workers/spec.py), and the
 input's column names — and every field declared with `setting()` is a row of one table: its name
 (the keyword of `fleetgen.run`, the key of a TOML file, `--name` on the command line), its type
 (the annotation), default, help, and where it applies (`job`, each `worker`'s own, or a per-`row`

@@ -2,7 +2,7 @@
 API's keywords, validated before anything starts.
 
 A job holds the records its workers are given — the weights' `Source`, the `GenerationSettings`
-every image shares, each worker's `Fit` (fleetgen/workers/spec.py) — the input's column names by
+every image shares, each worker's `Fit` (workers/spec.py) — the input's column names by
 role, and the settings only the driver reads, declared below. Every setting is declared once, where
 it is carried (fleetgen/settings.py); `job_settings()` is the table of all of them, from which the
 command line, the TOML coercion, the API's keywords and docs/reference/options.md are made."""

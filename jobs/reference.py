@@ -22,7 +22,7 @@ def _cell(text: object) -> str:
 
 
 def options_page() -> str:
-    """Every setting of a job (the settings table, fleetgen/jobs/config.py), grouped as `--help`
+    """Every setting of a job (the settings table, jobs/config.py), grouped as `--help`
     groups them: its option, type, default, where it applies and whether the fingerprint holds it."""
     from fleetgen.jobs.config import GROUPS, job_settings
 

@@ -111,7 +111,7 @@ _LABEL = re.compile(
 @dataclass(frozen=True)
 class Placement:
     """Where one component lives. The planner offers disk only at block level: leaf level + disk
-    corrupts tied weights (see notes/diffusers-group-offload.md)."""
+    corrupts tied weights (docs/fitting.md, "Refused before any work")."""
 
     mode: str  # resident | block | leaf
     blocks_per_group: int = 1  # block level only

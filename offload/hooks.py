@@ -2,7 +2,7 @@
 
 Per component: resident parts `.to(device)`; offloaded ones `apply_group_offloading` with
 `block_modules` where a text encoder would otherwise be one group. Guards for the silent failures
-in notes/diffusers-group-offload.md: a fresh disk directory per worker and component (removed by
+that diffusers' offloading leaves to its caller: a fresh disk directory per worker and component (removed by
 `close`), no leaf level + disk on tied weights, no disk offload with LoRA, streams only on CUDA.
 """
 

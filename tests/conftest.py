@@ -396,7 +396,12 @@ def _gcs_stack(_stores_env):
 
 @pytest.fixture(scope="session")
 def _azure_stack(_stores_env):
-    """Azurite's blob service on 127.0.0.1 behind the proxy."""
+    """Azurite's blob service on 127.0.0.1 behind the proxy (skipped, saying why, where it is not installed:
+    `make test-fast` runs without npm; `make test` installs it first)."""
+    from tests.stores import AZURITE
+
+    if not AZURITE.exists():
+        pytest.skip(f"Azurite (the Azure emulator, from npm) is not at {AZURITE}: `make azurite` installs it")
     store = _started(_stores_env, "azure")
     yield store
     store.stop()
