@@ -1,9 +1,10 @@
-"""Denoiser FLOPs as torch's FLOP counter counts them (offload/flops.py), stored per architecture and
+"""Denoiser FLOPs as torch's FLOP counter counts them (bench/flops.py), stored per architecture and
 used by the cost model in place of the estimate."""
 
 import pytest
 
-from fleetgen.offload.flops import INPUTS, count, counted, shape_of
+from bench.flops import INPUTS, count, shape_of
+from fleetgen.offload.flops import counted
 
 
 def test_the_stored_counts_are_a_fresh_count(meta_build):

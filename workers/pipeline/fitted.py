@@ -107,7 +107,7 @@ class FittedPipeline:
         self.probe = probe(self.device, self.dtype, model_shapes(self.profile, w.width, w.height, w.frames))
         self._denoisers = {n: m for n, m in pipeline_modules(self.pipe).items() if self.profile.components[n].per_step}
         self._check_cache()
-        self.plan = choose_plan(self.profile, self._work(), self._budgeted())
+        self.plan = choose_plan(self.profile, self.loaded_workload(), self.budget())
         self._quantize(self.plan.formats)
         self.applied = Applied(
             self.pipe, self.profile, settings, self.fit, self._denoisers, len(self.adapters), self.tag, self._given
@@ -208,19 +208,19 @@ class FittedPipeline:
             if why:
                 raise OffloadError(f"{self.tag}: `--cache {cache.label}`: {why}.")
 
-    def _work(self) -> Workload:
+    def loaded_workload(self) -> Workload:
         """The job's workload as this worker plans it: after loading, with the formats its live
         modules hold (no plan can take those back)."""
         return replace(self.workload, loaded=True, fixed=tuple(sorted(self.quantized.items())))
 
-    def _budgeted(self) -> DeviceSpec | None:
+    def budget(self) -> DeviceSpec | None:
         """The budgets a plan fits; None for a CPU worker with no `--gpu-memory` under `--offload
         auto|none` (all resident, workers/pipeline/plans.py `choose_plan`)."""
         if self.device.type == "cpu" and self.fit.gpu_memory is None and self.fit.offload in ("auto", "none"):
             return None
-        return self._device_spec()
+        return self.planned_device()
 
-    def _device_spec(self) -> DeviceSpec:
+    def planned_device(self) -> DeviceSpec:
         """The device as the plans see it, with what the job's scorers hold on it (`--score`: beside a
         per-batch plan; a phase of their own after a phased plan's decode phase)."""
         found = device_spec(self.device, self.probe, self.fit.gpu_memory, self.fit.host_memory, self._formats)
@@ -412,7 +412,7 @@ class FittedPipeline:
     def _leaner(self) -> OffloadPlan:
         """The next plan down the ladder. Phased: one whose phase that ran out is placed leaner, else
         (where the other phase's floor is reached first) the per-batch ladder from here."""
-        work, device = self._work(), self._device_spec()
+        work, device = self.loaded_workload(), self.planned_device()
         if self.phases is None:
             return leaner_plan(self.profile, self.plan, work, device)
         try:

@@ -105,7 +105,7 @@ class Shared:
 def kind_of(f: FittedPipeline) -> dict:
     """What makes two workers the same device kind for a plan: the device, its budgets, the job's
     shapes and the model as this worker holds it."""
-    d = f._device_spec()
+    d = f.planned_device()
     quarter = 2**28  # budgets read from free memory differ by a few MiB between cards of one kind
     return {
         "device": d.name,
@@ -114,7 +114,7 @@ def kind_of(f: FittedPipeline) -> dict:
         "host_memory": f.fit.host_memory,
         "model": f.profile.model,
         "dtype": str(f.dtype),
-        "workload": repr(f._work()),
+        "workload": repr(f.loaded_workload()),
     }
 
 
@@ -122,7 +122,7 @@ def refusal(f: FittedPipeline) -> str | None:
     """Why this worker does not time plans (None: it may)."""
     if f.fit.plan_trials == "off":
         return "`--plan-trials off`"
-    if f._budgeted() is None:
+    if f.budget() is None:
         return "a CPU worker without `--gpu-memory` runs all resident"
     if f.plan.phases:
         return "the model's plan is phased; phased plans are not timed"
@@ -141,7 +141,7 @@ def choose(f: FittedPipeline, shared: Shared | None) -> dict:
     why = refusal(f)
     if why:
         return {"chosen_by": "model", "trials_skipped": why}
-    work, device = f._work(), f._device_spec()
+    work, device = f.loaded_workload(), f.planned_device()
     ranked = [p for p in candidates(f.profile, device, work, f.plan, CANDIDATES) if p.formats == f.plan.formats]
     band = model_error()
     close = [p for p in ranked if p.cost_per_image <= f.plan.cost_per_image * band]
