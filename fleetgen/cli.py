@@ -124,7 +124,7 @@ def _add_calibrate(c: argparse.ArgumentParser) -> None:
 
 def _add_plan(pl: argparse.ArgumentParser) -> None:
     """The plan's own options, then the job's settings it plans with: the same rows as `fleetgen run`'s
-    (jobs/planning.py `PLAN_OPTIONS`), with the plan's defaults."""
+    (declared `plan=True`: jobs/planning.py `plan_settings`), with the plan's defaults."""
     from fleetgen.jobs.planning import plan_settings
     from fleetgen.settings import add_options
 

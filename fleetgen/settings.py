@@ -50,6 +50,7 @@ class Declared:
     at_least: float | None = None  # the smallest value it takes (a number setting)
     at_most: float | None = None  # the largest
     more_than: float | None = None  # every value it takes is more than this
+    plan: bool = False  # `fleetgen plan` takes it too (a job's setting a plan depends on: jobs/planning.py)
 
 
 def setting(default: Any, help: str | Callable[[], str], **how: Any) -> Any:
@@ -69,29 +70,15 @@ def columns(rows: Callable[[], list[Row]], defaults: Callable[[], dict[str, str]
     return field(default_factory=defaults, metadata={_COLUMNS: rows})
 
 
-@dataclass(frozen=True)
-class Row:
-    """One setting: a row of the table."""
+@dataclass(frozen=True, kw_only=True)
+class Row(Declared):
+    """One setting: a row of the table — what its `setting()` declares, with what the record nesting it
+    said for the rest (its group, scope and fingerprint, all set here), and where it lives."""
 
     name: str  # the keyword, the TOML key, `--name-with-dashes`
     path: tuple[str, ...]  # where its value lives in the top record, e.g. ("generation", "steps")
     type: str  # the annotation, e.g. "int | None"
     default: Any
-    help: str | Callable[[], str]
-    group: str
-    scope: str
-    fingerprint: bool
-    flags: tuple[str, ...] = ()
-    aliases: tuple[str, ...] = ()
-    choices: Sequence[str] | Callable[[], Sequence[str]] | None = None
-    metavar: str | None = None
-    shown: Callable[[Any], Any] | None = None
-    cli: bool = True
-    written: str | None = None
-    stage: str | None = None  # why a Ray Data stage refuses it (None: the stage takes it as a job does)
-    at_least: float | None = None
-    at_most: float | None = None
-    more_than: float | None = None
 
     @property
     def typed(self) -> str:
@@ -149,17 +136,14 @@ def _walk(cls: type, path: tuple[str, ...], inherited: dict, defaults: Any = Non
                 raise TypeError(
                     f"setting `{f.name}` of {cls.__name__} says no {[k for k, v in pick.items() if v is None]}"
                 )
-            how = {
-                k: getattr(d, k)
-                for k in ("flags", "aliases", "choices", "metavar", "shown", "cli", "written", "stage", *_BOUNDS)
-            }
+            declared = {k.name: getattr(d, k.name) for k in dataclasses.fields(Declared)}
             default = f.default if defaults is None else getattr(defaults, f.name)
-            out.append(Row(f.name, (*path, f.name), str(hints[f.name]), default, d.help, **pick, **how))
+            row = {**declared, **pick, "name": f.name, "path": (*path, f.name), "type": str(hints[f.name])}
+            out.append(Row(**row, default=default))
     return out
 
 
 _INHERITED = ("group", "scope", "fingerprint")
-_BOUNDS = ("at_least", "at_most", "more_than")
 
 
 def check_value(row: Row, value: Any) -> None:
@@ -272,7 +256,9 @@ def _fields_and_settings(cls: type) -> list[Row]:
     rows = table(cls, group="", scope="", fingerprint=False)
     taken = {r.name for r in rows}
     return rows + [
-        Row(f.name, path, "", None, "", "", "", False) for f, path in _plain_fields(cls, ()) if f.name not in taken
+        Row(help="", group="", scope="", fingerprint=False, name=f.name, path=path, type="", default=None)
+        for f, path in _plain_fields(cls, ())
+        if f.name not in taken
     ]
 
 

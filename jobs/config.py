@@ -50,7 +50,18 @@ def _column_rows() -> list[Row]:
         else:
             text = f"default {f.default_column}" + ("" if f.role == "prompt" else " (used when present)")
         group = "synthesis" if f.setting else "generation"
-        out.append(Row(f"{f.role}_column", (f.role,), "str", f.default_column, text, group, "row", True))
+        out.append(
+            Row(
+                help=text,
+                group=group,
+                scope="row",
+                fingerprint=True,
+                name=f"{f.role}_column",
+                path=(f.role,),
+                type="str",
+                default=f.default_column,
+            )
+        )
     return out
 
 

@@ -21,10 +21,10 @@ from fleetgen.errors import ClusterError, ConfigError, InputError, StorageError
 from fleetgen.jobs.config import JobConfig, resolve_paths
 from fleetgen.jobs.dataset import describe_columns, write_card
 from fleetgen.jobs.fleet import FleetRecord, follow
-from fleetgen.jobs.hub import HUB_ENV, pin_revision, pin_scorers
+from fleetgen.jobs.hub import HUB_ENV
 from fleetgen.jobs.inputs import check_unchanged
 from fleetgen.jobs.lock import OutputLock
-from fleetgen.jobs.models import MAX_ADAPTERS, describe, resolve_adapters, resolve_defaults
+from fleetgen.jobs.models import MAX_ADAPTERS, describe, resolve_model
 from fleetgen.jobs.progress import Progress
 from fleetgen.jobs.sharding import (
     distinct_strings,
@@ -119,18 +119,16 @@ def resolve_job(config: JobConfig) -> Job:
     output.check()  # a file in the way, no permission, no credentials, no endpoint: one line, before anything
     files, columns = read_input(config)
     revision, scorer_commits = pinned(output, config.source.model)  # an earlier run's pins: kept
-    config, pin_note = pin_revision(config, revision)
-    score, score_notes = pin_scorers(config.generation.score, scorer_commits)
-    config = config.with_options(score=score, quantize=config.generation.quantize.pinned())  # GGUF files by their hash
-    pin_note = "; ".join(n for n in (pin_note, *score_notes) if n) or None
-    config, family, sources = resolve_defaults(config, columns)
-    adapters = resolve_adapters(config, columns, distinct_strings(files, columns["lora"], MAX_ADAPTERS))
-    plan_size = (
-        max(config.generation.width, largest(files, columns["width"]) or 0),
-        max(config.generation.height, largest(files, columns["height"]) or 0),
+    r = resolve_model(
+        config,
+        columns,
+        lambda column: distinct_strings(files, column, MAX_ADAPTERS),
+        lambda column: largest(files, column),
+        revision,
+        scorer_commits,
     )
-    shards = plan_shards(files, config.rows_per_shard)
-    return Job(config, output, files, columns, family, sources, adapters, plan_size, shards, pin_note)
+    shards = plan_shards(files, r.config.rows_per_shard)
+    return Job(r.config, output, files, columns, r.family, r.sources, r.adapters, r.plan_size, shards, r.pin_note)
 
 
 def _open_run(

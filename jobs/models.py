@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import inspect
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from fleetgen.errors import ConfigError, one_line
 from fleetgen.jobs.config import JobConfig
+from fleetgen.jobs.hub import pin_revision, pin_scorers
 from fleetgen.offload.architectures import torch_components
 from fleetgen.offload.weight_formats import check_components as check_quantized
 from fleetgen.workers.families.detect import (
@@ -342,3 +345,42 @@ def resolve_adapters(config: JobConfig, columns: Columns, column_values: list[st
         if hasattr(diffusers, cls) and not hasattr(getattr(diffusers, cls), "load_lora_weights"):
             raise ConfigError(f"`--lora`: {cls} cannot load LoRA adapters (diffusers has no LoRA loader for it).")
     return tuple(found.items())
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A job's model as the job and the Ray Data stage both resolve it (`resolve_model`)."""
+
+    config: JobConfig  # the revision and scorers pinned, the family's defaults in
+    family: Family
+    sources: dict  # {setting: where its value came from}
+    adapters: tuple[tuple[str, str], ...]
+    plan_size: tuple[int, int]  # the largest (width, height) any row asks for: what workers plan for
+    pin_note: str | None
+
+
+def resolve_model(
+    config: JobConfig,
+    columns: Columns,
+    lora_values: Callable[[str], list[str]],
+    largest: Callable[[str], int | None],
+    revision: str | None = None,
+    scorer_commits: dict | None = None,
+) -> Resolved:
+    """The one resolution of a job's model (the job's driver, jobs/driver.py, and the stage, jobs/stage.py):
+    the revision and the scorers pinned (`revision`, `scorer_commits`: an earlier run's, kept), GGUF files
+    by their hash, the family's defaults, the adapters (`lora_values(column)`: the LoRA column's distinct
+    values, at most MAX_ADAPTERS + 1) and the largest size (`largest(column)`: a size column's largest)."""
+    config, pin_note = pin_revision(config, revision)
+    score, score_notes = pin_scorers(config.generation.score, scorer_commits or {})
+    config = config.with_options(score=score, quantize=config.generation.quantize.pinned())  # GGUF files by their hash
+    pin_note = "; ".join(n for n in (pin_note, *score_notes) if n) or None
+    config, family, sources = resolve_defaults(config, columns)
+    values = lora_values(columns["lora"]) if columns["lora"] else []
+    adapters = resolve_adapters(config, columns, values)
+    g = config.generation
+    plan_size = tuple(
+        max(own, (largest(columns[role]) or 0) if columns[role] else 0)
+        for own, role in ((g.width, "width"), (g.height, "height"))
+    )
+    return Resolved(config, family, sources, adapters, plan_size, pin_note)

@@ -23,13 +23,12 @@ from fleetgen.workers.spec import Fit, GenerationSettings, Source
 
 
 def plan_settings() -> list[Row]:
-    """`fleetgen plan`'s options: its own, then the job's settings it plans with (their rows: the
-    same names, help and parsing as `fleetgen run`'s)."""
+    """`fleetgen plan`'s options: the model, its own, then the job's settings it plans with (declared with
+    `setting(..., plan=True)`: the same names, help and parsing as `fleetgen run`'s)."""
     rows = table(PlanRequest, group="plan", scope="job", fingerprint=False)
-    return sorted(
-        (dataclasses.replace(r, group="plan") for r in rows if r.name in PLAN_OPTIONS),
-        key=lambda r: PLAN_OPTIONS.index(r.name),
-    )
+    job = [r for r in rows if len(r.path) > 1 and r.plan]
+    ordered = [*(r for r in job if r.name == "model"), *(r for r in rows if len(r.path) == 1)]
+    return [dataclasses.replace(r, group="plan") for r in [*ordered, *(r for r in job if r.name != "model")]]
 
 
 @dataclass(frozen=True)
@@ -75,15 +74,6 @@ class PlanRequest:
     @property
     def model(self) -> str:
         return self.source.model
-
-
-# The job's settings `fleetgen plan` takes (the rest do not change a plan).
-PLAN_OPTIONS = (
-    *("model", "budgets", "gpu", "bandwidth", "references", "placement", "batch", "dtype", "host_memory"),
-    *("workers_per_node", "host_copy"),
-    *("width", "height", "num_frames", "steps", "guidance", "true_cfg_scale", "task"),
-    *("max_batch", "offload", "phases", "quantize", "cache", "score"),
-)
 
 
 def plan_workload(request: PlanRequest | str, **options) -> tuple[Workload, Family]:

@@ -19,8 +19,7 @@ from fleetgen.errors import ConfigError, InputError
 from fleetgen.jobs.config import JobConfig, job_settings, load_toml, make_config
 from fleetgen.jobs.dataset import describe_columns
 from fleetgen.jobs.driver import worker_spec
-from fleetgen.jobs.hub import pin_revision, pin_scorers
-from fleetgen.jobs.models import MAX_ADAPTERS, describe, resolve_adapters, resolve_defaults
+from fleetgen.jobs.models import MAX_ADAPTERS, describe, resolve_model
 from fleetgen.jobs.sharding import InputFile, resolve_columns
 from fleetgen.settings import canonical, check_names, names
 from fleetgen.workers.families.model_dir import is_hub_id
@@ -98,10 +97,13 @@ def resolve_stage(
             "file, and a Ray Data block has no stable position. Add an id column (or pass `id_column=` naming "
             "one), or a seed column, so that the same row gets the same pixels on every run."
         )
-    config, pin_note = pin_revision(config, None)
-    score, score_notes = pin_scorers(config.generation.score, {})
-    config = config.with_options(score=score, quantize=config.generation.quantize.pinned())
-    config, family, sources = resolve_defaults(config, columns)
+    r = resolve_model(
+        config,
+        columns,
+        lambda column: [str(v) for v in facts.unique(column)[: MAX_ADAPTERS + 1] if v is not None],
+        facts.largest,
+    )
+    config = r.config
     media = "video" if config.generation.task_spec().video else "image"
     for name in columns.carry:
         if name in (*ADDED, media):
@@ -109,13 +111,6 @@ def resolve_stage(
                 f"Input column `{name}` would be carried into the stage's rows, which have a `{name}` column of "
                 f"their own. Pass `drop_columns={name!r}` (a template can still read it), or rename it."
             )
-    values = facts.unique(columns["lora"]) if columns["lora"] else []
-    adapters = resolve_adapters(config, columns, [str(v) for v in values[: MAX_ADAPTERS + 1] if v is not None])
-    g = config.generation
-    plan_size = (
-        max(g.width, (facts.largest(columns["width"]) or 0) if columns["width"] else 0),
-        max(g.height, (facts.largest(columns["height"]) or 0) if columns["height"] else 0),
-    )
-    spec = worker_spec(config, "stage", columns, adapters=adapters, plan_size=plan_size)
-    lines = [describe(config, family, sources), describe_columns(config, columns, adapters), pin_note, *score_notes]
+    spec = worker_spec(config, "stage", columns, adapters=r.adapters, plan_size=r.plan_size)
+    lines = [describe(config, r.family, r.sources), describe_columns(config, columns, r.adapters), r.pin_note]
     return Stage(config, spec, columns, media, base or os.path.join(os.getcwd(), WHERE), tuple(x for x in lines if x))

@@ -49,13 +49,16 @@ class GenerationSettings:
         group="job",
     )
     steps: int | None = setting(
-        None, "denoising steps (default: the model family's, e.g. 30 for SD, 28 for FLUX.1-dev)", at_least=1
+        None, "denoising steps (default: the model family's, e.g. 30 for SD, 28 for FLUX.1-dev)", at_least=1, plan=True
     )
     guidance: float | None = setting(
-        None, "guidance scale (default: the model family's, e.g. 7.5 for SD, 3.5 for FLUX.1-dev)", at_least=0
+        None, "guidance scale (default: the model family's, e.g. 7.5 for SD, 3.5 for FLUX.1-dev)", at_least=0, plan=True
     )
     true_cfg_scale: float | None = setting(
-        None, "Flux: apply negative prompts with true CFG at this scale (> 1; doubles the compute)", more_than=0
+        None,
+        "Flux: apply negative prompts with true CFG at this scale (> 1; doubles the compute)",
+        more_than=0,
+        plan=True,
     )
     quantize: QuantizeSpec = setting(
         QuantizeSpec(),
@@ -63,6 +66,7 @@ class GenerationSettings:
         "a format per component, e.g. transformer=fp8,text_encoder=int8 (fp8, int8, nf4, bnb-int8, gguf:PATH); "
         "changes pixels",
         shown=lambda v: v.label,
+        plan=True,
     )
     cache: CacheSpec = setting(
         CacheSpec(),
@@ -72,6 +76,7 @@ class GenerationSettings:
         "magcache[:threshold=T,max_skip=K,retention=R] (FLUX.1: skip whole steps by its published ratios); "
         "changes pixels",
         shown=lambda v: v.label,
+        plan=True,
     )
     attention: AttentionSpec = setting(
         AttentionSpec(),
@@ -85,6 +90,7 @@ class GenerationSettings:
         "what the model does with each row (default: what its pipeline class does); e.g. "
         "`--task image-to-image` or `--task inpaint` on an SD directory (its weights serve both)",
         choices=TASKS,
+        plan=True,
     )
     strength: float | None = setting(
         None,
@@ -112,10 +118,10 @@ class GenerationSettings:
         stage="a stage's row holds the clip (`video`); decode its frames where the pipeline needs them",
     )
     width: int | None = setting(
-        None, "pixels, a multiple of 8 (default 512, `fleetgen plan` 1024; video families: their card's)"
+        None, "pixels, a multiple of 8 (default 512, `fleetgen plan` 1024; video families: their card's)", plan=True
     )
     height: int | None = setting(
-        None, "pixels, a multiple of 8 (default 512, `fleetgen plan` 1024; video families: their card's)"
+        None, "pixels, a multiple of 8 (default 512, `fleetgen plan` 1024; video families: their card's)", plan=True
     )
     seed: int = setting(0, "job seed: rows without a `seed` column derive theirs from it and their id", at_least=0)
     image_format: str = setting("png", "how each image is stored", choices=IMAGE_FORMATS)
@@ -125,6 +131,7 @@ class GenerationSettings:
         "a `num_frames` column sets it per row",
         at_least=1,
         at_most=MAX_FRAMES,
+        plan=True,
     )
     fps: float | None = setting(
         None,
@@ -171,6 +178,7 @@ class GenerationSettings:
         group="synthesis",
         metavar="NAME[=MODEL],...",
         shown=lambda v: v.label,
+        plan=True,
     )
     keep: KeepRule = setting(
         KeepRule(),
@@ -313,6 +321,7 @@ class Source:
         group="job",
         scope="job",
         fingerprint=True,
+        plan=True,
     )
     revision: str | None = setting(
         None,
@@ -335,6 +344,7 @@ class Source:
         "auto | float32 | float16 | bfloat16 (default auto: the family's on CUDA, float32 on CPU; `fleetgen plan`: "
         "the family's)",
         choices=DTYPES,
+        plan=True,
     )
     trust_remote_code: bool = setting(False, "allow the model repo to run its own code (off by default)", scope="job")
     adapters: tuple[tuple[str, str], ...] = ()  # every LoRA the job uses (flags, `lora` column): (as named, location)
@@ -346,16 +356,17 @@ class Fit:
     changes an image's pixels (they are in its record, not in the fingerprint)."""
 
     max_batch: int = setting(
-        4, "images per pipeline call, at most (each worker sizes its own batch up to it)", at_least=1
+        4, "images per pipeline call, at most (each worker sizes its own batch up to it)", at_least=1, plan=True
     )
     offload: str = setting(
-        "auto", "how workers place the pipeline (default auto: planned per device)", choices=OFFLOAD_CHOICES
+        "auto", "how workers place the pipeline (default auto: planned per device)", choices=OFFLOAD_CHOICES, plan=True
     )
     phases: str = setting(
         "auto",
         "text encoders in a phase of their own, a chunk of prompts at a time, then the denoiser (default "
         "auto: where each worker's plan predicts it faster; keeps pixels)",
         choices=PHASES_CHOICES,
+        plan=True,
     )
     compile: bool = setting(
         False,
@@ -375,6 +386,7 @@ class Fit:
         "`fleetgen plan`: 80 % of this machine's)",
         shown=format_size,
         written="size",
+        plan=True,
     )
     strict_prompts: bool = setting(
         False, "a prompt longer than the text encoder takes is an error row (default: truncate, noted per row)"
@@ -392,6 +404,7 @@ class Fit:
         "every worker of the node maps (on CUDA, pinned in place), or `worker`, a copy per worker (default node; "
         "falls back to a copy per worker, with one line, where shared memory is missing or too small; keeps pixels)",
         choices=("node", "worker"),
+        plan=True,
     )
     # this worker's share of its node's RAM where its host budget is that share (cluster/actor.py): what it pays of
     # the node's shared copy of the weights; 0: its budget is its own (given, or what the probe read free)
