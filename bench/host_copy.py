@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fleetgen.jobs.planning import NodeShare, plan_rows, plan_workload  # noqa: E402
+from fleetgen.jobs.planning import NodeShare, RowsAsk, plan_rows, plan_workload  # noqa: E402
 from fleetgen.offload.architectures import NAMES  # noqa: E402
 from fleetgen.units import format_size  # noqa: E402
 
@@ -45,7 +45,7 @@ def predicted() -> list[dict]:
             for n in (4, 8):
                 row = {"model": name, "gpu": gpu, "workers": n}
                 for mode in ("node", "worker"):
-                    summary, rows = plan_rows(name, [gpu], HOST, family.dtype, work, node=NodeShare(n, mode))
+                    summary, rows = plan_rows(RowsAsk(name, (gpu,), HOST, family.dtype, work, node=NodeShare(n, mode)))
                     r = rows[0]
                     if "error" in r:
                         row[mode] = None

@@ -6,14 +6,14 @@ import dataclasses
 import io
 import json
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from fleetgen.errors import ConfigError, OffloadError
 from fleetgen.offload import DeviceSpec, Workload, plan
 from fleetgen.offload.architectures import NAMES, build_on_meta, pipeline_settings, resolve
-from fleetgen.offload.devices import ASSUMED_BANDWIDTH, ASSUMED_FLOPS, GPUS, host_available_bytes
+from fleetgen.offload.devices import ASSUMED_BANDWIDTH, ASSUMED_FLOPS, GPUS, host_available_bytes, node_copy_refusal
 from fleetgen.offload.devices import gpu as device_table
-from fleetgen.offload.profiles import DTYPE_BYTES, PipelineProfile, stored_profile
+from fleetgen.offload.profiles import PipelineProfile, stored_profile
 from fleetgen.offload.weight_formats import CHOOSABLE, check_components, spec
 from fleetgen.scores import ScoreSpec
 from fleetgen.settings import Row, build, check_names, nested, setting, table
@@ -56,11 +56,14 @@ class PlanRequest:
         "resident",
         metavar="COMPONENT=MODE,...",
     )
-    batch: int | None = setting(None, "predict at this batch size (default: the fastest that fits, up to --max-batch)")
+    batch: int | None = setting(
+        None, "predict at this batch size (default: the fastest that fits, up to --max-batch)", at_least=1
+    )
     workers_per_node: int = setting(
         1,
         "workers (one a GPU) on a node, sharing its host RAM and host link: --host-memory is then the node's, and "
         "the plan shows host RAM per node with --host-copy's copy of the weights once (node) or per worker",
+        at_least=1,
     )
     source: Source = nested(Source, group="plan", scope="job", fingerprint=False)
     generation: GenerationSettings = nested(GenerationSettings, group="plan", scope="job", fingerprint=True)
@@ -123,93 +126,87 @@ def pipeline_profile(model: str, dtype: str, vae_upcast: bool, formats: tuple[st
     return profile_modules(model, build_on_meta(model), DTYPES[dtype], vae_upcast, formats, pipeline_settings(model))
 
 
-def plan_rows(
-    model: str,
-    budgets: list[str],
-    host_memory: int | str | None,
-    dtype: str,
-    work: Workload,
-    bandwidth: float = ASSUMED_BANDWIDTH,
-    flops: float = ASSUMED_FLOPS,
-    *,
-    extra: PlanExtras | None = None,
-    given: dict | None = None,
-    batch: int | None = None,
-    node: NodeShare | None = None,
-) -> tuple[dict, list[dict]]:
-    """(the profile summary, one row per budget: the plan or the reason nothing fits). `extra`: the
-    family's VAE upcast and the job's scorers (held beside the pipeline: planned in what they leave);
-    `node`: the workers of a node and where their host copy lives (`host_memory` is then the node's)."""
-    extra = extra or PlanExtras()
-    mapping = work.quantize.mapping
-    formats = CHOOSABLE if work.quantize.auto else tuple(sorted(set(mapping.values())))
-    profile = pipeline_profile(model, dtype, extra.vae_upcast, formats)
-    check_components(mapping, list(profile.components), model)
-    missing = sorted(set(given or ()) - set(profile.components))
+@dataclass(frozen=True)
+class RowsAsk:
+    """What `plan_rows` is asked: a model's plans for device `budgets` (sizes like `24GiB`) with `host_memory`
+    (the node's where `node` says several workers share it; default 80 % of this machine's available RAM), at
+    `dtype`, for `work`; the host link and the device's rate to assume; `extra`: the family's VAE upcast and
+    the job's scorers (held beside the pipeline: planned in what they leave); `given`: placements to predict
+    instead of choosing; `batch`: the batch to predict at."""
+
+    model: str
+    budgets: tuple[str, ...]
+    host_memory: int | str | None
+    dtype: str
+    work: Workload
+    bandwidth: float = ASSUMED_BANDWIDTH
+    flops: float = ASSUMED_FLOPS
+    extra: PlanExtras = field(default_factory=lambda: PlanExtras())
+    given: dict | None = None
+    batch: int | None = None
+    node: NodeShare = field(default_factory=lambda: NodeShare())
+
+
+def plan_rows(ask: RowsAsk) -> tuple[dict, list[dict]]:
+    """(the profile summary, one row per budget: the plan or the reason nothing fits)."""
+    mapping = ask.work.quantize.mapping
+    formats = CHOOSABLE if ask.work.quantize.auto else tuple(sorted(set(mapping.values())))
+    profile = pipeline_profile(ask.model, ask.dtype, ask.extra.vae_upcast, formats)
+    check_components(mapping, list(profile.components), ask.model)
+    missing = sorted(set(ask.given or ()) - set(profile.components))
     if missing:
         raise ConfigError(
-            f"`--placement`: no component {', '.join(missing)} in {model}; it has {', '.join(profile.components)}."
+            f"`--placement`: no component {', '.join(missing)} in {ask.model}; it has {', '.join(profile.components)}."
         )
-    if isinstance(host_memory, str):
-        host_memory = parse_size(host_memory, "--host-memory")
-    host = host_memory or int(host_available_bytes() * 0.8)
-    work = dataclasses.replace(work, quantize=work.quantize.pinned())
-    scorers = extra.scores.reserved_bytes(profile.dtype_bytes)
-    node, fell_back = node or NodeShare(), None
+    host = ask.host_memory
+    host = parse_size(host, "--host-memory") if isinstance(host, str) else host or int(host_available_bytes() * 0.8)
+    work = dataclasses.replace(ask.work, quantize=ask.work.quantize.pinned())
+    scorers = ask.extra.scores.reserved_bytes(profile.dtype_bytes)
     at_load = {c for c, f in mapping.items() if f != "none" and spec(f).at_load}
-    shared = frozenset(c for c in profile.components if c not in at_load) if node.host_copy == "node" else frozenset()
-    held = sum(profile.components[c].bytes for c in shared)  # the node's one copy
-    # loading: the first worker writes the node's copy a component at a time from its own, freeing each as it
-    # is written (its load and the largest component at once); the others map it
-    loading = profile.total_bytes + max((profile.components[c].bytes for c in shared), default=0)
-    if shared and loading > host:
-        # as a worker does (workers/pipeline/host_copy.py): without the room to write it, a copy per worker
-        # (and where even one load does not fit, the planner's own refusal says what would)
-        fell_back = (
-            f"a copy per worker: writing the node's copy beside the first worker's load needs "
-            f"{format_size(loading)}, more than the node's {format_size(host)}"
-        )
-        node, shared, held, loading = replace(node, host_copy="worker"), frozenset(), 0, profile.total_bytes
-    own_host = (host - held) // node.workers  # each worker's own (offloaded copies, staging)
-    link = min(bandwidth, NODE_HOST_BANDWIDTH / node.workers) if node.workers > 1 else bandwidth
+    node = ask.node.held(profile, at_load, host)
+    link = node.link(ask.bandwidth)
     rows = []
-    for text in budgets:
+    for text in ask.budgets:
         budget = parse_size(text, "--gpu-memory")
-        device = DeviceSpec(
-            budget, own_host, link, flops, True, name=f"a {format_size(budget)} GPU", beside=scorers, shared=shared
-        )
+        name = f"a {format_size(budget)} GPU"
+        device = DeviceSpec(budget, node.own_host, link, ask.flops, True, name=name, beside=scorers, shared=node.shared)
         try:
-            row = {"gpu_memory": text, **plan(profile, device, work, given, batch).to_dict()}
-            if node.workers > 1 or shared or fell_back:
-                row["node"] = _node_row(node, held, row, host, link, loading, fell_back)
+            row = {"gpu_memory": text, **plan(profile, device, work, ask.given, ask.batch).to_dict()}
+            if node.share.workers > 1 or node.shared or node.fell_back:
+                row["node"] = node.row(row, link)
             rows.append(row)
         except OffloadError as err:
-            binds = "host RAM" if "(host RAM binds)" in str(err) else "device memory"
-            error = str(err)
-            if binds == "host RAM" and node.workers > 1 and not shared:
-                error += (
-                    f" (each worker's share: {format_size(host)} on the node / {node.workers} workers; "
-                    "`--host-copy node` holds the weights once per node)"
-                )
-            rows.append({"gpu_memory": text, "binds": [binds], "error": error})
-    scores = extra.scores
-    summary = {
-        "model": model,
-        "frames": work.frames,
-        "dtype": dtype,
+            rows.append(_refused(text, str(err), node))
+    return _summary(ask, profile, host, scorers), rows
+
+
+def _refused(budget: str, error: str, node: NodeHold) -> dict:
+    binds = "host RAM" if "(host RAM binds)" in error else "device memory"
+    if binds == "host RAM" and node.share.workers > 1 and not node.shared:
+        error += (
+            f" (each worker's share: {format_size(node.host)} on the node / {node.share.workers} workers; "
+            "`--host-copy node` holds the weights once per node)"
+        )
+    return {"gpu_memory": budget, "binds": [binds], "error": error}
+
+
+def _summary(ask: RowsAsk, profile: PipelineProfile, host: int, scorers: int) -> dict:
+    scores = ask.extra.scores
+    scoring = {"names": list(scores.names), "bytes": scorers, "seconds_per_image": scores.seconds_per_image(ask.flops)}
+    return {
+        "model": ask.model,
+        "frames": ask.work.frames,
+        "dtype": ask.dtype,
         "host_memory_bytes": host,
         # from_pretrained loads every component to host RAM, at the run dtype unless its format applies at load
         "load_host_bytes": profile.total_bytes,
-        "quantize": work.quantize.label,
-        "bandwidth_bytes_per_s": bandwidth,
-        "flops": flops,
+        "quantize": ask.work.quantize.label,
+        "bandwidth_bytes_per_s": ask.bandwidth,
+        "flops": ask.flops,
         # each image's scoring: its scorers' weights (and an image's activations) held, their forward passes
-        "scorers": {"names": list(scores.names), "bytes": scorers, "seconds_per_image": scores.seconds_per_image(flops)}
-        if scores
-        else None,
+        "scorers": scoring if scores else None,
         "components": _components(profile),
     }
-    return summary, rows
 
 
 # Host→device bytes/s a node's host memory serves to all of its GPUs at once: eight H100s reading pinned
@@ -220,29 +217,67 @@ NODE_HOST_BANDWIDTH = 207e9
 
 @dataclass(frozen=True)
 class NodeShare:
-    """The workers of one node, and where their host copy of the weights lives (`--host-copy`)."""
+    """The workers of one node, and where their host copy of the weights lives (`--host-copy`, its default)."""
 
     workers: int = 1
-    host_copy: str = "worker"
+    host_copy: str = Fit.host_copy
+
+    def held(self, profile: PipelineProfile, at_load: set[str], host: int) -> NodeHold:
+        """What the node holds for `profile` with `host` bytes of RAM: the node's one copy of the components
+        that can be shared (not those in a format applied at load), else — where writing it beside the first
+        worker's load does not fit, as that worker would find (`node_copy_refusal`) — a copy per worker."""
+        shared = (
+            frozenset(c for c in profile.components if c not in at_load) if self.host_copy == "node" else frozenset()
+        )
+        largest = max((profile.components[c].bytes for c in shared), default=0)
+        why = node_copy_refusal(profile.total_bytes, largest, host) if shared else None
+        if why:
+            mine = replace(self, host_copy="worker")
+            return NodeHold(mine, frozenset(), 0, profile.total_bytes, host, f"a copy per worker: {why}")
+        held = sum(profile.components[c].bytes for c in shared)
+        # loading: the first worker writes the node's copy a component at a time from its own, freeing each as it
+        # is written (its load and the largest component at once); the others map it
+        return NodeHold(self, shared, held, profile.total_bytes + largest, host, None)
 
 
-def _node_row(node: NodeShare, held: int, row: dict, host: int, link: float, loading: int, note) -> dict:
-    """Host RAM per node for a row's plan: the node's copy once (or none) and each worker's own; the
-    loading peak (the first worker writing the node's copy; else every worker loading its own)."""
-    own = row["host_bytes"]
-    # a plan that holds everything on the device for good leaves the node's copy once loaded
-    kept = held if row.get("phases") or any(m != "resident" for m in row["modes"].values()) else 0
-    return {
-        "workers": node.workers,
-        "host_copy": node.host_copy,
-        "shared_bytes": kept,
-        "own_bytes_per_worker": own,
-        "host_bytes": kept + node.workers * own,
-        "host_budget_bytes": host,
-        "load_peak_bytes": loading if held else node.workers * row["load_host_bytes"],
-        "bandwidth_per_worker": link,
-        **({"note": note} if note else {}),
-    }
+@dataclass(frozen=True)
+class NodeHold:
+    """A node's host RAM for one model (`NodeShare.held`): the node's copy (`shared`, `held` bytes; none where
+    each worker keeps its own), the loading peak, the node's RAM, and why it fell back to a copy per worker."""
+
+    share: NodeShare
+    shared: frozenset[str]
+    held: int
+    loading: int
+    host: int
+    fell_back: str | None
+
+    @property
+    def own_host(self) -> int:
+        """Each worker's own host RAM (offloaded copies, staging): the node's, less its copy, split."""
+        return (self.host - self.held) // self.share.workers
+
+    def link(self, bandwidth: float) -> float:
+        """Each worker's share of the node's host link."""
+        return min(bandwidth, NODE_HOST_BANDWIDTH / self.share.workers) if self.share.workers > 1 else bandwidth
+
+    def row(self, row: dict, link: float) -> dict:
+        """Host RAM per node for a row's plan: the node's copy once (or none) and each worker's own; the loading
+        peak (the first worker writing the node's copy; else every worker loading its own)."""
+        own = row["host_bytes"]
+        # a plan that holds everything on the device for good leaves the node's copy once loaded
+        kept = self.held if row.get("phases") or any(m != "resident" for m in row["modes"].values()) else 0
+        return {
+            "workers": self.share.workers,
+            "host_copy": self.share.host_copy,
+            "shared_bytes": kept,
+            "own_bytes_per_worker": own,
+            "host_bytes": kept + self.share.workers * own,
+            "host_budget_bytes": self.host,
+            "load_peak_bytes": self.loading if self.held else self.share.workers * row["load_host_bytes"],
+            "bandwidth_per_worker": link,
+            **({"note": self.fell_back} if self.fell_back else {}),
+        }
 
 
 @dataclass(frozen=True)
@@ -302,27 +337,23 @@ def plan_budgets(request: PlanRequest) -> Plans:
     bandwidth = request.bandwidth * 1e9 if request.bandwidth else (card.bandwidth if card else ASSUMED_BANDWIDTH)
     work, family = plan_workload(request)
     dtype = family.dtype if request.source.dtype == "auto" else request.source.dtype
-    if dtype not in DTYPE_BYTES:
-        raise ConfigError(f"`--dtype` must be one of auto, {', '.join(DTYPE_BYTES)}; got `{dtype}`.")
     given = parse_placement(request.placement)
-    if request.batch is not None and request.batch < 1:
-        raise ConfigError(f"`--batch` must be 1 or more; got {request.batch}.")
     if request.batch:
         work = replace(work, max_batch=max(work.max_batch, request.batch))
-    if request.workers_per_node < 1:
-        raise ConfigError(f"`--workers-per-node` must be 1 or more; got {request.workers_per_node}.")
     summary, rows = plan_rows(
-        request.model,
-        budgets,
-        request.fit.host_memory,
-        dtype,
-        work,
-        bandwidth,
-        flops,
-        extra=PlanExtras(family.upcasts_vae, request.generation.score),
-        given=given,
-        batch=request.batch,
-        node=NodeShare(request.workers_per_node, request.fit.host_copy),
+        RowsAsk(
+            request.model,
+            tuple(budgets),
+            request.fit.host_memory,
+            dtype,
+            work,
+            bandwidth,
+            flops,
+            extra=PlanExtras(family.upcasts_vae, request.generation.score),
+            given=given,
+            batch=request.batch,
+            node=NodeShare(request.workers_per_node, request.fit.host_copy),
+        )
     )
     summary["family"] = family.name
     summary["gpu"] = card.name if card else None

@@ -71,6 +71,23 @@ GPUS = {
 }
 
 
+def node_copy_refusal(loaded: int, largest: int, host: int) -> str | None:
+    """Why the node's copy of the weights cannot be written beside a worker's own load (None: it can): the
+    writer holds its load (`loaded` bytes, 0 where `host` is what is left after it) and, while it writes, the
+    largest shared component once more, within `host` bytes of RAM. The planner (jobs/planning.py) and the
+    writing worker (workers/pipeline/segment.py) both ask this."""
+    if loaded + largest <= host:
+        return None
+    from fleetgen.units import format_size
+
+    need = format_size(loaded + largest)
+    if loaded:
+        return f"writing the node's copy beside the first worker's load needs {need}, more than the node's {format_size(host)}"
+    return (
+        f"host RAM has {format_size(host)} available and writing the node's copy beside this worker's load needs {need}"
+    )
+
+
 def host_available_bytes() -> int:
     """This machine's available RAM (Linux: MemAvailable)."""
     with open("/proc/meminfo") as f:

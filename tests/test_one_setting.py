@@ -26,7 +26,7 @@ CASES = {
     ),
     "a worker's own": (
         "workers/spec.py",
-        '        4, "images per pipeline call, at most (each worker sizes its own batch up to it)", at_least=1\n    )\n',
+        '        4, "images per pipeline call, at most (each worker sizes its own batch up to it)", at_least=1, plan=True\n    )\n',
         '    sharpness: float = setting(0.0, "how sharp each worker makes its images (a test\'s setting)")\n',
         "fit",
     ),

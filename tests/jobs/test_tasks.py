@@ -113,12 +113,14 @@ def _flux2_workload(**kw):
 
 def test_fleetgen_plan_plans_an_edit_with_its_references(capsys):
     from fleetgen.cli import main
-    from fleetgen.jobs.planning import plan_rows
+    from fleetgen.jobs.planning import RowsAsk, plan_rows
 
     edit, family = _flux2_workload(max_batch=8, task="edit", references=3)
     assert (edit.input_images, edit.in_sequence, edit.max_batch) == (3, True, 1)
     text, _ = _flux2_workload()
-    peaks = [plan_rows("flux.2-dev", ["141GiB"], "128GiB", "bfloat16", w)[1][0]["peak_bytes"] for w in (text, edit)]
+    peaks = [
+        plan_rows(RowsAsk("flux.2-dev", ("141GiB",), "128GiB", "bfloat16", w))[1][0]["peak_bytes"] for w in (text, edit)
+    ]
     assert peaks[1] > peaks[0]  # three references' tokens beside the image's own
     with pytest.raises(ConfigError, match=r"`--references` must be 1 to 10 for flux2 edit"):
         _flux2_workload(task="edit", references=11)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fleetgen.cli import main
-from fleetgen.jobs.planning import plan_rows, plan_workload
+from fleetgen.jobs.planning import RowsAsk, plan_rows, plan_workload
 from fleetgen.offload import profile_modules
 from fleetgen.offload.planner import TIE  # plans within it compare as equal: the tie goes to fewer bytes moved
 from tests.offload.exhaustive import exhaustive_key, plan_key
@@ -91,7 +91,7 @@ def test_flux2_dev_on_four_devices_and_three_hosts_names_the_binding_budget():
     seen = {}
     for host in ("64GiB", "128GiB", "256GiB"):
         started = time.perf_counter()
-        summary, rows = plan_rows("flux.2-dev", ["24GiB", "48GiB", "80GiB", "141GiB"], host, "bfloat16", work)
+        summary, rows = plan_rows(RowsAsk("flux.2-dev", ("24GiB", "48GiB", "80GiB", "141GiB"), host, "bfloat16", work))
         for row in rows:
             assert row["binds"] or row.get("error") is None  # a refusal always names its budget
             seen[host, row["gpu_memory"]] = row

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fleetgen.jobs.planning import plan_rows, plan_workload
+from fleetgen.jobs.planning import RowsAsk, plan_rows, plan_workload
 from fleetgen.latents import expert_shares, latent_frames, vae_temporal
 from fleetgen.offload import DeviceSpec, Workload, plan, profile_modules
 from fleetgen.offload.architectures import build_on_meta, pipeline_settings
@@ -99,7 +99,7 @@ def test_fleetgen_plan_says_clips_per_hour(capsys):
         offload="auto",
         num_frames=41,
     )
-    summary, rows = plan_rows("wan2.2-ti2v-5b", BUDGETS, "64GiB", "bfloat16", work)
+    summary, rows = plan_rows(RowsAsk("wan2.2-ti2v-5b", tuple(BUDGETS), "64GiB", "bfloat16", work))
     assert summary["frames"] == 41 and all("error" not in r for r in rows)
 
 
@@ -121,7 +121,7 @@ def test_hunyuanvideo15_is_planned_from_its_published_configs():
         480,
         True,
     )
-    summary, rows = plan_rows("hunyuanvideo-1.5", BUDGETS, "128GiB", "bfloat16", work)
+    summary, rows = plan_rows(RowsAsk("hunyuanvideo-1.5", tuple(BUDGETS), "128GiB", "bfloat16", work))
     assert round(summary["components"]["transformer"]["params"] / 1e9, 1) == 8.3  # HunyuanVideo 1.5: 8.3 B
     assert all("error" not in r and r["peak_bytes"] <= parse_gib(r["gpu_memory"]) * 0.9 for r in rows)
     assert "121 frames at 848x480" in rows[0]["reason"]
@@ -147,7 +147,7 @@ def test_ltx2_is_planned_from_its_published_configs_with_every_pass_counted():
         True,
         2,
     )
-    summary, rows = plan_rows("ltx-2", BUDGETS, "128GiB", "bfloat16", work)
+    summary, rows = plan_rows(RowsAsk("ltx-2", tuple(BUDGETS), "128GiB", "bfloat16", work))
     params = {k: round(c["params"] / 1e9, 1) for k, c in summary["components"].items()}
     assert (params["transformer"], params["text_encoder"]) == (18.9, 12.2)  # "19 B" and Gemma 3 12B
     assert {"connectors", "vocoder", "audio_vae", "vae"} <= set(params)

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from fleetgen.offload.devices import host_available_bytes
+from fleetgen.offload.devices import host_available_bytes, node_copy_refusal
 from fleetgen.units import format_size
 from fleetgen.workers.pipeline.user_dir import PREFIX, Unavailable, UserDir, read_all, shm_dir
 
@@ -325,11 +325,9 @@ class Segment:
             available = host_available_bytes()
         except OSError:  # no /proc/meminfo
             available = None
-        if available is not None and largest > available:
-            raise Unavailable(
-                f"host RAM has {format_size(available)} available and writing the node's copy beside this "
-                f"worker's load needs {format_size(largest)}"
-            )
+        why = node_copy_refusal(0, largest, available) if available is not None else None  # as the planner asks
+        if why:
+            raise Unavailable(why)
         started = time.perf_counter()
         self.manifest = {"key": self.key, "total": plan.total, "components": plan.components, "writer": os.getpid()}
         tmp = f"{self.names['json']}.tmp-{os.getpid()}"
