@@ -18,7 +18,7 @@ SETTLE = 5.0  # seconds a local reclaim retries at exit while ended workers' loc
 
 @ray.remote(num_cpus=0, max_retries=0)
 def _reclaim_here() -> list[str]:
-    from fleetgen.workers.pipeline.segment import reclaim
+    from fleetgen.workers.pipeline.user_dir import reclaim  # no torch: a task's process stays light
 
     return reclaim()
 
@@ -47,8 +47,7 @@ def reclaim_nodes(timeout: float = RECLAIM_TIMEOUT) -> int:
 def reclaim_local(settle: float = SETTLE) -> int:
     """This user's orphaned segments removed on this node, retrying for `settle` seconds while some
     remain (workers that Ray is ending drop their locks as their processes exit): how many."""
-    from fleetgen.workers.pipeline.segment import reclaim
-    from fleetgen.workers.pipeline.user_dir import PREFIX, Unavailable, UserDir
+    from fleetgen.workers.pipeline.user_dir import PREFIX, Unavailable, UserDir, reclaim
 
     removed, deadline = 0, time.monotonic() + settle
     while True:

@@ -50,7 +50,16 @@ import torch
 
 from fleetgen.offload.devices import host_available_bytes, node_copy_refusal
 from fleetgen.units import format_size
-from fleetgen.workers.pipeline.user_dir import PREFIX, Unavailable, UserDir, read_all, shm_dir
+from fleetgen.workers.pipeline.user_dir import (
+    PREFIX,
+    Unavailable,
+    UserDir,
+    read_all,
+    reclaim,
+    seals,
+    segment_files,
+    shm_dir,
+)
 
 ALIGN = 64  # bytes: every tensor starts at a multiple (and so at one of its element size)
 PAGE = 4096
@@ -190,7 +199,7 @@ class Segment:
 
     def __init__(self, key: str, base: Path | None = None):
         self.key, self.base = key, base
-        self.names = {k: f"{PREFIX}{key}.{k}" for k in ("lock", "users", "data", "json")}
+        self.names = segment_files(key)
         self.home: UserDir | None = None
         self.users_fd: int | None = None
         self.manifest: dict | None = None
@@ -288,7 +297,7 @@ class Segment:
 
     def seals(self) -> list[str]:
         """The seals being written (or left by dead writers) of this segment."""
-        return [n for n in self.home.names() if n.startswith(f"{self.names['json']}.tmp-")]
+        return seals(self.home, self.key)
 
     def _sealed(self) -> dict | None:
         """The manifest where it is this user's, sealed and of this worker's key; else None."""
@@ -463,51 +472,3 @@ class Segment:
         finally:
             os.close(fd)
             self.home.close()
-
-
-def reclaim(home: UserDir | Path | None = None, skip: str | None = None) -> list[str]:
-    """Remove every segment of this user's directory (`home`, or the one in the node-shared directory `home`
-    names, by default FLEETGEN_SHM_DIR's or /dev/shm's) that no live process uses (its users all died, or a
-    job was killed); those another worker is busy with are left alone. The keys removed; none where this
-    user has no directory it can trust."""
-    import fcntl
-
-    own = not isinstance(home, UserDir)
-    if own:
-        try:
-            home = UserDir(home)
-        except Unavailable:
-            return []
-    removed = []
-    try:
-        for name in home.names():
-            if not (name.startswith(PREFIX) and name.endswith(".users")):
-                continue
-            key = name[len(PREFIX) : -len(".users")]
-            if key == skip:
-                continue
-            seg = Segment(key)
-            try:
-                lock = home.open(seg.names["lock"], os.O_RDWR | os.O_CREAT)
-            except Unavailable:
-                continue
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                fd = home.open(name, os.O_RDWR)
-            except (BlockingIOError, Unavailable):
-                os.close(lock)
-                continue  # being written, joined or left right now: live (or gone meanwhile)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                seg.home = home
-                home.remove(*(seg.names[k] for k in ("json", "data", "users", "lock")), *seg.seals())
-                removed.append(key)
-            except BlockingIOError:
-                pass
-            finally:
-                os.close(fd)
-                os.close(lock)
-    finally:
-        if own:
-            home.close()
-    return removed

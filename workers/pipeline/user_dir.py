@@ -97,3 +97,61 @@ def read_all(fd: int) -> bytes:
         chunks.append(chunk)
         offset += len(chunk)
     return b"".join(chunks)
+
+
+def segment_files(key: str) -> dict[str, str]:
+    """The files of the segment `key` (workers/pipeline/segment.py says what each holds)."""
+    return {k: f"{PREFIX}{key}.{k}" for k in ("lock", "users", "data", "json")}
+
+
+def seals(home: UserDir, key: str) -> list[str]:
+    """The seals of segment `key` being written, or left by dead writers."""
+    return [n for n in home.names() if n.startswith(f"{segment_files(key)['json']}.tmp-")]
+
+
+def reclaim(home: UserDir | Path | None = None, skip: str | None = None) -> list[str]:
+    """Remove every segment of this user's directory (`home`, or the one in the node-shared directory `home`
+    names, by default FLEETGEN_SHM_DIR's or /dev/shm's) that no live process uses (its users all died, or a
+    job was killed); those another worker is busy with are left alone. The keys removed; none where this
+    user has no directory it can trust. (Here, not beside the segment: a driver's reclaim task on each node
+    imports no torch.)"""
+    import fcntl
+
+    own = not isinstance(home, UserDir)
+    if own:
+        try:
+            home = UserDir(home)
+        except Unavailable:
+            return []
+    removed = []
+    try:
+        for name in home.names():
+            if not (name.startswith(PREFIX) and name.endswith(".users")):
+                continue
+            key = name[len(PREFIX) : -len(".users")]
+            if key == skip:
+                continue
+            files = segment_files(key)
+            try:
+                lock = home.open(files["lock"], os.O_RDWR | os.O_CREAT)
+            except Unavailable:
+                continue
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fd = home.open(name, os.O_RDWR)
+            except (BlockingIOError, Unavailable):
+                os.close(lock)
+                continue  # being written, joined or left right now: live (or gone meanwhile)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                home.remove(*(files[k] for k in ("json", "data", "users", "lock")), *seals(home, key))
+                removed.append(key)
+            except BlockingIOError:
+                pass
+            finally:
+                os.close(fd)
+                os.close(lock)
+    finally:
+        if own:
+            home.close()
+    return removed
