@@ -210,6 +210,7 @@ print(hashlib.sha256(before).hexdigest(), hashlib.sha256(_image(own)).hexdigest(
 """
 
 
+@pytest.mark.slow  # two processes of their own, each importing torch and loading twice
 @pytest.mark.parametrize("code", [FAIL_MID_WRITE, CLOSED_UNDER_VIEWS], ids=["write-fails", "left-under-views"])
 def test_a_mapping_is_never_pulled_from_under_live_modules(tiny_model, base, code):
     """A write that fails after the first component (EIO): the worker goes on with its own copy, every
