@@ -297,3 +297,73 @@ def test_a_wait_for_a_writer_that_never_finishes_ends_with_its_line(tiny_model, 
         assert _image(pipe) == _image(own)
     finally:
         _kill(proc)
+
+
+@pytest.mark.chaos  # a tmpfs mounted and filled under a whole job
+def test_a_job_whose_shared_memory_fills_as_the_copy_is_written_completes(tiny_model, tmp_path):
+    """`fleetgen run` (its own local Ray, one worker with the node's copy) on a node whose shared directory
+    (a 32 MiB tmpfs) another process fills as soon as the copy's data file holds its first block: the job
+    completes with the pixels of `--host-copy worker`, its worker wrote and mapped the copy, and no worker
+    was lost or restarted."""
+    import pyarrow.parquet as pq
+
+    from tests.conftest import write_prompts
+
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=32m,mode=1777", "tmpfs", str(mnt)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    prompts = write_prompts(tmp_path / "p.parquet", ["a fox", "an owl", "a ship", "a cat"])
+    env = {**os.environ, "FLEETGEN_SHM_DIR": str(mnt)}
+    env.pop("RAY_ADDRESS", None)
+    filled = threading.Event()
+
+    def fill():
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not filled.is_set():
+            if any(p.stat().st_blocks > 0 for p in mnt.glob("fleetgen-*/*.data")):
+                with open(mnt / "filler", "wb") as f:
+                    try:
+                        while True:
+                            f.write(b"\0" * (1 << 20))
+                            f.flush()
+                    except OSError:
+                        filled.set()
+            time.sleep(0.001)
+
+    def run(out: str, *more: str) -> subprocess.CompletedProcess:
+        args = ["run", "--input", str(prompts), "--output", str(tmp_path / out), "--model", tiny_model]
+        fast = ["--steps", "2", "--width", "32", "--height", "32", "--device", "cpu", "--workers", "1"]
+        return subprocess.run(
+            [sys.executable, "-m", "fleetgen", *args, *fast, *more],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    try:
+        filler = threading.Thread(target=fill, daemon=True)
+        filler.start()
+        node = run("node")
+        filler.join(timeout=10)
+        (mnt / "filler").unlink(missing_ok=True)
+        own = run("own", "--host-copy", "worker")
+        said = node.stdout + node.stderr
+        assert node.returncode == 0 and own.returncode == 0, said[-3000:]
+        assert filled.is_set(), "the filler never saw the copy's data file"
+        assert " lost (" not in said, said[-3000:]  # no worker lost, none restarted
+        (record,) = (tmp_path / "node" / "workers").glob("w*.json")
+        copy = json.loads(record.read_text())["host_copy"]
+        assert copy["role"] == "wrote" and copy["shared"] is True, copy
+
+        def pixels(out: str) -> dict:
+            return {r["id"]: r["sha256"] for r in pq.read_table(tmp_path / out / "shards").to_pylist()}
+
+        assert pixels("node") == pixels("own") and len(pixels("node")) == 4
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
