@@ -152,6 +152,10 @@ def check_value(row: Row, value: Any) -> None:
     stage (`build` and `with_values` run it). Rules across settings are jobs/validate.py's."""
     if value is None:
         return
+    if row.typed in ("int", "float") and (isinstance(value, bool) or not isinstance(value, int | float)):
+        raise ConfigError(f"`{row.option}` must be a number, got `{value!r}`.")
+    if row.typed == "int" and isinstance(value, float) and not value.is_integer():
+        raise ConfigError(f"`{row.option}` must be a whole number, got `{value}`.")
     choices = row.choice_list
     if choices is not None:
         for v in value if row.typed == "tuple" and isinstance(value, tuple | list) else (value,):

@@ -87,3 +87,18 @@ def test_the_stage_refuses_a_bad_choice_before_anything_runs(tiny_model):
         resolve_stage(schema, tiny_model, {"host_copy": "nod"}, facts)
     with pytest.raises(ConfigError, match=r"`--fps` must be more than 0 and at most \d+, got `0`"):
         resolve_stage(schema, tiny_model, {"fps": 0}, facts)
+
+
+@pytest.mark.parametrize(
+    "name, value, said",
+    [
+        ("max_batch", 2.5, "`--max-batch` must be a whole number, got `2.5`."),
+        ("steps", "4", "`--steps` must be a number, got `'4'`."),
+        ("cpu_threads", True, "`--cpu-threads` must be a number, got `True`."),
+    ],
+)
+def test_a_number_setting_refuses_what_the_command_line_would(name, value, said):
+    """What argparse's `type=int` refuses on the command line is refused through the API too."""
+    with pytest.raises(ConfigError) as err:
+        make_config({"input": "in.parquet", "output": "out", "model": "org/model", name: value})
+    assert str(err.value) == said

@@ -232,6 +232,23 @@ def test_a_mapping_is_never_pulled_from_under_live_modules(tiny_model, base, cod
     assert not any((base / f"fleetgen-{os.geteuid()}").glob("*"))
 
 
+def fill_when_written(mnt: Path, filled: threading.Event, within: float = 240.0) -> None:
+    """As another process of the node would: fill the tmpfs at `mnt` as soon as a copy's data file there holds
+    its first block, then set `filled`."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if any(p.stat().st_blocks > 0 for p in mnt.glob("fleetgen-*/*.data")):
+            with open(mnt / "filler", "wb") as f:
+                try:
+                    while True:
+                        f.write(b"\0" * (1 << 20))
+                        f.flush()
+                except OSError:
+                    filled.set()
+                    return
+        time.sleep(0.001)
+
+
 @pytest.mark.chaos  # a tmpfs mounted and filled
 def test_a_tmpfs_that_fills_while_the_copy_is_written_costs_nothing(tiny_model, tmp_path, monkeypatch):
     """The node's shared directory (a 32 MiB tmpfs) is filled by another process as soon as the data file
@@ -246,25 +263,9 @@ def test_a_tmpfs_that_fills_while_the_copy_is_written_costs_nothing(tiny_model, 
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
     monkeypatch.setenv("FLEETGEN_SHM_DIR", str(mnt))
     filled = threading.Event()
-
-    def fill():
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            data = [p for p in mnt.glob("fleetgen-*/*.data") if p.stat().st_blocks > 0]
-            if data:
-                with open(mnt / "filler", "wb") as f:
-                    try:
-                        while True:
-                            f.write(b"\0" * (1 << 20))
-                            f.flush()
-                    except OSError:
-                        filled.set()
-                        return
-            time.sleep(0.001)
-
     try:
         _, own = _load(tiny_model, "worker")
-        filler = threading.Thread(target=fill, daemon=True)
+        filler = threading.Thread(target=fill_when_written, args=(mnt, filled), daemon=True)
         filler.start()
         hc, pipe = _load(tiny_model)
         filler.join(timeout=60)
@@ -321,19 +322,6 @@ def test_a_job_whose_shared_memory_fills_as_the_copy_is_written_completes(tiny_m
     env.pop("RAY_ADDRESS", None)
     filled = threading.Event()
 
-    def fill():
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and not filled.is_set():
-            if any(p.stat().st_blocks > 0 for p in mnt.glob("fleetgen-*/*.data")):
-                with open(mnt / "filler", "wb") as f:
-                    try:
-                        while True:
-                            f.write(b"\0" * (1 << 20))
-                            f.flush()
-                    except OSError:
-                        filled.set()
-            time.sleep(0.001)
-
     def run(out: str, *more: str) -> subprocess.CompletedProcess:
         args = ["run", "--input", str(prompts), "--output", str(tmp_path / out), "--model", tiny_model]
         fast = ["--steps", "2", "--width", "32", "--height", "32", "--device", "cpu", "--workers", "1"]
@@ -347,7 +335,7 @@ def test_a_job_whose_shared_memory_fills_as_the_copy_is_written_completes(tiny_m
         )
 
     try:
-        filler = threading.Thread(target=fill, daemon=True)
+        filler = threading.Thread(target=fill_when_written, args=(mnt, filled), daemon=True)
         filler.start()
         node = run("node")
         filler.join(timeout=10)
