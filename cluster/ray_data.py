@@ -59,10 +59,10 @@ class StageWorker:
         actor_id = ray.get_runtime_context().get_actor_id() or f"{os.getpid()}"
         self.name = f"rd-{actor_id[:8]}"  # an actor id's first bytes are its own (its last, the job's)
         self.base, self.calls = base, itertools.count()
+        earlier = _earlier_record(spec.output, self.name)  # read before this life's first record replaces it
         self.actor = FleetWorker(replace(spec, name=self.name), resources)
         self.actor.start()  # loads, fits its device, shares the node's weights; `stats` gets its record
         worker = self.actor.worker
-        earlier = _earlier_record(worker)
         if earlier:  # this actor restarted: its counts go on
             for k in ("images", "errors"):
                 worker.stats[k] += int(earlier.get("stats", {}).get(k) or 0)
@@ -86,14 +86,15 @@ class StageWorker:
         self.close()
 
 
-def _earlier_record(worker) -> dict | None:
-    """The record an earlier life of this actor left at `stats` (None: its first life, or no `stats`)."""
-    if worker.output is None:
+def _earlier_record(stats: str | None, name: str) -> dict | None:
+    """The record an earlier life of actor `name` left at `stats` (None: its first life, or no `stats`)."""
+    if not stats:
         return None
     from fleetgen.workers.output.layout import worker_key
+    from fleetgen.workers.output.storage import Output
 
     try:
-        return json.loads(worker.output.get(worker_key(worker.spec.name), attempts=1))
+        return json.loads(Output(stats).get(worker_key(name), attempts=1))
     except Exception:  # noqa: BLE001 - none there (its first life), or unreadable: counted from zero
         return None
 

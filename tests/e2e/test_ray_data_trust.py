@@ -84,9 +84,9 @@ def test_a_repeated_or_null_id_is_an_error_row(tiny_model, ray_cluster):
 
 @pytest.mark.chaos  # actors killed for real
 def test_a_batch_that_keeps_killing_its_actor_fails_the_stage(tiny_model, tmp_path, ray_cluster):
-    """A block whose rows kill the actor that makes them (SIGKILL, as a host OOM does): with
+    """A block whose second batch kills the actor that makes it (SIGKILL, as a host OOM does): with
     `max_restarts=1`, the actor is started twice and the stage fails, instead of reloading the model for
-    good; the actor's record at `stats` counts its restart."""
+    good; the actor's record at `stats` counts its restart and both lives' images (each made the first batch)."""
     log = tmp_path / "deaths"
     env = {"FLEETGEN_TESTS_DIE_ON": "poison", "FLEETGEN_TESTS_DIE_LOG": str(log)}
     table = pa.table({"id": ["a", "b"], "prompt": ["a fox", "poison"]})
@@ -95,7 +95,7 @@ def test_a_batch_that_keeps_killing_its_actor_fails_the_stage(tiny_model, tmp_pa
         tiny_model,
         stats=str(tmp_path / "stats"),
         ray_remote_args={"runtime_env": {"env_vars": env}, "max_restarts": 1, "max_task_retries": 1},
-        batch_rows=2,
+        batch_rows=1,
         **OPTIONS,
     )
     started = time.monotonic()
@@ -106,7 +106,8 @@ def test_a_batch_that_keeps_killing_its_actor_fails_the_stage(tiny_model, tmp_pa
     deaths = log.read_text().split()
     assert len(deaths) == 2, deaths  # its first life and one restart
     (record,) = (tmp_path / "stats" / "workers").glob("rd-*.json")
-    assert json.loads(record.read_text()).get("restarts") == 1
+    last = json.loads(record.read_text())
+    assert last.get("restarts") == 1 and last["stats"]["images"] == 2, last.get("stats")
 
 
 STAGE_THEN_SHUTDOWN = """
