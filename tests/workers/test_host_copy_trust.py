@@ -232,6 +232,21 @@ def test_a_mapping_is_never_pulled_from_under_live_modules(tiny_model, base, cod
     assert not any((base / f"fleetgen-{os.geteuid()}").glob("*"))
 
 
+@pytest.fixture
+def mnt(tmp_path):
+    """A 32 MiB tmpfs of this test's own (mode 1777, as /dev/shm), unmounted at the end; skipped, saying why,
+    where this machine does not let a test mount one."""
+    where = tmp_path / "shm"
+    where.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=32m,mode=1777", "tmpfs", str(where)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    yield where
+    subprocess.run(["umount", "-l", str(where)], check=False)
+
+
 def fill_when_written(mnt: Path, filled: threading.Event, within: float = 240.0) -> None:
     """As another process of the node would: fill the tmpfs at `mnt` as soon as a copy's data file there holds
     its first block, then set `filled`."""
@@ -250,31 +265,21 @@ def fill_when_written(mnt: Path, filled: threading.Event, within: float = 240.0)
 
 
 @pytest.mark.chaos  # a tmpfs mounted and filled
-def test_a_tmpfs_that_fills_while_the_copy_is_written_costs_nothing(tiny_model, tmp_path, monkeypatch):
+def test_a_tmpfs_that_fills_while_the_copy_is_written_costs_nothing(tiny_model, mnt, monkeypatch):
     """The node's shared directory (a 32 MiB tmpfs) is filled by another process as soon as the data file
     holds its first block: the space was reserved before a byte was written, so the copy is written whole,
     mapped, and makes the pixels of a copy of its own; the filler got only what was left."""
-    mnt = tmp_path / "shm"
-    mnt.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=32m,mode=1777", "tmpfs", str(mnt)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
     monkeypatch.setenv("FLEETGEN_SHM_DIR", str(mnt))
     filled = threading.Event()
-    try:
-        _, own = _load(tiny_model, "worker")
-        filler = threading.Thread(target=fill_when_written, args=(mnt, filled), daemon=True)
-        filler.start()
-        hc, pipe = _load(tiny_model)
-        filler.join(timeout=60)
-        assert filled.is_set() and os.statvfs(mnt).f_bavail == 0  # the tmpfs was full while it was written
-        assert hc.segment.role == "wrote" and sorted(hc.shared) == ["text_encoder", "unet", "vae"]
-        assert _image(pipe) == _image(own)
-        hc.close()
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    _, own = _load(tiny_model, "worker")
+    filler = threading.Thread(target=fill_when_written, args=(mnt, filled), daemon=True)
+    filler.start()
+    hc, pipe = _load(tiny_model)
+    filler.join(timeout=60)
+    assert filled.is_set() and os.statvfs(mnt).f_bavail == 0  # the tmpfs was full while it was written
+    assert hc.segment.role == "wrote" and sorted(hc.shared) == ["text_encoder", "unet", "vae"]
+    assert _image(pipe) == _image(own)
+    hc.close()
 
 
 @pytest.mark.chaos  # a writer stalled for good, then killed
@@ -301,7 +306,7 @@ def test_a_wait_for_a_writer_that_never_finishes_ends_with_its_line(tiny_model, 
 
 
 @pytest.mark.chaos  # a tmpfs mounted and filled under a whole job
-def test_a_job_whose_shared_memory_fills_as_the_copy_is_written_completes(tiny_model, tmp_path):
+def test_a_job_whose_shared_memory_fills_as_the_copy_is_written_completes(tiny_model, mnt, tmp_path):
     """`fleetgen run` (its own local Ray, one worker with the node's copy) on a node whose shared directory
     (a 32 MiB tmpfs) another process fills as soon as the copy's data file holds its first block: the job
     completes with the pixels of `--host-copy worker`, its worker wrote and mapped the copy, and no worker
@@ -310,13 +315,6 @@ def test_a_job_whose_shared_memory_fills_as_the_copy_is_written_completes(tiny_m
 
     from tests.conftest import write_prompts
 
-    mnt = tmp_path / "shm"
-    mnt.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=32m,mode=1777", "tmpfs", str(mnt)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
     prompts = write_prompts(tmp_path / "p.parquet", ["a fox", "an owl", "a ship", "a cat"])
     env = {**os.environ, "FLEETGEN_SHM_DIR": str(mnt)}
     env.pop("RAY_ADDRESS", None)
@@ -334,24 +332,21 @@ def test_a_job_whose_shared_memory_fills_as_the_copy_is_written_completes(tiny_m
             timeout=300,
         )
 
-    try:
-        filler = threading.Thread(target=fill_when_written, args=(mnt, filled), daemon=True)
-        filler.start()
-        node = run("node")
-        filler.join(timeout=10)
-        (mnt / "filler").unlink(missing_ok=True)
-        own = run("own", "--host-copy", "worker")
-        said = node.stdout + node.stderr
-        assert node.returncode == 0 and own.returncode == 0, said[-3000:]
-        assert filled.is_set(), "the filler never saw the copy's data file"
-        assert " lost (" not in said, said[-3000:]  # no worker lost, none restarted
-        (record,) = (tmp_path / "node" / "workers").glob("w*.json")
-        copy = json.loads(record.read_text())["host_copy"]
-        assert copy["role"] == "wrote" and copy["shared"] is True, copy
+    filler = threading.Thread(target=fill_when_written, args=(mnt, filled), daemon=True)
+    filler.start()
+    node = run("node")
+    filler.join(timeout=10)
+    (mnt / "filler").unlink(missing_ok=True)
+    own = run("own", "--host-copy", "worker")
+    said = node.stdout + node.stderr
+    assert node.returncode == 0 and own.returncode == 0, said[-3000:]
+    assert filled.is_set(), "the filler never saw the copy's data file"
+    assert " lost (" not in said, said[-3000:]  # no worker lost, none restarted
+    (record,) = (tmp_path / "node" / "workers").glob("w*.json")
+    copy = json.loads(record.read_text())["host_copy"]
+    assert copy["role"] == "wrote" and copy["shared"] is True, copy
 
-        def pixels(out: str) -> dict:
-            return {r["id"]: r["sha256"] for r in pq.read_table(tmp_path / out / "shards").to_pylist()}
+    def pixels(out: str) -> dict:
+        return {r["id"]: r["sha256"] for r in pq.read_table(tmp_path / out / "shards").to_pylist()}
 
-        assert pixels("node") == pixels("own") and len(pixels("node")) == 4
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    assert pixels("node") == pixels("own") and len(pixels("node")) == 4
