@@ -51,7 +51,7 @@ def time_commit(store, output, images: int, size: int, threads: int, label: str,
     storage.MOVE_THREADS = threads
     try:
         start = time.perf_counter()
-        moved = promote(output, shard, "a1", named, [f"images/{shard}"])
+        moved = promote(output, shard, [("a1", None)], named, [f"images/{shard}"])
         took = time.perf_counter() - start
     finally:
         storage.MOVE_THREADS = saved

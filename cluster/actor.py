@@ -98,6 +98,9 @@ class FleetWorker:
                 import torch
 
                 from fleetgen.cluster.metrics import MeteredWorker
+                from fleetgen.workers.notice import install
+
+                install()  # SIGTERM: a shard committing in parts commits what it made first (workers/notice.py)
 
                 placement = self.where()
                 warnings = self._check_device(placement)

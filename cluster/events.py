@@ -1,16 +1,18 @@
 """What the pool tells its caller as it runs (`WorkerPool.run` yields them): workers placed, ready,
-failed, lost and released; shards failed or speculated; the worker's own `BatchDone` and
-`ShardResult`; a `Tick` while nothing happens. Plain data: no Ray here, so `jobs/` can follow a
+failed, lost and released; shards failed or speculated; the worker's own `BatchDone`, `PartCommitted`
+and `ShardResult`; images an attempt made that are made again (`ImagesRedone`); a `Tick` while nothing happens. Plain data: no Ray here, so `jobs/` can follow a
 fleet without importing it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fleetgen.workers.spec import BatchDone, ShardResult
+from fleetgen.workers.spec import BatchDone, PartCommitted, ShardResult
 
 __all__ = [
     "BatchDone",
+    "ImagesRedone",
+    "PartCommitted",
     "PoolEvent",
     "ShardFailed",
     "ShardResult",
@@ -106,6 +108,16 @@ class Waiting:
 
 
 @dataclass(frozen=True)
+class ImagesRedone:
+    """An attempt ended (lost, killed, beaten to a commit) with `images` it made that no commit of its
+    holds: made again by another attempt, or already made by the one that won."""
+
+    worker: str
+    shard_id: str
+    images: int
+
+
+@dataclass(frozen=True)
 class Tick:
     """Nothing happened for a while (a first batch at a large size can take minutes on a CPU): the
     driver redraws its progress line so that a long wait still shows the job alive."""
@@ -120,6 +132,8 @@ PoolEvent = (
     | WorkerReleased
     | Waiting
     | BatchDone
+    | PartCommitted
+    | ImagesRedone
     | ShardResult
     | ShardFailed
     | ShardSpeculated

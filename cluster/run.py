@@ -22,6 +22,7 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTaskError
 
 from fleetgen.cluster.events import (
+    ImagesRedone,
     PoolEvent,
     ShardFailed,
     ShardSpeculated,
@@ -36,7 +37,7 @@ from fleetgen.cluster.events import (
 from fleetgen.cluster.sizing import format_asks, gpu_hint, unplaceable
 from fleetgen.errors import ClusterError, one_line
 from fleetgen.workers.rows.shard import Shard
-from fleetgen.workers.spec import ShardResult, WorkerSpec
+from fleetgen.workers.spec import BatchDone, PartCommitted, ShardResult, WorkerSpec
 
 if TYPE_CHECKING:
     from fleetgen.cluster.pool import WorkerPool
@@ -99,6 +100,7 @@ class PoolRun:
         self.attempts: dict[str, int] = {}
         self.running: dict[ray.ObjectRefGenerator, tuple[str, Shard]] = {}
         self.began: dict[ray.ObjectRefGenerator, float] = {}
+        self.tally: dict[ray.ObjectRefGenerator, list[int]] = {}  # per attempt: images made, images committed
         self.live: dict[str, int] = {}  # shard -> attempts running now (an unavailable actor's included)
         self.done: set[str] = set()  # shards committed (by whichever attempt)
         self.reported: set[str] = set()  # shards whose winning attempt's result was passed on
@@ -145,6 +147,7 @@ class PoolRun:
     def _start_attempt(self, actor: PoolActor, shard: Shard, now: float) -> None:
         ref = actor.handle.iter_shard.remote(shard)
         actor.state, self.running[ref], self.began[ref] = ActorState.BUSY, (actor.name, shard), now
+        self.tally[ref] = [0, 0]
         self.live[shard.id] = self.live.get(shard.id, 0) + 1
 
     def _dispatch(self, now: float) -> Iterator[PoolEvent]:
@@ -225,6 +228,17 @@ class PoolRun:
             self.errors.append(f"{actor.name}: died {actor.deaths} times ({_message(err)})")
         yield WorkerLost(actor.name, _message(err), restarting)
 
+    def _ended(
+        self, ref: ray.ObjectRefGenerator, name: str, shard: Shard, redone: int | None = None
+    ) -> Iterator[PoolEvent]:
+        """An attempt is over: the images it made that none of its commits holds (its own count where
+        it says, else what its events said it made less what they said it committed)."""
+        del self.running[ref]
+        made, committed = self.tally.pop(ref, (0, 0))
+        redone = made - committed if redone is None else redone
+        if redone > 0:
+            yield ImagesRedone(name, shard.id, redone)
+
     def _stream(self, ref: ray.ObjectRefGenerator) -> Iterator[PoolEvent]:
         """The next event of a running shard attempt."""
         name, shard = self.running[ref]
@@ -232,12 +246,12 @@ class PoolRun:
         try:
             event = ray.get(next(ref))
         except StopIteration:
-            del self.running[ref]
+            yield from self._ended(ref, name, shard)
             self.live[shard.id] -= 1
             actor.state = ActorState.IDLE
             return
         except ActorUnavailableError as err:
-            del self.running[ref]
+            yield from self._ended(ref, name, shard)
             if RESTARTED in str(err):  # its process is gone, and the attempt with it
                 yield from self._died(actor, err)
                 yield from self._requeue_or_fail(shard, _message(err))
@@ -254,15 +268,22 @@ class PoolRun:
             yield WorkerUnreachable(name, shard.id, _message(err))
             return
         except (RayActorError, RayTaskError) as err:
-            del self.running[ref]
+            yield from self._ended(ref, name, shard)
             if isinstance(err, RayActorError):  # the process or its node died
                 yield from self._died(actor, err)
             else:
                 actor.state = ActorState.IDLE
             yield from self._requeue_or_fail(shard, _message(err))
             return
+        if isinstance(event, BatchDone):
+            self.tally[ref][0] += event.made
+        elif isinstance(event, PartCommitted):
+            self.tally[ref][1] += event.made
+        if isinstance(event, ShardResult) and event.stopped:
+            yield from self._stopped(ref, actor, shard, event)
+            return
         if isinstance(event, ShardResult):  # an attempt's last item: the worker takes its next shard now
-            del self.running[ref]
+            yield from self._ended(ref, name, shard, event.redone)
             self.live[shard.id] -= 1
             actor.state = ActorState.IDLE
             self.done.add(shard.id)  # committed (by this attempt, or by another one first)
@@ -272,6 +293,16 @@ class PoolRun:
         elif shard.id in self.done:
             return  # progress of an attempt that has lost
         yield event
+
+    def _stopped(self, ref, actor: PoolActor, shard: Shard, event: ShardResult) -> Iterator[PoolEvent]:
+        """A worker told to stop (SIGTERM) committed what it made and ended its attempt: the rest of the
+        shard goes back on the queue, not counted as a failed attempt, and the worker is let go (its
+        process is on its way out); another is started for the work left."""
+        yield from self._ended(ref, actor.name, shard, event.redone)
+        self.attempts[shard.id] -= 1
+        actor.state = ActorState.FAILED  # never parked for a later run: its process is ending
+        yield self.pool.release(actor, "told to stop (SIGTERM): it committed what it made")
+        yield from self._requeue_or_fail(shard, "stopped")
 
     def _answer(self, actor: PoolActor, ref: ray.ObjectRef) -> Iterator[PoolEvent]:
         """The answer to a placing actor's `where()` or a loading/unavailable actor's `start()`."""

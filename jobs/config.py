@@ -132,6 +132,13 @@ class JobConfig:
     max_restarts: int = setting(
         3, "restarts of a worker whose process died, before it is dropped", stage=STAGE_RETRIES, at_least=0
     )
+    commit_interval: float = setting(
+        60.0,
+        "seconds between a running shard's commits of what it has made (parts), so that a lost worker costs "
+        "at most that much work, not its shard; 0: whole shards only",
+        stage="a stage commits nothing: its rows are the sink's",
+        at_least=0,
+    )
     stop_grace: float = setting(
         0.0,
         "seconds running shards get to commit after SIGTERM/SIGINT (0: abandon)",

@@ -262,6 +262,7 @@ def _dispatch(job: Job, run: Run, fleet: FleetRecord) -> None:
                     threads=sizing.threads,
                     plan_size=job.plan_size,
                     lock_token=run.lock_token,
+                    commit_interval=config.commit_interval,
                     **({"gpu_memory": budgets[i % len(budgets)]} if budgets else {}),
                 )
 

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 SUMMARY_FIELDS = (
     "worker",
     "images",
+    "images_redone",
     "seconds",
     "starts",
     "device",
@@ -63,7 +64,9 @@ class FleetRecord:
     def note(self, worker: str, event: str, state: str, detail: str = "", **fields) -> None:
         now = time.time()
         with self._lock:
-            w = self.workers.setdefault(worker, {"worker": worker, "starts": 0, "images": 0, "seconds": 0.0})
+            w = self.workers.setdefault(
+                worker, {"worker": worker, "starts": 0, "images": 0, "images_redone": 0, "seconds": 0.0}
+            )
             w.update(state=state, since=now, **{k: v for k, v in fields.items() if v is not None})
             if event == "ready":
                 w["starts"] += 1
@@ -81,6 +84,10 @@ class FleetRecord:
             w["images"] += images
             w["seconds"] += seconds
 
+    def redone(self, worker: str, images: int) -> None:
+        with self._lock:
+            self.workers[worker]["images_redone"] += images
+
     def table(self) -> list[dict]:
         """The summary's per-worker table: workers that started or could not, with their speed and
         share of the images."""
@@ -90,7 +97,7 @@ class FleetRecord:
                 if w["starts"]:  # started: its plan and device, and why it failed later if it did
                     rows.append({k: w.get(k) for k in SUMMARY_FIELDS if k != "failed" or w.get("failed")})
                 elif w.get("failed"):  # never started
-                    rows.append({k: w[k] for k in ("worker", "images", "seconds", "starts", "failed")})
+                    rows.append({k: w[k] for k in ("worker", "images", "images_redone", "seconds", "starts", "failed")})
         total = sum(w["images"] for w in rows) or 1
         for w in rows:
             w["images_per_second"] = round(w["images"] / w["seconds"], 3) if w["seconds"] else None
@@ -177,6 +184,8 @@ class _Follower:
             e.BatchDone: self.batch_done,
             e.ShardSpeculated: self.speculated,
             e.ShardResult: self.shard_done,
+            e.PartCommitted: self.part_done,
+            e.ImagesRedone: self.redone,
             e.ShardFailed: self.shard_failed,
         }
 
@@ -271,6 +280,13 @@ class _Follower:
         rest = self.lengths[event.shard_id] - self.counted[event.shard_id]
         self.progress.update(shards=1, rows=rest, errors=errors)
         self.counted[event.shard_id] = self.lengths[event.shard_id]
+
+    def part_done(self, event) -> None:
+        """A part of a running shard committed: its images are the worker's (its row errors: at the commit)."""
+        self.fleet.made(event.worker, event.images, 0.0)
+
+    def redone(self, event) -> None:
+        self.fleet.redone(event.worker, event.images)
 
     def shard_failed(self, event) -> None:
         self.run.failures.append({"shard": event.shard_id, "error": event.error, "attempts": event.attempts})

@@ -201,7 +201,8 @@ def write_report(url: str, group_by: str | None = None, sort_by: str | None = No
         failed_shards=len(state.failures),
         cards=_cards(out, state, generation, sort_by) or "<p>No images yet.</p>",
         scores=scores_section(out, state.counts, generation, group_by),
-        workers="".join(_worker_row(w) for w in state.workers),
+        workers="".join(_worker_row(w, state.images_redone.get(w["worker"], 0)) for w in state.workers),
+        redone=sum(state.images_redone.values()),
         kinds="".join(
             "<tr>"
             + "".join(f"<td>{html.escape(str(k[c]))}</td>" for c in ("kind", "plan", "batch", "chosen", "speed"))
@@ -260,7 +261,7 @@ def _moved(w: dict) -> int:
     return sum(c["bytes_onloaded"] for c in ((w.get("offload") or {}).get("components") or {}).values())
 
 
-def _worker_row(w: dict) -> str:
+def _worker_row(w: dict, redone: int = 0) -> str:
     st, off = w.get("stats") or {}, w.get("offload") or {}
     cells = (
         w["worker"],
@@ -270,6 +271,7 @@ def _worker_row(w: dict) -> str:
         ", ".join(f"{k} {v}" for k, v in w["plan"]["modes"].items()),
         w.get("batch_size"),
         st.get("images", 0),
+        redone,
         f"{st.get('images_per_second') or 0:.2f}",
         format_size(off["peak_device_bytes"]) if off.get("peak_device_bytes") else "-",
         format_size(_moved(w)),

@@ -24,12 +24,13 @@ from fleetgen import __version__
 from fleetgen.errors import StorageError
 from fleetgen.scores import ScoreSpec
 from fleetgen.workers.families.model_dir import is_hub_id, weights_digest
-from fleetgen.workers.output.commit import COUNTS_KEY, finish_attempts
+from fleetgen.workers.output.commit import COUNTS_KEY
 from fleetgen.workers.output.layout import (
     CARD,
     COUNTS_INDEX,
     FLEET,
     JOB,
+    PARTS,
     PLANS,
     SHARDS,
     STAGING,
@@ -39,6 +40,7 @@ from fleetgen.workers.output.layout import (
     WORKERS,
     manifest_key,
 )
+from fleetgen.workers.output.parts import finish_attempts
 from fleetgen.workers.output.storage import Output, parquet_schema, read_parquet
 from fleetgen.workers.rows.shard import Columns
 
@@ -56,6 +58,7 @@ _JOB_OBJECTS = (
     WIDS_INDEX,
     COUNTS_INDEX,
     SHARDS,
+    PARTS,
     WORKERS,
     PLANS,
     STAGING,
@@ -304,7 +307,7 @@ def sweep(output: Output, discard: bool) -> None:
     """Before this run's workers start and after they are closed: finish the commit of attempts
     that won but died moving their objects, and remove temporary files of local writers that died.
     `discard` (only when every shard is committed): remove every other attempt's staging too — a
-    dead driver's workers may still be running until then (workers/output/commit.py, `finish_attempts`)."""
+    dead driver's workers may still be running until then (workers/output/parts.py, `finish_attempts`)."""
     finish_attempts(output, discard_others=discard)
     # Local writers put an object as a temporary file renamed into place: a writer killed between the two
     # leaves the temporary file. Manifests and workers' status records are written so (images and data

@@ -11,6 +11,7 @@ from fleetgen.jobs.lock import live_lock
 from fleetgen.jobs.state import shard_counts
 from fleetgen.units import format_size
 from fleetgen.workers.output.layout import FLEET, JOB, SUCCESS, SUMMARY, WORKERS
+from fleetgen.workers.output.parts import parts_counts
 from fleetgen.workers.output.storage import Output
 from fleetgen.workers.spec import makes_clips
 
@@ -34,7 +35,9 @@ class JobStatus:
     shards_total: int
     shards_committed: int
     rows_total: int
-    rows_done: int
+    rows_done: int  # in committed shards and in the parts of shards not yet committed
+    rows_in_parts: int  # of them, in parts (workers/output/parts.py): shards running, or left by lost workers
+    shards_in_parts: int
     images_ok: int  # clips, for a video task
     images_filtered: int  # flagged by the pipeline's safety checker, not stored
     images_error: int  # error rows
@@ -42,6 +45,7 @@ class JobStatus:
     workers: list  # each worker's record (workers/<w>.json)
     fleet: dict | None  # fleet.json: the workers as the driver last saw them, and the latest events
     workers_failed: list
+    images_redone: dict  # per worker, as the last run's summary counts them: images made again after a loss
     eta_seconds: float | None  # at the running workers' rates
     counts: dict  # every committed shard's counts
 
@@ -63,13 +67,15 @@ def job_state(url: str) -> JobStatus:
     if "fingerprint" not in job:
         raise FleetgenError(f"{out.key_url(JOB)} is not a fleetgen job record (no fingerprint).")
     counts = shard_counts(out)
+    parts = parts_counts(out, set(counts))
     total_rows = sum(f["rows"] for f in job["fingerprint"]["input"])
     workers = [w for w in (_json(out, f"{WORKERS}/{name}") for name in out.list(WORKERS, ".json")) if w]
     lock = live_lock(out) or {}
     running = bool(lock)
     rate = sum((w.get("stats") or {}).get("images_per_second") or 0 for w in workers) if running else 0
-    rows_done = sum(c["rows"] for c in counts.values())  # a row may make several images
-    images = sum(c["images"] for c in counts.values())
+    rows_in_parts = sum(c["rows"] for c in parts.values())
+    rows_done = sum(c["rows"] for c in counts.values()) + rows_in_parts  # a row may make several images
+    images = sum(c["images"] for c in [*counts.values(), *parts.values()])
     left = (total_rows - rows_done) * (images / rows_done if rows_done else 1)  # images still to make
     summary = _json(out, SUMMARY) or {}
     per_shard = job["fingerprint"]["generation"]["rows_per_shard"]
@@ -83,13 +89,16 @@ def job_state(url: str) -> JobStatus:
         shards_committed=len(counts),
         rows_total=total_rows,
         rows_done=rows_done,
-        images_ok=sum(c["ok"] for c in counts.values()),
-        images_filtered=sum(c["filtered"] for c in counts.values()),
-        images_error=sum(c["images"] - c["ok"] - c["filtered"] for c in counts.values()),
+        rows_in_parts=rows_in_parts,
+        shards_in_parts=len(parts),
+        images_ok=sum(c["ok"] for c in [*counts.values(), *parts.values()]),
+        images_filtered=sum(c["filtered"] for c in [*counts.values(), *parts.values()]),
+        images_error=sum(c["images"] - c["ok"] - c["filtered"] for c in [*counts.values(), *parts.values()]),
         failures=summary.get("failures", []),
         workers=workers,
         fleet=_json(out, FLEET),
         workers_failed=summary.get("workers_failed", []),
+        images_redone={w["worker"]: w.get("images_redone") or 0 for w in summary.get("workers", [])},
         eta_seconds=left / rate if rate and left else None,
         counts=counts,
     )
@@ -113,8 +122,16 @@ def status_text(state: JobStatus) -> str:
         f"{state.rows_total}: {state.images_ok} {unit}, {state.images_error} row errors"
         + (f", {state.images_filtered} filtered {_filtered_by(fp)}" if state.images_filtered else ""),
     ]
+    if state.rows_in_parts:
+        lines.append(
+            f"  of them, {state.rows_in_parts} rows committed in parts of {state.shards_in_parts} shard(s) "
+            "not yet whole (running, or resumed from there by the next run)"
+        )
     if state.eta_seconds:
         lines.append(f"ETA {state.eta_seconds / 60:.1f} min at the workers' current rates")
+    if sum(state.images_redone.values()):
+        each = ", ".join(f"{w} {n}" for w, n in state.images_redone.items() if n)
+        lines.append(f"last run: {sum(state.images_redone.values())} {unit} made twice after lost work ({each})")
     for f in state.failures:
         lines.append(f"failed: {f['shard']} after {f['attempts']} attempt(s): {f['error']}")
     lines += fleet_lines(state.fleet)

@@ -35,6 +35,9 @@ class JobSummary:
     workers: list[dict] = field(default_factory=list)
     stopped: bool = False  # SIGTERM/SIGINT (e.g. `ray job stop`) ended the run early
     speculative_attempts: int = 0  # straggling shards also given to an idle worker
+    images_redone: int = (
+        0  # made twice: by an attempt that was lost (or beaten to a commit) and again (per worker: `workers`)
+    )
     error: str | None = None  # why the run ended early (no worker could be placed, the store failed)
     error_exit: int = 2  # the exit code `error` gives: 2 nothing could run, 1 the store failed (a rerun resumes)
     unit: str = "image"  # what each made object is: "clip" for video tasks (`images_*` count clips then)
@@ -173,6 +176,7 @@ def _summary(run: Run, counts: list[dict]) -> JobSummary:
         seconds=round(time.monotonic() - run.started, 3),
         failures=run.failures,
         workers=run.workers,
+        images_redone=sum(w.get("images_redone") or 0 for w in run.workers),
         stopped=run.stop.is_set(),
         unit=run.progress.unit,
     )

@@ -9,8 +9,12 @@ sha256 it records, and finds what no manifest names:
     orphan     an object no committed manifest names (an image file, a shard's data object)
     leftover   an attempt's staging (`_attempts/`) or a temporary file of a writer that died
 
+A shard not yet committed whole may have parts (workers/output/parts.py): each part's images are
+checked the same way where they wait, in the staging the part names.
+
 `--fix` removes orphans and leftovers, and un-commits shards with missing or mismatched images (their
-manifests and objects go, and `_SUCCESS`), so that rerunning the job redoes exactly those shards.
+manifests and objects go, and `_SUCCESS`), and parts from the first damaged one on, so that rerunning
+the job redoes exactly those rows.
 """
 
 from __future__ import annotations
@@ -21,12 +25,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fleetgen.errors import StorageError
+from fleetgen.errors import ShardError, StorageError
 from fleetgen.jobs.lock import live_lock
 from fleetgen.jobs.state import committed_shards
-from fleetgen.workers.output.commit import finish_attempts
+from fleetgen.workers.output.commit import staging
 from fleetgen.workers.output.formats import OutputFormat, Unreadable, get_format
-from fleetgen.workers.output.layout import JOB, LOCK, SHARDS, STAGING, SUCCESS, manifest_key
+from fleetgen.workers.output.layout import JOB, LOCK, PARTS, SHARDS, STAGING, SUCCESS, manifest_key, part_key
+from fleetgen.workers.output.parts import finish_attempts, part_of, read_chain
 from fleetgen.workers.output.storage import TMP_MARK, Output
 
 KINDS = ("missing", "mismatch", "orphan", "leftover")
@@ -129,7 +134,7 @@ class _Checker:
         self.output, self.report, self.deep, self.fmt = output, report, deep, fmt
         self.orphans: list[str] = []  # keys --fix removes
 
-    def _compare(self, shard: str, row: dict, data: bytes | None, size: int | None, i: int) -> bool:
+    def _compare(self, shard: str, row: dict, data: bytes | None, size: int | None, i: int, store: Output) -> bool:
         """One image: False when it is missing or differs (recorded)."""
         where = f"{shard}/{row['id']}"
         if size is None:
@@ -140,7 +145,7 @@ class _Checker:
             return False
         if self.deep or i % SAMPLE_EVERY == 0:
             if data is None:
-                data = self.output.get(row["image"])
+                data = store.get(row["image"])
             self.report.hashed += 1
             self.report.bytes_read += len(data)
             if _sha(data) != row["sha256"]:
@@ -153,20 +158,23 @@ class _Checker:
                     return False
         return True
 
-    def check(self, shard: str, rows: list[dict]) -> bool:
+    def check(self, shard: str, rows: list[dict], where: Output | None = None) -> bool:
         """A committed shard's ok rows against what its output format finds stored; False when an
         image is missing or differs. Bytes are read for the first and every 16th image (all with
-        --deep)."""
+        --deep). `where`: a part's staging, read as the shard's location (what else it holds is not
+        the part's: rows it did not commit)."""
         wanted = None if self.deep else {r["id"] for i, r in enumerate(rows) if i % SAMPLE_EVERY == 0}
         try:
-            stored, extra = self.fmt.read_back(self.output, shard, rows, wanted)
+            stored, extra = self.fmt.read_back(where or self.output, shard, rows, wanted)
         except Unreadable as err:
             self.report.add("mismatch", self.fmt.shard_objects(shard)[0], str(err))
             return False
         ok = True
         for i, row in enumerate(rows):
             size, data = stored[row["id"]]
-            ok &= self._compare(shard, row, data, size, i)
+            ok &= self._compare(shard, row, data, size, i, where or self.output)
+        if where is not None:
+            return ok
         for key in extra:
             self.report.add("leftover" if TMP_MARK in key else "orphan", key)
             self.orphans.append(key)
@@ -218,11 +226,14 @@ def verify(
             progress(
                 f"verify: {n}/{len(committed)} shards, {report.images} images, {sum(report.counts.values())} problems"
             )
-    _stray(output, set(committed), report, checker.orphans)
+    waiting, broken = _check_parts(output, set(committed), checker, columns)
+    _stray(output, set(committed), report, checker.orphans, waiting)
     if fix:
         report.refused = _looks_wrong(report) if not force else None
         if report.refused is None:
             _repair(output, report, fmt, damaged, checker.orphans)
+            for shard, first in broken.items():  # the part that is damaged, and those after it
+                report.removed += _cut_chain(output, shard, first)
     report.seconds = round(time.monotonic() - started, 3)
     return report
 
@@ -257,8 +268,59 @@ def _repair(
         output.remove(SUCCESS)
 
 
-def _stray(output: Output, committed: set[str], report: VerifyReport, orphans: list[str]) -> None:
-    """Objects of shards that are not committed, staging and temporary files."""
+def _check_parts(
+    output: Output, committed: set[str], checker: _Checker, columns: list[str]
+) -> tuple[dict[str, set[str]], dict[str, int]]:
+    """The parts of shards not yet committed, each part's images where they wait (its staging).
+    Returns ({shard: the stagings its parts name}, {shard: the first row of its first damaged part})."""
+    waiting, broken = {}, {}
+    for shard in sorted(set(output.list(PARTS)) - committed):
+        try:
+            chain = read_chain(output, shard)
+        except ShardError as err:
+            checker.report.add("mismatch", f"{PARTS}/{shard}/", str(err))
+            broken[shard] = 0
+            continue
+        waiting[shard] = {p.staging for p in chain}
+        for part in chain:
+            rows = [r for r in part.table().select(columns).to_pylist() if r["status"] == "ok" and r.get("image")]
+            checker.report.images += len(rows)
+            if rows and not checker.check(shard, rows, output.under(staging(shard, part.staging))):
+                broken[shard] = part.first
+                break
+    return waiting, broken
+
+
+def _cut_chain(output: Output, shard: str, first: int) -> int:
+    """Remove a shard's parts from row `first` on, and their staging: a rerun makes those rows again."""
+    removed = 0
+    for part in read_parts_from(output, shard, first):
+        output.remove(part_key(shard, part.first))
+        output.remove(staging(shard, part.staging).rstrip("/"))
+        removed += 2
+    return removed
+
+
+def read_parts_from(output: Output, shard: str, first: int) -> list:
+    """The parts of `shard` from row `first` on, as stored (a broken chain's too)."""
+    keys = [f"{PARTS}/{shard}/{n}" for n in output.list(f"{PARTS}/{shard}", ".parquet")]
+    out = []
+    for key, data in output.get_many(keys).items():
+        try:
+            part = part_of(data, output.key_url(key))
+        except ShardError:
+            output.remove(key)  # not a part at all
+            continue
+        if part.first >= first:
+            out.append(part)
+    return out
+
+
+def _stray(
+    output: Output, committed: set[str], report: VerifyReport, orphans: list[str], waiting: dict[str, set[str]]
+) -> None:
+    """Objects of shards that are not committed, staging and temporary files; the staging of a part
+    (`waiting`: {shard: its parts' stagings}) is neither."""
     for name in output.list("data", temporary=True):
         shard = name.split(".", 1)[0]
         if TMP_MARK in name:
@@ -276,6 +338,11 @@ def _stray(output: Output, committed: set[str], report: VerifyReport, orphans: l
             report.add("leftover", f"{SHARDS}/{name}")
             orphans.append(f"{SHARDS}/{name}")
     for shard in output.list(STAGING):
+        if shard in waiting:
+            for attempt in set(output.list(f"{STAGING}/{shard}")) - waiting[shard]:
+                report.add("leftover", f"{STAGING}/{shard}/{attempt}/", "an attempt's staging")
+                orphans.append(f"{STAGING}/{shard}/{attempt}")
+            continue
         if output.find(f"{STAGING}/{shard}"):
             report.add("leftover", f"{STAGING}/{shard}/", "an attempt's staging")
         orphans.append(f"{STAGING}/{shard}")

@@ -20,7 +20,7 @@ LAYERS = [
     {"rows"},
     {"spec"},
     {"pipeline"},
-    {"records", "info", "best_of", "score_tables"},
+    {"records", "info", "best_of", "score_tables", "notice"},
     {"worker"},
 ]
 

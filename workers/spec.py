@@ -432,6 +432,7 @@ class WorkerSpec:
     fit: Fit = nested(Fit, group="execution", scope="worker", fingerprint=False)
     threads: int | None = None  # torch CPU threads; None leaves torch's default
     lock_token: str | None = None  # the driver's `OUT/_LOCK` token: no commit once the lock names another (or none)
+    commit_interval: float = 0.0  # seconds between a shard's part commits (workers/output/parts.py); 0: whole shards
 
     @classmethod
     def of(cls, name: str, model: str, output: str, settings: GenerationSettings, columns: Columns, **options):
@@ -453,6 +454,21 @@ class BatchDone:
     errors: int
     rows: float = 0.0  # input rows this call finished: each image is 1/N of a row that makes N
     frames: int = 0  # video tasks: frames of the clips it made
+    made: int = 0  # images it set out to make (a decode phase's: 0, its batches counted them)
+
+
+@dataclass(frozen=True)
+class PartCommitted:
+    """A shard's attempt committed a part: rows `[first, end)`; of their images, `made` by this attempt,
+    `images` stored (ok) and `errors` error rows."""
+
+    shard_id: str
+    worker: str
+    first: int
+    end: int
+    made: int
+    images: int
+    errors: int
 
 
 @dataclass(frozen=True)
@@ -465,3 +481,5 @@ class ShardResult:
     committed_by_other: bool = False  # another attempt of this shard committed first; this one wrote nothing more
     counts: dict | None = None  # the committed manifest's counts (its footer's), so the driver need not read it
     version: str | None = None  # the committed manifest's version, as a listing of shards/ would show it
+    stopped: bool = False  # its process was told to stop (SIGTERM): it committed what it made; the rest is to do
+    redone: int = 0  # images it made that another attempt's commit made too (thrown away)

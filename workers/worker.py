@@ -19,7 +19,9 @@ from fleetgen.errors import ShardError, StorageError
 from fleetgen.imports import paused_gc
 from fleetgen.workers.best_of import BestOf, place
 from fleetgen.workers.info import describe, worker_info
+from fleetgen.workers.notice import taking_notice, told_to_stop
 from fleetgen.workers.output.commit import (
+    COUNTS_KEY,
     check_fence,
     commit_manifest,
     committed_since,
@@ -28,13 +30,15 @@ from fleetgen.workers.output.commit import (
     keep_committed,
     manifest_bytes,
     promote,
+    records_table,
     staging,
 )
 from fleetgen.workers.output.formats import Kept, get_format, open_sink
 from fleetgen.workers.output.layout import manifest_key, worker_key
 from fleetgen.workers.output.made import Made
+from fleetgen.workers.output.parts import Part, chain_end, commit_part, compact, part_bytes, read_chain, settle
 from fleetgen.workers.output.rows import as_rows
-from fleetgen.workers.output.storage import Output
+from fleetgen.workers.output.storage import Output, parquet_schema
 from fleetgen.workers.output.video import Clip
 from fleetgen.workers.output.writer import Writer, encode_and_store
 from fleetgen.workers.pipeline.calls import prompt_note
@@ -44,7 +48,7 @@ from fleetgen.workers.records import Records
 from fleetgen.workers.rows.batches import REPEATED, WorkItem, content_ids, group_items, shard_items
 from fleetgen.workers.rows.inputs import Prefetcher
 from fleetgen.workers.rows.shard import Columns, Shard, read_shard
-from fleetgen.workers.spec import BatchDone, ShardResult, WorkerSpec
+from fleetgen.workers.spec import BatchDone, PartCommitted, ShardResult, WorkerSpec
 
 
 @dataclass
@@ -52,7 +56,7 @@ class _Attempt:
     """One attempt at a shard, from its reading to its commit."""
 
     shard: Shard
-    id: str  # this attempt's staging name
+    id: str  # this attempt's name
     table: pa.Table  # the shard's input rows
     images: list[WorkItem]
     records: dict[str, dict]  # the manifest's rows, by image id, filled in as images are made
@@ -66,9 +70,38 @@ class _Attempt:
     pending: list = field(default_factory=list)  # phased with a decode phase: (made, inputs) awaiting it
     best_of: BestOf | None = None  # `--best-of`: each image's candidates, held until all are made
     watch: bool = True  # stop once another attempt commits (False: rows of a Ray Data stage, never committed)
+    parts: bool = False  # commits in parts (workers/output/parts.py) every `commit_interval` seconds
+    start: int = 0  # the first row this attempt makes: where the shard's committed parts end
+    piece: str = ""  # the staging its objects go under now, `<id>-<start>`: a part's, or the tail's
+    last_part: float = field(default_factory=time.monotonic)
+    made: int = 0  # images it set out to make
+    committed: int = 0  # of them, in its committed parts and manifest
+    decided: tuple = (0, 0)  # (ok, errors) its manifest committed, its parts' not counted
+    done: set = field(default_factory=set)  # ids of images made (or failed) in this pass
+    fresh: dict = field(default_factory=dict)  # each record as it was before anything was made
+
+    def __post_init__(self) -> None:
+        self.piece = self.piece or f"{self.id}-{self.start:08d}"
+        self.fresh = {k: dict(v) for k, v in self.records.items()}
+
+    @property
+    def rows(self) -> int:
+        return self.table.num_rows
+
+    def images_in(self, first: int, end: int) -> list[WorkItem]:
+        return [im for im in self.images if first <= im.row < end]
 
     def result(self, worker: str, ok: int = 0, errors: int = 0, **kw) -> ShardResult:
-        return ShardResult(self.shard.id, worker, ok, errors, time.perf_counter() - self.started, **kw)
+        redone = self.made - self.committed
+        return ShardResult(self.shard.id, worker, ok, errors, time.perf_counter() - self.started, redone=redone, **kw)
+
+
+@dataclass(frozen=True)
+class _Boundary:
+    """Every image of the rows before `row` is made (a window's end, or where a notice found the attempt)."""
+
+    row: int
+    stop: bool = False
 
 
 @dataclass
@@ -107,6 +140,7 @@ def _as_given(record: dict) -> dict:
     return {**record, "id": given, "row_id": given}
 
 
+WINDOW_CAP = 4  # a window of rows whose images never make whole batches ends at 4 times its size
 CONTENT_ID = "__fleetgen_content_id"  # a stage's rows' id column where the input has none (never carried)
 
 
@@ -177,34 +211,56 @@ class Worker:
         """
         at = self._prepare(shard)
         won = unknown = False  # unknown: the commit may have landed; its staging must stay
+        version = None
         try:
-            for event in self._make(at):
-                if event is None:  # another attempt committed first
-                    self._give_up(at)
-                    yield at.result(self.spec.name, committed_by_other=True)
-                    return
-                yield event
-            try:
-                won, version = self._commit(at)
-            except _CommitUnknown:
-                unknown = True
-                raise
-            if not won:
+            with taking_notice(at.parts):
+                while True:  # again from the chain's end when another attempt's part came first
+                    outcome = yield from self._run(at)
+                    if outcome == "done":
+                        outcome, version = self._commit(at)
+                    if outcome != "moved":
+                        break
+            if outcome != "won":  # another attempt committed the shard first, or this one was told to stop
                 self._give_up(at)
-                yield at.result(self.spec.name, committed_by_other=True)
+                yield at.result(self.spec.name, committed_by_other=outcome != "stopped", stopped=outcome == "stopped")
                 return
+            won = True
+        except _CommitUnknown:
+            unknown = True
+            raise
         finally:
             if not won and not unknown:  # lost, failed, or stopped (the generator closed): nothing of it stays
                 self._give_up(at)
             elif unknown:
                 self._writer.cancel()
-        fresh = [r for i, r in at.records.items() if i not in at.kept]  # what this attempt decided
-        ok = sum(r["status"] == "ok" for r in fresh)
         self.stats["shards"] += 1
-        self.stats["images"] += ok
-        self.stats["errors"] += len(fresh) - ok
         self.write_info()
-        yield at.result(self.spec.name, ok, len(fresh) - ok, counts=at.counts, version=version)
+        ok, errors = at.decided  # since its last part (that part's own event counted those)
+        yield at.result(self.spec.name, ok, errors, counts=at.counts, version=version)
+
+    def _run(self, at: _Attempt) -> Iterator[BatchDone | PartCommitted]:
+        """Make what is left, a part committed at a window's end once `commit_interval` has passed
+        and where a notice finds the attempt; returns "done" (every row made), "other" (another
+        attempt committed the shard), "stopped" (told to stop, what it made committed) or "moved"
+        (another attempt's part came first: the attempt goes on from the chain's end)."""
+        for event in self._make(at):
+            if event is None:
+                return "other"
+            if not isinstance(event, _Boundary):
+                yield event
+                continue
+            if event.row >= at.rows:
+                continue  # the last rows are the manifest's own
+            due = time.monotonic() - at.last_part >= self.spec.commit_interval
+            if due or event.stop:
+                outcome = self._commit_part(at, event.row)
+                if isinstance(outcome, PartCommitted):
+                    yield outcome
+                elif outcome is not None:
+                    return outcome
+            if event.stop:
+                return "stopped"
+        return "done"
 
     def make_rows(self, table: pa.Table, base: str, name: str) -> pa.Table:
         """Rows of a Ray Data stage (cluster/ray_data.py): `table`'s images made as a shard's are, from the
@@ -220,7 +276,18 @@ class Worker:
         sink = Kept()
         todo = [im for im in images if records[im.id]["status"] == "ok"]
         at = _Attempt(
-            shard, name, table, images, records, todo, set(), None, sink, best_of=self._best_of(), watch=False
+            shard,
+            name,
+            table,
+            images,
+            records,
+            todo,
+            set(),
+            None,
+            sink,
+            best_of=self._best_of(),
+            watch=False,
+            piece=name,
         )
         try:
             for _ in self._make(at):
@@ -275,32 +342,77 @@ class Worker:
         best_of = self._best_of()
         where = place if best_of is not None else None  # a stored best is its candidate's record
         base, kept = keep_committed(self.output, shard.id, records, where) if shard.retry_errors else (None, set())
-        todo = [im for im in images if records[im.id]["status"] == "ok" and im.id not in kept]
-        attempt = uuid.uuid4().hex[:12]
-        sink = self._open_sink(shard, table, base, attempt)
-        return _Attempt(shard, attempt, table, images, records, todo, kept, base, sink, best_of=best_of)
+        # after the parts committed already (an earlier attempt's, this run's or another's), whatever the interval now
+        start = chain_end(self.output, shard.id) if base is None else 0
+        todo = [im for im in images if records[im.id]["status"] == "ok" and im.id not in kept and im.row >= start]
+        parts = self.spec.commit_interval > 0 and base is None
+        parts = parts and get_format(self.spec.settings.output_format).commits_in_parts
+        at = _Attempt(
+            shard,
+            uuid.uuid4().hex[:12],
+            table,
+            images,
+            records,
+            todo,
+            kept,
+            base,
+            None,
+            best_of=best_of,
+            parts=parts,
+            start=start,
+        )
+        at.sink = self._open_sink(shard, table, base, at.piece)
+        return at
 
-    def _make(self, at: _Attempt) -> Iterator[BatchDone | None]:
+    def _make(self, at: _Attempt) -> Iterator[BatchDone | _Boundary | None]:
         """Every image to make, a batch at a time: a `BatchDone` per pipeline call, None (and
         stop) once another attempt has committed the shard. Input images are read ahead, in the
         order they are made, while the device works. Under a phased plan the batches come a chunk
-        at a time, each chunk's prompts encoded first (workers/pipeline/phases.py)."""
+        at a time, each chunk's prompts encoded first (workers/pipeline/phases.py). An attempt that
+        commits in parts makes its rows a window at a time (`_windows`) and yields a `_Boundary` at
+        each window's end, and where a notice to stop finds it."""
         counts = Counter(im.row for im in at.images)  # images per row, for progress in rows
-        groups = group_items(at.todo)
-        with Prefetcher([im for g in groups for im in g], self.spec.settings.resize) as prefetch:
-            for group in groups:
-                for loaded, chunk_done in self._batches(at, group, prefetch):
-                    if at.watch and committed_since(self.output, at.shard.id, at.base):
-                        yield None
-                        return
-                    yield self._batch(at, loaded, sum(1 / counts[im.row] for im in loaded.asked))
-                    if chunk_done and at.pending:
-                        yield self._decoded(at)
-        if at.todo and at.failures == len(at.todo) and at.base is None:
+        windows = self._windows(at)
+        order = [im for window in windows for group in group_items(window) for im in group]
+        with Prefetcher(order, self.spec.settings.resize) as prefetch:
+            for w, window in enumerate(windows):
+                for group in group_items(window):
+                    for loaded, chunk_done in self._batches(at, group, prefetch):
+                        if at.watch and committed_since(self.output, at.shard.id, at.base):
+                            yield None
+                            return
+                        yield self._batch(at, loaded, sum(1 / counts[im.row] for im in loaded.asked))
+                        if (chunk_done or (at.parts and told_to_stop())) and at.pending:
+                            yield self._decoded(at)
+                        if at.parts and told_to_stop():
+                            left = (im.row for im in at.todo if im.id not in at.done)
+                            yield _Boundary(min(left, default=at.rows), stop=True)
+                            return
+                if at.parts:
+                    yield _Boundary(windows[w + 1][0].row if w + 1 < len(windows) else at.rows)
+        if at.todo and at.failures == len(at.todo) and at.base is None and not at.committed:
             raise ShardError(
                 f"Shard {at.shard.id}: every row failed in the pipeline; first error: "
                 f"{at.records[at.todo[0].id]['error']}"
             )
+
+    def _windows(self, at: _Attempt) -> list[list[WorkItem]]:
+        """What is left in windows of whole rows, in row order: a part may end at any window's end.
+        Each is at least a batch (a chunk, under a phased plan) per look among them and, where rows
+        allow, whole batches, so that a shard of one look is batched as it would be whole and rows of
+        mixed looks still fill their batches. Whole shards: one window."""
+        if not at.parts or not at.todo:
+            return [at.todo] if at.todo else []
+        batch = self.batch_size
+        size = max(batch, self.fitted.chunk_images) * len({im.look for im in at.todo})
+        windows: list[list[WorkItem]] = [[]]
+        for im in at.todo:
+            current, n = windows[-1], len(windows[-1])
+            whole = n % batch == 0 or n >= WINDOW_CAP * size
+            if n >= size and whole and im.row != current[-1].row:
+                windows.append([])
+            windows[-1].append(im)
+        return windows
 
     def _batches(self, at: _Attempt, group: list[WorkItem], prefetch: Prefetcher) -> Iterator[tuple[_Loaded, bool]]:
         """`group`'s batches (one look) at the current batch size, their input images loaded, each with
@@ -331,6 +443,8 @@ class Worker:
         device makes the next batch."""
         batch, inputs, unreadable = loaded.batch, loaded.inputs, loaded.unreadable
         made, failed, filtered, frames = [], {}, 0, 0
+        at.made += len(loaded.asked)
+        at.done.update(im.id for im in loaded.asked)
         if batch:
             made, failed = self.fitted.generate(batch, inputs)
         if self.fitted.deferred:  # decoded at the chunk's end (`_decoded`)
@@ -340,7 +454,9 @@ class Worker:
             filtered, frames = self._store(at, made, inputs, [*failed, *unreadable])
         self._failed(at, failed)
         errors = len(failed) + filtered + len(unreadable)
-        return BatchDone(at.shard.id, self.spec.name, len(made) - filtered, errors, rows=rows, frames=frames)
+        return BatchDone(
+            at.shard.id, self.spec.name, len(made) - filtered, errors, rows=rows, frames=frames, made=len(loaded.asked)
+        )
 
     def _decoded(self, at: _Attempt) -> BatchDone:
         """A phased plan's decode phase for the chunk's batches: their pictures stored, an image whose
@@ -395,48 +511,135 @@ class Worker:
             at.records[image_id].update(status="error", error=error)
         at.failures += len(failed)
 
-    def _commit(self, at: _Attempt) -> tuple[bool, str | None]:
-        """Wait for the writer, commit the manifest, move the objects to their keys. Returns (won,
-        the manifest's version); `_CommitUnknown` when the store did not say whether it landed."""
+    def _seal(self, at: _Attempt, first: int, end: int) -> Part:
+        """Rows `[first, end)` as a part of this attempt: the writer waited for, the sink closed."""
         self._writer.drain()  # every image written before the commit
         at.sink.close()
-        final = [at.records[im.id] for im in at.images]
-        at.counts = counts_of(final, at.table.num_rows)
-        manifest = manifest_bytes(
-            final, at.table, self.spec.columns.carry, [im.row for im in at.images], at.id, at.counts
+        images = at.images_in(first, end)
+        table = records_table(
+            [at.records[im.id] for im in images], at.table, self.spec.columns.carry, [im.row for im in images]
         )
+        return Part(first, end, at.rows, at.piece, part_bytes(table, at.piece, first, end, at.rows))
+
+    def _commit_part(self, at: _Attempt, end: int) -> PartCommitted | str | None:
+        """Commit rows `[start, end)` as a part. Returns its `PartCommitted`; None when there is nothing
+        new; "other" when the shard is committed; "moved" when another attempt's part starts at this
+        one's row: what this attempt made since is thrown away, and it goes on from the chain's end."""
+        if end <= at.start:
+            return None
+        mine = [im for im in at.todo if at.start <= im.row < end]
+        if mine and all(at.records[im.id]["status"] == "error" for im in mine):
+            raise ShardError(  # as a whole shard that fails: never committed, the attempt fails
+                f"Shard {at.shard.id}: every row from {at.start} to {end} failed in the pipeline; first error: "
+                f"{at.records[mine[0].id]['error']}"
+            )
+        part = self._seal(at, at.start, end)
         check_fence(self.output, at.shard.id, self.spec.lock_token)
         try:
-            won = commit_manifest(self.output, at.shard.id, manifest, at.base)
+            won = commit_part(self.output, at.shard.id, part)
+        except StorageError as err:
+            raise _CommitUnknown(
+                f"Shard {at.shard.id}: could not tell whether its part from row {at.start} landed ({err}); "
+                "its staged objects are kept for the driver to finish or remove"
+            ) from err
+        if not won:
+            return self._moved(at)
+        at.committed += len(mine)
+        ok, errors = self._decided(at, at.images_in(at.start, end))
+        event = PartCommitted(at.shard.id, self.spec.name, at.start, end, len(mine), ok, errors)
+        self._next_piece(at, end)
+        return event
+
+    def _decided(self, at: _Attempt, images: list[WorkItem]) -> tuple[int, int]:
+        """(ok, errors) of the records of `images` this attempt has just committed, in its stats."""
+        fresh = [at.records[im.id] for im in images if im.id not in at.kept]
+        ok = sum(r["status"] == "ok" for r in fresh)
+        self.stats["images"] += ok
+        self.stats["errors"] += len(fresh) - ok
+        return ok, len(fresh) - ok
+
+    def _next_piece(self, at: _Attempt, start: int) -> None:
+        at.start, at.piece, at.last_part = start, f"{at.id}-{start:08d}", time.monotonic()
+        at.sink = self._open_sink(at.shard, at.table, None, at.piece)
+
+    def _moved(self, at: _Attempt) -> str:
+        """Another attempt's part starts where this one's would: this one's staging since goes, and it
+        goes on from the chain's end (made again: each row's seed is its own)."""
+        self._give_up(at)
+        if committed_since(self.output, at.shard.id):
+            return "other"
+        start = chain_end(self.output, at.shard.id)
+        for im in at.images_in(start, at.rows):
+            at.records[im.id] = dict(at.fresh[im.id])
+        at.todo = [
+            im for im in at.images if im.row >= start and at.records[im.id]["status"] == "ok" and im.id not in at.kept
+        ]
+        at.done, at.failures = set(), 0
+        self._next_piece(at, start)
+        return "moved"
+
+    def _commit(self, at: _Attempt) -> tuple[str, str | None]:
+        """The shard's manifest: its committed parts' records and this attempt's since (workers/output/
+        parts.py), created only if absent; the objects moved to their keys. Returns ("won", the
+        manifest's version), ("lost", None) or ("moved", None) (another attempt's part came after the
+        chain this one read); `_CommitUnknown` when the store did not say whether it landed."""
+        tail = self._seal(at, at.start, at.rows)
+        chain = read_chain(self.output, at.shard.id) if at.start else []
+        if (chain[-1].end if chain else 0) != at.start:
+            return self._moved(at), None
+        fmt = get_format(self.spec.settings.output_format)
+        check_fence(self.output, at.shard.id, self.spec.lock_token)
+        try:
+            if at.base is not None:  # a retry of error rows: the whole manifest replaces the one it started from
+                final = [at.records[im.id] for im in at.images]
+                manifest = manifest_bytes(
+                    final,
+                    at.table,
+                    self.spec.columns.carry,
+                    [im.row for im in at.images],
+                    at.piece,
+                    counts_of(final, at.rows),
+                )
+                won = commit_manifest(self.output, at.shard.id, manifest, at.base)
+            else:
+                pieces = [*chain, tail] if tail.end > tail.first else chain
+                won, manifest = compact(self.output, at.shard.id, fmt, pieces, f"{at.id}-merged")
         except StorageError as err:
             raise _CommitUnknown(
                 f"Shard {at.shard.id}: could not tell whether its commit landed ({err}); its staged "
                 "objects are kept for the driver to finish or remove"
             ) from err
         if not won:
-            return False, None
+            return "lost", None
+        at.counts = json.loads((parquet_schema(manifest).metadata or {})[COUNTS_KEY])
+        at.committed += sum(im.row >= at.start for im in at.todo)
+        at.decided = self._decided(at, at.images if at.base is not None else at.images_in(at.start, at.rows))
         try:
             version = self.output.version(manifest_key(at.shard.id))  # before the move: nothing else replaces it
         except StorageError:
             version = None  # the driver looks it up
-        prefixes = get_format(self.spec.settings.output_format).object_prefixes(at.shard.id)
         try:
-            promote(self.output, at.shard.id, at.id, {r["image"] for r in final if r["image"]}, prefixes)
+            if at.base is not None:
+                named = {r["image"] for r in final if r["image"]}
+                promote(self.output, at.shard.id, [(at.piece, None)], named, fmt.object_prefixes(at.shard.id))
+            else:
+                settle(self.output, at.shard.id, manifest, fmt, chain, merged=(at.piece,))
         except (StorageError, ShardError) as err:  # committed: what the manifest names must stay
             raise _CommitUnknown(
                 f"Shard {at.shard.id}: committed, but its objects did not all reach their final keys ({err}); "
                 "its staged objects are kept for the driver to finish the move"
             ) from err
-        return True, version
+        return "won", version
 
     def _give_up(self, at: _Attempt) -> None:
-        """This attempt lost, failed or was stopped: abort what it opened, remove its staging. Never
-        raises: it runs while an attempt's own error is on its way up (a store that is down would
-        otherwise replace that error with its own), and staging it leaves is the driver's to remove."""
+        """This attempt lost, failed or was stopped: abort what it opened, remove its staging since its
+        last part (its parts' stay: committed). Never raises: it runs while an attempt's own error is on
+        its way up (a store that is down would otherwise replace that error with its own), and staging
+        it leaves is the driver's to remove."""
         self._writer.cancel()  # the writer thread lets go of the sink first
         try:
             at.sink.abort()
-            discard(self.output, at.shard.id, at.id)
+            discard(self.output, at.shard.id, at.piece)
         except StorageError as err:
             print(
                 f"[fleetgen] {self.spec.name}: staging of {at.shard.id} left for the driver to remove ({err})",

@@ -103,7 +103,7 @@ def test_a_commit_whose_moves_fail_keeps_its_staging_for_the_driver(store, quick
     """The manifest is committed, then every request touching the staging fails: the attempt says
     its move did not finish and deletes nothing; the driver's sweep (`finish_attempts`) then
     finishes the move and `verify --deep` is clean."""
-    from fleetgen.workers.output.commit import finish_attempts
+    from fleetgen.workers.output.parts import finish_attempts
 
     faulted(store)
     out = store.location("moves-fail")

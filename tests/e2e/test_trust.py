@@ -84,7 +84,7 @@ def test_a_commit_that_cannot_be_confirmed_keeps_its_staging_for_the_driver(
     """The store applies the commit and then stops answering: the attempt cannot tell whether it
     won, so it deletes nothing; the driver's sweep (`finish_attempts`) then finishes the move."""
     from fleetgen.errors import ShardError
-    from fleetgen.workers.output.commit import finish_attempts
+    from fleetgen.workers.output.parts import finish_attempts
 
     out = bucket("unconfirmed-commit")
     worker, shards = setup_job(tmp_path, tiny_model, out, "files")

@@ -11,10 +11,11 @@ by an earlier commit of the shard that a redo replaced). A loser removes its sta
 that cannot tell whether its commit landed (the store stopped answering) keeps its staging: what a
 committed manifest names is never deleted.
 
-A crash between the commit and the end of the move leaves staging behind: `finish_attempts` (the
-driver's start and end, `fleetgen verify --fix`) completes the move for the attempt the manifest
-names; other staging is removed only where no attempt can still win (every shard committed, or
-`verify --fix`). A worker commits only while the job's lock names its driver (`check_fence`).
+A crash between the commit and the end of the move leaves staging behind: `finish_attempts`
+(workers/output/parts.py: the driver's start and end, `fleetgen verify --fix`) completes the move for
+the attempts the manifest names; other staging is removed only where no attempt can still win (every
+shard committed, or `verify --fix`). A worker commits only while the job's lock names its driver
+(`check_fence`). A shard may also commit in parts before its manifest (workers/output/parts.py).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fleetgen.errors import ShardError
-from fleetgen.workers.output.layout import JOB, LOCK, MANIFEST_SCHEMA, STAGING, keeps, manifest_key
+from fleetgen.workers.output.layout import LOCK, MANIFEST_SCHEMA, STAGING, keeps, manifest_key
 from fleetgen.workers.output.storage import Output, parquet_schema, read_parquet
 
 LOOK_ONE_BY_ONE = 8  # moved keys in one folder checked one by one (above: the folder is listed once)
@@ -49,18 +50,29 @@ def counts_of(records: list[dict], rows: int) -> dict:
     }
 
 
-def manifest_bytes(
-    records: list[dict], table: pa.Table, carry: tuple[str, ...], rows: list[int], attempt: str, counts: dict
-) -> bytes:
-    """The manifest: one row per image, then the carried input columns of each image's row (`rows`:
-    each image's row in `table`); its metadata names the attempt whose objects it names."""
+def records_table(records: list[dict], table: pa.Table, carry: tuple[str, ...], rows: list[int]) -> pa.Table:
+    """One row per image, then the carried input columns of each image's row (`rows`: each image's
+    row in `table`)."""
     manifest = pa.Table.from_pylist(records, schema=MANIFEST_SCHEMA)
     for name in carry:
         manifest = manifest.append_column(table.schema.field(name), table.column(name).take(rows))
-    manifest = manifest.replace_schema_metadata({ATTEMPT_KEY: attempt.encode(), COUNTS_KEY: json.dumps(counts)})
+    return manifest
+
+
+def table_bytes(manifest: pa.Table, attempt: str, counts: dict, extra: dict[bytes, str] | None = None) -> bytes:
+    """A manifest (or a part, workers/output/parts.py) as stored: its metadata names the attempt whose
+    objects it names, and its counts."""
+    metadata = {ATTEMPT_KEY: attempt.encode(), COUNTS_KEY: json.dumps(counts), **(extra or {})}
     buf = io.BytesIO()
-    pq.write_table(manifest, buf)
+    pq.write_table(manifest.replace_schema_metadata(metadata), buf)
     return buf.getvalue()
+
+
+def manifest_bytes(
+    records: list[dict], table: pa.Table, carry: tuple[str, ...], rows: list[int], attempt: str, counts: dict
+) -> bytes:
+    """The manifest of a shard made by one attempt in one go."""
+    return table_bytes(records_table(records, table, carry, rows), attempt, counts)
 
 
 def keep_committed(output: Output, shard_id: str, records: dict, place=None) -> tuple[bytes, set[str]]:
@@ -154,28 +166,39 @@ def committed_since(output: Output, shard_id: str, base: bytes | None = None) ->
         return False
 
 
-def promote(output: Output, shard_id: str, attempt: str, named: set[str], prefixes: list[str]) -> int:
-    """The winner's staged objects to their final keys; then objects under the format's per-image
-    `prefixes` (OutputFormat.object_prefixes: `images/<shard>` for files) that the manifest does not
-    name (`named`) are removed, and the staging. Returns objects moved."""
-    prefix = staging(shard_id, attempt)
-    staged = output.find(prefix.rstrip("/"))
+def promote(
+    output: Output, shard_id: str, sources: list[tuple[str, set[str] | None]], named: set[str], prefixes: list[str]
+) -> int:
+    """The winner's staged objects to their final keys: `sources`, each an attempt's staging name
+    with the final keys of the objects it holds for the manifest (None: all it holds; a part's
+    staging may hold images of rows it did not commit, which stay out). Then objects under the
+    format's per-image `prefixes` (OutputFormat.object_prefixes: `images/<shard>` for files) that the
+    manifest does not name (`named`) are removed, and the stagings. Returns objects moved."""
+    moved: list[str] = []
+    for attempt, keys in sources:
+        prefix = staging(shard_id, attempt)
+        wanted = keeps(keys) if keys is not None else (lambda _key: True)  # a clip's poster and frames too
+        staged = [k for k in output.find(prefix.rstrip("/")) if wanted(k[len(prefix) :])]
 
-    def move(key: str) -> None:
-        try:
-            output.move(key, key[len(prefix) :])
-        except FileNotFoundError:  # moved meanwhile by the other party finishing this commit (a sweep, or its worker)
-            if not output.exists(key[len(prefix) :]):
-                raise
+        def move(key: str, prefix: str = prefix) -> None:
+            try:
+                output.move(key, key[len(prefix) :])
+            except (
+                FileNotFoundError
+            ):  # moved meanwhile by the other party finishing this commit (a sweep, or its worker)
+                if not output.exists(key[len(prefix) :]):
+                    raise
 
-    output.each(move, staged)
-    check_moved(output, shard_id, [key[len(prefix) :] for key in staged])
+        output.each(move, staged)
+        moved += [key[len(prefix) :] for key in staged]
+    check_moved(output, shard_id, moved)
     kept = keeps(named)  # a clip's poster and frames stay with it
     for key in (k for prefix in prefixes for k in output.find(prefix)):
         if not kept(key):
             output.remove(key)
-    discard(output, shard_id, attempt)
-    return len(staged)
+    for attempt, _ in sources:
+        discard(output, shard_id, attempt)
+    return len(moved)
 
 
 def check_moved(output: Output, shard_id: str, moved: list[str]) -> None:
@@ -211,42 +234,3 @@ def named_objects(manifest: bytes) -> set[str]:
     """The final keys a manifest names (its `image` column)."""
     table = read_parquet(manifest, columns=["image"])
     return {k for k in table.column("image").to_pylist() if k}
-
-
-def job_format(output: Output):
-    """The output format of the job at `output`, as its job.json records it."""
-    from fleetgen.workers.output.formats import get_format
-
-    return get_format(json.loads(output.get(JOB))["fingerprint"]["generation"]["output_format"])
-
-
-def finish_attempts(output: Output, discard_others: bool = True) -> tuple[int, int]:
-    """Finish the move of every committed attempt whose staging is still there; with
-    `discard_others`, remove every other staging. Returns (attempts finished, attempts removed).
-
-    Staging no manifest names may belong to an attempt that is still running: a dead driver's
-    worker dies seconds after it (on another host, when Ray gets to it), and it may commit after
-    this sweep. Removing its staging then leaves a manifest naming objects that are gone. So only
-    where no attempt can still win is it removed: every shard committed (an attempt's commit is
-    create-if-absent: it loses), or `verify --fix` on a job whose lock is stale. Finishing a
-    winner's move is safe at any time: its worker, if alive, moves the same objects."""
-    finished = removed = 0
-    fmt = None
-    for shard_id in output.list(STAGING):
-        try:
-            manifest = output.get(manifest_key(shard_id))
-        except FileNotFoundError:
-            manifest = None
-        winner = attempt_of(manifest) if manifest else None
-        for attempt in output.list(f"{STAGING}/{shard_id}"):
-            if attempt == winner:
-                fmt = fmt or job_format(output)
-                promote(output, shard_id, attempt, named_objects(manifest), fmt.object_prefixes(shard_id))
-                finished += 1
-            elif discard_others:
-                discard(output, shard_id, attempt)
-                removed += 1
-        if discard_others:
-            output.remove(f"{STAGING}/{shard_id}")
-        output.prune(f"{STAGING}/{shard_id}")  # local disks keep empty directories
-    return finished, removed

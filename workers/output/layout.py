@@ -16,6 +16,7 @@ SUCCESS = "_SUCCESS"  # only when every shard committed
 SHARDS = "shards"  # shard manifests: their presence is the shard's commit
 WORKERS = "workers"
 STAGING = "_attempts"  # each shard attempt's objects until it wins the commit (workers/output/commit.py)
+PARTS = "parts"  # a shard's parts: row ranges committed before its manifest (workers/output/parts.py)
 LOCK = "_LOCK"  # the running driver's name and heartbeat (jobs/lock.py)
 CARD = "README.md"  # the dataset card (jobs/dataset.py), rewritten at the end of every run
 COUNTS_INDEX = "counts.parquet"  # per committed shard: its counts, keyed by the manifest's version (jobs/state.py)
@@ -43,6 +44,15 @@ def unsafe_id_reason(row_id: str) -> str | None:
 
 def manifest_key(shard_id: str) -> str:
     return f"{SHARDS}/{shard_id}.parquet"
+
+
+def part_prefix(shard_id: str) -> str:
+    return f"{PARTS}/{shard_id}"
+
+
+def part_key(shard_id: str, first: int) -> str:
+    """A part's key: named by its first row (8 digits: listed in row order)."""
+    return f"{part_prefix(shard_id)}/{first:08d}.parquet"
 
 
 def worker_key(worker: str) -> str:

@@ -18,6 +18,7 @@ workers/output/backends.py.
 
 from __future__ import annotations
 
+import copy
 import os
 import posixpath
 import shutil
@@ -109,6 +110,13 @@ class Output:
         """Whether `create` is atomic here: local disks (a hard link), S3, GCS and Azure (conditional
         writes). Elsewhere it is a check, then a write (a job refuses that unless accepted)."""
         return self.kind is not None
+
+    def under(self, prefix: str) -> Output:
+        """The location `prefix/` inside this one, on the same client (an attempt's staging, read as
+        an output of its own by `verify`)."""
+        child = copy.copy(self)
+        child.url, child.root = self.key_url(prefix.rstrip("/")), self.path(prefix.rstrip("/"))
+        return child
 
     def path(self, key: str) -> str:
         return posixpath.join(self.root, key) if key else self.root

@@ -113,6 +113,19 @@ class OutputFormat:
         share objects (a tar, a Parquet file), which the commit replaces whole."""
         return []
 
+    def merge(self, output: Output, shard_id: str, pieces: list[tuple[str, list[dict]]], prefix: str) -> None:
+        """Where a shard's images share objects: write them at `prefix` + their keys from the objects
+        of `pieces` (each a staging prefix and the ok manifest rows, `id` and `member`, whose images it
+        holds for the shard; it may hold others, which stay out), in order. A shard committed in parts
+        (workers/output/parts.py) becomes one shard so. A format with neither this nor
+        `object_prefixes` commits whole shards only."""
+        raise NotImplementedError
+
+    @property
+    def commits_in_parts(self) -> bool:
+        """Whether a shard of this format can commit in parts (`--commit-interval`)."""
+        return bool(self.object_prefixes("shard")) or type(self).merge is not OutputFormat.merge
+
     def read_back(
         self, output: Output, shard_id: str, rows: list[dict], wanted: set[str] | None
     ) -> tuple[ReadBack, list[str]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from fleetgen.workers.output.fields import table
@@ -123,6 +124,24 @@ class Parquet(OutputFormat):
 
     def shard_objects(self, shard_id: str) -> list[str]:
         return [data_key(shard_id)]
+
+    def merge(self, output, shard_id, pieces, prefix) -> None:
+        """One Parquet file from the pieces', a piece's rows at a time (its ok rows' ids), in order."""
+        stream, writer = output.open_write(prefix + data_key(shard_id)), None
+        try:
+            for source, rows in pieces:
+                table = output.read_parquet(source + data_key(shard_id))
+                table = table.filter(pc.is_in(table.column("id"), pa.array([r["id"] for r in rows], pa.string())))
+                writer = writer or pq.ParquetWriter(stream, table.schema)
+                writer.write_table(table)
+            if writer is not None:
+                writer.close()
+            stream.close()
+        except BaseException:
+            Output.discard(stream)
+            if writer is not None:
+                writer.is_open = False
+            raise
 
     def read_back(
         self, output: Output, shard_id: str, rows: list[dict], wanted: set[str] | None

@@ -58,6 +58,13 @@ class WebDatasetSink:
         Output.discard(self.stream)
 
 
+def _copy_members(f, tar: tarfile.TarFile, stems: set[str]) -> None:
+    with tarfile.open(fileobj=f, mode="r|") as old:
+        for info in old:
+            if info.name.split(".", 1)[0] in stems:
+                tar.addfile(info, old.extractfile(info))
+
+
 class WebDataset(OutputFormat):
     name = "webdataset"
     description = "a tar per shard, data/<shard>.tar (webdataset, wids)"
@@ -70,6 +77,21 @@ class WebDataset(OutputFormat):
 
     def shard_objects(self, shard_id: str) -> list[str]:
         return [tar_key(shard_id)]
+
+    def merge(self, output, shard_id, pieces, prefix) -> None:
+        """One tar from the pieces' tars, member by member as they stream (`<id>.<ext>`, `<id>.json`
+        and companions: ids have no dot here)."""
+        stream = output.open_write(prefix + tar_key(shard_id))
+        try:
+            with tarfile.open(fileobj=stream, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+                for source, rows in pieces:
+                    stems = {r["member"].split(".", 1)[0] for r in rows if r["member"]}
+                    if stems:
+                        output.read_with(source + tar_key(shard_id), lambda f, s=stems: _copy_members(f, tar, s))
+            stream.close()
+        except BaseException:
+            Output.discard(stream)
+            raise
 
     def read_back(
         self, output: Output, shard_id: str, rows: list[dict], wanted: set[str] | None

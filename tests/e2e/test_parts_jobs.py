@@ -1,0 +1,127 @@
+"""A lost worker costs seconds, not a shard: whole jobs on the session's local Ray whose only worker is
+SIGKILLed (an OOM kill, a preempted node) or SIGTERMed (a pod's or a spot node's notice) in the middle
+of a one-shard job that commits in parts (workers/output/parts.py). Real processes, real signals."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import threading
+
+import pytest
+
+from bench.chaos import check
+from fleetgen.jobs.driver import run_job
+from fleetgen.workers.output.parts import chain_end
+from fleetgen.workers.output.storage import Output
+from tests.conftest import fast_settings, make_job, run_one_shard, write_prompts
+
+ROWS, BATCH, STEPS = 24, 2, 12  # a batch takes ~0.6 s here at 12 steps
+EVERY_WINDOW = 1e-6  # a part at every window's end: a window is one batch here
+
+
+@pytest.fixture(scope="module")
+def parts_input(tmp_path_factory, tiny_model, ray_cluster):
+    """ROWS prompts and the images of one clean whole-shard attempt at the job's batches (the reference)."""
+    root = tmp_path_factory.mktemp("parts")
+    prompts = write_prompts(root / "p.parquet", [f"a lighthouse in fog, number {i}" for i in range(ROWS)])
+    settings = fast_settings(steps=STEPS)
+    worker, clean = run_one_shard(tiny_model, root / "clean", prompts, settings, rows=ROWS, max_batch=BATCH, threads=1)
+    worker.close()
+    return prompts, {k: r["sha256"] for k, r in clean.items()}
+
+
+class Signaller(threading.Thread):
+    """Sends `sig` to the job's worker once `parts` parts of the shard are committed and `since` images
+    made after them are stored (in its staging); records the rows its parts held then, the images
+    made since, and whether the shard's manifest was there yet."""
+
+    def __init__(self, out, sig: int, parts: int, since: int = 0):
+        super().__init__(daemon=True)
+        self.out, self.sig, self.parts, self.since = out, sig, parts, since
+        self.sent: dict | None = None
+        self.seen = None  # (rows in parts, images since) at the last look
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        output = Output(str(self.out))
+        while not self.done.wait(0.01):
+            if len(list((self.out / "parts" / "shard-00000").glob("*.parquet"))) < self.parts:
+                continue
+            try:  # a listing may meet a file renamed or removed as it reads
+                rows = chain_end(output, "shard-00000")
+                since = len(list((self.out / "_attempts" / "shard-00000").rglob("*.png"))) - rows
+                pid = json.loads((self.out / "workers" / "w0.json").read_text())["pid"]
+            except (OSError, ValueError):
+                continue
+            self.seen = (rows, since)
+            if since < self.since:
+                continue
+            os.kill(pid, self.sig)
+            committed = (self.out / "shards" / "shard-00000.parquet").exists()
+            self.sent = {"pid": pid, "rows": rows, "since": since, "committed": committed}
+            return
+
+
+def _run(prompts, model, out, sig: int, parts: int, since: int = 0, interval: float = EVERY_WINDOW, **kw):
+    signaller = Signaller(out, sig, parts, since)
+    signaller.start()
+    job = make_job(
+        prompts,
+        model,
+        out,
+        rows_per_shard=ROWS,
+        max_batch=BATCH,
+        steps=STEPS,
+        commit_interval=interval,
+        cpu_threads=1,
+        **kw,
+    )
+    summary = run_job(job, progress_stream=(log := io.StringIO()))
+    signaller.done.set()
+    signaller.join()
+    assert signaller.sent and not signaller.sent["committed"], (signaller.sent, signaller.seen)  # mid-shard
+    return summary, signaller.sent, log.getvalue()
+
+
+@pytest.mark.ray
+def test_a_worker_sigkilled_mid_shard_makes_again_only_what_it_made_since_its_last_part(
+    parts_input, tiny_model, tmp_path
+):
+    prompts, clean = parts_input
+    out = tmp_path / "out"
+    # parts every 2 s (a batch takes ~1 s here): killed with images made since its last part
+    summary, sent, log = _run(
+        prompts, tiny_model, out, signal.SIGKILL, parts=2, since=BATCH, interval=2.0, max_restarts=3
+    )
+    assert summary.complete and summary.images_ok == ROWS, log
+    assert sent["rows"] >= 2 * BATCH  # what its parts held when it was killed: not made again
+    # made twice: what it had made since its last part (stored, or a batch the writer had yet to store,
+    # or one finished as the kill landed); a whole-shard commit would have made all of it again
+    assert sent["since"] <= summary.images_redone <= sent["since"] + 2 * BATCH, (sent, summary.images_redone, log)
+    assert {w["worker"]: w["images_redone"] for w in summary.workers}["w0"] == summary.images_redone
+    assert check(out, clean) == {
+        "rows": ROWS,
+        "missing": 0,
+        "duplicates": 0,
+        "stray_objects": 0,
+        "sha_mismatches": 0,
+        "tmp_files": 0,
+        "verify_deep": "clean",
+    }
+    assert not (out / "parts").exists() or not list((out / "parts").rglob("*"))
+
+
+@pytest.mark.ray
+def test_a_worker_sigtermed_mid_shard_commits_what_it_made_and_another_finishes(parts_input, tiny_model, tmp_path):
+    prompts, clean = parts_input
+    out = tmp_path / "out"
+    summary, sent, log = _run(prompts, tiny_model, out, signal.SIGTERM, parts=2, max_restarts=0)
+    assert summary.complete and summary.images_ok == ROWS, log
+    assert summary.images_redone == 0, log  # the batch in flight was finished and committed
+    assert "w0 released: told to stop (SIGTERM)" in log, log
+    assert check(out, clean)["sha_mismatches"] == 0 and check(out, clean)["verify_deep"] == "clean"
+    events = json.loads((out / "fleet.json").read_text())["events"]
+    assert any(e["worker"] == "w1" and e["event"] == "ready" for e in events), events  # another took the rest
