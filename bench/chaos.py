@@ -75,6 +75,43 @@ class Killer(threading.Thread):
             )
 
 
+class Signaller(threading.Thread):
+    """Sends `sig` to worker w0 of a one-shard job (files output, local) once `parts` parts of the shard
+    are committed and `since` images made after them are stored in its staging; records the rows its
+    parts held then, the images made since, and whether the shard's manifest was there yet. With
+    `parts` 0 (whole-shard commits): once `since` images are stored. tests/e2e/test_parts_jobs.py,
+    bench/parts.py."""
+
+    def __init__(self, out, sig: int, parts: int, since: int = 0):
+        super().__init__(daemon=True)
+        self.out, self.sig, self.parts, self.since = out, sig, parts, since
+        self.sent: dict | None = None
+        self.seen = None  # (rows in parts, images since) at the last look
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        from fleetgen.workers.output.parts import chain_end
+        from fleetgen.workers.output.storage import Output
+
+        output = Output(str(self.out))
+        while not self.done.wait(0.01):
+            if len(list((self.out / "parts" / "shard-00000").glob("*.parquet"))) < self.parts:
+                continue
+            try:  # a listing may meet a file renamed or removed as it reads
+                rows = chain_end(output, "shard-00000")
+                since = len(list((self.out / "_attempts" / "shard-00000").rglob("*.png"))) - rows
+                pid = json.loads((self.out / "workers" / "w0.json").read_text())["pid"]
+            except (OSError, ValueError):
+                continue
+            self.seen = (rows, since)
+            if since < self.since:
+                continue
+            os.kill(pid, self.sig)
+            committed = (self.out / "shards" / "shard-00000.parquet").exists()
+            self.sent = {"pid": pid, "rows": rows, "since": since, "committed": committed}
+            return
+
+
 def manifest_rows(out: Path | str) -> list[dict]:
     """Every committed manifest's rows, local or on an object store."""
     from fleetgen.jobs.state import list_manifests, read_manifests

@@ -170,7 +170,7 @@ def write_prompts(path: Path, prompts: list, row_group_size: int | None = None, 
     return path
 
 
-def setup_job(tmp_path, model, out, output_format, prompts=None, max_batch=3, **kw):
+def setup_job(tmp_path, model, out, output_format, prompts=None, max_batch=3, shard_rows=3, **kw):
     """A worker (in this process, no Ray) and the two shards of a 6-row input, with the job record
     verify looks for: the work of a job, shard by shard, without a cluster."""
     from fleetgen.jobs.sharding import plan_shards, read_footer, resolve_columns
@@ -197,7 +197,7 @@ def setup_job(tmp_path, model, out, output_format, prompts=None, max_batch=3, **
     )
     # the part of the job record verify reads: the generation settings, the output format among them
     worker.output.put("job.json", json.dumps({"fingerprint": {"generation": dataclasses.asdict(settings)}}).encode())
-    return worker, plan_shards(files, 3)
+    return worker, plan_shards(files, shard_rows)
 
 
 def run_one_shard(model, out, prompts, settings, rows: int = 100, shards=(0,), **spec):

@@ -21,6 +21,7 @@ LAYERS = [
     {"spec"},
     {"pipeline"},
     {"records", "info", "best_of", "score_tables", "notice"},
+    {"attempt"},  # an attempt at a shard and its commits
     {"worker"},
 ]
 

@@ -1,7 +1,7 @@
 """One device's work: a fitted pipeline (workers/pipeline/fitted.py) making the images of one shard after
-another, stored by the writer thread (workers/output/writer.py), each shard committed by its manifest
-(workers/output/commit.py). No Ray here: `cluster/` wraps this plain class in an actor, and a benchmark
-or a test can use it directly."""
+another, stored by the writer thread (workers/output/writer.py), each attempt at a shard committed in parts
+and then by its manifest (workers/attempt.py). No Ray here: `cluster/` wraps this plain class in an actor,
+and a benchmark or a test can use it directly."""
 
 from __future__ import annotations
 
@@ -10,35 +10,24 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import pyarrow as pa
 import torch
 
 from fleetgen.errors import ShardError, StorageError
 from fleetgen.imports import paused_gc
+from fleetgen.workers.attempt import Attempt, Boundary, Commits, CommitUnknown
 from fleetgen.workers.best_of import BestOf, place
 from fleetgen.workers.info import describe, worker_info
 from fleetgen.workers.notice import taking_notice, told_to_stop
-from fleetgen.workers.output.commit import (
-    COUNTS_KEY,
-    check_fence,
-    commit_manifest,
-    committed_since,
-    counts_of,
-    discard,
-    keep_committed,
-    manifest_bytes,
-    promote,
-    records_table,
-    staging,
-)
+from fleetgen.workers.output.commit import committed_since, keep_committed, staging
 from fleetgen.workers.output.formats import Kept, get_format, open_sink
-from fleetgen.workers.output.layout import manifest_key, worker_key
+from fleetgen.workers.output.layout import worker_key
 from fleetgen.workers.output.made import Made
-from fleetgen.workers.output.parts import Part, chain_end, commit_part, compact, part_bytes, read_chain, settle
+from fleetgen.workers.output.parts import chain_end
 from fleetgen.workers.output.rows import as_rows
-from fleetgen.workers.output.storage import Output, parquet_schema
+from fleetgen.workers.output.storage import Output
 from fleetgen.workers.output.video import Clip
 from fleetgen.workers.output.writer import Writer, encode_and_store
 from fleetgen.workers.pipeline.calls import prompt_note
@@ -49,59 +38,6 @@ from fleetgen.workers.rows.batches import REPEATED, WorkItem, content_ids, group
 from fleetgen.workers.rows.inputs import Prefetcher
 from fleetgen.workers.rows.shard import Columns, Shard, read_shard
 from fleetgen.workers.spec import BatchDone, PartCommitted, ShardResult, WorkerSpec
-
-
-@dataclass
-class _Attempt:
-    """One attempt at a shard, from its reading to its commit."""
-
-    shard: Shard
-    id: str  # this attempt's name
-    table: pa.Table  # the shard's input rows
-    images: list[WorkItem]
-    records: dict[str, dict]  # the manifest's rows, by image id, filled in as images are made
-    todo: list[WorkItem]  # what this attempt makes (a retry: the error rows only)
-    kept: set[str]  # a retry: ids whose committed record stays as it is
-    base: bytes | None  # a retry: the committed manifest it replaces
-    sink: object
-    started: float = field(default_factory=time.perf_counter)
-    failures: int = 0  # images the pipeline failed
-    counts: dict | None = None  # the committed manifest's counts
-    pending: list = field(default_factory=list)  # phased with a decode phase: (made, inputs) awaiting it
-    best_of: BestOf | None = None  # `--best-of`: each image's candidates, held until all are made
-    watch: bool = True  # stop once another attempt commits (False: rows of a Ray Data stage, never committed)
-    parts: bool = False  # commits in parts (workers/output/parts.py) every `commit_interval` seconds
-    start: int = 0  # the first row this attempt makes: where the shard's committed parts end
-    piece: str = ""  # the staging its objects go under now, `<id>-<start>`: a part's, or the tail's
-    last_part: float = field(default_factory=time.monotonic)
-    made: int = 0  # images it set out to make
-    committed: int = 0  # of them, in its committed parts and manifest
-    decided: tuple = (0, 0)  # (ok, errors) its manifest committed, its parts' not counted
-    done: set = field(default_factory=set)  # ids of images made (or failed) in this pass
-    fresh: dict = field(default_factory=dict)  # each record as it was before anything was made
-
-    def __post_init__(self) -> None:
-        self.piece = self.piece or f"{self.id}-{self.start:08d}"
-        self.fresh = {k: dict(v) for k, v in self.records.items()}
-
-    @property
-    def rows(self) -> int:
-        return self.table.num_rows
-
-    def images_in(self, first: int, end: int) -> list[WorkItem]:
-        return [im for im in self.images if first <= im.row < end]
-
-    def result(self, worker: str, ok: int = 0, errors: int = 0, **kw) -> ShardResult:
-        redone = self.made - self.committed
-        return ShardResult(self.shard.id, worker, ok, errors, time.perf_counter() - self.started, redone=redone, **kw)
-
-
-@dataclass(frozen=True)
-class _Boundary:
-    """Every image of the rows before `row` is made (a window's end, or where a notice found the attempt)."""
-
-    row: int
-    stop: bool = False
 
 
 @dataclass
@@ -130,10 +66,6 @@ class _Loaded:
         )
 
 
-class _CommitUnknown(ShardError):
-    """The manifest's write failed without saying whether it landed: its staging must stay."""
-
-
 def _as_given(record: dict) -> dict:
     """A repeated id's error record with its id as the input has it (items carry `<id>^<row>`)."""
     given = record["row_id"].rsplit(REPEATED, 1)[0]
@@ -160,6 +92,7 @@ class Worker:
         self.recipe = spec.settings.recipe(self.fitted.size_multiple)
         self._writer = Writer()
         self.stats = {"shards": 0, "images": 0, "errors": 0}
+        self._commits = Commits(self.output, spec, self._writer, self.stats, self._open_sink)
         self.info = worker_info(spec, self.fitted, time.perf_counter() - started)
         device, store = self.info["device"]["name"], spec.settings.store_inputs
         self._records = Records(
@@ -217,20 +150,20 @@ class Worker:
                 while True:  # again from the chain's end when another attempt's part came first
                     outcome = yield from self._run(at)
                     if outcome == "done":
-                        outcome, version = self._commit(at)
+                        outcome, version = self._commits.commit(at)
                     if outcome != "moved":
                         break
             if outcome != "won":  # another attempt committed the shard first, or this one was told to stop
-                self._give_up(at)
+                self._commits.give_up(at)
                 yield at.result(self.spec.name, committed_by_other=outcome != "stopped", stopped=outcome == "stopped")
                 return
             won = True
-        except _CommitUnknown:
+        except CommitUnknown:
             unknown = True
             raise
         finally:
             if not won and not unknown:  # lost, failed, or stopped (the generator closed): nothing of it stays
-                self._give_up(at)
+                self._commits.give_up(at)
             elif unknown:
                 self._writer.cancel()
         self.stats["shards"] += 1
@@ -238,7 +171,7 @@ class Worker:
         ok, errors = at.decided  # since its last part (that part's own event counted those)
         yield at.result(self.spec.name, ok, errors, counts=at.counts, version=version)
 
-    def _run(self, at: _Attempt) -> Iterator[BatchDone | PartCommitted]:
+    def _run(self, at: Attempt) -> Iterator[BatchDone | PartCommitted]:
         """Make what is left, a part committed at a window's end once `commit_interval` has passed
         and where a notice finds the attempt; returns "done" (every row made), "other" (another
         attempt committed the shard), "stopped" (told to stop, what it made committed) or "moved"
@@ -246,14 +179,14 @@ class Worker:
         for event in self._make(at):
             if event is None:
                 return "other"
-            if not isinstance(event, _Boundary):
+            if not isinstance(event, Boundary):
                 yield event
                 continue
             if event.row >= at.rows:
                 continue  # the last rows are the manifest's own
             due = time.monotonic() - at.last_part >= self.spec.commit_interval
             if due or event.stop:
-                outcome = self._commit_part(at, event.row)
+                outcome = self._commits.commit_part(at, event.row)
                 if isinstance(outcome, PartCommitted):
                     yield outcome
                 elif outcome is not None:
@@ -275,7 +208,7 @@ class Worker:
         images, records = self._items(shard, table, columns, repeats="error")
         sink = Kept()
         todo = [im for im in images if records[im.id]["status"] == "ok"]
-        at = _Attempt(
+        at = Attempt(
             shard,
             name,
             table,
@@ -335,7 +268,7 @@ class Worker:
         settings = self.spec.settings
         return BestOf(settings.best_of, settings.rank_by) if settings.best_of > 1 else None
 
-    def _prepare(self, shard: Shard) -> _Attempt:
+    def _prepare(self, shard: Shard) -> Attempt:
         """Read the shard, build its images and their manifest records, open its sink."""
         table = read_shard(shard, self.spec.columns)
         images, records = self._items(shard, table)
@@ -347,7 +280,7 @@ class Worker:
         todo = [im for im in images if records[im.id]["status"] == "ok" and im.id not in kept and im.row >= start]
         parts = self.spec.commit_interval > 0 and base is None
         parts = parts and get_format(self.spec.settings.output_format).commits_in_parts
-        at = _Attempt(
+        at = Attempt(
             shard,
             uuid.uuid4().hex[:12],
             table,
@@ -364,12 +297,12 @@ class Worker:
         at.sink = self._open_sink(shard, table, base, at.piece)
         return at
 
-    def _make(self, at: _Attempt) -> Iterator[BatchDone | _Boundary | None]:
+    def _make(self, at: Attempt) -> Iterator[BatchDone | Boundary | None]:
         """Every image to make, a batch at a time: a `BatchDone` per pipeline call, None (and
         stop) once another attempt has committed the shard. Input images are read ahead, in the
         order they are made, while the device works. Under a phased plan the batches come a chunk
         at a time, each chunk's prompts encoded first (workers/pipeline/phases.py). An attempt that
-        commits in parts makes its rows a window at a time (`_windows`) and yields a `_Boundary` at
+        commits in parts makes its rows a window at a time (`_windows`) and yields a `Boundary` at
         each window's end, and where a notice to stop finds it."""
         counts = Counter(im.row for im in at.images)  # images per row, for progress in rows
         windows = self._windows(at)
@@ -386,17 +319,17 @@ class Worker:
                             yield self._decoded(at)
                         if at.parts and told_to_stop():
                             left = (im.row for im in at.todo if im.id not in at.done)
-                            yield _Boundary(min(left, default=at.rows), stop=True)
+                            yield Boundary(min(left, default=at.rows), stop=True)
                             return
                 if at.parts:
-                    yield _Boundary(windows[w + 1][0].row if w + 1 < len(windows) else at.rows)
+                    yield Boundary(windows[w + 1][0].row if w + 1 < len(windows) else at.rows)
         if at.todo and at.failures == len(at.todo) and at.base is None and not at.committed:
             raise ShardError(
                 f"Shard {at.shard.id}: every row failed in the pipeline; first error: "
                 f"{at.records[at.todo[0].id]['error']}"
             )
 
-    def _windows(self, at: _Attempt) -> list[list[WorkItem]]:
+    def _windows(self, at: Attempt) -> list[list[WorkItem]]:
         """What is left in windows of whole rows, in row order: a part may end at any window's end.
         Each is at least a batch (a chunk, under a phased plan) per look among them and, where rows
         allow, whole batches, so that a shard of one look is batched as it would be whole and rows of
@@ -414,7 +347,7 @@ class Worker:
             windows[-1].append(im)
         return windows
 
-    def _batches(self, at: _Attempt, group: list[WorkItem], prefetch: Prefetcher) -> Iterator[tuple[_Loaded, bool]]:
+    def _batches(self, at: Attempt, group: list[WorkItem], prefetch: Prefetcher) -> Iterator[tuple[_Loaded, bool]]:
         """`group`'s batches (one look) at the current batch size, their input images loaded, each with
         whether it ends its chunk; a chunk's inputs loaded and its prompts encoded before its first batch
         (a chunk is one batch unless phased); after an OOM step-down the rest of the chunk is re-batched,
@@ -437,7 +370,7 @@ class Worker:
                     pending = [im for b in batches[k + 1 :] for im in b] + pending
                     break
 
-    def _batch(self, at: _Attempt, loaded: _Loaded, rows: float) -> BatchDone:
+    def _batch(self, at: Attempt, loaded: _Loaded, rows: float) -> BatchDone:
         """One pipeline call: the batch's inputs (an unreadable one fails its row only), the call,
         its pictures handed to the writer thread, which encodes, hashes and stores them while the
         device makes the next batch."""
@@ -458,7 +391,7 @@ class Worker:
             at.shard.id, self.spec.name, len(made) - filtered, errors, rows=rows, frames=frames, made=len(loaded.asked)
         )
 
-    def _decoded(self, at: _Attempt) -> BatchDone:
+    def _decoded(self, at: Attempt) -> BatchDone:
         """A phased plan's decode phase for the chunk's batches: their pictures stored, an image whose
         decode failed an error row. Progress: its images were counted as their batches were made."""
         failed = self.fitted.decode()
@@ -475,7 +408,7 @@ class Worker:
         self._failed(at, failed)
         return BatchDone(at.shard.id, self.spec.name, 0, len(failed) + filtered, frames=frames)
 
-    def _store(self, at: _Attempt, made: list[Made], inputs: dict, failed=()) -> tuple[int, int]:
+    def _store(self, at: Attempt, made: list[Made], inputs: dict, failed=()) -> tuple[int, int]:
         """Pictures scored, records filled, pictures handed to the writer thread; (filtered, frames)
         counted first (the writer drops each picture once encoded). `--best-of`: the candidates of the
         images `made` and `failed` (ids that failed) complete, the best of each the image."""
@@ -493,7 +426,7 @@ class Worker:
             self._writer.submit(self._encode_and_store, at.sink, made, at.records, at.table)
         return filtered, frames
 
-    def _score(self, at: _Attempt, made: list[Made]) -> None:
+    def _score(self, at: Attempt, made: list[Made]) -> None:
         """Each decoded picture scored (`--score`) and, where `--keep` rejects its scores, let go: a
         filtered row. A picture a scorer failed on keeps its other scores and is stored."""
         if not made:  # (a batch whose pictures come from the decode phase: nothing to score yet)
@@ -506,145 +439,10 @@ class Worker:
                 m.kept_out, m.picture = keep.why(scores), None
 
     @staticmethod
-    def _failed(at: _Attempt, failed: dict[str, str]) -> None:
+    def _failed(at: Attempt, failed: dict[str, str]) -> None:
         for image_id, error in failed.items():
             at.records[image_id].update(status="error", error=error)
         at.failures += len(failed)
-
-    def _seal(self, at: _Attempt, first: int, end: int) -> Part:
-        """Rows `[first, end)` as a part of this attempt: the writer waited for, the sink closed."""
-        self._writer.drain()  # every image written before the commit
-        at.sink.close()
-        images = at.images_in(first, end)
-        table = records_table(
-            [at.records[im.id] for im in images], at.table, self.spec.columns.carry, [im.row for im in images]
-        )
-        return Part(first, end, at.rows, at.piece, part_bytes(table, at.piece, first, end, at.rows))
-
-    def _commit_part(self, at: _Attempt, end: int) -> PartCommitted | str | None:
-        """Commit rows `[start, end)` as a part. Returns its `PartCommitted`; None when there is nothing
-        new; "other" when the shard is committed; "moved" when another attempt's part starts at this
-        one's row: what this attempt made since is thrown away, and it goes on from the chain's end."""
-        if end <= at.start:
-            return None
-        mine = [im for im in at.todo if at.start <= im.row < end]
-        if mine and all(at.records[im.id]["status"] == "error" for im in mine):
-            raise ShardError(  # as a whole shard that fails: never committed, the attempt fails
-                f"Shard {at.shard.id}: every row from {at.start} to {end} failed in the pipeline; first error: "
-                f"{at.records[mine[0].id]['error']}"
-            )
-        part = self._seal(at, at.start, end)
-        check_fence(self.output, at.shard.id, self.spec.lock_token)
-        try:
-            won = commit_part(self.output, at.shard.id, part)
-        except StorageError as err:
-            raise _CommitUnknown(
-                f"Shard {at.shard.id}: could not tell whether its part from row {at.start} landed ({err}); "
-                "its staged objects are kept for the driver to finish or remove"
-            ) from err
-        if not won:
-            return self._moved(at)
-        at.committed += len(mine)
-        ok, errors = self._decided(at, at.images_in(at.start, end))
-        event = PartCommitted(at.shard.id, self.spec.name, at.start, end, len(mine), ok, errors)
-        self._next_piece(at, end)
-        return event
-
-    def _decided(self, at: _Attempt, images: list[WorkItem]) -> tuple[int, int]:
-        """(ok, errors) of the records of `images` this attempt has just committed, in its stats."""
-        fresh = [at.records[im.id] for im in images if im.id not in at.kept]
-        ok = sum(r["status"] == "ok" for r in fresh)
-        self.stats["images"] += ok
-        self.stats["errors"] += len(fresh) - ok
-        return ok, len(fresh) - ok
-
-    def _next_piece(self, at: _Attempt, start: int) -> None:
-        at.start, at.piece, at.last_part = start, f"{at.id}-{start:08d}", time.monotonic()
-        at.sink = self._open_sink(at.shard, at.table, None, at.piece)
-
-    def _moved(self, at: _Attempt) -> str:
-        """Another attempt's part starts where this one's would: this one's staging since goes, and it
-        goes on from the chain's end (made again: each row's seed is its own)."""
-        self._give_up(at)
-        if committed_since(self.output, at.shard.id):
-            return "other"
-        start = chain_end(self.output, at.shard.id)
-        for im in at.images_in(start, at.rows):
-            at.records[im.id] = dict(at.fresh[im.id])
-        at.todo = [
-            im for im in at.images if im.row >= start and at.records[im.id]["status"] == "ok" and im.id not in at.kept
-        ]
-        at.done, at.failures = set(), 0
-        self._next_piece(at, start)
-        return "moved"
-
-    def _commit(self, at: _Attempt) -> tuple[str, str | None]:
-        """The shard's manifest: its committed parts' records and this attempt's since (workers/output/
-        parts.py), created only if absent; the objects moved to their keys. Returns ("won", the
-        manifest's version), ("lost", None) or ("moved", None) (another attempt's part came after the
-        chain this one read); `_CommitUnknown` when the store did not say whether it landed."""
-        tail = self._seal(at, at.start, at.rows)
-        chain = read_chain(self.output, at.shard.id) if at.start else []
-        if (chain[-1].end if chain else 0) != at.start:
-            return self._moved(at), None
-        fmt = get_format(self.spec.settings.output_format)
-        check_fence(self.output, at.shard.id, self.spec.lock_token)
-        try:
-            if at.base is not None:  # a retry of error rows: the whole manifest replaces the one it started from
-                final = [at.records[im.id] for im in at.images]
-                manifest = manifest_bytes(
-                    final,
-                    at.table,
-                    self.spec.columns.carry,
-                    [im.row for im in at.images],
-                    at.piece,
-                    counts_of(final, at.rows),
-                )
-                won = commit_manifest(self.output, at.shard.id, manifest, at.base)
-            else:
-                pieces = [*chain, tail] if tail.end > tail.first else chain
-                won, manifest = compact(self.output, at.shard.id, fmt, pieces, f"{at.id}-merged")
-        except StorageError as err:
-            raise _CommitUnknown(
-                f"Shard {at.shard.id}: could not tell whether its commit landed ({err}); its staged "
-                "objects are kept for the driver to finish or remove"
-            ) from err
-        if not won:
-            return "lost", None
-        at.counts = json.loads((parquet_schema(manifest).metadata or {})[COUNTS_KEY])
-        at.committed += sum(im.row >= at.start for im in at.todo)
-        at.decided = self._decided(at, at.images if at.base is not None else at.images_in(at.start, at.rows))
-        try:
-            version = self.output.version(manifest_key(at.shard.id))  # before the move: nothing else replaces it
-        except StorageError:
-            version = None  # the driver looks it up
-        try:
-            if at.base is not None:
-                named = {r["image"] for r in final if r["image"]}
-                promote(self.output, at.shard.id, [(at.piece, None)], named, fmt.object_prefixes(at.shard.id))
-            else:
-                settle(self.output, at.shard.id, manifest, fmt, chain, merged=(at.piece,))
-        except (StorageError, ShardError) as err:  # committed: what the manifest names must stay
-            raise _CommitUnknown(
-                f"Shard {at.shard.id}: committed, but its objects did not all reach their final keys ({err}); "
-                "its staged objects are kept for the driver to finish the move"
-            ) from err
-        return "won", version
-
-    def _give_up(self, at: _Attempt) -> None:
-        """This attempt lost, failed or was stopped: abort what it opened, remove its staging since its
-        last part (its parts' stay: committed). Never raises: it runs while an attempt's own error is on
-        its way up (a store that is down would otherwise replace that error with its own), and staging
-        it leaves is the driver's to remove."""
-        self._writer.cancel()  # the writer thread lets go of the sink first
-        try:
-            at.sink.abort()
-            discard(self.output, at.shard.id, at.piece)
-        except StorageError as err:
-            print(
-                f"[fleetgen] {self.spec.name}: staging of {at.shard.id} left for the driver to remove ({err})",
-                flush=True,
-            )
 
     def _open_sink(self, shard: Shard, table: pa.Table, base: bytes | None, attempt: str):
         s, carry = self.spec.settings, self.spec.columns.carry

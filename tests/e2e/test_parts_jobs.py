@@ -6,16 +6,12 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import signal
-import threading
 
 import pytest
 
-from bench.chaos import check
+from bench.chaos import Signaller, check
 from fleetgen.jobs.driver import run_job
-from fleetgen.workers.output.parts import chain_end
-from fleetgen.workers.output.storage import Output
 from tests.conftest import fast_settings, make_job, run_one_shard, write_prompts
 
 ROWS, BATCH, STEPS = 24, 2, 12  # a batch takes ~0.6 s here at 12 steps
@@ -31,38 +27,6 @@ def parts_input(tmp_path_factory, tiny_model, ray_cluster):
     worker, clean = run_one_shard(tiny_model, root / "clean", prompts, settings, rows=ROWS, max_batch=BATCH, threads=1)
     worker.close()
     return prompts, {k: r["sha256"] for k, r in clean.items()}
-
-
-class Signaller(threading.Thread):
-    """Sends `sig` to the job's worker once `parts` parts of the shard are committed and `since` images
-    made after them are stored (in its staging); records the rows its parts held then, the images
-    made since, and whether the shard's manifest was there yet."""
-
-    def __init__(self, out, sig: int, parts: int, since: int = 0):
-        super().__init__(daemon=True)
-        self.out, self.sig, self.parts, self.since = out, sig, parts, since
-        self.sent: dict | None = None
-        self.seen = None  # (rows in parts, images since) at the last look
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        output = Output(str(self.out))
-        while not self.done.wait(0.01):
-            if len(list((self.out / "parts" / "shard-00000").glob("*.parquet"))) < self.parts:
-                continue
-            try:  # a listing may meet a file renamed or removed as it reads
-                rows = chain_end(output, "shard-00000")
-                since = len(list((self.out / "_attempts" / "shard-00000").rglob("*.png"))) - rows
-                pid = json.loads((self.out / "workers" / "w0.json").read_text())["pid"]
-            except (OSError, ValueError):
-                continue
-            self.seen = (rows, since)
-            if since < self.since:
-                continue
-            os.kill(pid, self.sig)
-            committed = (self.out / "shards" / "shard-00000.parquet").exists()
-            self.sent = {"pid": pid, "rows": rows, "since": since, "committed": committed}
-            return
 
 
 def _run(prompts, model, out, sig: int, parts: int, since: int = 0, interval: float = EVERY_WINDOW, **kw):
