@@ -83,7 +83,7 @@ def part_cost(store, model: str, tmp: Path, rows: int, latency: float) -> dict:
         if store.proxy is not None:
             store.proxy.reset()
         worker.close()
-        assert result.ok == shard.length and Output(url).exists("shards/shard-00000.parquet")
+        assert result.counts["ok"] == shard.length and Output(url).exists("shards/shard-00000.parquet")
         out[mode] = (took, requests, shard.length)
     parts = out["parts"][2] // 2 - 1  # a part per batch of 2 but the last, which the manifest commits
     whole, split = out["whole"], out["parts"]
