@@ -79,12 +79,13 @@ class Signaller(threading.Thread):
     """Sends `sig` to worker w0 of a one-shard job (files output, local) once `parts` parts of the shard
     are committed and `since` images made after them are stored in its staging; records the rows its
     parts held then, the images made since, and whether the shard's manifest was there yet. With
-    `parts` 0 (whole-shard commits): once `since` images are stored. tests/e2e/test_parts_jobs.py,
-    bench/parts.py."""
+    `parts` 0 (whole-shard commits): once `since` images are stored. `stored`: and once the images in
+    parts and since are that many at least (a kill at the same point of a job, whatever it commits).
+    tests/e2e/test_parts_jobs.py, bench/parts.py."""
 
-    def __init__(self, out, sig: int, parts: int, since: int = 0):
+    def __init__(self, out, sig: int, parts: int, since: int = 0, stored: int = 0):
         super().__init__(daemon=True)
-        self.out, self.sig, self.parts, self.since = out, sig, parts, since
+        self.out, self.sig, self.parts, self.since, self.stored = out, sig, parts, since, stored
         self.sent: dict | None = None
         self.seen = None  # (rows in parts, images since) at the last look
         self.done = threading.Event()
@@ -104,7 +105,7 @@ class Signaller(threading.Thread):
             except (OSError, ValueError):
                 continue
             self.seen = (rows, since)
-            if since < self.since:
+            if since < self.since or rows + since < self.stored:
                 continue
             os.kill(pid, self.sig)
             committed = (self.out / "shards" / "shard-00000.parquet").exists()

@@ -1,8 +1,8 @@
 """Commits inside a shard (workers/output/parts.py): what a killed worker costs, and what a part costs.
 
 Redone: a one-shard job of `--rows` rows (the tiny model, `--steps` steps, batches of 2, one worker,
-a local Ray) whose worker is SIGKILLed once `--kill-after` of its images are stored; the images the
-job made twice (`summary.json`'s `images_redone`), with whole-shard commits (`--commit-interval 0`)
+a local Ray) whose worker is SIGKILLed once `--kill-after` of its images are stored (committed in parts
+or waiting in its staging); the images the job made twice (`summary.json`'s `images_redone`), with whole-shard commits (`--commit-interval 0`)
 and with parts every `--interval` seconds, in one run.
 
 Part cost: one shard of `--shard-rows` rows made in this process (no Ray) on each store (a local
@@ -10,7 +10,7 @@ folder, S3 (moto), GCS (fake-gcs-server), Azure (Azurite), behind tests/faulty_s
 answer `--latency` seconds late), committed whole and then in parts at every batch: the store's
 requests and the shard's wall time, and what each part added.
 
-    python bench/parts.py [--rows 48] [--kill-after 16] [--interval 1] [--stores local,s3,gcs,azure] [--json out.json]
+    python bench/parts.py [--rows 48] [--kill-after 13,20,27] [--interval 1] [--stores local,s3,gcs,azure] [--json out.json]
 """
 
 from __future__ import annotations
@@ -35,10 +35,9 @@ def redone(model: str, tmp: Path, rows: int, steps: int, kill_after: int, interv
     from tests.conftest import make_job, write_prompts
 
     prompts = write_prompts(tmp / "p.parquet", [f"a parts benchmark prompt {i}" for i in range(rows)])
-    out = tmp / f"redone-{interval}"
-    signaller = Signaller(out, signal.SIGKILL, parts=1 if interval else 0, since=kill_after)
-    if interval:  # with parts: killed with `kill_after` images made since its last part at most
-        signaller.since = 1
+    out = tmp / f"redone-{kill_after}-{interval}"
+    # at the same point of the job either way: once `kill_after` images are stored, in parts or not
+    signaller = Signaller(out, signal.SIGKILL, parts=0, stored=kill_after)
     signaller.start()
     job = make_job(
         prompts, model, out, rows_per_shard=rows, max_batch=2, steps=steps, commit_interval=interval, cpu_threads=1
@@ -51,6 +50,7 @@ def redone(model: str, tmp: Path, rows: int, steps: int, kill_after: int, interv
     sent = signaller.sent or {}
     return {
         "commit_interval_s": interval,
+        "killed_at_stored": kill_after,
         "rows_in_parts_at_kill": sent.get("rows", 0),
         "stored_since_last_part_at_kill": sent.get("since"),
         "images_redone": summary.images_redone,
@@ -104,7 +104,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=48)
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--kill-after", type=int, default=16)
+    ap.add_argument("--kill-after", default="13,20,27", help="kill points, images stored (comma-separated)")
     ap.add_argument("--interval", type=float, default=1.0)
     ap.add_argument("--shard-rows", type=int, default=16, help="rows of the shard whose parts are timed")
     ap.add_argument("--latency", type=float, default=0.03)
@@ -123,10 +123,11 @@ def main() -> None:
     results: dict = {"redone": [], "part_cost": []}
     start_local_ray()
     try:
-        for interval in (0.0, args.interval):
-            row = redone(model, tmp, args.rows, args.steps, args.kill_after, interval)
-            results["redone"].append(row)
-            print(json.dumps(row), flush=True)
+        for kill_after in map(int, args.kill_after.split(",")):
+            for interval in (0.0, args.interval):
+                row = redone(model, tmp, args.rows, args.steps, kill_after, interval)
+                results["redone"].append(row)
+                print(json.dumps(row), flush=True)
     finally:
         ray.shutdown()
     names = args.stores.split(",")
@@ -147,11 +148,11 @@ def main() -> None:
         for s in stores.values():
             if s.name != "local":
                 s.stop()
-    print("\n| commit | rows in parts at the kill | images redone |")
-    print("|---|---|---|")
+    print("\n| killed once stored | commit | rows in parts at the kill | images redone |")
+    print("|---|---|---|---|")
     for r in results["redone"]:
         what = f"parts every {r['commit_interval_s']:g} s" if r["commit_interval_s"] else "whole shard"
-        print(f"| {what} | {r['rows_in_parts_at_kill']} | {r['images_redone']} |")
+        print(f"| {r['killed_at_stored']} | {what} | {r['rows_in_parts_at_kill']} | {r['images_redone']} |")
     print("\n| store | shard whole | in parts | per part | requests whole | in parts | per part |")
     print("|---|---|---|---|---|---|---|")
     for r in results["part_cost"]:

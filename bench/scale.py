@@ -16,7 +16,8 @@ earlier run left it. Then, each as a fresh process, with wall time and the drive
   report           `fleetgen report OUT` (a sample of 24 manifests; the images are links here)
   verify           `fleetgen verify OUT` up to `--footers-up-to` rows: it reads every manifest (the
                    synthetic shards have no images, so it reports every one missing)
-  status before    with `--before DIR`, the `status` of an earlier checkout on the same output
+  before           with `--before DIR`, the all-committed rerun and `status` of an earlier checkout on
+                   the same output (with the index)
 
     python bench/scale.py [--rows 1000000 10000000 100000000] [--json out.json]
 """
@@ -160,7 +161,9 @@ def main() -> None:
         default=10_000_000,
         help="time `status` without the index (one footer read per manifest) up to this many rows",
     )
-    parser.add_argument("--before", help="a checkout of an earlier fleetgen: its `status` is timed on the same output")
+    parser.add_argument(
+        "--before", help="a checkout of an earlier fleetgen: its rerun and `status` are timed on the same output"
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
     from fleetgen.workers.tiny import write_tiny_model
@@ -189,14 +192,15 @@ def main() -> None:
             assert (out / "shards" / f"{last}.parquet").exists(), "the last shard was not generated"
             result["rerun"] = timed(run)
             result["status"] = timed([*fleetgen, "status", str(out)])
+            if args.before:  # python -m fleetgen run from that checkout imports its modules
+                result["rerun_before"] = timed(run, cwd=args.before)
+                result["status_before"] = timed([*fleetgen, "status", str(out)], cwd=args.before)
             result["report"] = timed([*fleetgen, "report", str(out)])
             if rows <= args.footers_up_to:  # verify reads every manifest (and finds every image missing here)
                 result["verify"] = timed([*fleetgen, "verify", str(out)])
             if rows <= args.footers_up_to:
                 (out / "counts.parquet").unlink()
                 result["status_without_index"] = timed([*fleetgen, "status", str(out)])
-            if args.before:  # python -m fleetgen run from that checkout imports its modules
-                result["status_before"] = timed([*fleetgen, "status", str(out)], cwd=args.before)
             results.append(result)
             print(json.dumps(result), flush=True)
             shutil.rmtree(root)
