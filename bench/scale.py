@@ -168,7 +168,7 @@ def main() -> None:
     args = parser.parse_args()
     from fleetgen.workers.tiny import write_tiny_model
 
-    fleetgen = [sys.executable, "-m", "jobs"]
+    fleetgen = [sys.executable, "-m", "fleetgen"]
     results = []
     with tempfile.TemporaryDirectory(prefix="fleetgen-bench-scale-") as tmp:
         model = str(write_tiny_model(Path(tmp) / "tiny"))
@@ -189,7 +189,7 @@ def main() -> None:
                     run, marks={"to_dispatch": "shard(s) to generate", "to_first_worker_ready": " ready "}
                 ),
             }
-            assert (out / "shards" / f"{last}.parquet").exists(), "the last shard was not generated"
+            assert (out / "shards" / f"{last}.parquet").exists(), ("the last shard was not generated", result)
             result["rerun"] = timed(run)
             result["status"] = timed([*fleetgen, "status", str(out)])
             if args.before:  # python -m fleetgen run from that checkout imports its modules

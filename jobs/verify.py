@@ -213,14 +213,14 @@ def verify(
         finish_attempts(output)
     committed = sorted(committed_shards(output))
     columns = ["id", "status", "image", "member", "sha256", "size", "num_frames", "audio_codec"]
-    damaged: dict[str, list[dict]] = {}  # shard -> its rows, for shards with missing or wrong images
+    damaged: list[str] = []  # shards with missing or wrong images (their ids only: memory stays one shard's)
     for n, shard in enumerate(committed, 1):
         manifest = output.read_parquet(manifest_key(shard), columns)
         rows = [r for r in manifest.to_pylist() if r["status"] == "ok" and r.get("image")]
         report.shards += 1
         report.images += len(rows)
         if rows and not checker.check(shard, rows):
-            damaged[shard] = rows
+            damaged.append(shard)
         if progress and time.monotonic() - last >= interval:
             last = time.monotonic()
             progress(
@@ -253,7 +253,7 @@ def _looks_wrong(report: VerifyReport) -> str | None:
 
 
 def _repair(
-    output: Output, report: VerifyReport, fmt: OutputFormat, damaged: dict[str, list[dict]], orphans: list[str]
+    output: Output, report: VerifyReport, fmt: OutputFormat, damaged: list[str], orphans: list[str]
 ) -> None:
     """Un-commit the damaged shards (their manifest and objects go, so a rerun redoes them), remove
     the orphans and leftovers."""
