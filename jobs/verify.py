@@ -252,9 +252,7 @@ def _looks_wrong(report: VerifyReport) -> str | None:
     return None
 
 
-def _repair(
-    output: Output, report: VerifyReport, fmt: OutputFormat, damaged: list[str], orphans: list[str]
-) -> None:
+def _repair(output: Output, report: VerifyReport, fmt: OutputFormat, damaged: list[str], orphans: list[str]) -> None:
     """Un-commit the damaged shards (their manifest and objects go, so a rerun redoes them), remove
     the orphans and leftovers."""
     for shard in damaged:
