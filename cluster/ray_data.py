@@ -141,31 +141,7 @@ def apply(
     if resources.get("memory"):
         asks["memory"] = resources["memory"]
     each = ray_remote_args.get("num_cpus", asks["num_cpus"]) or 0
-    room = (shape.cpus - 1) // each if each else None  # actors that leave Ray Data's reads a CPU
-    given = "concurrency" if concurrency is not None else "workers"
-    if concurrency is None and workers:
-        concurrency = workers
-    elif concurrency is None:
-        most = sizing.max_workers if sizing.gpu else max(1, (shape.cpus - 1) // cpu_threads)
-        concurrency = (1, most)
-    pool_of(concurrency)  # its shape checked before its size
-    low, high = (concurrency, concurrency) if isinstance(concurrency, int) else concurrency
-    if room is not None and high > room:
-        numbers = (
-            f"{high} actor(s) of {each:g} CPU(s) each take {high * each:g} of the Ray cluster's {shape.cpus} CPUs, "
-            "and Ray Data's read tasks need one of their own"
-        )
-        if shape.on_cluster:  # nodes may join (an autoscaler): said, not refused
-            say(f"{numbers} now: the stage waits for the cluster to grow")
-        elif low > room or isinstance(concurrency, int) or room < 1:
-            raise ConfigError(
-                f"`{given}={concurrency!r}`: {numbers}, so the stage would wait forever. Pass "
-                f"`{given}={max(room, 1)}` or fewer{', or fewer `cpu_threads`' if each > 1 else ''}, "
-                "or give Ray more CPUs."
-            )
-        else:
-            say(f"{numbers}: the pool grows to {room} actor(s), not {high}")
-            concurrency = (low, room)
+    concurrency = _concurrency(shape, sizing, each, concurrency, workers, say)
     pool = pool_of(concurrency)
     ray_remote_args.setdefault("max_restarts", RESTARTS)
     ray_remote_args.setdefault("max_task_retries", RESTARTS)
@@ -179,3 +155,37 @@ def apply(
         **{k: v for k, v in asks.items() if v is not None and k not in ray_remote_args},
         **ray_remote_args,
     )
+
+
+def _concurrency(shape, sizing, each: float, concurrency, workers: int | None, say):
+    """The stage's pool (`apply`): `concurrency` as given, else `workers`, else autoscaling up to the
+    fleet's size; where `each` CPUs an actor would leave Ray Data's reads none, refused (a fixed pool, or
+    an autoscaling one whose least is too many), capped with a line, or said (a cluster that may grow)."""
+    from fleetgen.errors import ConfigError
+
+    room = (shape.cpus - 1) // each if each else None  # actors that leave Ray Data's reads a CPU
+    given = "concurrency" if concurrency is not None else "workers"
+    if concurrency is None and workers:
+        concurrency = workers
+    elif concurrency is None:
+        most = sizing.max_workers if sizing.gpu else max(1, (shape.cpus - 1) // sizing.threads)
+        concurrency = (1, most)
+    pool_of(concurrency)  # its shape checked before its size
+    low, high = (concurrency, concurrency) if isinstance(concurrency, int) else concurrency
+    if room is None or high <= room:
+        return concurrency
+    numbers = (
+        f"{high} actor(s) of {each:g} CPU(s) each take {high * each:g} of the Ray cluster's {shape.cpus} CPUs, "
+        "and Ray Data's read tasks need one of their own"
+    )
+    if shape.on_cluster:  # nodes may join (an autoscaler): said, not refused
+        say(f"{numbers} now: the stage waits for the cluster to grow")
+        return concurrency
+    if low > room or isinstance(concurrency, int) or room < 1:
+        raise ConfigError(
+            f"`{given}={concurrency!r}`: {numbers}, so the stage would wait forever. Pass "
+            f"`{given}={max(room, 1)}` or fewer{', or fewer `cpu_threads`' if each > 1 else ''}, "
+            "or give Ray more CPUs."
+        )
+    say(f"{numbers}: the pool grows to {room} actor(s), not {high}")
+    return (low, room)
