@@ -416,9 +416,20 @@ def print_plans(summary: dict, rows: list[dict], as_json: bool, out=None) -> Non
         + "\n"
     )
     out.write(_scorers_line(summary.get("scorers")) + "\n")
-    names = list(comps)
-    clips = bool(summary.get("frames"))  # a video model: per clip, and clips per hour
-    rate = "clips/h" if clips else "rel img/s"
+    table = _plans_table(list(comps), rows, clips=bool(summary.get("frames")))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    for row in table:
+        out.write("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() + "\n")
+    out.write("\n")
+    for r in rows:
+        out.write(f"{r['gpu_memory']}: {r.get('reason') or r['error']}\n")
+        if r.get("node"):
+            out.write(f"{r['gpu_memory']}: {_node_line(r['node'])}\n")
+
+
+def _plans_table(names: list[str], rows: list[dict], clips: bool) -> list[list[str]]:
+    """`fleetgen plan`'s table: a header, then a row per budget (`clips`: a video model, per clip and
+    clips per hour)."""
     header = [
         "gpu",
         "runs",  # per batch, or phased a chunk at a time (offload/phasing.py): resident then means in its phase
@@ -428,7 +439,7 @@ def print_plans(summary: dict, rows: list[dict], as_json: bool, out=None) -> Non
         "loading",
         "pinned",
         "moved/clip" if clips else "moved/img",
-        rate,
+        "clips/h" if clips else "rel img/s",
         "binds",
     ]
     table = [header]
@@ -454,14 +465,7 @@ def print_plans(summary: dict, rows: list[dict], as_json: bool, out=None) -> Non
                 binds,
             ]
         )
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    for row in table:
-        out.write("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() + "\n")
-    out.write("\n")
-    for r in rows:
-        out.write(f"{r['gpu_memory']}: {r.get('reason') or r['error']}\n")
-        if r.get("node"):
-            out.write(f"{r['gpu_memory']}: {_node_line(r['node'])}\n")
+    return table
 
 
 def _node_line(n: dict) -> str:
