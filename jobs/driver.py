@@ -38,6 +38,7 @@ from fleetgen.jobs.state import claim_output, fingerprint, list_manifests, pinne
 from fleetgen.jobs.summary import JobSummary, Run, finish
 from fleetgen.workers.families.table import TEXT
 from fleetgen.workers.output.formats import PLUGINS_ENV
+from fleetgen.workers.output.parts import parts_counts
 from fleetgen.workers.output.storage import STORAGE_ENV, Output
 from fleetgen.workers.rows.shard import Shard
 from fleetgen.workers.spec import WorkerSpec
@@ -147,11 +148,13 @@ def _open_run(
         check_unchanged(output, [s.id for s in shards if s.id in listing])
     retry = _with_errors(output, [s for s in shards if s.id in listing], listing) if config.retry_errors else []
     redone = {s.id for s in retry}  # counted as to do again
+    # rows an earlier run committed in parts of shards left open: done, each shard goes on after them
+    in_parts = {k: c["rows"] for k, c in parts_counts(output, set(listing)).items()} if todo else {}
     progress = Progress(
         len(shards),
         sum(s.length for s in shards),
         shards_done=len(shards) - len(todo) - len(retry),
-        rows_done=sum(s.length for s in shards if s.id in listing and s.id not in redone),
+        rows_done=sum(s.length for s in shards if s.id in listing and s.id not in redone) + sum(in_parts.values()),
         stream=stream,
         interval=interval,
         unit="clip" if config.generation.task_spec().video else "image",
@@ -163,9 +166,15 @@ def _open_run(
             progress.log(line)
     if len(todo) < len(shards):
         progress.log(f"resuming: {len(shards) - len(todo)} of {len(shards)} shards already committed")
+    if in_parts:
+        progress.log(
+            f"resuming: {sum(in_parts.values())} rows of {len(in_parts)} open shard(s) committed in parts; "
+            "each goes on from there"
+        )
     if config.retry_errors:
         progress.log(f"--retry-errors: {len(retry)} committed shard(s) have error rows; only those rows are redone")
     run = Run(output, shards, todo + retry, listing, progress, stop, started=started, lock_token=lock.token)
+    run.in_parts = in_parts
     lock.on_lost = run.lost_lock
     return run
 

@@ -167,7 +167,8 @@ class _Follower:
     def __init__(self, run: Run, fleet: FleetRecord):
         self.run, self.fleet, self.progress = run, fleet, run.progress
         self.lengths = {s.id: s.length for s in run.todo}
-        self.counted = dict.fromkeys(self.lengths, 0)  # rows shown per shard, so that retries do not count twice
+        # rows shown per shard, so that retries do not count twice; an earlier run's parts shown already
+        self.counted = {k: run.in_parts.get(k, 0) for k in self.lengths}
 
     def handlers(self) -> dict[type, Callable]:
         from fleetgen.cluster import events as e  # plain data, no Ray

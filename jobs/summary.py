@@ -73,6 +73,7 @@ class Run:
     error: str | None = None  # why the run was stopped early (the store stopped answering, or a take-over)
     taken_over: bool = False  # another driver holds the lock now: this run writes nothing more
     lock_token: str | None = None  # the driver's lock: its workers commit only while `OUT/_LOCK` names it
+    in_parts: dict[str, int] = field(default_factory=dict)  # rows committed in parts at the run's start, by shard
 
     def lost_lock(self, reason: str, taken_over: bool = False) -> None:
         """The lock's heartbeat has failed for its whole lease, or found the lock taken over by another

@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import signal
+import threading
+import time
 
 import pytest
 
 from bench.chaos import Signaller, check
 from fleetgen.jobs.driver import run_job
+from fleetgen.workers.output.parts import chain_end
+from fleetgen.workers.output.storage import Output
 from tests.conftest import fast_settings, make_job, run_one_shard, write_prompts
 
 ROWS, BATCH, STEPS = 24, 2, 12  # a batch takes 0.3-1 s at 12 steps on a 2-core machine
@@ -93,3 +98,42 @@ def test_a_worker_sigtermed_mid_shard_commits_what_it_made_and_another_finishes(
     assert check(out, clean)["sha_mismatches"] == 0 and check(out, clean)["verify_deep"] == "clean"
     events = json.loads((out / "fleet.json").read_text())["events"]
     assert any(e["worker"] == "w1" and e["event"] == "ready" for e in events), events  # another took the rest
+
+
+@pytest.mark.ray
+def test_a_run_stopped_mid_shard_resumes_after_its_parts_and_counts_them_done(parts_input, tiny_model, tmp_path):
+    """A run stopped once its shard has a part (`stop`, as on SIGTERM, no grace): the rerun says what it
+    found in parts, its progress starts there (never below), and every row is stored once."""
+    prompts, clean, _ = parts_input
+    out = tmp_path / "out"
+    stop = threading.Event()
+
+    def stop_after_a_part():
+        deadline = time.monotonic() + 120
+        while not list((out / "parts").rglob("*.parquet")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stop.set()
+
+    threading.Thread(target=stop_after_a_part, daemon=True).start()
+    job = make_job(
+        prompts,
+        tiny_model,
+        out,
+        rows_per_shard=ROWS,
+        max_batch=BATCH,
+        steps=STEPS,
+        commit_interval=EVERY_WINDOW,
+        cpu_threads=1,
+    )
+    first = run_job(job, progress_stream=io.StringIO(), stop=stop)
+    assert not first.complete and stop.is_set()
+    rows = chain_end(Output(str(out)), "shard-00000")
+    assert 0 < rows < ROWS
+    log = io.StringIO()
+    second = run_job(job, progress_stream=log, progress_interval=0.0)
+    text = log.getvalue()
+    assert second.complete and second.images_ok == ROWS, text
+    assert f"resuming: {rows} rows of 1 open shard(s) committed in parts; each goes on from there" in text, text
+    shown = [int(n) for n in re.findall(rf"rows (\d+)/{ROWS}", text)]
+    assert shown and min(shown) >= rows and shown[-1] == ROWS, (rows, shown)
+    assert check(out, clean)["sha_mismatches"] == 0 and check(out, clean)["verify_deep"] == "clean"
