@@ -173,8 +173,9 @@ def _open_run(
         )
     if config.retry_errors:
         progress.log(f"--retry-errors: {len(retry)} committed shard(s) have error rows; only those rows are redone")
-    run = Run(output, shards, todo + retry, listing, progress, stop, started=started, lock_token=lock.token)
-    run.in_parts = in_parts
+    run = Run(
+        output, shards, todo + retry, listing, progress, stop, started=started, lock_token=lock.token, in_parts=in_parts
+    )
     lock.on_lost = run.lost_lock
     return run
 
