@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -154,6 +155,8 @@ def check_value(row: Row, value: Any) -> None:
         return
     if row.typed in ("int", "float") and (isinstance(value, bool) or not isinstance(value, int | float)):
         raise ConfigError(f"`{row.option}` must be a number, got `{value!r}`.")
+    if isinstance(value, float) and math.isnan(value):  # it passes every bound: `nan < 0` is False
+        raise ConfigError(f"`{row.option}` must be a number, got `nan`.")
     if row.typed == "int" and isinstance(value, float) and not value.is_integer():
         raise ConfigError(f"`{row.option}` must be a whole number, got `{value}`.")
     choices = row.choice_list

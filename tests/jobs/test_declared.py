@@ -95,10 +95,13 @@ def test_the_stage_refuses_a_bad_choice_before_anything_runs(tiny_model):
         ("max_batch", 2.5, "`--max-batch` must be a whole number, got `2.5`."),
         ("steps", "4", "`--steps` must be a number, got `'4'`."),
         ("cpu_threads", True, "`--cpu-threads` must be a number, got `True`."),
+        ("commit_interval", float("nan"), "`--commit-interval` must be a number, got `nan`."),  # passed every bound
+        ("guidance", float("nan"), "`--guidance` must be a number, got `nan`."),
     ],
 )
 def test_a_number_setting_refuses_what_the_command_line_would(name, value, said):
-    """What argparse's `type=int` refuses on the command line is refused through the API too."""
+    """What argparse's `type=int` refuses on the command line is refused through the API too; NaN
+    (which `float("nan")` and the command line's `nan` give) by every number setting."""
     with pytest.raises(ConfigError) as err:
         make_config({"input": "in.parquet", "output": "out", "model": "org/model", name: value})
     assert str(err.value) == said
