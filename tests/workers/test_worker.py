@@ -311,7 +311,7 @@ def test_a_plan_step_down_records_what_changed_beside_the_placements(tiny_model,
     text encoders in a phase of their own, recorded as modes only: "from" and "to" read the same."""
     from dataclasses import replace
 
-    from fleetgen.workers.pipeline.fitted import _rung
+    from fleetgen.workers.pipeline.recovery import _rung
 
     settings = GenerationSettings(family="sd", task="text-to-image", steps=1, guidance=5.0, width=32, height=32)
     plan = Worker(WorkerSpec.of("w0", tiny_model, str(tmp_path), settings, Columns(), device="cpu")).plan
