@@ -17,6 +17,7 @@ import gc
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -162,6 +163,26 @@ def wait_for_commits(out: Path, more_than: int, proc: subprocess.Popen, timeout:
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, f"no shard committed past {more_than}"
         time.sleep(0.1)
+
+
+def kill_driver(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGKILL a driver on the session's Ray, then wait until Ray has ended its job's workers: until
+    their processes are gone one may still commit the shard it was making (Ray ends a dead driver's
+    actors a moment after it notices), which a test counting what was committed before a rerun would
+    miss. Ray's own tables (the GCS's; this session's Ray runs no dashboard for the state API)."""
+    import psutil
+    from ray._private.state import state
+
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+        jobs = {j["JobID"]: j["IsDead"] for j in state.job_table() if j["DriverPid"] == proc.pid}
+        pids = [a["Pid"] for a in state.actor_table(None).values() if a["JobID"] in jobs and a["Pid"]]
+        if jobs and all(jobs.values()) and not any(psutil.pid_exists(p) for p in pids):
+            return
+        assert time.monotonic() < deadline, f"Ray did not end driver {proc.pid}'s job: {jobs}"
+        time.sleep(0.2)
 
 
 def write_prompts(path: Path, prompts: list, row_group_size: int | None = None, **columns) -> Path:

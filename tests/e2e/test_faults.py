@@ -23,6 +23,7 @@ from fleetgen.workers.spec import GenerationSettings
 from tests.conftest import (
     fast_settings,
     foreign_lock,
+    kill_driver,
     make_job,
     run_args,
     run_one_shard,
@@ -187,8 +188,7 @@ def test_driver_stopped_then_killed_then_rerun_resumes(chaos_input, tiny_model, 
 
     proc = start_driver(args, env)
     wait_for_commits(out, stopped, proc)
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=60)
+    kill_driver(proc)  # and its worker, which may commit the shard it was making until then
     assert proc.returncode == -signal.SIGKILL
     lock = json.loads((out / "_LOCK").read_text())  # a dead driver's lock, its heartbeat still fresh
     assert lock["pid"] == proc.pid

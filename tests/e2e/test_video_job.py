@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import signal
 import tarfile
 
 import pytest
@@ -16,7 +15,7 @@ from fleetgen.cli import main
 from fleetgen.jobs.driver import run_job
 from fleetgen.workers.output.video import read_clip
 from fleetgen.workers.tiny import write_tiny_model
-from tests.conftest import make_job, run_args, start_driver, wait_for_commits, write_prompts
+from tests.conftest import kill_driver, make_job, run_args, start_driver, wait_for_commits, write_prompts
 
 ROWS = 12
 
@@ -33,8 +32,7 @@ def test_a_killed_video_job_resumes_and_redoes_only_unfinished_clips(ray_address
     env = {**os.environ, "RAY_ADDRESS": ray_address}
     proc = start_driver(args, env)
     wait_for_commits(out, 0, proc)
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=60)
+    kill_driver(proc)  # and its worker, which may commit the shard it was making until then
     committed = {p.name: p.stat().st_mtime_ns for p in (out / "shards").glob("*.parquet")}
     assert 0 < len(committed) < ROWS // 2, "the job ended before the kill: make it longer"
     tars = {p.name: p.stat().st_mtime_ns for p in (out / "data").glob("*.tar")}
