@@ -31,6 +31,11 @@ import pytest
 
 # A Ray head started here binds to loopback (see cluster/connect.py); set before Ray is imported.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Ray starts its workers at nice 15 (its `worker_niceness`), below the raylet's own processes. Here the
+# other load is the other pytest workers, at nice 0: beside two busy processes a test's Ray worker got a
+# ~30 times smaller share of a core than each, and its start (seconds of imports) took 77 s (measured;
+# BENCHMARKS.md). The tests' Rays start their workers at nice 0, as `ray job submit` does its drivers.
+os.environ.setdefault("RAY_worker_niceness", "0")
 # Ray's log monitor looks for new log files every 0.1 s while a session has fewer than this many, else
 # every 0.5 s: a session that has started 40 workers spends 3.4 % of a core on it, 1.7 % at 0.5 s
 # (measured). The tests' Rays look every 0.5 s: a new worker's first lines reach its driver up to

@@ -46,16 +46,26 @@ def shared_model(tiny_model):
     shutil.rmtree(where, ignore_errors=True)
 
 
-def as_other_user(code: str, *args: str) -> subprocess.Popen:
-    """`code` run by another user (uid 65534) in a process of its own; skipped where this one cannot."""
+@pytest.fixture
+def as_other_user():
+    """`run(code, *args)`: `code` run by another user (uid 65534) in a process of its own, with a home
+    of its own, removed after the test; skipped where this user cannot."""
     if shutil.which("setpriv") is None or os.geteuid() != 0:
         pytest.skip("needs root and setpriv (util-linux) to run a process as another user")
-    home = Path(tempfile.mkdtemp(prefix="fleetgen-other-home-"))
-    os.chown(home, NOBODY, NOBODY)
-    env = {**os.environ, "HOME": str(home), "HF_HOME": str(home / "hf"), "PYTHONDONTWRITEBYTECODE": "1"}
-    cmd = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-c", code, *args]
-    pipes = {k: subprocess.PIPE for k in ("stdin", "stdout", "stderr")}
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, **pipes)
+    homes = []
+
+    def run(code: str, *args: str) -> subprocess.Popen:
+        home = Path(tempfile.mkdtemp(prefix="fleetgen-other-home-"))
+        homes.append(home)
+        os.chown(home, NOBODY, NOBODY)
+        env = {**os.environ, "HOME": str(home), "HF_HOME": str(home / "hf"), "PYTHONDONTWRITEBYTECODE": "1"}
+        cmd = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-c", code, *args]
+        pipes = {k: subprocess.PIPE for k in ("stdin", "stdout", "stderr")}
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, **pipes)
+
+    yield run
+    for home in homes:
+        shutil.rmtree(home, ignore_errors=True)  # this user is root: it may remove the other's files
 
 
 PLANT = """
@@ -90,7 +100,9 @@ time.sleep(600)
 
 @pytest.mark.chaos  # another user's processes
 @pytest.mark.parametrize("how", ["dir", "link"])
-def test_another_users_planted_copy_changes_no_pixel_and_no_file(shared_model, base, tmp_path, capsys, how):
+def test_another_users_planted_copy_changes_no_pixel_and_no_file(
+    shared_model, base, tmp_path, capsys, how, as_other_user
+):
     """Another user creates every path of the copy first, with a valid manifest, garbage data and a link
     at the data path, and holds it as a live user: this user's worker keeps its own copy, says why and
     how to fix it in one line, makes the pixels of `--host-copy worker`, and the link's target (a file of
@@ -128,7 +140,7 @@ hc.close()
 
 
 @pytest.mark.chaos  # another user's processes
-def test_two_users_of_one_node_each_share_their_own_copy(shared_model, base):
+def test_two_users_of_one_node_each_share_their_own_copy(shared_model, base, as_other_user):
     """Two users load one model with the node's copy on one node, each while the other holds its own:
     each writes and maps a copy in its own directory (no PermissionError, no fallback), the pixels of a copy
     of its own, and each removes its own files when it leaves."""
