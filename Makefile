@@ -33,7 +33,7 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed $(AZURITE)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q -n 3 --dist loadgroup --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15
 
 # The inner loop: no Ray, no extra clusters, no chaos, nothing slow (under 2 minutes on 2 cores). Needs no
 # npm: without Azurite the Azure tests skip, saying why.

@@ -6,9 +6,9 @@ Markers say what a test starts, so `make test-fast` can leave the costly ones ou
   `autoscaling_head`, or marked where a test starts one in a subprocess);
 - `chaos`: whole jobs under injected faults; `slow`: over ~15 s for another reason (marked).
 A test that starts an in-process Ray without asking for `ray_cluster` fails (`_marked_for_ray`).
-`make test` runs three pytest workers: the tests with Ray heads of their own run on one of them, one
-at a time; the tests on a session Ray in two groups (jobs in this process; drivers in others), each
-group on one worker, one at a time, on that worker's session Ray (`pytest_collection_modifyitems`)."""
+`make test` runs two pytest workers: the tests with Ray heads of their own run on one of them, one at
+a time, and the tests on the session's Ray on one, one at a time, on one session Ray
+(`pytest_collection_modifyitems`)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import pytest
 # A Ray head started here binds to loopback (see cluster/connect.py); set before Ray is imported.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # Ray starts its workers at nice 15 (its `worker_niceness`), below the raylet's own processes. Here the
-# other load is the other pytest workers, at nice 0: beside two busy processes a test's Ray worker got a
+# other load is the other pytest worker, at nice 0: beside two busy processes a test's Ray worker got a
 # ~30 times smaller share of a core than each, and its start (seconds of imports) took 77 s (measured;
 # BENCHMARKS.md). The tests' Rays start their workers at nice 0, as `ray job submit` does its drivers.
 os.environ.setdefault("RAY_worker_niceness", "0")
@@ -500,7 +500,7 @@ def ray_cluster(_stores_env):
     from fleetgen import warm_workers
     from tests.stores import start_local_ray
 
-    ray = start_local_ray()  # a Ray of this pytest worker's own, never another's (`make test` runs three)
+    ray = start_local_ray()  # a Ray of this pytest worker's own, never another's (`make test` runs two)
     with warm_workers():
         yield ray
     ray.shutdown()
@@ -520,10 +520,7 @@ def ray_address(ray_cluster):
 RAY_FIXTURES = {"ray_cluster"}
 CLUSTER_FIXTURES = {"ray_head", "autoscaling_head"}
 CLUSTER_GROUP = "cluster"  # the xdist_group of the tests marked `cluster`
-RAY_GROUP = "ray"  # the xdist_group of the tests on the session's Ray (marked `ray`) whose jobs run here
-# ... and of those whose drivers run in other processes (`ray_address`: a `fleetgen` command, a script,
-# `fleetgen run` killed mid-job), on a session Ray of another pytest worker
-RAY_DRIVERS_GROUP = "ray-drivers"
+RAY_GROUP = "ray"  # the xdist_group of the tests on the session's Ray (marked `ray`)
 # Module fixtures that run whole jobs (10-20 s of CPU each): the tests sharing one go to one pytest
 # worker, so that it is made once, not once on each (those on the session's Ray are in its group).
 SHARED_JOBS = {"chaos_input", "finished", "reference"}
@@ -531,31 +528,29 @@ SHARED_JOBS = {"chaos_input", "finished", "reference"}
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items):
-    # A module any of whose tests' drivers run in other processes goes whole to the drivers' group (its
-    # module fixtures are made once; `ray_address` kills the parked workers, which the other group's
-    # in-process jobs reuse, on a Ray of its own).
-    drivers = {item.module.__name__ for item in items if "ray_address" in getattr(item, "fixturenames", ())}
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
         if names & RAY_FIXTURES:
             item.add_marker(pytest.mark.ray)
         if names & CLUSTER_FIXTURES:
             item.add_marker(pytest.mark.cluster)
-        # `make test` runs three pytest workers (`-n 3 --dist loadgroup`; xdist sends the largest group
-        # first) on two cores: Ray tests wait on stores, leases and nodes, and a third worker fills that
-        # time. The tests that start Ray heads of their own (1.5-1.7 cores each, minutes long) go to one
-        # worker, one after the other. The tests on a session Ray go to one worker per group, one after
-        # the other, each group on one session Ray (`ray_cluster`): one Ray's processes per group and one
-        # pool of parked workers for its tests to reuse (a worker's start is 5-10 s of CPU, imports
+        # `make test` runs two pytest workers (`-n 2 --dist loadgroup`; xdist sends the largest group
+        # first). The tests that start Ray heads of their own (1.5-1.7 cores each, minutes long) go to
+        # one worker, one after the other; the tests on the session's Ray go to the other, one after
+        # the other, on one session Ray (`ray_cluster`): one Ray's processes instead of two, and one
+        # pool of parked workers for all of them to reuse (a worker's start is 5-10 s of CPU, imports
         # mostly). Every other test goes to whichever worker is free. Measured: BENCHMARKS.md.
         if item.get_closest_marker("cluster"):
             item.add_marker(pytest.mark.xdist_group(CLUSTER_GROUP))
         elif item.get_closest_marker("ray"):
-            item.add_marker(
-                pytest.mark.xdist_group(RAY_DRIVERS_GROUP if item.module.__name__ in drivers else RAY_GROUP)
-            )
+            item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
         elif names & SHARED_JOBS:
             item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}:{min(names & SHARED_JOBS)}"))
+    # In the session Ray's group, the modules whose drivers run in other processes (`ray_address`
+    # kills the parked workers first: they hold the CPUs) after those that reuse the parked workers;
+    # a module's tests stay together (its module fixtures are made once).
+    freeing = {item.module.__name__ for item in items if "ray_address" in getattr(item, "fixturenames", ())}
+    items.sort(key=lambda item: item.get_closest_marker("ray") is not None and item.module.__name__ in freeing)
 
 
 def _ray_starts() -> int:

@@ -321,22 +321,7 @@ class Segment:
         is reserved first. Unavailable where the directory has too little room or a write fails (whatever
         `written` bound is then the caller's to take back); nothing half-written is left behind."""
         plan, sources = layout(modules)
-        st = os.fstatvfs(self.home.fd)
-        free = st.f_bavail * st.f_frsize
-        if plan.total > free:
-            raise Unavailable(
-                f"{self.home.path} has {format_size(free)} free and the weights take {format_size(plan.total)}"
-            )
-        # written a component at a time, each freed from this worker's own copy once written: beside what is
-        # loaded, the largest component at once
-        largest = max((c["range"][1] - c["range"][0] for c in plan.components.values()), default=0)
-        try:
-            available = host_available_bytes()
-        except OSError:  # no /proc/meminfo
-            available = None
-        why = node_copy_refusal(0, largest, available) if available is not None else None  # as the planner asks
-        if why:
-            raise Unavailable(why)
+        self._check_room(plan)
         started = time.perf_counter()
         self.manifest = {"key": self.key, "total": plan.total, "components": plan.components, "writer": os.getpid()}
         tmp = f"{self.names['json']}.tmp-{os.getpid()}"
@@ -357,15 +342,7 @@ class Segment:
                     f"{self.home.path} could not reserve {format_size(plan.total)} ({err.strerror})"
                 ) from None
             self.map()
-            for name, comp in plan.components.items():
-                for i, e in enumerate(comp["entries"]):
-                    raw = sources[comp["first"] + i].detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-                    view, offset = memoryview(raw), e["offset"]
-                    while view:  # pwrite may write less than asked
-                        n = os.pwrite(fd, view, offset)
-                        view, offset = view[n:], offset + n
-                if written is not None:
-                    written(name)
+            _fill(fd, plan, sources, written)
             self.manifest["write_seconds"] = round(time.perf_counter() - started, 3)
             self.manifest["sealed"] = True  # written last, after every byte: what a follower maps
             body = json.dumps(self.manifest).encode()
@@ -382,6 +359,25 @@ class Segment:
             if fd is not None:
                 os.close(fd)
         os.replace(tmp, self.names["json"], src_dir_fd=self.home.fd, dst_dir_fd=self.home.fd)
+
+    def _check_room(self, plan: Layout) -> None:
+        """Unavailable where the directory has less room than the weights take, or the host too little
+        memory for the largest component beside what is loaded (written a component at a time, each
+        freed from this worker's own copy once written), as the planner asks (`node_copy_refusal`)."""
+        st = os.fstatvfs(self.home.fd)
+        free = st.f_bavail * st.f_frsize
+        if plan.total > free:
+            raise Unavailable(
+                f"{self.home.path} has {format_size(free)} free and the weights take {format_size(plan.total)}"
+            )
+        largest = max((c["range"][1] - c["range"][0] for c in plan.components.values()), default=0)
+        try:
+            available = host_available_bytes()
+        except OSError:  # no /proc/meminfo
+            return
+        why = node_copy_refusal(0, largest, available)
+        if why:
+            raise Unavailable(why)
 
     def map(self) -> None:
         """Map the data read-only (a worker that writes to its weights faults instead of changing the others')."""
@@ -472,3 +468,17 @@ class Segment:
         finally:
             os.close(fd)
             self.home.close()
+
+
+def _fill(fd: int, plan: Layout, sources: dict[int, torch.Tensor], written=None) -> None:
+    """Every tensor's bytes at its offset in the reserved data file, component by component;
+    `written(name)` after each."""
+    for name, comp in plan.components.items():
+        for i, e in enumerate(comp["entries"]):
+            raw = sources[comp["first"] + i].detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+            view, offset = memoryview(raw), e["offset"]
+            while view:  # pwrite may write less than asked
+                n = os.pwrite(fd, view, offset)
+                view, offset = view[n:], offset + n
+        if written is not None:
+            written(name)
