@@ -148,3 +148,30 @@ def test_gpu_check_writes_every_row_as_it_goes_and_skips_past_its_time_limit(tmp
     result = json.loads((out / "gpu-check.json").read_text())
     assert result["rows"] == [{"model": "sdxl", "run": "all", "skipped": "--time-limit 0 s reached"}]
     assert result["meminfo"]["MemTotal"] > 0 and "seconds" in result
+
+
+def test_the_suite_timeline_records_each_test_once_per_worker_and_sums_them(tmp_path):
+    """bench/suite_timeline.py as BENCHMARKS.md runs it: a pytest run of two workers writes one line per
+    test from the worker that ran it, and the summary counts them."""
+    (tmp_path / "test_inner.py").write_text(
+        "import time, pytest\n\n@pytest.mark.parametrize('i', range(6))\ndef test_sleep(i):\n    time.sleep(0.1)\n"
+    )
+    timeline = tmp_path / "timeline.jsonl"
+    env = {**os.environ, "FLEETGEN_TIMELINE": str(timeline), "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "bench.suite_timeline", "-p", "no:cacheprovider"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = [json.loads(line) for line in timeline.read_text().splitlines()]
+    ran = [r for r in rows if r["w"] != "main"]
+    assert sorted(r["id"] for r in ran) == sorted(f"test_inner.py::test_sleep[{i}]" for i in range(6))
+    assert all(r["t1"] - r["t0"] >= 0.1 and r["busy"] >= 0 and r["idle"] >= 0 for r in ran)
+    from bench.suite_timeline import summary
+
+    text = summary(rows)
+    assert text.startswith("6 tests in ") and "(no group) " in text and "idle CPU while gw" in text
