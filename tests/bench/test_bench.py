@@ -157,7 +157,9 @@ def test_the_suite_timeline_records_each_test_once_per_worker_and_sums_them(tmp_
         "import time, pytest\n\n@pytest.mark.parametrize('i', range(6))\ndef test_sleep(i):\n    time.sleep(0.1)\n"
     )
     timeline = tmp_path / "timeline.jsonl"
-    env = {**os.environ, "FLEETGEN_TIMELINE": str(timeline), "PYTHONPATH": str(ROOT)}
+    # not this run's xdist worker: the inner run's own controller would write as if it were one
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    env.update(FLEETGEN_TIMELINE=str(timeline), PYTHONPATH=str(ROOT))
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "bench.suite_timeline", "-p", "no:cacheprovider"],
         cwd=tmp_path,
