@@ -115,9 +115,12 @@ import os, sys, json
 import pyarrow as pa, ray
 import fleetgen.ray_data
 ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-table = pa.table({"id": ["a", "b", "c"], "prompt": ["a fox", "an owl", "a ship"]})
+# rows enough that the actor is still making them when the first is taken: with 3, in a loaded suite the
+# copy was once gone before the listing (likely the actor had made all three and Ray Data ended it, idle,
+# gracefully: its exit handler removes the copy), and the test saw nothing of the killed actor's case
+table = pa.table({"id": [f"r{i}" for i in range(24)], "prompt": [f"a fox {i}" for i in range(24)]})
 rows = fleetgen.ray_data.generate(
-    ray.data.from_arrow(table).repartition(3), sys.argv[1], steps=2, width=32, height=32, max_batch=4,
+    ray.data.from_arrow(table).repartition(24), sys.argv[1], steps=2, width=32, height=32, max_batch=4,
     cpu_threads=1, workers=1, host_copy="node", batch_rows=1,
 ).take(1)  # the rest never made: Ray Data kills the actor, which runs no exit handler
 mine = os.path.join(os.environ["FLEETGEN_SHM_DIR"], f"fleetgen-{os.geteuid()}")
