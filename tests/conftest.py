@@ -190,6 +190,23 @@ def kill_driver(proc: subprocess.Popen, timeout: float = 60) -> None:
         time.sleep(0.2)
 
 
+def inner_pytest(where: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """`python -m pytest -q -n 2 ARGS` in `where` (a folder of test files a test wrote), with this
+    repository importable and `env` set; asserted to pass. Without this run's xdist variables: the inner
+    run's controller would take itself for one of this run's workers."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider", *args],
+        cwd=where,
+        env={**clean, "PYTHONPATH": str(ROOT), **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
 def write_prompts(path: Path, prompts: list, row_group_size: int | None = None, **columns) -> Path:
     table = pa.table({"prompt": pa.array(prompts, pa.string()), **columns})
     pq.write_table(table, path, row_group_size=row_group_size)

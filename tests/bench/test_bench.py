@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import inner_pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -157,18 +159,7 @@ def test_the_suite_timeline_records_each_test_once_per_worker_and_sums_them(tmp_
         "import time, pytest\n\n@pytest.mark.parametrize('i', range(6))\ndef test_sleep(i):\n    time.sleep(0.1)\n"
     )
     timeline = tmp_path / "timeline.jsonl"
-    # not this run's xdist worker: the inner run's own controller would write as if it were one
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
-    env.update(FLEETGEN_TIMELINE=str(timeline), PYTHONPATH=str(ROOT))
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "bench.suite_timeline", "-p", "no:cacheprovider"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    inner_pytest(tmp_path, "-p", "bench.suite_timeline", FLEETGEN_TIMELINE=str(timeline))
     rows = [json.loads(line) for line in timeline.read_text().splitlines()]
     ran = [r for r in rows if r["w"] != "main"]
     assert sorted(r["id"] for r in ran) == sorted(f"test_inner.py::test_sleep[{i}]" for i in range(6))

@@ -2,12 +2,8 @@
 the session's Ray together, as tests/conftest.py asks: checked in a pytest run of its own with the installed pytest and xdist
 (pytest 9.2 made xdist's groups silently hold nothing: pytest-xdist#1386)."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
+from tests.conftest import inner_pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 GROUPED, ON_RAY, LOOSE = 12, 12, 12
 
 
@@ -29,16 +25,7 @@ def test_the_tests_marked_cluster_run_on_one_pytest_worker_those_on_ray_on_one_a
         "@pytest.mark.parametrize('i', range(%d))\n"
         "def test_loose(i):\n    _ran(f'loose{i}')\n" % (GROUPED, ON_RAY, LOOSE)
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    inner_pytest(tmp_path, "--dist", "loadgroup")
     ran = {p.name.split("-", 1)[1]: p.read_text() for p in tmp_path.glob("ran-*")}
     assert len(ran) == GROUPED + ON_RAY + LOOSE
     grouped = {w for name, w in ran.items() if name.startswith("grouped")}
